@@ -1,0 +1,30 @@
+# Set-up and tests. `make test` and `make smoke` do all set-up on a fresh machine.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+TORCH  ?= torch==2.13.0
+
+.PHONY: setup test smoke bench clean
+
+setup: $(VENV)/.ready
+
+# The venv sees the system's site-packages so an installed torch (a GPU box with
+# no network) is reused; torch is installed only when none can be imported.
+$(VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv --system-site-packages $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
+	$(PY) -c "import numpy, pytest, hypothesis" 2>/dev/null || $(PY) -m pip install numpy pytest hypothesis
+	$(PY) -m pip install --no-deps --no-build-isolation -e . >/dev/null
+	touch $@
+
+test: setup
+	$(PY) -m pytest -q tests
+
+smoke: setup
+	$(PY) nnpd.py run --profile smoke
+
+bench: setup
+	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) outputs build *.egg-info .pytest_cache

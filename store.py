@@ -1,0 +1,582 @@
+"""Crash-safe, content-addressed artifact store (SPEC section 7).
+
+Layout under an output root::
+
+    cache/<name>/<key>/          committed artifact: data files + artifact.json
+    cache/<name>/.tmp-<key>-...  build in progress (or left by a killed build)
+    damaged/<name>/<key>-<time>  damaged entries moved aside, never deleted
+    locks/<lock>.lock            fcntl lock files
+
+A build writes into a temporary sibling directory, fsyncs every file, writes the
+manifest last and commits with one atomic rename. Readers take no lock.
+"""
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import secrets
+import shutil
+import warnings
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+SCHEMA = 1
+MANIFEST = "artifact.json"
+TMP_PREFIX = ".tmp-"
+_CHUNK = 4 << 20  # large reads keep deep verification near raw hashlib speed
+
+
+class DamagedArtifact(OSError):
+    """A committed artifact is damaged and cannot be repaired here."""
+
+
+class MissingArtifact(LookupError):
+    """Nothing is committed under the requested key (or file)."""
+
+
+# ---------------------------------------------------------------- JSON helpers
+
+def canonical_json(value):
+    """Return the canonical JSON text of value (sorted keys, compact, no NaN)."""
+    try:
+        return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    except ValueError as exc:
+        raise ValueError(f"cannot encode as JSON ({exc}); replace NaN/inf with a finite number or None") from None
+
+
+def digest(value):
+    """Return the SHA-256 hex digest of canonical_json(value)."""
+    return hashlib.sha256(canonical_json(value).encode("utf-8")).hexdigest()
+
+
+def _pretty_json(value, what):
+    """Return indented JSON text for value; NaN/inf raise a ValueError naming `what`."""
+    try:
+        return json.dumps(value, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    except ValueError as exc:
+        raise ValueError(f"{what}: cannot write JSON ({exc}); replace NaN/inf with a finite number or None") from None
+
+
+def _fsync_dir(path):
+    """Flush a directory entry table to disk (needed after create/rename)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_synced(path, data):
+    """Write bytes to a new file and fsync it."""
+    with open(path, "xb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _makedirs_durable(path):
+    """Create path and missing parents, fsyncing each parent that gained an entry."""
+    path = Path(path)
+    if path.is_dir():
+        return
+    _makedirs_durable(path.parent)
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        return  # another process created it; it is responsible for the fsync
+    _fsync_dir(path.parent)
+
+
+def write_json_atomic(path, value):
+    """Write value as JSON to path via a synced temp file and an atomic replace."""
+    path = Path(path)
+    text = _pretty_json(value, str(path))
+    _makedirs_durable(path.parent)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        _write_synced(tmp, text.encode("utf-8"))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
+# ---------------------------------------------------------------- names, hashing
+
+def check_name(name, what="name"):
+    """Raise ValueError unless name is a safe single path component."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"{what} must be a non-empty string, got {name!r}")
+    if "/" in name or "\\" in name or "\0" in name or name.startswith(".") or ".." in name:
+        raise ValueError(f"{what} {name!r} is unsafe: use letters, digits, '-', '_' (no path separators, '..' or leading dot)")
+    return name
+
+
+def _file_name(name, ext):
+    """Map a writer/reader name to its file name, adding ext unless already present."""
+    check_name(name, "artifact file name")
+    fname = name if name.endswith(ext) else name + ext
+    if fname == MANIFEST:
+        raise ValueError(f"artifact file name {name!r} is reserved for the manifest; choose another name")
+    return fname
+
+
+def _sha256_file(path):
+    """Return (size, sha256 hex) of a file read in large chunks."""
+    h = hashlib.sha256()
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            size += n
+    return size, h.hexdigest()
+
+
+def _npy_header(path):
+    """Return (shape, dtype descr) read from an .npy header."""
+    with open(path, "rb") as f:
+        version = np.lib.format.read_magic(f)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(f)
+        else:
+            shape, _, dtype = np.lib.format.read_array_header_2_0(f)
+    return list(shape), np.lib.format.dtype_to_descr(dtype)
+
+
+def _now_iso():
+    """Return the current UTC time as ISO 8601 text."""
+    return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+# ---------------------------------------------------------------- writer
+
+class Writer:
+    """Collects the files of one artifact inside its temporary build directory."""
+
+    def __init__(self, directory):
+        self.directory = Path(directory)
+        self._files = []
+        self._memmaps = []
+
+    def _register(self, fname):
+        """Reserve a file name, rejecting duplicates."""
+        if fname in self._files:
+            raise ValueError(f"artifact file {fname!r} was written twice; give each file its own name")
+        self._files.append(fname)
+        return self.directory / fname
+
+    def path(self, name):
+        """Return the path of a raw file to write yourself (recorded in the manifest)."""
+        return self._register(_file_name(name, ""))
+
+    def array(self, name, value):
+        """Save a numpy array as <name>.npy (object dtype rejected)."""
+        value = np.asarray(value)
+        _check_dtype(value.dtype, name)
+        path = self._register(_file_name(name, ".npy"))
+        with open(path, "xb") as f:
+            np.lib.format.write_array(f, value, allow_pickle=False)
+        return path
+
+    def allocate(self, name, shape, dtype):
+        """Create <name>.npy as a writable memmap to fill in chunks."""
+        dtype = np.dtype(dtype)
+        _check_dtype(dtype, name)
+        path = self._register(_file_name(name, ".npy"))
+        mm = np.lib.format.open_memmap(path, mode="w+", dtype=dtype, shape=tuple(shape))
+        self._memmaps.append(mm)
+        return mm
+
+    def json(self, name, value):
+        """Save a JSON value as <name>.json (NaN/inf rejected)."""
+        fname = _file_name(name, ".json")
+        text = _pretty_json(value, f"artifact file {fname!r}")
+        path = self._register(fname)
+        path.write_text(text, encoding="utf-8")
+        return path
+
+    def weights(self, state_dict):
+        """Save a tensors-only state dict as weights.pt."""
+        import torch  # lazy: reading cached arrays must not pay for importing torch
+
+        bad = [k for k, v in state_dict.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad:
+            raise ValueError(f"weights must map str names to tensors; bad entries: {bad[:5]}")
+        path = self._register("weights.pt")
+        with open(path, "xb") as f:
+            torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, f)
+        return path
+
+    def finish(self):
+        """Flush and fsync every file; return the manifest's files table."""
+        for mm in self._memmaps:
+            mm.flush()
+        self._memmaps.clear()
+        stray = sorted(set(os.listdir(self.directory)) - set(self._files))
+        if stray:
+            raise ValueError(f"files {stray} were written without the writer; register them with writer.path(name)")
+        table = {}
+        for fname in self._files:
+            path = self.directory / fname
+            if not path.is_file():
+                raise ValueError(f"artifact file {fname!r} was registered with writer.path() but never written")
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            size, sha = _sha256_file(path)
+            entry = {"size": size, "sha256": sha}
+            if fname.endswith(".npy"):
+                entry["shape"], entry["dtype"] = _npy_header(path)
+            table[fname] = entry
+        return table
+
+
+def _check_dtype(dtype, name):
+    """Reject dtypes that would need pickling to load."""
+    if dtype.hasobject:
+        raise ValueError(f"array {name!r} has object dtype; store numeric arrays only (convert or use writer.json)")
+
+
+# ---------------------------------------------------------------- artifact
+
+class Artifact:
+    """A committed, read-only artifact directory and its manifest."""
+
+    def __init__(self, path, manifest):
+        self.path = Path(path)
+        self.manifest = manifest
+        self.name = manifest["name"]
+        self.key = manifest["key"]
+        self.recipe = manifest.get("recipe")
+        self.metadata = manifest.get("metadata")
+        self.files = sorted(manifest["files"])
+
+    def __repr__(self):
+        return f"Artifact({self.name!r}, {self.key[:12]}…, {self.path})"
+
+    def _file(self, fname):
+        """Return the path of a manifest-listed file."""
+        if fname not in self.manifest["files"]:
+            raise MissingArtifact(f"artifact {self.path} has no file {fname!r}; it has {self.files}")
+        return self.path / fname
+
+    def array(self, name, mmap=False):
+        """Load <name>.npy (memory-mapped read-only when mmap)."""
+        return np.load(self._file(_file_name(name, ".npy")), allow_pickle=False, mmap_mode="r" if mmap else None)
+
+    def json(self, name):
+        """Load <name>.json."""
+        return json.loads(self._file(_file_name(name, ".json")).read_text(encoding="utf-8"))
+
+    def state_dict(self, map_location="cpu"):
+        """Load weights.pt as a state dict (weights_only=True)."""
+        import torch
+
+        return torch.load(self._file("weights.pt"), map_location=map_location, weights_only=True)
+
+    def problems(self, deep=False):
+        """Return a list of damage descriptions (empty when intact)."""
+        return _problems(self.path, self.manifest, deep)
+
+    def verify(self, deep=False):
+        """Return True when every file exists with its size (and checksum when deep)."""
+        return not self.problems(deep)
+
+
+def _problems(path, files_manifest, deep):
+    """List what is wrong with the files of a manifest: missing, resized or (deep) altered."""
+    out = []
+    for fname, info in files_manifest["files"].items():
+        fpath = os.path.join(path, fname)
+        try:
+            size = os.stat(fpath).st_size
+        except OSError:
+            out.append(f"{fname}: missing")
+            continue
+        if size != info["size"]:
+            out.append(f"{fname}: size {size} != {info['size']}")
+        elif deep and _sha256_file(fpath)[1] != info["sha256"]:
+            out.append(f"{fname}: checksum mismatch")
+    return out
+
+
+def _read_manifest(path):
+    """Return (manifest, None) or (None, reason); FileNotFoundError when there is no manifest."""
+    try:
+        with open(os.path.join(path, MANIFEST), "rb") as f:
+            manifest = json.loads(f.read())
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        return None, f"manifest unreadable ({exc})"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+        return None, "manifest has no files table"
+    if manifest.get("schema") != SCHEMA:
+        return None, f"unknown manifest schema {manifest.get('schema')!r}"
+    return manifest, None
+
+
+def _open(path, deep=False):
+    """Return (Artifact, None), (None, reason) when damaged, or (None, None) when absent."""
+    # Lean cache-hit path: read the manifest, then one stat per file.
+    try:
+        manifest, reason = _read_manifest(path)
+    except FileNotFoundError:
+        manifest, reason = None, "manifest missing"
+    if reason is None:
+        problems = _problems(path, manifest, deep)
+        if problems:
+            reason = "; ".join(problems)
+        elif manifest.get("key") != os.path.basename(path):
+            reason = f"manifest key {manifest.get('key')!r} does not match its directory"
+    if reason is None:
+        return Artifact(path, manifest), None
+    if not os.path.isdir(path):
+        return None, None  # absent (or pruned/moved while we looked), not damaged
+    return None, reason
+
+
+def _damaged_error(path, reason):
+    """Build the DamagedArtifact for path with the standard fix."""
+    return DamagedArtifact(f"artifact {path} is damaged ({reason}); re-run the step that builds it "
+                           f"(the entry is moved to damaged/ and rebuilt) or delete the directory")
+
+
+# ---------------------------------------------------------------- store
+
+class Store:
+    """Content-addressed artifacts under one output root (nothing is created until a write)."""
+
+    def __init__(self, root):
+        self.root = Path(root)
+        self.cache = self.root / "cache"
+        self.locks = self.root / "locks"
+        self.damaged = self.root / "damaged"
+
+    def __repr__(self):
+        return f"Store({str(self.root)!r})"
+
+    def key(self, name, recipe):
+        """Return the key (digest of the canonical name + recipe)."""
+        check_name(name, "artifact name")
+        return digest({"name": name, "recipe": recipe})
+
+    def _dir(self, name, key):
+        """Return the committed directory of (name, key)."""
+        # Plain string join: this is on the cache-hit path, where pathlib is measurably slow.
+        return os.path.join(self.cache, check_name(name, "artifact name"), check_name(key, "artifact key"))
+
+    @contextlib.contextmanager
+    def lock(self, lock_name, blocking=True):
+        """Hold an exclusive flock on locks/<lock_name>.lock; yields False if busy and not blocking."""
+        check_name(lock_name, "lock name")
+        _makedirs_durable(self.locks)
+        fd = os.open(self.locks / f"{lock_name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+            except BlockingIOError:
+                yield False
+                return
+            try:
+                yield True
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    def find(self, name, key):
+        """Return the committed artifact for key, None if absent; DamagedArtifact if damaged."""
+        path = self._dir(name, key)
+        art, reason = _open(path)
+        if reason:
+            raise _damaged_error(path, reason)
+        return art
+
+    def artifact_at(self, path):
+        """Open a committed artifact from its directory path."""
+        path = Path(path)
+        art, reason = _open(path)
+        if reason:
+            raise _damaged_error(path, reason)
+        if art is None:
+            raise MissingArtifact(f"no artifact at {path}; the output root may have been moved without its cache/ or pruned")
+        return art
+
+    def get(self, name, recipe, build=None, metadata=None):
+        """Return the artifact for (name, recipe), building it once under its lock if needed."""
+        key = self.key(name, recipe)
+        path = self._dir(name, key)
+        art, reason = _open(path)
+        if art is not None:
+            return art  # cache hit: no lock
+        if build is None:
+            if reason:
+                raise _damaged_error(path, reason)
+            raise MissingArtifact(f"artifact {name!r} with key {key} is not built yet ({path}); run the step that builds it")
+        with self.lock(f"{name}-{key}"):
+            art, reason = _open(path)  # another process may have committed meanwhile
+            if art is not None:
+                return art
+            if reason:
+                self._move_aside(name, key, path, reason)
+            self._remove_stale(name, key)
+            return self._build(name, key, recipe, build, metadata)
+
+    def _move_aside(self, name, key, path, reason):
+        """Move a damaged entry to damaged/<name>/<key>-<time> and warn."""
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
+        target = self.damaged / name / f"{key}-{stamp}"
+        _makedirs_durable(target.parent)
+        os.rename(path, target)
+        _fsync_dir(os.path.dirname(path))
+        _fsync_dir(target.parent)
+        warnings.warn(f"artifact {path} was damaged ({reason}); moved to {target} and rebuilding", stacklevel=3)
+
+    def _remove_stale(self, name, key):
+        """Remove temp dirs of key left by killed builds (caller holds the key's lock)."""
+        parent = self.cache / name
+        if not parent.is_dir():
+            return
+        prefix = f"{TMP_PREFIX}{key}-"
+        for entry in os.listdir(parent):
+            if entry.startswith(prefix):
+                shutil.rmtree(parent / entry, ignore_errors=True)
+
+    def _build(self, name, key, recipe, build, metadata):
+        """Run build in a temp sibling dir and commit it atomically (caller holds the lock)."""
+        parent = self.cache / name
+        _makedirs_durable(parent)
+        tmp = parent / f"{TMP_PREFIX}{key}-{os.getpid()}-{secrets.token_hex(6)}"
+        os.mkdir(tmp)
+        try:
+            writer = Writer(tmp)
+            produced = build(writer)
+            if produced is not None and not isinstance(produced, dict):
+                raise TypeError(f"build for artifact {name!r} must return a metadata dict or None, got {type(produced).__name__}")
+            meta = {**(metadata or {}), **(produced or {})}
+            manifest = {"schema": SCHEMA, "name": name, "key": key, "created": _now_iso(),
+                        "metadata": meta, "recipe": recipe, "files": writer.finish()}
+            _write_synced(tmp / MANIFEST, _pretty_json(manifest, f"manifest of {name!r}").encode("utf-8"))
+            _fsync_dir(tmp)
+            final = parent / key
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        _fsync_dir(parent)
+        return Artifact(final, manifest)
+
+    def entries(self):
+        """Yield (name, key, path) for every committed entry (temp dirs excluded)."""
+        if not self.cache.is_dir():
+            return
+        for name in sorted(os.listdir(self.cache)):
+            ndir = self.cache / name
+            if name.startswith(".") or not ndir.is_dir():
+                continue
+            for key in sorted(os.listdir(ndir)):
+                if not key.startswith(".") and (ndir / key).is_dir():
+                    yield name, key, ndir / key
+
+    def verify(self):
+        """Deep-check every committed artifact; return (checked, damaged directory paths)."""
+        checked, damaged = 0, []
+        for _, _, path in self.entries():
+            checked += 1
+            _, reason = _open(path, deep=True)
+            if reason:
+                damaged.append(str(path))
+        return checked, damaged
+
+    def prune(self, keep_keys):
+        """Delete committed artifacts whose key is not kept, skipping ones being built; return deleted paths."""
+        keep = set(keep_keys)
+        deleted = []
+        for name, key, path in list(self.entries()):
+            if key in keep:
+                continue
+            with self.lock(f"{name}-{key}", blocking=False) as held:
+                if not held:
+                    continue  # a builder holds it; leave it alone
+                # Rename first so readers never see a half-deleted entry; a crash leaves a
+                # .tmp- dir that the key's next builder removes.
+                doomed = path.parent / f"{TMP_PREFIX}{key}-prune-{os.getpid()}-{secrets.token_hex(4)}"
+                try:
+                    os.rename(path, doomed)
+                except FileNotFoundError:
+                    continue
+                _fsync_dir(path.parent)
+                shutil.rmtree(doomed, ignore_errors=True)
+                deleted.append(str(path))
+        return deleted
+
+
+class Restored:
+    """A finished run reopened: settings, member, history, model and artifacts."""
+
+    def __init__(self, run_dir, run, model, history, artifacts):
+        self.run_dir = run_dir
+        self.run = run
+        self.settings = run["settings"]
+        self.member = run["member"]
+        self.model = model
+        self.history = history
+        self.artifacts = artifacts
+
+    def array(self, artifact, name, mmap=False):
+        """An array of one of the run's artifacts."""
+        return self.artifacts[artifact].array(name, mmap=mmap)
+
+    def json(self, name):
+        """A JSON file of the run folder (e.g. "metrics", "status"), or None."""
+        path = self.run_dir / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    @property
+    def metrics(self):
+        """The run's metrics, or None before analysis."""
+        return self.json("metrics")
+
+
+def restore(run_dir, device="cpu"):
+    """Reopen a finished run with its trained model on `device` (CPU by default) in eval mode.
+
+    Never joins a process group, whatever torchrun variables are set. References are
+    relative to the output root, so a moved output root still restores.
+    """
+    import torch
+    import study   # the experiment class is named in run.json; imported lazily
+
+    run_dir = Path(run_dir).resolve()
+    run_file = run_dir / "run.json"
+    if not run_file.is_file():
+        raise FileNotFoundError(f"{run_dir}: not a run folder (no run.json)")
+    root = run_dir.parents[2]
+    store = Store(root)
+    if not (root / "cache").is_dir():
+        raise FileNotFoundError(f"{run_dir}: its output root {root} has no cache/; a run folder cannot be "
+                                f"moved without its output root")
+    references = json.loads((run_dir / "artifacts.json").read_text())
+    artifacts = {}
+    for name, relative in references.items():
+        path = root / relative
+        if not (path / MANIFEST).is_file():
+            raise FileNotFoundError(f"{run_dir}: artifact {relative} is missing from the output root {root}")
+        artifacts[name] = store.artifact_at(path)
+    run = json.loads(run_file.read_text())
+    experiment = study.load_class(run["settings"]["experiment"], "experiment")(run["settings"])
+    model = experiment.build_model(run["member"])
+    model.load_state_dict(artifacts["model"].state_dict())
+    model = model.to(torch.device(device)).eval()
+    return Restored(run_dir, run, model, artifacts["model"].json("history"), artifacts)

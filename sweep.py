@@ -1,0 +1,390 @@
+"""Settings files, profiles, Choice and one-factor-at-a-time expansion."""
+
+import copy
+import dataclasses
+import hashlib
+import itertools
+import math
+import re
+import sys
+import types
+from pathlib import Path
+
+import store
+
+
+class SettingsError(ValueError):
+    """A settings problem the user can fix; the message names the setting."""
+
+
+TRAINING_SECTIONS = (
+    "experiment", "output", "seed", "problem", "cohort",
+    "priors", "data", "model", "training", "runtime",
+)
+ANALYSIS_SECTIONS = (
+    "analysis", "inference", "verification", "metrics",
+    "plots", "cohort_plots", "plotting",
+)
+LAUNCH_INVARIANT = ("experiment", "output", "runtime")
+TRAINING_FILE = "settings_training.py"
+ANALYSIS_FILE = "settings_analysis.py"
+
+_CLASS_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_SCALARS = (str, int, float, bool, type(None))
+_load_counter = itertools.count()
+
+
+class Choice:
+    """Alternatives of one setting; the first option is the baseline."""
+
+    __hash__ = None  # options may hold lists, so a Choice is unhashable
+
+    def __init__(self, options):
+        """Keep the options as a list (emptiness is reported with its path later)."""
+        if not isinstance(options, (list, tuple)):
+            raise SettingsError(
+                f"Choice(options): options must be a list or tuple, got "
+                f"{type(options).__name__}; write Choice([a, b, ...])")
+        self.options = list(options)
+
+    def __repr__(self):
+        """Read like the code that built it."""
+        return f"Choice({self.options!r})"
+
+    def __eq__(self, other):
+        """Two Choices are equal when their options are."""
+        if not isinstance(other, Choice):
+            return NotImplemented
+        return self.options == other.options
+
+
+@dataclasses.dataclass(frozen=True)
+class Configuration:
+    """One resolved configuration of a launch: baseline or one changed knob."""
+
+    settings: dict
+    knob: str | None
+    value: object
+    variant: str
+    digest: str
+
+    @property
+    def name(self):
+        """Readable, unique folder-friendly name."""
+        return f"{self.variant}-{self.digest[:10]}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """A loaded profile: both settings trees and the configurations they expand to."""
+
+    name: str
+    settings_dir: Path
+    training_path: Path
+    analysis_path: Path
+    training: dict
+    analysis: dict
+    configurations: list
+
+
+# ---------------------------------------------------------------- identity
+
+def canonical_json(value):
+    """Canonical JSON text of settings; what JSON cannot hold is a SettingsError."""
+    try:
+        return store.canonical_json(value)
+    except (ValueError, TypeError) as error:
+        raise SettingsError(f"cannot serialise settings: {error}; use finite numbers and plain "
+                            "dict/list/str/int/float/bool/None only") from None
+
+
+def digest(value):
+    """SHA-256 hex digest of the canonical JSON of value."""
+    return hashlib.sha256(canonical_json(value).encode("utf-8")).hexdigest()
+
+
+# ---------------------------------------------------------------- structure
+
+def _key_path(path, key):
+    """Dotted path of a dict entry."""
+    return f"{path}.{key}" if path else key
+
+
+def _show(path):
+    """Path as printed in messages; the root has no name."""
+    return path or "<top level>"
+
+
+def _fail(where, path, problem):
+    """Raise a SettingsError naming where, the dotted path and the problem."""
+    raise SettingsError(f"{where} {_show(path)}: {problem}")
+
+
+def check_structure(settings, where="settings"):
+    """Reject bad keys, non-finite numbers, misplaced or empty Choices, non-JSON values."""
+    if not isinstance(settings, dict):
+        _fail(where, "", f"settings must be a dict, got {type(settings).__name__}; "
+                         "make_settings must return a dict of sections")
+    _check_node(settings, "", where, allow_choice=True)
+
+
+def _check_node(value, path, where, allow_choice):
+    """Check one value and everything below it."""
+    if isinstance(value, Choice):
+        _check_choice(value, path, where, allow_choice)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_key(key, path, where)
+            _check_node(item, _key_path(path, key), where, allow_choice)
+    elif isinstance(value, (list, tuple)):
+        # A plain list is one value, so it cannot hold alternatives.
+        for index, item in enumerate(value):
+            _check_node(item, f"{path}[{index}]", where, allow_choice=False)
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            _fail(where, path, f"{value!r} is not allowed; use a finite number "
+                               "(or None for 'no value')")
+    elif not isinstance(value, _SCALARS):
+        _fail(where, path, f"value of type {type(value).__name__} is not allowed; "
+                           "use dict, list, str, int, float, bool, None or Choice")
+
+
+def _check_choice(choice, path, where, allow_choice):
+    """Check one Choice: placed in a dict, non-empty, options free of Choices."""
+    if not allow_choice:
+        _fail(where, path, "a Choice may not be nested inside a Choice option or a "
+                           "plain list; make the whole value a Choice of complete "
+                           "alternatives instead")
+    if not choice.options:
+        _fail(where, path, "empty Choice; give at least one option (the first is "
+                           "the baseline)")
+    for index, option in enumerate(choice.options):
+        _check_node(option, f"{path}[option {index}]", where, allow_choice=False)
+
+
+def _check_key(key, path, where):
+    """Keys are non-empty strings without dots (dots separate knob paths)."""
+    if not isinstance(key, str):
+        _fail(where, path, f"key {key!r} is not a string; use string keys")
+    if not key:
+        _fail(where, path, "empty key; give the setting a name")
+    if "." in key:
+        _fail(where, path, f"key {key!r} contains a dot; dots separate setting "
+                           "paths, use '_' instead")
+
+
+# ---------------------------------------------------------------- resolution
+
+def resolve(value):
+    """A plain copy with every Choice at its first option (tuples become lists)."""
+    if isinstance(value, Choice):
+        return resolve(value.options[0])
+    if isinstance(value, dict):
+        return {key: resolve(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [resolve(item) for item in value]
+    return value
+
+
+def to_jsonable(settings):
+    """A copy with each Choice shown as {"choice": [...]}, for printing plans."""
+    if isinstance(settings, Choice):
+        return {"choice": [to_jsonable(option) for option in settings.options]}
+    if isinstance(settings, dict):
+        return {key: to_jsonable(item) for key, item in settings.items()}
+    if isinstance(settings, (list, tuple)):
+        return [to_jsonable(item) for item in settings]
+    return settings
+
+
+def _choices(value, path=()):
+    """(key path tuple, Choice) pairs, depth first in dict order."""
+    if isinstance(value, Choice):
+        return [(path, value)]
+    found = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found.extend(_choices(item, path + (key,)))
+    return found
+
+
+def _with_value(settings, path, value):
+    """A deep copy of settings with the entry at path replaced by value."""
+    changed = copy.deepcopy(settings)
+    node = changed
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return changed
+
+
+def _configuration(settings, knob, value, variant):
+    """Build a Configuration with its digest."""
+    return Configuration(settings=settings, knob=knob, value=value,
+                         variant=variant, digest=digest(settings))
+
+
+def expand(settings):
+    """Baseline plus one configuration per further option of each Choice, deduplicated."""
+    check_structure(settings)
+    baseline = resolve(settings)
+    candidates = [_configuration(baseline, None, None, "baseline")]
+    for path, choice in _choices(settings):
+        knob = ".".join(path)
+        for option in choice.options[1:]:
+            value = resolve(option)
+            changed = _with_value(baseline, path, copy.deepcopy(value))
+            candidates.append(
+                _configuration(changed, knob, value, knob.replace(".", "_")))
+    kept, seen = [], set()
+    for candidate in candidates:
+        if candidate.digest not in seen:
+            seen.add(candidate.digest)
+            kept.append(candidate)
+    return kept
+
+
+# ---------------------------------------------------------------- profile checks
+
+def _first_choice_path(value, path=""):
+    """Dotted path of the first Choice in value (depth first), or None."""
+    if isinstance(value, Choice):
+        return path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            found = _first_choice_path(item, _key_path(path, key))
+            if found is not None:
+                return found
+    return None
+
+
+def check_sections(settings, required, where):
+    """Exactly the required top-level sections, listing missing and unknown ones."""
+    missing = [name for name in required if name not in settings]
+    unknown = [str(name) for name in settings if name not in required]
+    if missing or unknown:
+        parts = []
+        if missing:
+            parts.append("missing sections: " + ", ".join(missing))
+        if unknown:
+            parts.append("unknown sections: " + ", ".join(unknown))
+        raise SettingsError(f"{where}: " + "; ".join(parts) +
+                            "; the sections must be exactly: " + ", ".join(required))
+
+
+def check_class_ref(settings, section, where):
+    """A section naming a class must read 'module:Class'."""
+    value = settings[section]
+    if not isinstance(value, str) or not _CLASS_REF.match(value):
+        _fail(where, section, f"{value!r} is not of the form 'module:Class'; "
+                              "write e.g. 'my_study:MyExperiment'")
+
+
+def check_training(settings, where="settings_training.py"):
+    """Structure, sections, launch invariants and class reference of training settings."""
+    check_structure(settings, where)
+    check_sections(settings, TRAINING_SECTIONS, where)
+    for section in LAUNCH_INVARIANT:
+        path = _first_choice_path(settings[section], section)
+        if path is not None:
+            _fail(where, path, f"'{section}' may not vary within a launch; remove "
+                               "the Choice and compare with separate launches")
+    check_class_ref(settings, "experiment", where)
+
+
+def check_analysis(settings, where="settings_analysis.py"):
+    """Structure, sections, no Choice and class reference of analysis settings."""
+    check_structure(settings, where)
+    check_sections(settings, ANALYSIS_SECTIONS, where)
+    path = _first_choice_path(settings)
+    if path is not None:
+        _fail(where, path, "analysis is not swept; remove the Choice, edit "
+                           "settings_analysis.py and re-run analyze")
+    check_class_ref(settings, "analysis", where)
+
+
+# ---------------------------------------------------------------- loading
+
+def _load_module(path):
+    """Execute a settings file as a fresh module, writing nothing to disk."""
+    if not path.is_file():
+        raise SettingsError(f"{path}: settings file not found; create it or pass "
+                            "--settings-dir pointing at the folder holding "
+                            f"{TRAINING_FILE} and {ANALYSIS_FILE}")
+    # A unique name keeps two settings folders apart and leaves the real names free.
+    name = f"_nnpd_settings_{path.stem}_{next(_load_counter)}"
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    # Settings files say `from sweep import Choice`; make that this very module.
+    sys.modules.setdefault("sweep", sys.modules[__name__])
+    writes_bytecode = sys.dont_write_bytecode
+    sys.dont_write_bytecode = True  # also for anything the settings file imports
+    sys.modules[name] = module  # dataclasses and pickling look modules up here
+    try:
+        code = compile(path.read_text(encoding="utf-8"), str(path), "exec")
+        exec(code, module.__dict__)
+    except Exception as error:
+        raise SettingsError(f"{path}: could not be executed: "
+                            f"{type(error).__name__}: {error}; fix the file") from error
+    finally:
+        sys.modules.pop(name, None)
+        sys.dont_write_bytecode = writes_bytecode
+    return module
+
+
+def _attribute(module, path, attribute):
+    """A required module-level name of a settings file."""
+    if not hasattr(module, attribute):
+        raise SettingsError(f"{path}: {attribute} is not defined; define it "
+                            "(see the settings file format)")
+    return getattr(module, attribute)
+
+
+def _profiles(module, path):
+    """The PROFILES tuple of a settings file, as a list of names."""
+    names = _attribute(module, path, "PROFILES")
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise SettingsError(f"{path}: PROFILES must be a tuple of profile names")
+    return list(names)
+
+
+def _make(module, path, profile):
+    """Call make_settings(profile), turning its failures into SettingsError."""
+    make_settings = _attribute(module, path, "make_settings")
+    try:
+        settings = make_settings(profile)
+    except SettingsError as error:
+        raise SettingsError(f"{path.name} [{profile}]: {error}") from error
+    except Exception as error:
+        raise SettingsError(f"{path.name} [{profile}]: make_settings failed: "
+                            f"{type(error).__name__}: {error}") from error
+    if not isinstance(settings, dict):
+        raise SettingsError(f"{path.name} [{profile}]: make_settings returned "
+                            f"{type(settings).__name__}; it must return a dict")
+    return settings
+
+
+def load_profile(settings_dir, profile=None):
+    """Load, validate and expand one profile from the two settings files in settings_dir."""
+    settings_dir = Path(settings_dir).absolute()
+    training_path = settings_dir / TRAINING_FILE
+    analysis_path = settings_dir / ANALYSIS_FILE
+    training_module = _load_module(training_path)
+    analysis_module = _load_module(analysis_path)
+    known = _profiles(training_module, training_path)
+    if profile is None:
+        profile = _attribute(training_module, training_path, "DEFAULT_PROFILE")
+    if profile not in known:
+        raise SettingsError(f"unknown profile {profile!r}; known profiles: "
+                            f"{', '.join(known)} (from {training_path})")
+    if profile not in _profiles(analysis_module, analysis_path):
+        raise SettingsError(f"{analysis_path}: profile {profile!r} is missing from "
+                            "PROFILES; add it so both files define the same profiles")
+    training = _make(training_module, training_path, profile)
+    analysis = _make(analysis_module, analysis_path, profile)
+    check_training(training, f"{TRAINING_FILE} [{profile}]")
+    check_analysis(analysis, f"{ANALYSIS_FILE} [{profile}]")
+    return Profile(name=profile, settings_dir=settings_dir,
+                   training_path=training_path, analysis_path=analysis_path,
+                   training=training, analysis=analysis,
+                   configurations=expand(training))
