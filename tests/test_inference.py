@@ -1,0 +1,439 @@
+"""Tests for inference.py: truths, candidates, scores, HLD summaries and metrics."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+import inference as inf
+
+LEVELS = (0.68, 0.95)
+
+
+def gaussian_log_likelihood(sigma):
+    """Reference log p(x|θ) for x ~ N(θ, σ²) per coordinate, summed over coordinates."""
+    def log_likelihood(x, theta):
+        z = (x - theta) / sigma
+        return (-0.5 * z * z - math.log(sigma) - 0.5 * math.log(2 * math.pi)).sum(dim=-1)
+    return log_likelihood
+
+
+def gaussian_simulator(sigma):
+    """x ~ N(θ, σ²) per coordinate, drawn with the given generator."""
+    def simulate(theta, generator):
+        return theta + sigma * torch.randn(theta.shape, generator=generator, dtype=torch.float64)
+    return simulate
+
+
+def z_of(level):
+    """Two-sided standard normal quantile for an enclosed mass."""
+    return float(torch.special.ndtri(torch.tensor((1 + level) / 2, dtype=torch.float64)))
+
+
+def exact_case_scores(truths, observations, points, log_measure, sigma):
+    """Scores (N, K) and truth scores (N,) with the exact likelihood, one case at a time."""
+    ll = gaussian_log_likelihood(sigma)
+    scores = torch.stack([inf.exact_scores(ll, obs, points, chunk_rows=4096) for obs in observations])
+    truth = torch.stack([inf.exact_scores(ll, obs, t[None], chunk_rows=64)[0]
+                         for obs, t in zip(observations, truths)])
+    return scores, truth
+
+
+# ---------------------------------------------------------------------------
+# HLD against the analytic Gaussian
+# ---------------------------------------------------------------------------
+
+def test_hld_matches_analytic_gaussian_interval():
+    sigma, m = 1.0, 15
+    low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
+    points, log_measure = inf.make_candidates(low, high, [None], {"kind": "grid", "candidate_points_per_axis": 4001}, 0)
+    assert points.shape == (4001, 1)
+    truths = torch.tensor([[4.3]], dtype=torch.float64)
+    obs = inf.make_observations(gaussian_simulator(sigma), truths, m, seed=3)
+    scores, truth_scores = exact_case_scores(truths, obs, points, log_measure, sigma)
+    s = inf.hld_summaries(scores, log_measure, points, truth_scores, LEVELS)
+    xbar = float(obs[0, :, 0].mean())
+    h = 10.0 / 4000
+    for i, level in enumerate(LEVELS):
+        half = z_of(level) * sigma / math.sqrt(m)
+        assert abs(s["lower"][0, i, 0] - (xbar - half)) <= 2 * h
+        assert abs(s["upper"][0, i, 0] - (xbar + half)) <= 2 * h
+        assert level <= s["mass"][0, i] < level + 0.01
+    assert abs(s["mode"][0, 0] - xbar) <= h
+    # Posterior N(x̄, σ²/m) on a grid: ESS ≈ 2·sqrt(π)·sd / h.
+    expected_ess = 2 * math.sqrt(math.pi) * sigma / math.sqrt(m) / h
+    assert abs(s["ess"][0] / expected_ess - 1) < 0.02
+    # Normaliser: ∫ Π N(x_k; θ, σ²) dθ = Π N(x_k; x̄, σ²) · sqrt(2π σ²/m).
+    x = obs[0, :, 0]
+    exact = (float(gaussian_log_likelihood(sigma)(x[:, None], torch.tensor([xbar])).sum())
+             + 0.5 * math.log(2 * math.pi * sigma ** 2 / m))
+    assert abs(s["log_normalizer"][0] - exact) < 1e-4
+
+
+def test_coverage_is_nominal_in_one_dimension():
+    sigma, m = 1.0, 5
+    low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
+    truths = inf.make_truths(low, high, torch.tensor([0.2]), {"kind": "sobol", "sobol_truths": 1024,
+                                                             "truth_margin_fraction": 0.2,
+                                                             "align_truths_to_grid": False}, seed=1)
+    assert truths.shape == (1024, 1)
+    obs = inf.make_observations(gaussian_simulator(sigma), truths, m, seed=2)
+    points, log_measure = inf.make_candidates(low, high, [None], {"kind": "grid", "candidate_points_per_axis": 801}, 0)
+    scores, truth_scores = exact_case_scores(truths, obs, points, log_measure, sigma)
+    s = inf.hld_summaries(scores, log_measure, points, truth_scores, LEVELS)
+    cov = inf.coverage_metrics(s, truths.numpy(), LEVELS, ["mean:0"])
+    for level in LEVELS:
+        se = math.sqrt(level * (1 - level) / truths.shape[0])
+        entry = cov[inf.level_key(level)]
+        assert abs(entry["joint"] - level) < 4 * se
+        assert abs(entry["per_axis"]["mean:0"] - level) < 4 * se
+
+
+def test_coverage_is_nominal_in_two_dimensions():
+    sigma, m = 2.0, 4
+    low = torch.tensor([0.0, 0.0], dtype=torch.float64)
+    high = torch.tensor([10.0, 10.0], dtype=torch.float64)
+    truths = inf.make_truths(low, high, None, {"kind": "sobol", "sobol_truths": 512, "truth_margin_fraction": 0.3,
+                                               "align_truths_to_grid": False}, seed=5)
+    assert truths.shape == (1024, 2)
+    obs = inf.make_observations(gaussian_simulator(sigma), truths, m, seed=6)
+    points, log_measure = inf.make_candidates(low, high, [None, None],
+                                              {"kind": "grid", "candidate_points_per_axis": 41}, 0)
+    scores, truth_scores = exact_case_scores(truths, obs, points, log_measure, sigma)
+    s = inf.hld_summaries(scores, log_measure, points, truth_scores, LEVELS)
+    cov = inf.coverage_metrics(s, truths.numpy(), LEVELS, ["mean:0", "mean:1"])
+    for level in LEVELS:
+        se = math.sqrt(level * (1 - level) / truths.shape[0])
+        assert abs(cov[inf.level_key(level)]["joint"] - level) < 4 * se
+        # Projected bounds of a joint region are conservative per axis.
+        assert cov[inf.level_key(level)]["mean"] >= level - 4 * se
+
+
+# ---------------------------------------------------------------------------
+# HLD rules: ties, density ranking, errors, stability
+# ---------------------------------------------------------------------------
+
+def test_ties_at_the_cutoff_are_all_included():
+    points = torch.arange(5, dtype=torch.float64)[:, None]
+    scores = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    s = inf.hld_summaries(scores, torch.zeros(5), points, torch.tensor([0.0]), [0.5])
+    e = math.e
+    assert s["threshold"][0, 0] == 1.0
+    assert s["lower"][0, 0, 0] == 1.0 and s["upper"][0, 0, 0] == 3.0
+    assert s["mass"][0, 0] == pytest.approx(3 * e / (3 * e + 2))
+    assert not s["covered"][0, 0]  # the truth score 0 is below the threshold 1
+
+
+def test_ranking_follows_density_not_mass():
+    points = torch.tensor([[0.0], [1.0], [2.0]], dtype=torch.float64)
+    scores = torch.tensor([[2.0, 1.0, 0.0]], dtype=torch.float64)
+    # Candidate 0 has the highest density but a tiny weight; ranked by mass, 1 would come first.
+    log_measure = torch.tensor([math.log(0.01), 0.0, 0.0], dtype=torch.float64)
+    s = inf.hld_summaries(scores, log_measure, points, torch.tensor([1.0]), [0.01, 0.5])
+    q = np.array([0.01 * math.e ** 2, math.e, 1.0])
+    q /= q.sum()
+    assert s["mode"][0, 0] == 0.0
+    assert s["lower"][0, 0, 0] == 0.0 and s["upper"][0, 0, 0] == 0.0
+    assert s["mass"][0, 0] == pytest.approx(q[0])
+    assert s["lower"][0, 1, 0] == 0.0 and s["upper"][0, 1, 0] == 1.0
+    assert s["threshold"][0, 1] == 1.0 and s["covered"][0, 1] and not s["covered"][0, 0]
+    assert s["ess"][0] == pytest.approx(1 / (q ** 2).sum())
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_nan_or_plus_inf_scores_raise_naming_the_case(value):
+    scores = torch.zeros(4, 3, dtype=torch.float64)
+    scores[2, 1] = value
+    with pytest.raises(ValueError, match="case 2"):
+        inf.hld_summaries(scores, torch.zeros(3), torch.zeros(3, 1), torch.zeros(4), LEVELS)
+
+
+def test_all_minus_inf_scores_raise_and_some_minus_inf_are_fine():
+    scores = torch.zeros(3, 4, dtype=torch.float64)
+    scores[0, :2] = -math.inf
+    points = torch.arange(4, dtype=torch.float64)[:, None]
+    s = inf.hld_summaries(scores, torch.zeros(4), points, torch.zeros(3), [1.0])
+    assert s["lower"][0, 0, 0] == 2.0 and s["mass"][0, 0] == pytest.approx(1.0)
+    scores[1] = -math.inf
+    with pytest.raises(ValueError, match="case 1"):
+        inf.hld_summaries(scores, torch.zeros(4), points, torch.zeros(3), LEVELS)
+
+
+def test_huge_score_offsets_are_stable():
+    torch.manual_seed(0)
+    points = torch.linspace(0, 1, 50, dtype=torch.float64)[:, None]
+    log_measure = torch.full((50,), math.log(1 / 50), dtype=torch.float64)
+    base = -((points[:, 0][None] - torch.tensor([[0.3], [0.6]])) ** 2) * 40
+    truth = torch.tensor([-0.5, -2.0], dtype=torch.float64)
+    offsets = torch.tensor([[1e6], [-1e6]], dtype=torch.float64)
+    a = inf.hld_summaries(base, log_measure, points, truth, LEVELS)
+    b = inf.hld_summaries(base + offsets, log_measure, points, truth + offsets[:, 0], LEVELS)
+    for key in ("lower", "upper", "covered", "mode"):
+        np.testing.assert_array_equal(a[key], b[key])
+    np.testing.assert_allclose(b["mass"], a["mass"], rtol=1e-9)
+    np.testing.assert_allclose(b["ess"], a["ess"], rtol=1e-6)
+    np.testing.assert_allclose(b["log_normalizer"] - offsets[:, 0].numpy(), a["log_normalizer"], atol=1e-6)
+    assert np.isfinite(b["ess"]).all()
+
+
+def test_summaries_are_vectorised_consistently():
+    gen = torch.Generator().manual_seed(4)
+    scores = torch.randn(6, 30, generator=gen, dtype=torch.float64)
+    points = torch.rand(30, 2, generator=gen, dtype=torch.float64)
+    log_measure = torch.rand(30, generator=gen, dtype=torch.float64).log()
+    truth = torch.randn(6, generator=gen, dtype=torch.float64)
+    together = inf.hld_summaries(scores, log_measure, points, truth, LEVELS)
+    for i in range(6):
+        alone = inf.hld_summaries(scores[i:i + 1], log_measure, points, truth[i:i + 1], LEVELS)
+        for key in together:
+            np.testing.assert_array_equal(together[key][i], alone[key][0])
+    assert together["lower"].shape == (6, 2, 2) and together["covered"].dtype == bool
+
+
+# ---------------------------------------------------------------------------
+# Scores
+# ---------------------------------------------------------------------------
+
+def small_network(d, p):
+    """A tiny real MLP logit network."""
+    torch.manual_seed(11)
+    return torch.nn.Sequential(torch.nn.Linear(d + p, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
+                               torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+
+def test_ensemble_scores_do_not_depend_on_chunk_rows():
+    d, p, m, K = 2, 2, 15, 700  # K·m = 10500 > EVAL_BLOCK_ROWS, so several fixed blocks
+    net = small_network(d, p)
+    seen = []
+
+    def logit_fn(rows):
+        seen.append(rows.shape[0])
+        assert rows.dtype == torch.float32 and not torch.is_grad_enabled()
+        return net(rows).squeeze(-1)
+
+    gen = torch.Generator().manual_seed(1)
+    obs = torch.randn(m, d, generator=gen)
+    points = torch.rand(K, p, generator=gen, dtype=torch.float64) * 10
+    reference = inf.ensemble_scores(logit_fn, obs, points, 10 ** 7)
+    assert reference.dtype == torch.float64 and reference.shape == (K,)
+    with torch.no_grad():
+        rows = torch.cat([obs.repeat(K, 1), points.float().repeat_interleave(m, 0)], dim=1)
+        direct = net(rows).reshape(K, m).double().sum(1)
+    torch.testing.assert_close(reference, direct, rtol=1e-5, atol=1e-5)
+    for chunk in (inf.EVAL_BLOCK_ROWS, 20000, 10 ** 6):
+        assert torch.equal(inf.ensemble_scores(logit_fn, obs, points, chunk), reference)
+    few = points[:50]  # small chunks mean many calls: keep them cheap
+    few_reference = inf.ensemble_scores(logit_fn, obs, few, 10 ** 7)
+    torch.testing.assert_close(few_reference, reference[:50], rtol=1e-9, atol=0)
+    for chunk in (1, 7, 15, 16, 100, 301, 4099):
+        seen.clear()
+        scores = inf.ensemble_scores(logit_fn, obs, few, chunk)
+        torch.testing.assert_close(scores, few_reference, rtol=1e-9, atol=0)
+        cap = max(chunk // m * m, m)
+        assert max(seen) < cap + inf.ROW_PAD
+
+
+def test_exact_scores_do_not_depend_on_chunk_rows():
+    sigma = 1.5
+    gen = torch.Generator().manual_seed(2)
+    obs = torch.randn(9, 3, generator=gen, dtype=torch.float64) + 4
+    points = torch.rand(257, 3, generator=gen, dtype=torch.float64) * 8
+    ll = gaussian_log_likelihood(sigma)
+    reference = inf.exact_scores(ll, obs, points, chunk_rows=10 ** 6)
+    z = (obs[None] - points[:, None]) / sigma
+    direct = (-0.5 * z ** 2 - math.log(sigma) - 0.5 * math.log(2 * math.pi)).sum(dim=(1, 2))
+    torch.testing.assert_close(reference, direct, rtol=1e-12, atol=1e-9)
+    for chunk in (1, 8, 9, 10, 100, 2000):
+        assert torch.equal(inf.exact_scores(ll, obs, points, chunk_rows=chunk), reference)
+
+
+# ---------------------------------------------------------------------------
+# Truths and observations
+# ---------------------------------------------------------------------------
+
+BOX2 = (torch.tensor([0.0, 0.2], dtype=torch.float64), torch.tensor([10.0, 4.0], dtype=torch.float64))
+STEP2 = torch.tensor([0.2, 0.2], dtype=torch.float64)
+
+
+def test_grid_truths_count_margin_and_order():
+    settings = {"kind": "grid", "truth_points_per_axis": 7, "truth_margin_fraction": 0.1,
+                "align_truths_to_grid": False}
+    truths = inf.make_truths(*BOX2, STEP2, settings, seed=0)
+    assert truths.shape == (49, 2) and truths.dtype == torch.float64
+    assert inf.truth_count(2, settings) == 49
+    torch.testing.assert_close(truths.min(0).values, torch.tensor([1.0, 0.58], dtype=torch.float64))
+    torch.testing.assert_close(truths.max(0).values, torch.tensor([9.0, 3.62], dtype=torch.float64))
+    assert torch.equal(truths[:7, 0], torch.full((7,), 1.0, dtype=torch.float64))  # first axis slowest
+
+
+def test_sobol_and_size_adaptive_truths():
+    settings = {"kind": "sobol", "sobol_truths": 16, "truth_margin_fraction": 0.25, "align_truths_to_grid": False}
+    truths = inf.make_truths(*BOX2, STEP2, settings, seed=3)
+    assert truths.shape == (32, 2) == (inf.truth_count(2, settings), 2)
+    assert (truths[:, 0] >= 2.5).all() and (truths[:, 0] <= 7.5).all()
+    assert (truths[:, 1] >= 1.15).all() and (truths[:, 1] <= 3.05).all()
+    assert torch.equal(truths, inf.make_truths(*BOX2, STEP2, settings, seed=3))
+    assert not torch.equal(truths, inf.make_truths(*BOX2, STEP2, settings, seed=4))
+    adaptive = {"kind": "size_adaptive", "truth_points_per_axis": 7, "sobol_truths": 16,
+                "max_grid_truths": 49, "align_truths_to_grid": False}
+    assert inf.make_truths(*BOX2, STEP2, adaptive, seed=0).shape == (49, 2)
+    adaptive["max_grid_truths"] = 48
+    assert inf.make_truths(*BOX2, STEP2, adaptive, seed=0).shape == (32, 2)
+    assert inf.truth_count(2, adaptive) == 32
+
+
+def test_truths_snap_to_lattice_dedupe_and_repeat():
+    low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
+    settings = {"kind": "grid", "truth_points_per_axis": 100, "truth_margin_fraction": 0.1,
+                "align_truths_to_grid": True, "repeats": 1}
+    truths = inf.make_truths(low, high, torch.tensor([0.2], dtype=torch.float64), settings, seed=0)
+    lattice = inf.lattice_support(0.0, 10.0, 0.2)
+    assert truths.shape == (41, 1)  # 100 points on [1, 9] collapse onto 41 lattice points
+    assert torch.equal(truths[:, 0], lattice[5:46])  # bitwise the candidate lattice, order kept
+    settings["repeats"] = 3
+    repeated = inf.make_truths(low, high, torch.tensor([0.2], dtype=torch.float64), settings, seed=0)
+    assert torch.equal(repeated, truths.repeat_interleave(3, 0))
+    assert inf.truth_count(1, settings) == 300  # upper bound, before dedup
+    # Snapping clamps into the box: the lattice on [0, 1] by 0.3 ends at 0.9.
+    snapped = inf.snap_to_lattice(torch.tensor([[0.99], [0.44], [-0.1]], dtype=torch.float64), [0.0], [1.0], [0.3])
+    torch.testing.assert_close(snapped[:, 0], torch.tensor([0.9, 0.3, 0.0], dtype=torch.float64), rtol=0, atol=1e-15)
+
+
+def test_observations_are_ensembles_per_truth_and_deterministic():
+    truths = torch.tensor([[1.0, 2.0], [5.0, 9.0], [3.0, 3.0]], dtype=torch.float64)
+    simulate = gaussian_simulator(0.1)
+    obs = inf.make_observations(simulate, truths, 200, seed=7)
+    assert obs.shape == (3, 200, 2)
+    torch.testing.assert_close(obs.mean(1), truths, atol=0.05, rtol=0)
+    assert torch.equal(obs, inf.make_observations(simulate, truths, 200, seed=7))
+    assert not torch.equal(obs, inf.make_observations(simulate, truths, 200, seed=8))
+    assert not torch.equal(obs[0, 0], obs[0, 1])  # independent draws within an ensemble
+
+
+# ---------------------------------------------------------------------------
+# Candidates
+# ---------------------------------------------------------------------------
+
+def test_sobol_candidates_have_weights_summing_to_volume():
+    settings = {"kind": "sobol", "candidate_count": 256}
+    points, log_measure = inf.make_candidates(*BOX2, [None, None], settings, seed=1)
+    assert points.shape == (256, 2) and inf.candidate_count_for(2, [None, None], *BOX2, settings) == 256
+    assert float(log_measure.exp().sum()) == pytest.approx(10.0 * 3.8, rel=1e-12)
+    assert torch.allclose(log_measure, log_measure[0].expand(256))
+    assert (points >= BOX2[0]).all() and (points <= BOX2[1]).all()
+
+
+def test_grid_candidates_integrate_a_known_function():
+    settings = {"kind": "grid", "candidate_points_per_axis": 64}
+    points, log_measure = inf.make_candidates(*BOX2, [None, None], settings, seed=0)
+    assert points.shape == (64 * 64, 2) == (inf.candidate_count_for(2, [None, None], *BOX2, settings), 2)
+    w = log_measure.exp()
+    assert float((w * (points[:, 0] + 3 * points[:, 1])).sum()) == pytest.approx(
+        3.8 * 50 + 10 * 1.5 * (16 - 0.04), rel=1e-12)  # linear: trapezoid is exact
+    integral = float((w * torch.exp(-points[:, 0] / 5) * points[:, 1] ** 2).sum())
+    exact = 5 * (1 - math.exp(-2)) * (4 ** 3 - 0.2 ** 3) / 3
+    assert integral == pytest.approx(exact, rel=1e-3)
+
+
+def test_lattice_coordinates_use_counting_measure():
+    steps = [0.2, None]
+    grid = {"kind": "grid", "candidate_points_per_axis": 8}
+    points, log_measure = inf.make_candidates(*BOX2, steps, grid, seed=0)
+    assert points.shape == (51 * 8, 2) and inf.candidate_count_for(2, steps, *BOX2, grid) == 408
+    assert float(log_measure.exp().sum()) == pytest.approx(51 * 3.8)
+    lattice = inf.lattice_support(0.0, 10.0, 0.2)
+    assert torch.isin(points[:, 0], lattice).all()
+    sobol = {"kind": "sobol", "candidate_count": 512}
+    points, log_measure = inf.make_candidates(*BOX2, steps, sobol, seed=2)
+    assert torch.isin(points[:, 0], lattice).all()
+    assert float(log_measure.exp().sum()) == pytest.approx(51 * 3.8)
+    assert len(set(points[:, 0].tolist())) > 40  # lattice indices spread over the support
+    continuous = dict(sobol, native_grid_prior=False)
+    points, _ = inf.make_candidates(*BOX2, steps, continuous, seed=2)
+    assert not torch.isin(points[:, 0], lattice).all()
+
+
+def test_all_lattice_prior_is_enumerated_or_merged():
+    steps = [0.2, 0.2]
+    settings = {"kind": "sobol", "candidate_count": 256, "max_enumerated": 200000}
+    points, log_measure = inf.make_candidates(*BOX2, steps, settings, seed=0)
+    assert points.shape == (51 * 20, 2) == (inf.candidate_count_for(2, steps, *BOX2, settings), 2)
+    assert torch.equal(log_measure, torch.zeros(51 * 20, dtype=torch.float64))
+    assert len({tuple(r) for r in points.tolist()}) == 51 * 20
+    # Too many to enumerate: Sobol draws with duplicates merged, total weight = lattice size.
+    settings = {"kind": "sobol", "candidate_count": 4096, "max_enumerated": 100}
+    points, log_measure = inf.make_candidates(*BOX2, steps, settings, seed=0)
+    assert points.shape[0] < 4096 and len({tuple(r) for r in points.tolist()}) == points.shape[0]
+    assert float(log_measure.exp().sum()) == pytest.approx(51 * 20, rel=1e-12)
+
+
+def test_duplicate_points_are_merged_with_summed_weights():
+    points = torch.tensor([[1.0, 2.0], [0.0, 0.0], [1.0, 2.0], [3.0, 1.0], [0.0, 0.0], [1.0, 2.0]],
+                          dtype=torch.float64)
+    log_measure = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], dtype=torch.float64).log()
+    merged, merged_log = inf.merge_duplicates(points, log_measure)
+    assert merged.tolist() == [[1.0, 2.0], [0.0, 0.0], [3.0, 1.0]]
+    torch.testing.assert_close(merged_log.exp(), torch.tensor([1.0, 0.7, 0.4], dtype=torch.float64))
+
+
+def test_bad_settings_raise_clear_errors():
+    with pytest.raises(ValueError, match="candidates kind"):
+        inf.make_candidates(*BOX2, [None, None], {"kind": "halton"}, seed=0)
+    with pytest.raises(ValueError, match="truths kind"):
+        inf.make_truths(*BOX2, STEP2, {"kind": "random"}, seed=0)
+    with pytest.raises(ValueError, match="low < high"):
+        inf.make_candidates(torch.tensor([1.0]), torch.tensor([1.0]), [None], {"kind": "sobol"}, seed=0)
+    with pytest.raises(ValueError, match="grid_step"):
+        inf.make_truths(*BOX2, None, {"kind": "grid", "align_truths_to_grid": True}, seed=0)
+    with pytest.raises(ValueError, match="levels"):
+        inf.hld_summaries(torch.zeros(1, 2), torch.zeros(2), torch.zeros(2, 1), torch.zeros(1), [0.0])
+
+
+# ---------------------------------------------------------------------------
+# Metrics
+# ---------------------------------------------------------------------------
+
+def hand_summaries():
+    """Two cases, one level, two axes, with easy numbers."""
+    return {
+        "lower": np.array([[[0.0, 1.0]], [[2.0, 2.0]]]),
+        "upper": np.array([[[1.0, 3.0]], [[4.0, 2.5]]]),
+        "covered": np.array([[True], [False]]),
+        "mass": np.array([[0.70], [0.80]]),
+        "ess": np.array([4.0, 100.0]),
+    }
+
+
+def test_bias_metrics_by_hand():
+    out = inf.bias_metrics(np.array([[1.0, 2.0], [3.0, 2.0]]), np.array([[0.0, 2.0], [4.0, 0.0]]), ["a", "b"])
+    assert out["per_axis"]["a"] == {"signed": 0.0, "absolute": 1.0, "rmse": 1.0}
+    assert out["per_axis"]["b"] == {"signed": 1.0, "absolute": 1.0, "rmse": pytest.approx(math.sqrt(2))}
+    assert out["rmse"] == pytest.approx(math.sqrt(6 / 4))
+    empty = inf.bias_metrics(np.zeros((0, 1)), np.zeros((0, 1)), ["a"])
+    assert empty["rmse"] is None and empty["per_axis"]["a"]["signed"] is None
+    json.dumps(out), json.dumps(empty)
+
+
+def test_coverage_and_width_metrics_by_hand():
+    s = hand_summaries()
+    truths = np.array([[0.5, 4.0], [3.0, 2.5]])
+    cov = inf.coverage_metrics(s, truths, [0.7], ["a", "b"])
+    assert cov == {"0.7": {"nominal": 0.7, "per_axis": {"a": 1.0, "b": 0.5}, "mean": 0.75, "joint": 0.5}}
+    width = inf.width_metrics(s, [0.7], ["a", "b"])
+    assert width == {"0.7": {"per_axis": {"a": 1.5, "b": 1.25}, "mean": 1.375}}
+    json.dumps(cov), json.dumps(width)
+
+
+def test_resolution_metrics_by_hand():
+    s = hand_summaries()
+    out = inf.resolution_metrics(s, 200, [0.7])
+    assert out["candidate_count"] == 200 and out["ess_min"] == 4.0 and out["ess_median"] == 52.0
+    assert out["ess_median_fraction"] == pytest.approx(0.26)
+    assert out["attained_mass"] == {"0.7": pytest.approx(0.75)} and out["warning"] is None
+    s["mass"] = np.array([[0.9], [0.8]])
+    s["ess"] = np.array([3.0, 5.0])
+    out = inf.resolution_metrics(s, 200, [0.7])
+    assert "median ESS" in out["warning"] and "exceeds level 0.7" in out["warning"]
+    json.dumps(out)
