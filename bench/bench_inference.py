@@ -1,0 +1,55 @@
+"""Ensemble-score evaluation rate against a plain batched forward pass of the same rows.
+
+Both evaluate the default study's network (mlp [64]*4, input width 2) on
+candidates × observations rows, side by side in one run, alternating.
+"""
+import argparse
+import time
+
+import torch
+
+import gaussian
+import inference
+
+
+def plain_forward(model, rows, batch):
+    """A plain batched forward pass over pre-built rows."""
+    total = torch.zeros(())
+    for chunk in rows.split(batch):
+        total += model(chunk).sum()
+    return total
+
+
+def main():
+    """Print evaluations per second of both and their ratio (target >= 0.9)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--candidates", type=int, default=16_385)
+    parser.add_argument("--observations", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=3)
+    arguments = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = gaussian.build_network({"kind": "mlp", "hidden": [64] * 4, "activation": "relu", "dropout": 0.0}, 2)
+    model.eval()
+    observations = torch.randn(arguments.observations, 1, dtype=torch.float64) + 5
+    points = torch.rand(arguments.candidates, 1, dtype=torch.float64) * 10
+    rows = torch.randn(arguments.candidates * arguments.observations, 2)
+    evaluations = rows.shape[0]
+    timings = {"ensemble_scores": [], "plain forward": []}
+    with torch.no_grad():
+        for _ in range(arguments.repeats):
+            started = time.perf_counter()
+            inference.ensemble_scores(model, observations, points, 262_144)
+            timings["ensemble_scores"].append(time.perf_counter() - started)
+            started = time.perf_counter()
+            plain_forward(model, rows, inference.EVAL_BLOCK_ROWS)
+            timings["plain forward"].append(time.perf_counter() - started)
+    rates = {name: evaluations / min(values) for name, values in timings.items()}
+    for name, rate in rates.items():
+        print(f"{name:16s} {rate / 1e6:8.2f} M evaluations/s (best of {arguments.repeats})")
+    print(f"ratio ensemble_scores / plain forward: {rates['ensemble_scores'] / rates['plain forward']:.2f} "
+          f"(target >= 0.9)")
+
+
+if __name__ == "__main__":
+    main()

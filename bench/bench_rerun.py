@@ -1,0 +1,41 @@
+"""Wall time of a fully cached `run --profile smoke` against `python -c "import torch"`.
+
+The smoke study runs once in a temporary directory to fill the store; then the
+cached re-run and the bare torch import are timed alternately in the same run.
+"""
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def timed(command, cwd):
+    """Seconds one command takes; fails loudly if it fails."""
+    started = time.perf_counter()
+    subprocess.run(command, cwd=cwd, check=True, capture_output=True)
+    return time.perf_counter() - started
+
+
+def main(repeats=5):
+    """Print both medians and their ratio (target <= 2)."""
+    with tempfile.TemporaryDirectory() as work:
+        for name in ("settings_training.py", "settings_analysis.py"):
+            shutil.copy(REPO / name, Path(work) / name)
+        run = [sys.executable, str(REPO / "nnpd.py"), "run", "--profile", "smoke"]
+        print(f"first run (fills the store): {timed(run, work):.1f} s")
+        rerun, bare = [], []
+        for _ in range(repeats):
+            rerun.append(timed(run, work))
+            bare.append(timed([sys.executable, "-c", "import torch"], work))
+    print(f"cached re-run   median {statistics.median(rerun):.2f} s  {[round(t, 2) for t in rerun]}")
+    print(f"import torch    median {statistics.median(bare):.2f} s  {[round(t, 2) for t in bare]}")
+    print(f"ratio: {statistics.median(rerun) / statistics.median(bare):.2f} (target <= 2)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,428 @@
+"""The bundled study: how a neural ratio estimator depends on the prior it was trained under.
+
+`GaussianExperiment` trains one classifier per cohort member on balanced pairs from
+the Gaussian simulator; `GaussianAnalysis` builds the inference products (truths,
+observation ensembles, candidates, highest-density summaries) and the metrics.
+"""
+import numpy as np
+import torch
+
+import gaussian
+import inference
+import runtime
+import trainer
+from study import Metric, Product
+from sweep import SettingsError
+
+TARGETS = ("ratio", "posterior", "exact")
+SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer")
+
+
+class GaussianExperiment:
+    """Training side of the study: cohort, data, network and trainer."""
+
+    DATA_SOURCES = (gaussian,)
+    MODEL_SOURCES = (gaussian, trainer)
+
+    def __init__(self, settings):
+        self.settings = settings
+        self._problem = None
+
+    def validate(self):
+        """Check every section this experiment reads."""
+        gaussian.check_settings(self.settings)
+        trainer.check_training_settings(self.settings["training"])
+        cohort = self.settings["cohort"]
+        replicas = cohort.get("replicas")
+        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
+            raise SettingsError(f"cohort.replicas: expected a positive integer, got {replicas!r}")
+
+    def members(self):
+        """The cohort: every prior in `cohort.priors` times `cohort.replicas`."""
+        cohort = self.settings["cohort"]
+        return [{"name": f"{prior}-r{replica}", "prior": prior, "replica": replica}
+                for replica in range(cohort["replicas"]) for prior in cohort["priors"]]
+
+    def problem(self, member=None):
+        """The simulator (the same for every member)."""
+        if self._problem is None:
+            self._problem = gaussian.GaussianProblem.from_settings(self.settings["problem"])
+        return self._problem
+
+    def prior(self, member):
+        """The member's training prior."""
+        return gaussian.make_prior(self.problem(), self.settings["priors"][member["prior"]])
+
+    def input_size(self):
+        """Network input width: observation plus inferred parameters."""
+        problem = self.problem()
+        return problem.dimension + problem.parameter_count
+
+    def data_recipe(self, member):
+        """The settings the member's training data depends on."""
+        return {"problem": self.settings["problem"], "prior": self.settings["priors"][member["prior"]],
+                "data": self.settings["data"], "seed": self.settings["seed"], "member": member["name"]}
+
+    def sample_data(self, member):
+        """Balanced train/validation/test pairs under the member's prior."""
+        seed = runtime.derived_seed(self.settings["seed"], "data", member["name"])
+        return gaussian.sample_training_data(self.problem(), self.prior(member), self.settings["data"], seed)
+
+    def model_recipe(self, member):
+        """The settings the member's model depends on (besides data key and backend)."""
+        return {"model": self.settings["model"], "training": self.settings["training"],
+                "seed": self.settings["seed"], "member": member["name"], "input_size": self.input_size()}
+
+    def build_model(self, member):
+        """A freshly initialised network, identical for a given seed and member."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(runtime.derived_seed(self.settings["seed"], "init", member["name"]))
+            return gaussian.build_network(self.settings["model"], self.input_size())
+
+    def train(self, member, model, data, rt):
+        """Train with the bundled trainer; returns (state dict, history)."""
+        tensors = {name: torch.from_numpy(np.asarray(data.array(name))) for name in
+                   ("train_inputs", "train_labels", "validation_inputs", "validation_labels")}
+        seed = runtime.derived_seed(self.settings["seed"], "train", member["name"])
+        return trainer.train(model, tensors, self.settings["training"], rt, seed)
+
+    def describe(self, member):
+        """A JSON description of the member's problem and prior for run.json."""
+        return {"problem": self.problem().describe(), "prior": self.prior(member).describe()}
+
+
+INFERENCE_SCHEMA = {
+    "truths": {"kind": ("grid", "sobol", "size_adaptive"), "truth_points_per_axis": int, "sobol_truths": int,
+               "max_grid_truths": int, "truth_margin_fraction": float, "align_truths_to_grid": bool,
+               "repeats": int},
+    "candidates": {"kind": ("sobol", "grid"), "candidate_count": int, "candidate_points_per_axis": int,
+                   "native_grid_prior": bool, "max_enumerated": int},
+    "observations": int, "chunk_rows": int, "diagnostic_cases": int, "retain": ("diagnostic", "full"),
+    "targets": list, "levels": list,
+}
+
+
+def check_value(value, rule, path):
+    """Check one setting against its rule: a type, a tuple of allowed values or a sub-schema."""
+    if isinstance(rule, dict):
+        if not isinstance(value, dict):
+            raise SettingsError(f"{path}: expected a dict with keys {', '.join(rule)}")
+        unknown = sorted(set(value) - set(rule))
+        missing = sorted(set(rule) - set(value))
+        if unknown or missing:
+            raise SettingsError(f"{path}: unknown keys {unknown} / missing keys {missing}; expected {', '.join(rule)}")
+        for key, sub_rule in rule.items():
+            check_value(value[key], sub_rule, f"{path}.{key}")
+    elif isinstance(rule, tuple):
+        if value not in rule:
+            raise SettingsError(f"{path}: {value!r} is not one of {', '.join(map(repr, rule))}")
+    elif rule is int:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise SettingsError(f"{path}: expected a non-negative integer, got {value!r}")
+    elif rule is float:
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 0.5:
+            raise SettingsError(f"{path}: expected a number in [0, 0.5), got {value!r}")
+    elif not isinstance(value, rule):
+        raise SettingsError(f"{path}: expected a {rule.__name__}, got {value!r}")
+
+
+def check_inference_settings(settings):
+    """Validate the `inference` section of the analysis settings."""
+    check_value(settings, INFERENCE_SCHEMA, "inference")
+    for key in ("observations", "chunk_rows"):
+        if settings[key] < 1:
+            raise SettingsError(f"inference.{key}: must be at least 1")
+    targets = settings["targets"]
+    if not targets or len(set(targets)) != len(targets) or not set(targets) <= set(TARGETS):
+        raise SettingsError(f"inference.targets: a non-empty list of distinct targets from {', '.join(TARGETS)}; "
+                            f"got {targets!r}")
+    levels = settings["levels"]
+    if not levels or any(not isinstance(v, (int, float)) or not 0 < v < 1 for v in levels) \
+            or sorted(set(levels)) != list(levels):
+        raise SettingsError(f"inference.levels: increasing enclosed masses strictly between 0 and 1; got {levels!r}")
+
+
+def candidate_lattice(ctx):
+    """Lattice steps per coordinate when the prior's own lattice is used, else None."""
+    if not ctx.analysis_settings["inference"]["candidates"]["native_grid_prior"]:
+        return [None] * ctx.problem.parameter_count
+    return list(ctx.prior.lattice_steps)
+
+
+def build_truths(ctx, writer):
+    """Truth parameter points shared by every prior."""
+    problem = ctx.problem
+    settings = ctx.analysis_settings["inference"]["truths"]
+    seed = runtime.derived_seed(ctx.settings["seed"], "truths")
+    truths = inference.make_truths(problem.low, problem.high, problem.grid_step, settings, seed)
+    writer.array("truths", truths.numpy())
+    return {"count": int(truths.shape[0])}
+
+
+def build_observations(ctx, writer):
+    """An ensemble of independent observations at every truth."""
+    truths = torch.from_numpy(ctx.require("truths").array("truths"))
+    seed = runtime.derived_seed(ctx.settings["seed"], "observations")
+    observations = inference.make_observations(
+        ctx.problem.simulate, truths, ctx.analysis_settings["inference"]["observations"], seed)
+    writer.array("observations", observations.numpy())
+    return {"shape": list(observations.shape)}
+
+
+def build_candidates(ctx, writer):
+    """The points densities are normalised on, with their log measure."""
+    problem = ctx.problem
+    seed = runtime.derived_seed(ctx.settings["seed"], "candidates")
+    points, log_measure = inference.make_candidates(
+        problem.low, problem.high, candidate_lattice(ctx), ctx.analysis_settings["inference"]["candidates"], seed)
+    writer.array("points", points.numpy())
+    writer.array("log_measure", log_measure.numpy())
+    return {"count": int(points.shape[0])}
+
+
+def inference_inputs(ctx):
+    """Truths, observations, candidate points and log measure as float64 tensors."""
+    truths = torch.from_numpy(ctx.require("truths").array("truths"))
+    observations = torch.from_numpy(ctx.require("observations").array("observations"))
+    candidates = ctx.require("candidates")
+    return truths, observations, torch.from_numpy(candidates.array("points")), \
+        torch.from_numpy(candidates.array("log_measure"))
+
+
+def summarise_cases(writer, targets, case_scores, truths, points, log_measure, levels, retain):
+    """Score every case in blocks and write one HLD summary per target.
+
+    `case_scores(i)` returns {target: scores over candidates followed by the truth}.
+    Scores of all cases are never held at once: blocks of cases are summarised and
+    written into memory-mapped arrays.
+    """
+    cases, candidates = truths.shape[0], points.shape[0]
+    retained = {}
+    if retain["mode"] == "full":
+        retained = {t: writer.allocate(f"{t}_scores", (cases, candidates + 1), "float64") for t in targets}
+    elif retain["cases"]:
+        retained = {t: np.zeros((min(retain["cases"], cases), candidates + 1)) for t in targets}
+    outputs = {}
+    block = max(1, min(cases, 2 ** 22 // max(candidates, 1)))
+    for start in range(0, cases, block):
+        stop = min(cases, start + block)
+        scores = {t: torch.empty(stop - start, candidates + 1, dtype=torch.float64) for t in targets}
+        for i in range(start, stop):
+            for target, row in case_scores(i).items():
+                scores[target][i - start] = row
+        for target in targets:
+            rows = scores[target]
+            if target in retained and start < retained[target].shape[0]:
+                keep = min(stop, retained[target].shape[0])
+                retained[target][start:keep] = rows[: keep - start].numpy()
+            summary = inference.hld_summaries(rows[:, :-1], log_measure, points, rows[:, -1], levels)
+            for name in SUMMARY_FIELDS:
+                value = np.asarray(summary[name])
+                key = f"{target}_{name}"
+                if key not in outputs:
+                    outputs[key] = writer.allocate(key, (cases,) + value.shape[1:], value.dtype)
+                outputs[key][start:stop] = value
+    for target, array in retained.items():
+        if retain["mode"] != "full":
+            writer.array(f"{target}_scores", array)
+    return {"cases": cases, "candidates": candidates, "targets": list(targets)}
+
+
+def retain_settings(ctx):
+    """Which scores are kept: `full` (memory-mapped) or the first `diagnostic_cases`."""
+    settings = ctx.analysis_settings["inference"]
+    cases = settings["diagnostic_cases"] if settings["retain"] == "diagnostic" else 0
+    return {"mode": settings["retain"], "cases": cases}
+
+
+def build_learned(ctx, writer):
+    """HLD summaries of the learned ratio and posterior targets for every case."""
+    settings = ctx.analysis_settings["inference"]
+    targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
+    truths, observations, points, log_measure = inference_inputs(ctx)
+    model, device = ctx.model, ctx.runtime.device
+    prior = ctx.prior
+
+    def logits(rows):
+        return model(rows.to(device)).float().cpu()
+
+    log_prior_points = prior.log_prob(points)
+
+    def case_scores(i):
+        here = torch.cat([points, truths[i:i + 1]])
+        ratio = inference.ensemble_scores(logits, observations[i], here, settings["chunk_rows"])
+        scores = {"ratio": ratio}
+        if "posterior" in targets:
+            log_prior = torch.cat([log_prior_points, prior.log_prob(truths[i:i + 1])])
+            scores["posterior"] = ratio + log_prior
+        return {t: scores[t] for t in targets}
+
+    with torch.no_grad():
+        return summarise_cases(writer, targets, case_scores, truths, points, log_measure,
+                               settings["levels"], retain_settings(ctx))
+
+
+def build_exact(ctx, writer):
+    """HLD summaries of the exact Gaussian likelihood on the same candidates."""
+    settings = ctx.analysis_settings["inference"]
+    truths, observations, points, log_measure = inference_inputs(ctx)
+    problem = ctx.problem
+
+    def case_scores(i):
+        here = torch.cat([points, truths[i:i + 1]])
+        return {"exact": inference.exact_scores(problem.log_likelihood, observations[i], here)}
+
+    return summarise_cases(writer, ["exact"], case_scores, truths, points, log_measure,
+                           settings["levels"], retain_settings(ctx))
+
+
+def build_test_predictions(ctx, writer):
+    """The model's logits on the held-out test split."""
+    inputs = torch.from_numpy(np.asarray(ctx.data.array("test_inputs")))
+    with torch.no_grad():
+        logits = torch.cat([ctx.model(chunk.to(ctx.runtime.device)).float().cpu()
+                            for chunk in inputs.split(65536)])
+    writer.array("logits", logits.numpy())
+    writer.array("labels", np.asarray(ctx.data.array("test_labels")))
+    return {"rows": int(inputs.shape[0])}
+
+
+def summary_of(artifact, target):
+    """The HLD summary arrays of one target from a learned or exact product."""
+    return {name: artifact.array(f"{target}_{name}") for name in SUMMARY_FIELDS}
+
+
+def target_report(ctx, artifact, target):
+    """Bias, coverage and width of one target's summaries."""
+    settings = ctx.analysis_settings["inference"]
+    truths = ctx.require("truths").array("truths")
+    summary = summary_of(artifact, target)
+    names = ctx.problem.names
+    return {"bias": inference.bias_metrics(summary["mode"], truths, names),
+            "coverage": inference.coverage_metrics(summary, truths, settings["levels"], names),
+            "width": inference.width_metrics(summary, settings["levels"], names)}
+
+
+def metric_classification(ctx):
+    """Held-out test BCE, accuracy and AUC."""
+    predictions = ctx.require("test_predictions")
+    return trainer.classification_metrics(torch.from_numpy(predictions.array("logits")),
+                                          torch.from_numpy(predictions.array("labels")))
+
+
+def metric_bias(ctx):
+    """Error of the ratio mode against the truth."""
+    return target_report(ctx, ctx.require("learned"), "ratio")["bias"]
+
+
+def metric_coverage(ctx):
+    """Coverage of the ratio target's highest-density regions."""
+    return target_report(ctx, ctx.require("learned"), "ratio")["coverage"]
+
+
+def metric_width(ctx):
+    """Projected widths of the ratio target's highest-density regions."""
+    return target_report(ctx, ctx.require("learned"), "ratio")["width"]
+
+
+def metric_resolution(ctx):
+    """Whether the candidates resolve the ratio target's densities."""
+    candidates = ctx.require("candidates").metadata["count"]
+    summary = summary_of(ctx.require("learned"), "ratio")
+    return inference.resolution_metrics(summary, candidates, ctx.analysis_settings["inference"]["levels"])
+
+
+def metric_posterior(ctx):
+    """Bias, coverage and width of the posterior target, or that it is off."""
+    if "posterior" not in ctx.analysis_settings["inference"]["targets"]:
+        return {"enabled": False}
+    return {"enabled": True, **target_report(ctx, ctx.require("learned"), "posterior")}
+
+
+def metric_exact_reference(ctx):
+    """The exact likelihood's report, and how far the learned modes are from its modes."""
+    exact = ctx.require("exact")
+    report = target_report(ctx, exact, "exact")
+    learned_modes = ctx.require("learned").array("ratio_mode")
+    exact_modes = exact.array("exact_mode")
+    report["mode_rmse_learned_vs_exact"] = float(np.sqrt(np.mean((learned_modes - exact_modes) ** 2)))
+    return report
+
+
+class GaussianAnalysis:
+    """Analysis side of the study: inference products and metrics."""
+
+    SOURCES = (inference, gaussian)
+
+    products = {
+        "truths": Product(build_truths, lambda ctx: {
+            "problem": ctx.settings["problem"], "seed": ctx.settings["seed"],
+            "truths": ctx.analysis_settings["inference"]["truths"]}),
+        "observations": Product(build_observations, lambda ctx: {
+            "observations": ctx.analysis_settings["inference"]["observations"]}, needs=("truths",)),
+        "candidates": Product(build_candidates, lambda ctx: {
+            "problem": ctx.settings["problem"], "seed": ctx.settings["seed"],
+            "candidates": ctx.analysis_settings["inference"]["candidates"], "lattice": candidate_lattice(ctx)}),
+        "learned": Product(build_learned, lambda ctx: {
+            "prior": ctx.settings["priors"][ctx.member["prior"]],
+            "inference": {k: ctx.analysis_settings["inference"][k] for k in
+                          ("targets", "levels", "retain", "diagnostic_cases")}},
+            needs=("truths", "observations", "candidates"), uses_model=True),
+        "exact": Product(build_exact, lambda ctx: {
+            "inference": {k: ctx.analysis_settings["inference"][k] for k in
+                          ("levels", "retain", "diagnostic_cases")}},
+            needs=("truths", "observations", "candidates")),
+        "test_predictions": Product(build_test_predictions, lambda ctx: {"data": ctx.data.key},
+                                    uses_model=True),
+    }
+
+    metrics = {
+        "classification": Metric(metric_classification, needs=("test_predictions",)),
+        "bias": Metric(metric_bias, needs=("learned", "truths")),
+        "coverage": Metric(metric_coverage, needs=("learned", "truths")),
+        "width": Metric(metric_width, needs=("learned",)),
+        "resolution": Metric(metric_resolution, needs=("learned", "candidates")),
+        "posterior": Metric(metric_posterior, needs=("learned", "truths")),
+        "exact_reference": Metric(metric_exact_reference, needs=("exact", "learned", "truths")),
+    }
+    NEEDS_RATIO = ("bias", "coverage", "width", "resolution", "exact_reference")
+
+    def __init__(self, settings, experiment):
+        self.settings = settings
+        self.experiment = experiment
+
+    def validate(self):
+        """Check the inference settings and that every selected metric can be computed."""
+        check_inference_settings(self.settings["inference"])
+        targets = self.settings["inference"]["targets"]
+        for name in self.settings["metrics"]:
+            if name in self.NEEDS_RATIO and "ratio" not in targets:
+                raise SettingsError(f"metrics: {name!r} needs the 'ratio' target; add it to inference.targets "
+                                    f"or remove the metric")
+            if name == "exact_reference" and "exact" not in targets:
+                raise SettingsError("metrics: 'exact_reference' needs the 'exact' target; add it to "
+                                    "inference.targets or remove the metric")
+        if self.settings["plots"] or self.settings["cohort_plots"]:
+            raise SettingsError("plots/cohort_plots: figures are not available in this version; "
+                                "set them to []")
+
+    def workload(self, member):
+        """Model evaluations, saved bytes and candidate points this member's analysis needs."""
+        settings = self.settings["inference"]
+        problem = self.experiment.problem()
+        prior = self.experiment.prior(member)
+        lattice = list(prior.lattice_steps) if settings["candidates"]["native_grid_prior"] \
+            else [None] * problem.parameter_count
+        cases = inference.truth_count(problem.parameter_count, settings["truths"])
+        candidates = inference.candidate_count_for(problem.parameter_count, lattice, problem.low,
+                                                   problem.high, settings["candidates"])
+        ensemble = settings["observations"]
+        learned = [t for t in ("ratio", "posterior") if t in settings["targets"]]
+        evaluations = cases * (candidates + 1) * ensemble if learned else 0
+        retained_cases = cases if settings["retain"] == "full" else min(cases, settings["diagnostic_cases"])
+        targets = len(learned) + ("exact" in settings["targets"])
+        saved = 8 * (cases * ensemble * problem.dimension + 2 * candidates
+                     + targets * (retained_cases * (candidates + 1)
+                                  + cases * (2 * len(settings["levels"]) * problem.parameter_count + 8)))
+        return {"model_evaluations": int(evaluations), "saved_bytes": int(saved),
+                "candidate_points": int(candidates)}

@@ -1,0 +1,583 @@
+"""nnpd: command line and orchestration of neural-ratio-estimation studies.
+
+    python nnpd.py [plan|train|analyze|run|verify] [--profile NAME] [--settings-dir DIR]
+
+`plan` (the default) only resolves and validates; `train` stops at committed weights;
+`analyze` analyses the trained models and never trains; `run` does both per job;
+`verify` recomputes every checksum in the profile's store. The same command works
+under `torchrun`, with workers taking disjoint jobs (`runtime.parallel="jobs"`) or
+training each model together (`runtime.parallel="ddp"`).
+"""
+import argparse
+import datetime
+import hashlib
+import io
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import runtime
+import study
+import sweep
+from store import DamagedArtifact, Store, write_json_atomic
+from sweep import SettingsError
+
+ACTIONS = ("plan", "train", "analyze", "run", "verify")
+HISTORY_SLOTS = 3
+CODE_DIR = Path(__file__).resolve().parent
+ANALYSIS_FILES = ("analysis.json", "metrics.json", "metrics", "plots")
+
+
+class LaunchError(RuntimeError):
+    """A launch cannot go on for a reason the user can fix; the message says how."""
+
+
+@dataclass
+class Job:
+    """One trained model: a configuration times a cohort member."""
+    configuration: object
+    member: dict
+    experiment: object
+    analysis: object
+    workload: dict
+
+    @property
+    def settings(self):
+        """The configuration's resolved training settings."""
+        return self.configuration.settings
+
+    @property
+    def run(self):
+        """The run folder relative to the output root."""
+        tag = sweep.digest({"configuration": self.configuration.digest, "member": self.member})[:10]
+        return f"runs/{self.configuration.name}/{self.member['name']}-{tag}"
+
+
+def now():
+    """The current UTC time as ISO text."""
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def read_json(path, default=None):
+    """A JSON file's content, or `default` when it does not exist."""
+    try:
+        with open(path) as handle:
+            return json.load(handle)
+    except FileNotFoundError:
+        return default
+
+
+# ---------------------------------------------------------------- planning
+
+def default_settings_dir():
+    """The current directory when it holds settings files, else the code's directory."""
+    here = Path.cwd()
+    return here if (here / "settings_training.py").exists() else CODE_DIR
+
+
+def load(profile=None, settings_dir=None):
+    """The profile's settings, loaded and structurally validated."""
+    return sweep.load_profile(Path(settings_dir) if settings_dir else default_settings_dir(), profile)
+
+
+def configuration_jobs(configuration, analysis_settings):
+    """Validate one configuration and list its jobs."""
+    settings = configuration.settings
+    experiment = study.load_class(settings["experiment"], "experiment")(settings)
+    experiment.validate()
+    analysis = study.load_class(analysis_settings["analysis"], "analysis")(analysis_settings, experiment)
+    study.check_graph(analysis.products, analysis.metrics, list(analysis_settings["metrics"]))
+    analysis.validate()
+    return [Job(configuration, member, experiment, analysis, analysis.workload(member))
+            for member in experiment.members()]
+
+
+def workload_errors(job, limits):
+    """Messages for every analysis limit this job's estimate exceeds."""
+    checks = (("model_evaluations", "max_model_evaluations"), ("saved_bytes", "max_saved_bytes"),
+              ("candidate_points", "max_candidate_points"))
+    return [f"configuration {job.configuration.name} member {job.member['name']}: the analysis needs "
+            f"{job.workload[need]:.3g} {need.replace('_', ' ')}, over verification.{limit}="
+            f"{limits[limit]:.3g}; reduce inference.truths, inference.candidates or "
+            f"inference.observations in settings_analysis.py, or raise the limit"
+            for need, limit in checks if job.workload[need] > limits[limit]]
+
+
+def check_limits(limits):
+    """The analysis limits must be positive numbers."""
+    for name in ("max_model_evaluations", "max_saved_bytes", "max_candidate_points"):
+        value = limits.get(name)
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+            raise SettingsError(f"verification.{name}: expected a positive number, got {value!r}")
+
+
+def make_plan(profile):
+    """Every job of the profile, plus the errors that stop training and analysis."""
+    jobs, errors, analysis_errors = [], [], []
+    check_limits(profile.analysis["verification"])
+    for configuration in profile.configurations:
+        try:
+            found = configuration_jobs(configuration, profile.analysis)
+        except SettingsError as error:
+            errors.append(f"configuration {configuration.name}: {error}")
+            continue
+        jobs.extend(found)
+        for job in found:
+            analysis_errors.extend(workload_errors(job, profile.analysis["verification"]))
+    baseline = profile.configurations[0].settings
+    try:
+        runtime.check_runtime_settings(baseline["runtime"])
+        device = runtime.resolve_device(baseline["runtime"]["device"], *launch_device_slot())
+        for configuration in profile.configurations:
+            runtime.check_precision(configuration.settings["training"]["precision"], device)
+    except SettingsError as error:
+        errors.append(str(error))
+    return jobs, errors, analysis_errors
+
+
+def launch_device_slot():
+    """(local rank, local world size) used to pick a device under torchrun."""
+    rank, world, local_rank = runtime.launch_environment()
+    return local_rank, world
+
+
+def plan_report(profile, jobs, errors, analysis_errors):
+    """The plan as a JSON-able dict."""
+    configurations = []
+    for configuration in profile.configurations:
+        mine = [job for job in jobs if job.configuration is configuration]
+        configurations.append({
+            "name": configuration.name, "variant": configuration.variant, "knob": configuration.knob,
+            "value": configuration.value,
+            "input_size": mine[0].experiment.input_size() if mine else None,
+            "jobs": [{"run": job.run, "member": job.member["name"], "workload": job.workload} for job in mine],
+        })
+    return {"profile": profile.name, "settings_dir": str(profile.settings_dir),
+            "output_root": profile.training["output"]["root"], "configurations": configurations,
+            "jobs": len(jobs), "warnings": [], "errors": errors + analysis_errors}
+
+
+def plan(profile=None, settings_dir=None):
+    """Resolve and validate every configuration and member; compute and write nothing."""
+    loaded = load(profile, settings_dir)
+    return plan_report(loaded, *make_plan(loaded))
+
+
+# ---------------------------------------------------------------- launch bookkeeping
+
+def source_snapshot(profile):
+    """A deterministic zip of the code and the settings files, and its content hash."""
+    files = sorted(CODE_DIR.glob("*.py")) + [profile.training_path, profile.analysis_path]
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for index, path in enumerate(files):
+            name = path.name if index < len(files) - 2 else f"settings/{path.name}"
+            info = zipfile.ZipInfo(name, date_time=(2000, 1, 1, 0, 0, 0))
+            archive.writestr(info, path.read_bytes())
+    data = buffer.getvalue()
+    return hashlib.sha256(data).hexdigest()[:16], data
+
+
+def write_snapshot(root, profile):
+    """Store the source snapshot under source/ (atomically) and return its relative path."""
+    name, data = source_snapshot(profile)
+    target = root / "source" / f"{name}.zip"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temporary = target.with_suffix(f".tmp-{id(data)}")
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, target)
+    return f"source/{name}.zip"
+
+
+def copy_settings(root, profile):
+    """Byte copies of the settings files this launch started from."""
+    for source in (profile.training_path, profile.analysis_path):
+        target = root / source.name
+        if source.resolve() != target.resolve():
+            temporary = target.with_name(f".{target.name}.tmp")
+            shutil.copyfile(source, temporary)
+            temporary.replace(target)
+
+
+def run_artifacts(root, runs):
+    """Store keys referenced by the given run folders' artifacts.json."""
+    keys = set()
+    for run in runs:
+        for reference in (read_json(root / run / "artifacts.json", {}) or {}).values():
+            keys.add(Path(reference).name)
+    return keys
+
+
+def record_history(root, profile, runs, snapshot):
+    """Put this training first in history.json, keeping the last three distinct settings."""
+    identity = sweep.digest(sweep.to_jsonable(profile.training))
+    history = read_json(root / "history.json", {"trainings": []})
+    entries = [entry for entry in history["trainings"] if entry["digest"] != identity]
+    entry = {"digest": identity, "profile": profile.name, "time": now(), "runs": sorted(runs),
+             "artifacts": sorted(run_artifacts(root, runs)), "source": snapshot,
+             "settings": sweep.to_jsonable(profile.training)}
+    history["trainings"] = [entry] + entries[:HISTORY_SLOTS - 1]
+    write_json_atomic(root / "history.json", history)
+    return history
+
+
+def clean_up(root, store, profile, runs, snapshot):
+    """Latest settings win: keep this launch's runs and what the last three trainings use."""
+    for variant in (root / "runs").glob("*"):
+        for run in variant.glob("*"):
+            if str(run.relative_to(root)) not in runs:
+                shutil.rmtree(run)
+        if variant.is_dir() and not any(variant.iterdir()):
+            variant.rmdir()
+    copy_settings(root, profile)
+    history = record_history(root, profile, runs, snapshot)
+    keep = set().union(*(entry["artifacts"] for entry in history["trainings"]))
+    store.prune(keep)
+    sources = {entry["source"] for entry in history["trainings"]}
+    for path in (root / "source").glob("*.zip"):
+        if f"source/{path.name}" not in sources:
+            path.unlink()
+
+
+# ---------------------------------------------------------------- jobs
+
+def write_status(run_dir, state, **extra):
+    """Atomically record a run's training state."""
+    write_json_atomic(run_dir / "status.json", {"state": state, "time": now(), **extra})
+
+
+def data_recipe(job):
+    """The training data's recipe: no backend identity, so CPU and CUDA share data."""
+    return {"experiment": job.experiment.data_recipe(job.member),
+            "source": study.source_fingerprint(*job.experiment.DATA_SOURCES),
+            "versions": study.library_versions()}
+
+
+def model_recipe(job, data_key, identity):
+    """The model's recipe: settings, data, source, versions and backend identity."""
+    return {"experiment": job.experiment.model_recipe(job.member), "data": data_key, "backend": identity,
+            "source": study.source_fingerprint(*job.experiment.MODEL_SOURCES),
+            "versions": study.library_versions()}
+
+
+def reference(store_root, artifact):
+    """A reference to an artifact relative to the output root."""
+    return str(Path(artifact.path).relative_to(store_root))
+
+
+def start_run(root, job, rt, snapshot, identity):
+    """Create the run folder with run.json and a `running` status; clear old analysis."""
+    run_dir = root / job.run
+    run_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(run_dir / "run.json", {
+        "id": job.run, "configuration": job.configuration.name, "variant": job.configuration.variant,
+        "knob": job.configuration.knob, "value": job.configuration.value, "member": job.member,
+        "settings": job.settings, "backend": identity, "versions": study.library_versions(),
+        "source": snapshot, "started": now(), "description": job.experiment.describe(job.member)})
+    for name in ANALYSIS_FILES:
+        path = run_dir / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+    write_status(run_dir, "running", worker=rt.rank)
+    return run_dir
+
+
+def is_trained(run_dir, model_key):
+    """Whether the run folder already records this exact model as trained."""
+    status = read_json(run_dir / "status.json", {})
+    return status.get("state") == "trained" and status.get("model") == model_key
+
+
+def train_job(root, store, job, rt, snapshot, identity):
+    """Get or sample the data, then get or train the model; status becomes `trained`."""
+    owner = rt.is_main or not rt.ddp          # the worker that writes this run's folder
+    run_dir = root / job.run
+    recipe_of_data = data_recipe(job)
+    recipe = model_recipe(job, store.key("training-data", recipe_of_data), identity)
+    model_key = store.key("model", recipe)
+    current = owner and is_trained(run_dir, model_key)
+    if owner and not current:
+        start_run(root, job, rt, snapshot, identity)
+    data = store.get("training-data", recipe_of_data, build=lambda writer: write_data(job, writer))
+
+    def train_and_write(writer):
+        state, history = job.experiment.train(job.member, job.experiment.build_model(job.member), data, rt)
+        return write_model(writer, state, history)
+
+    if not rt.ddp:
+        model = store.get("model", recipe, build=train_and_write)
+    else:
+        # Every rank must train together, so training cannot happen under the
+        # artifact's lock; rank 0 decides whether it is needed and commits it.
+        model = find_intact(store, "model", model_key) if rt.is_main else None
+        if not runtime.broadcast_object(rt, model is not None):
+            state, history = job.experiment.train(job.member, job.experiment.build_model(job.member), data, rt)
+            if rt.is_main:
+                model = store.get("model", recipe, build=lambda writer: write_model(writer, state, history))
+        runtime.barrier(rt)
+    if owner and not current:
+        write_json_atomic(run_dir / "artifacts.json", {"training-data": reference(root, data),
+                                                       "model": reference(root, model)})
+        write_status(run_dir, "trained", worker=rt.rank, model=model.key,
+                     selected_epoch=model.metadata.get("selected_epoch"))
+    return data, model
+
+
+def find_intact(store, name, key):
+    """A committed, undamaged artifact, or None (a damaged one is rebuilt by `get`)."""
+    try:
+        return store.find(name, key)
+    except DamagedArtifact:
+        return None
+
+
+def write_data(job, writer):
+    """Build the training-data artifact."""
+    arrays = job.experiment.sample_data(job.member)
+    for name, array in arrays.items():
+        writer.array(name, array)
+    return {"rows": {name: int(array.shape[0]) for name, array in arrays.items() if name.endswith("_labels")}}
+
+
+def write_model(writer, state, history):
+    """Build the model artifact: weights plus the training history."""
+    writer.weights(state)
+    writer.json("history", history)
+    return {"selected_epoch": history.get("selected_epoch"), "epochs": history.get("epochs")}
+
+
+def trained_artifacts(root, store, job, identity, profile_name):
+    """The committed data and weights of a trained job, or an error saying to train."""
+    run_dir = root / job.run
+    fix = f"run `python nnpd.py train --profile {profile_name}` first"
+    status = read_json(run_dir / "status.json")
+    if not status or status.get("state") != "trained":
+        raise LaunchError(f"{run_dir}: no trained model ({'state ' + status['state'] if status else 'no run'}); {fix}")
+    data_key = store.key("training-data", data_recipe(job))
+    try:
+        data = store.find("training-data", data_key)
+        model = store.find("model", store.key("model", model_recipe(job, data_key, identity)))
+    except DamagedArtifact as error:
+        raise LaunchError(f"{error}; {fix} to rebuild it") from None
+    if data is None or model is None:
+        raise LaunchError(f"{run_dir}: the trained model for this runtime ({identity['device_type']}, world size "
+                          f"{identity['ddp_world_size']}) is not in the store; {fix}")
+    return data, model
+
+
+def analyze_job(root, store, job, rt, data, model, snapshot):
+    """Compute the selected metrics of one trained model, building products lazily."""
+    run_dir = root / job.run
+    analysis_settings = job.analysis.settings
+    done = read_json(run_dir / "analysis.json", {})
+    if (done.get("state") == "complete" and done.get("model") == model.key and done.get("source") == snapshot
+            and done.get("settings") == analysis_settings and (run_dir / "metrics.json").exists()):
+        return read_json(run_dir / "metrics.json")    # same model, code and settings: nothing to do
+    record = {"settings": analysis_settings, "source": snapshot, "model": model.key, "worker": rt.rank}
+    write_json_atomic(run_dir / "analysis.json", {"state": "running", **record, "time": now()})
+    ctx = study.Context(job.settings, analysis_settings, job.member, job.experiment, job.analysis, rt,
+                        run_dir, store, data, model)
+    values = {}
+    for name in analysis_settings["metrics"]:
+        values[name] = job.analysis.metrics[name].compute(ctx)
+        write_json_atomic(run_dir / "metrics" / f"{name}.json", values[name])
+    write_json_atomic(run_dir / "metrics.json", values)
+    references = read_json(run_dir / "artifacts.json", {})
+    references.update({name: reference(root, artifact) for name, artifact in ctx.used.items()})
+    write_json_atomic(run_dir / "artifacts.json", references)
+    write_json_atomic(run_dir / "analysis.json", {"state": "complete", **record, "time": now()})
+    return values
+
+
+def fail_job(run_dir, stage, error):
+    """Record a failed job's traceback in its status (training) or analysis.json."""
+    text = "".join(traceback.format_exception(error))
+    if stage == "train":
+        write_status(run_dir, "failed", error=str(error), traceback=text)
+    else:
+        previous = read_json(run_dir / "analysis.json", {})
+        write_json_atomic(run_dir / "analysis.json", {**previous, "state": "failed", "error": str(error),
+                                                      "traceback": text, "time": now()})
+
+
+# ---------------------------------------------------------------- execution
+
+def log(rt, message):
+    """Progress, printed by rank 0 only."""
+    if rt.is_main:
+        print(f"[nnpd {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def job_cost(job):
+    """A rough cost used to start the largest jobs first."""
+    settings = job.settings
+    training = settings["data"].get("train", 0) * settings["training"].get("epochs", 1) if "data" in settings else 0
+    return training * 200 + job.workload["model_evaluations"]
+
+
+def claim_jobs(store, launch, jobs, rt):
+    """Yield jobs for this worker: all of them in ddp or alone, else the next unclaimed one."""
+    if not rt.distributed or rt.ddp:
+        yield from jobs
+        return
+    order = sorted(range(len(jobs)), key=lambda i: -job_cost(jobs[i]))
+    claims = store.root / "locks" / f"claims-{launch}.json"
+    while True:
+        with store.lock(f"claims-{launch}"):
+            taken = read_json(claims, [])
+            free = [i for i in order if i not in taken]
+            if not free:
+                return
+            write_json_atomic(claims, taken + [free[0]])
+        yield jobs[free[0]]
+
+
+def do_job(root, store, job, rt, stage, snapshot, identity, profile_name):
+    """Run one job's stage(s); returns an error message or None."""
+    run_dir = root / job.run
+    current = "train"
+    try:
+        if stage in ("train", "run"):
+            log(rt, f"train   {job.run}")
+            data, model = train_job(root, store, job, rt, snapshot, identity)
+        else:
+            data, model = trained_artifacts(root, store, job, identity, profile_name)
+        if stage in ("analyze", "run"):
+            current = "analyze"
+            if rt.is_main or not rt.ddp:
+                log(rt, f"analyze {job.run}")
+                analyze_job(root, store, job, rt, data, model, snapshot)
+            if rt.ddp:
+                runtime.barrier(rt)
+        return None
+    except LaunchError:
+        raise
+    except Exception as error:
+        fail_job(run_dir, current, error)
+        where = run_dir / ("status.json" if current == "train" else "analysis.json")
+        message = f"{job.run}: {current} failed on worker {rt.rank}: {error} (traceback in {where})"
+        if rt.ddp:   # the other ranks cannot go on without this one: end the whole launch
+            raise LaunchError(message) from error
+        return message
+
+
+def execute(stage, profile=None, settings_dir=None):
+    """Train, analyze or run a profile; returns a summary dict. Raises on failure."""
+    if stage not in ("train", "analyze", "run"):
+        raise SettingsError(f"unknown stage {stage!r}; use train, analyze or run")
+    loaded = load(profile, settings_dir)
+    jobs, errors, analysis_errors = make_plan(loaded)
+    if stage != "train":
+        errors = errors + analysis_errors
+    if errors:
+        raise SettingsError(errors[0])
+    root = Path(loaded.training["output"]["root"])
+    store = Store(root)
+    rt = runtime.start(loaded.configurations[0].settings["runtime"])
+    try:
+        return launch(stage, loaded, jobs, root, store, rt)
+    finally:
+        runtime.stop(rt)
+
+
+def launch(stage, profile, jobs, root, store, rt):
+    """Run the stage over all jobs with this worker's share, then clean up on rank 0."""
+    identity = runtime.backend_identity(rt)
+    if stage == "analyze":
+        if not (root / "runs").is_dir():
+            raise LaunchError(f"{root}: nothing trained yet; run `python nnpd.py train --profile {profile.name}` first")
+        trained = {job.run: trained_artifacts(root, store, job, identity, profile.name) for job in jobs}
+    snapshot = write_snapshot(root, profile) if rt.is_main else None
+    snapshot, launch_id = runtime.broadcast_object(rt, (snapshot, f"{time.time_ns():x}"))
+    log(rt, f"{stage} {profile.name}: {len(jobs)} jobs, device {rt.device}, {rt.world_size} worker(s), "
+            f"parallel={rt.parallel}, output {root}")
+    failures = []
+    for job in claim_jobs(store, launch_id, jobs, rt):
+        failure = do_job(root, store, job, rt, stage, snapshot, identity, profile.name)
+        if failure:
+            failures.append(failure)
+            print(f"[nnpd rank {rt.rank}] {failure}", file=sys.stderr, flush=True)
+    failures = [f for part in runtime.all_gather_object(rt, failures) for f in part]
+    if rt.is_main:
+        (root / "locks" / f"claims-{launch_id}.json").unlink(missing_ok=True)
+        if not failures:
+            with store.lock("cleanup"):
+                runs = {job.run for job in jobs}
+                if stage == "analyze":
+                    record_analysis(root, profile, runs)
+                else:
+                    clean_up(root, store, profile, runs, snapshot)
+    runtime.barrier(rt)
+    if failures:
+        raise LaunchError(f"{len(failures)} job(s) failed; first: {failures[0]}")
+    log(rt, f"{stage} done: results in {root / 'runs'}")
+    return {"stage": stage, "profile": profile.name, "root": str(root), "runs": sorted(job.run for job in jobs)}
+
+
+def record_analysis(root, profile, runs):
+    """Add the products an analysis used to the latest training's history entry."""
+    history = read_json(root / "history.json", {"trainings": []})
+    if history["trainings"]:
+        entry = history["trainings"][0]
+        entry["artifacts"] = sorted(set(entry["artifacts"]) | run_artifacts(root, runs))
+        write_json_atomic(root / "history.json", history)
+    copy_settings(root, profile)
+
+
+def verify(profile=None, settings_dir=None):
+    """Recompute every checksum in the profile's store; returns a report dict."""
+    loaded = load(profile, settings_dir)
+    root = Path(loaded.training["output"]["root"])
+    if not (root / "cache").is_dir():
+        raise LaunchError(f"{root}: no store to verify; run `python nnpd.py train --profile {loaded.name}` first")
+    checked, damaged = Store(root).verify()
+    return {"root": str(root), "checked": checked, "damaged": damaged}
+
+
+# ---------------------------------------------------------------- command line
+
+def parse_arguments(argv):
+    """The command line: an action, a profile and a settings directory."""
+    parser = argparse.ArgumentParser(prog="nnpd", description=__doc__.split("\n")[0])
+    parser.add_argument("action", nargs="?", default="plan", choices=ACTIONS)
+    parser.add_argument("--profile", help="profile name (default: the settings file's DEFAULT_PROFILE)")
+    parser.add_argument("--settings-dir", help="directory holding settings_training.py and settings_analysis.py")
+    return parser.parse_args(argv)
+
+
+def main(argv=None):
+    """Run the command line; returns the exit status."""
+    arguments = parse_arguments(sys.argv[1:] if argv is None else argv)
+    try:
+        if arguments.action == "plan":
+            report = plan(arguments.profile, arguments.settings_dir)
+            print(json.dumps(report, indent=2))
+            return 1 if report["errors"] else 0
+        if arguments.action == "verify":
+            report = verify(arguments.profile, arguments.settings_dir)
+            print(json.dumps(report, indent=2))
+            return 1 if report["damaged"] else 0
+        execute(arguments.action, arguments.profile, arguments.settings_dir)
+        return 0
+    except SettingsError as error:
+        print(f"nnpd: settings error: {error}", file=sys.stderr)
+        return 2
+    except (LaunchError, DamagedArtifact) as error:
+        print(f"nnpd: error: {error}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

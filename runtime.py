@@ -1,0 +1,321 @@
+"""Device choice, ranks, process groups, precision, determinism and backend identity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import random
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from sweep import SettingsError
+
+RUNTIME_DEFAULTS = {
+    "device": "auto",
+    "parallel": "jobs",
+    "cpu_threads": 1,
+    "deterministic": True,
+    "timeout_minutes": 60,
+}
+PARALLEL_MODES = ("jobs", "ddp")
+PRECISIONS = ("off", "float16", "bfloat16")
+DEVICE_FORMS = '"auto", "cpu", "cuda" or "cuda:N" (N = GPU index)'
+_INDEXED_CUDA = re.compile(r"cuda:(\d+)")
+
+
+def _is_int(value) -> bool:
+    """True for a real int (bool excluded, since True would pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    """True for an int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def check_runtime_settings(runtime_settings: dict | None) -> dict:
+    """Validate the `runtime` settings and return them with defaults filled in."""
+    given = dict(runtime_settings or {})
+    unknown = sorted(set(given) - set(RUNTIME_DEFAULTS))
+    if unknown:
+        raise SettingsError(
+            f"runtime.{unknown[0]}: unknown setting; valid keys are {sorted(RUNTIME_DEFAULTS)}"
+        )
+    settings = {**RUNTIME_DEFAULTS, **given}
+    if not isinstance(settings["device"], str):
+        raise SettingsError(f"runtime.device: expected a string, one of {DEVICE_FORMS}; got {settings['device']!r}")
+    if settings["parallel"] not in PARALLEL_MODES:
+        raise SettingsError(f"runtime.parallel: {settings['parallel']!r} is not valid; use \"jobs\" or \"ddp\"")
+    if not _is_int(settings["cpu_threads"]) or settings["cpu_threads"] < 1:
+        raise SettingsError(f"runtime.cpu_threads: expected an integer >= 1; got {settings['cpu_threads']!r}")
+    if not isinstance(settings["deterministic"], bool):
+        raise SettingsError(f"runtime.deterministic: expected true or false; got {settings['deterministic']!r}")
+    timeout = settings["timeout_minutes"]
+    if not _is_number(timeout) or not timeout > 0:
+        raise SettingsError(f"runtime.timeout_minutes: expected a number > 0; got {timeout!r}")
+    return settings
+
+
+def launch_environment(environ=None) -> tuple[int, int, int]:
+    """Return (rank, world_size, local_rank) from torchrun's variables (0, 1, 0 without torchrun)."""
+    environ = os.environ if environ is None else environ
+    values = {}
+    for name, default in (("RANK", 0), ("WORLD_SIZE", 1), ("LOCAL_RANK", 0)):
+        raw = environ.get(name, "")
+        try:
+            values[name] = int(raw) if str(raw).strip() else default
+        except ValueError:
+            raise RuntimeError(f"environment variable {name}={raw!r} is not an integer; launch with torchrun") from None
+    rank, world_size, local_rank = values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"]
+    if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
+        raise RuntimeError(
+            f"inconsistent launch environment RANK={rank} WORLD_SIZE={world_size} LOCAL_RANK={local_rank}; launch with torchrun"
+        )
+    return rank, world_size, local_rank
+
+
+def _cuda_unavailable(spec: str) -> SettingsError:
+    """The error for a CUDA device requested where none can be used."""
+    why = "built without CUDA" if torch.version.cuda is None else "no GPU visible"
+    return SettingsError(
+        f"runtime.device: {spec!r} requested but CUDA is not available "
+        f"(torch {torch.__version__}, {why}); use \"auto\" or \"cpu\""
+    )
+
+
+def _worker_gpu(spec: str, local_rank: int) -> torch.device:
+    """The GPU a worker uses: its local rank selects one of the visible GPUs."""
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise SettingsError(
+            f"runtime.device: {spec!r} with local rank {local_rank} but only {count} GPU(s) are visible; "
+            "start one worker per visible GPU (torchrun --nproc_per_node, CUDA_VISIBLE_DEVICES)"
+        )
+    return torch.device("cuda", local_rank)
+
+
+def resolve_device(spec: str, local_rank: int = 0, world_size: int = 1) -> torch.device:
+    """Turn `runtime.device` into a torch.device for this worker; never falls back silently."""
+    if not isinstance(spec, str):
+        raise SettingsError(f"runtime.device: expected one of {DEVICE_FORMS}; got {spec!r}")
+    if spec == "cpu":
+        return torch.device("cpu")
+    if spec == "auto":
+        return _worker_gpu(spec, local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    if spec == "cuda":
+        if not torch.cuda.is_available():
+            raise _cuda_unavailable(spec)
+        return _worker_gpu(spec, local_rank)
+    match = _INDEXED_CUDA.fullmatch(spec)
+    if match is None:
+        raise SettingsError(f"runtime.device: {spec!r} is not a valid device; use {DEVICE_FORMS}")
+    # An index would put every worker on the same GPU, so it is refused under a launch.
+    if world_size > 1:
+        raise SettingsError(
+            f"runtime.device: {spec!r} cannot be used with {world_size} workers; use \"cuda\" "
+            "(the local rank selects the GPU) and choose GPUs with CUDA_VISIBLE_DEVICES"
+        )
+    if not torch.cuda.is_available():
+        raise _cuda_unavailable(spec)
+    index, count = int(match.group(1)), torch.cuda.device_count()
+    if index >= count:
+        raise SettingsError(f"runtime.device: {spec!r} is out of range; {count} GPU(s) visible (cuda:0..cuda:{count - 1})")
+    return torch.device("cuda", index)
+
+
+def check_precision(precision: str, device) -> None:
+    """Refuse an impossible `training.precision` for a device; call it before any data is sampled."""
+    device = torch.device(device)
+    if precision not in PRECISIONS:
+        raise SettingsError(f"training.precision: {precision!r} is not valid; use \"off\", \"float16\" or \"bfloat16\"")
+    if precision == "float16" and device.type != "cuda":
+        raise SettingsError(
+            f"training.precision: \"float16\" needs a CUDA device but runtime.device resolved to {device.type}; "
+            "use \"bfloat16\" or \"off\""
+        )
+    if precision == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+        raise SettingsError(
+            f"training.precision: \"bfloat16\" is not supported by {torch.cuda.get_device_name(device)}; "
+            "use \"float16\" or \"off\""
+        )
+
+
+@dataclass
+class Runtime:
+    """Where and how this worker runs: device, ranks and the process group it owns."""
+
+    device: torch.device
+    parallel: str = "jobs"
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    cpu_threads: int = 1
+    deterministic: bool = True
+    timeout_minutes: float = 60
+    owns_group: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        """True on rank 0."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        """True when several workers were launched."""
+        return self.world_size > 1
+
+    @property
+    def ddp(self) -> bool:
+        """True when all workers train each model together."""
+        return self.parallel == "ddp" and self.world_size > 1
+
+    @property
+    def train_world_size(self) -> int:
+        """Number of workers that train one model together (1 in jobs mode)."""
+        return self.world_size if self.ddp else 1
+
+
+def set_determinism(flag: bool) -> None:
+    """Ask torch (and CUDA) for deterministic algorithms, or allow the fast ones again."""
+    if flag:
+        # cuBLAS reads this when its first handle is created, so it must precede CUDA work.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(flag)
+    torch.backends.cudnn.deterministic = flag
+    if flag:
+        torch.backends.cudnn.benchmark = False
+
+
+def derived_seed(seed: int, *labels) -> int:
+    """A 63-bit seed derived from SHA-256 of (seed, labels): independent named streams."""
+    text = json.dumps([seed, *labels], default=str)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "big") >> 1
+
+
+def seeded_generator(seed: int, *labels) -> torch.Generator:
+    """A CPU generator seeded with derived_seed(seed, *labels)."""
+    return torch.Generator().manual_seed(derived_seed(seed, *labels))
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy and torch (all devices) global streams."""
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def _create_group(rt: Runtime, environ) -> None:
+    """Create the default process group from torchrun's environment (Gloo on CPU, NCCL on CUDA)."""
+    missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(name)]
+    if missing:
+        raise RuntimeError(f"WORLD_SIZE={rt.world_size} but {', '.join(missing)} not set; launch with torchrun")
+    backend = "nccl" if rt.device.type == "cuda" else "gloo"
+    # env:// reads MASTER_ADDR/MASTER_PORT and uses torchrun's agent store when it offers one.
+    dist.init_process_group(
+        backend=backend,
+        init_method="env://",
+        rank=rt.rank,
+        world_size=rt.world_size,
+        timeout=timedelta(minutes=rt.timeout_minutes),
+    )
+    rt.owns_group = True
+
+
+def start(runtime_settings: dict | None, environ=None) -> Runtime:
+    """Validate settings, pick the device, configure torch and join the launch's process group."""
+    settings = check_runtime_settings(runtime_settings)
+    environ = os.environ if environ is None else environ
+    rank, world_size, local_rank = launch_environment(environ)
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError("a launch cannot be started inside an active process group; start nnpd as its own launch")
+    device = resolve_device(settings["device"], local_rank, world_size)
+    rt = Runtime(
+        device=device,
+        parallel=settings["parallel"],
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank,
+        cpu_threads=settings["cpu_threads"],
+        deterministic=settings["deterministic"],
+        timeout_minutes=settings["timeout_minutes"],
+    )
+    torch.set_num_threads(rt.cpu_threads)
+    set_determinism(rt.deterministic)
+    if device.type == "cuda":
+        # NCCL and object collectives use the current device, so it is set before the group exists.
+        torch.cuda.set_device(device)
+    if rt.distributed:
+        _create_group(rt, environ)
+    return rt
+
+
+def stop(rt: Runtime) -> None:
+    """Destroy the process group this runtime created; safe to call twice or after an error."""
+    if rt.owns_group and dist.is_initialized():
+        dist.destroy_process_group()
+    rt.owns_group = False
+
+
+def backend_identity(rt: Runtime) -> dict:
+    """What a trained model depends on besides its settings: device, versions, world size, threads."""
+    if rt.device.type == "cuda":
+        name = torch.cuda.get_device_name(rt.device)
+    else:
+        name = platform.processor() or "cpu"
+    return {
+        "device_type": rt.device.type,
+        "device_name": name,
+        "cuda_version": torch.version.cuda,
+        "torch_version": str(torch.__version__),
+        "ddp_world_size": rt.train_world_size,
+        "cpu_threads": rt.cpu_threads,
+        "deterministic": rt.deterministic,
+    }
+
+
+def barrier(rt: Runtime) -> None:
+    """Wait for every worker (no-op in a single process)."""
+    if not rt.distributed:
+        return
+    if rt.device.type == "cuda":
+        dist.barrier(device_ids=[rt.device.index])
+    else:
+        dist.barrier()
+
+
+def broadcast_object(rt: Runtime, obj, src: int = 0):
+    """Return rank `src`'s picklable object on every worker."""
+    if not rt.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, device=rt.device if rt.device.type == "cuda" else None)
+    return box[0]
+
+
+def all_reduce_sum(rt: Runtime, tensor: torch.Tensor) -> torch.Tensor:
+    """Sum a tensor over workers in place and return it."""
+    if rt.distributed:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_object(rt: Runtime, obj) -> list:
+    """Return every worker's object, in rank order."""
+    if not rt.distributed:
+        return [obj]
+    gathered = [None] * rt.world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def any_rank_failed(rt: Runtime, failed: bool) -> bool:
+    """True on every worker when at least one worker reports a failure."""
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=rt.device)
+    return bool(all_reduce_sum(rt, flag).item() > 0)

@@ -1,0 +1,157 @@
+"""The experiment/analysis contract: products, metrics and the context hooks receive.
+
+An experiment class (named by `experiment` in the training settings) supplies the
+cohort members, the training data, the network and its training. An analysis class
+(named by `analysis`) supplies named products, built lazily through the store from
+declared dependencies, and metrics computed from products.
+"""
+import hashlib
+import importlib
+import inspect
+import platform
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from sweep import SettingsError, digest
+import runtime
+
+
+@dataclass(frozen=True)
+class Product:
+    """An analysis product: what it needs, what its key depends on, how it is built."""
+    build: object                 # build(ctx, writer) -> JSON metadata
+    recipe: object                # recipe(ctx) -> the settings the product depends on
+    needs: tuple = ()             # names of the products it is built from
+    uses_model: bool = False      # whether the trained model enters its key
+
+
+@dataclass(frozen=True)
+class Metric:
+    """A metric: the products it reads and how it turns them into small JSON values."""
+    compute: object               # compute(ctx) -> JSON value
+    needs: tuple = ()
+
+
+def load_class(spec, setting):
+    """Import the class named by a "module:Class" setting."""
+    module_name, _, class_name = spec.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise SettingsError(f"{setting}: cannot import module {module_name!r} ({error})") from None
+    try:
+        return getattr(module, class_name)
+    except AttributeError:
+        raise SettingsError(f"{setting}: module {module_name!r} has no class {class_name!r}") from None
+
+
+def check_graph(products, metrics, selected):
+    """Reject unknown or duplicate metrics, unknown dependencies and cycles (plan time)."""
+    duplicates = sorted({name for name in selected if selected.count(name) > 1})
+    if duplicates:
+        raise SettingsError(f"metrics: listed more than once: {', '.join(duplicates)}")
+    for name in selected:
+        if name not in metrics:
+            raise SettingsError(f"metrics: unknown metric {name!r}; known metrics: {', '.join(sorted(metrics))}")
+    for owner, needs in [(f"metric {m!r}", metrics[m].needs) for m in selected] + \
+                        [(f"product {p!r}", spec.needs) for p, spec in products.items()]:
+        for need in needs:
+            if need not in products:
+                raise SettingsError(f"{owner} needs unknown product {need!r}")
+    state = {}
+
+    def visit(name, path):
+        if state.get(name) == "done":
+            return
+        if state.get(name) == "active":
+            raise SettingsError(f"products form a cycle: {' -> '.join(path + [name])}")
+        state[name] = "active"
+        for need in products[name].needs:
+            visit(need, path + [name])
+        state[name] = "done"
+
+    for name in products:
+        visit(name, [])
+
+
+def source_fingerprint(*objects):
+    """A digest of the source code of the given modules, classes or functions."""
+    hasher = hashlib.sha256()
+    for obj in objects:
+        hasher.update(inspect.getsource(obj).encode())
+    return hasher.hexdigest()
+
+
+def library_versions():
+    """The versions of Python, torch and numpy that enter every recipe."""
+    return {"python": platform.python_version(), "torch": torch.__version__, "numpy": np.__version__}
+
+
+@dataclass
+class Context:
+    """What a product, metric or plot hook gets for one trained model."""
+    settings: dict                # resolved training settings of the configuration
+    analysis_settings: dict
+    member: dict
+    experiment: object
+    analysis: object
+    runtime: object
+    run_dir: object
+    store: object
+    data: object                  # the training-data artifact
+    model_artifact: object
+    used: dict = field(default_factory=dict)   # name -> Artifact this run used
+    _model: object = None
+    _problem: object = None
+    _prior: object = None
+
+    @property
+    def problem(self):
+        """The member's problem, built once."""
+        if self._problem is None:
+            self._problem = self.experiment.problem(self.member)
+        return self._problem
+
+    @property
+    def prior(self):
+        """The member's prior, built once."""
+        if self._prior is None:
+            self._prior = self.experiment.prior(self.member)
+        return self._prior
+
+    @property
+    def model(self):
+        """The trained model on the runtime's device in eval mode, restored on first use."""
+        if self._model is None:
+            model = self.experiment.build_model(self.member)
+            model.load_state_dict(self.model_artifact.state_dict())
+            self._model = model.to(self.runtime.device).eval()
+        return self._model
+
+    def generator(self, *labels):
+        """A named random stream derived from the settings' seed and the labels."""
+        return runtime.seeded_generator(self.settings["seed"], *labels)
+
+    def product_recipe(self, name):
+        """The full recipe of a product: settings, dependencies' keys, model, source, versions."""
+        spec = self.analysis.products[name]
+        recipe = {
+            "settings": spec.recipe(self),
+            "needs": {need: self.require(need).key for need in spec.needs},
+            "source": source_fingerprint(spec.build, *self.analysis.SOURCES),
+            "versions": library_versions(),
+        }
+        if spec.uses_model:
+            recipe["model"] = self.model_artifact.key
+        return recipe
+
+    def require(self, name):
+        """The committed artifact of a product, built once through the store if missing."""
+        if name in self.used:
+            return self.used[name]
+        spec = self.analysis.products[name]
+        artifact = self.store.get(name, self.product_recipe(name), build=lambda writer: spec.build(self, writer))
+        self.used[name] = artifact
+        return artifact

@@ -1,0 +1,89 @@
+"""The command line: plan, the real smoke profile, verify, and user errors."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, run_cli, write_settings
+
+
+def files_under(path):
+    """Every file below a directory (empty when it does not exist)."""
+    return sorted(p for p in Path(path).rglob("*") if p.is_file())
+
+
+def test_bare_command_plans_and_writes_nothing(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out")
+    before = files_under(tmp_path)
+    result = run_cli("--settings-dir", str(settings))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["jobs"] == 4 and report["errors"] == []
+    job = report["configurations"][0]["jobs"][0]
+    assert job["workload"]["model_evaluations"] > 0
+    assert report["configurations"][0]["input_size"] == 2
+    assert files_under(tmp_path) == before and not (tmp_path / "out").exists()
+
+
+def test_default_profile_plan_is_one_factor_at_a_time():
+    result = run_cli("plan", "--profile", "default")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [c["value"] for c in report["configurations"]] == [None, 2, 3, 4, 5, 6]
+    assert report["jobs"] == 24
+    assert [c["input_size"] for c in report["configurations"]] == [2, 4, 6, 8, 10, 12]
+
+
+def test_smoke_profile_runs_reruns_for_free_and_verifies(tmp_path):
+    for name in ("settings_training.py", "settings_analysis.py"):
+        shutil.copy(REPO / name, tmp_path / name)     # the real smoke profile, run from tmp_path
+    first = run_cli("run", "--profile", "smoke", cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    root = tmp_path / "outputs" / "smoke"
+    weights = {p: p.stat().st_mtime_ns for p in root.glob("cache/model/*/weights.pt")}
+    assert len(weights) == 4
+    metrics = list(root.glob("runs/*/*/metrics.json"))
+    assert len(metrics) == 4
+    second = run_cli("run", "--profile", "smoke", cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    assert {p: p.stat().st_mtime_ns for p in root.glob("cache/model/*/weights.pt")} == weights
+    verified = run_cli("verify", "--profile", "smoke", cwd=tmp_path)
+    assert verified.returncode == 0, verified.stderr
+    report = json.loads(verified.stdout)
+    assert report["damaged"] == [] and report["checked"] >= 4 + 4 + 4
+
+
+USER_ERRORS = [
+    ('settings["runtime"]["device"] = "cuda"\n', "", "train", "runtime.device"),
+    ('settings["training"]["precision"] = "float16"\n', "", "train", "training.precision"),
+    ("", 'settings["metrics"] = ["bias", "sharpness"]\n', "run", "sharpness"),
+    ("", 'settings["inference"]["candidates"]["candidate_count"] = 10_000_000\n', "run", "max_candidate_points"),
+    ("", "", "analyze", "train"),
+    ('settings["runtime"]["device"] = "mps"\n', "", "train", "runtime.device"),
+]
+
+
+@pytest.mark.parametrize("training, analysis, action, named", USER_ERRORS)
+def test_user_errors_exit_with_one_clear_line_and_write_nothing(tmp_path, training, analysis, action, named):
+    settings = write_settings(tmp_path / "s", tmp_path / "out", training=training, analysis=analysis)
+    result = run_cli(action, "--settings-dir", str(settings))
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nnpd:"), result.stderr
+    assert named in lines[0]
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_unknown_profile_lists_the_known_ones(tmp_path):
+    result = run_cli("plan", "--profile", "nope")
+    assert result.returncode == 2
+    assert "smoke" in result.stderr and "default" in result.stderr and "paper" in result.stderr
+
+
+def test_verify_without_a_store_is_a_clear_error(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out")
+    result = run_cli("verify", "--settings-dir", str(settings))
+    assert result.returncode == 1 and "train" in result.stderr
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,124 @@
+"""Real torchrun launches of nnpd on CPU with Gloo: jobs mode, DDP, two nodes, failures."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, write_settings
+
+TIMEOUT = 300
+
+
+def free_port():
+    """A TCP port on the loopback interface that nobody listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def clean_environment(extra=None):
+    """The test's environment without torchrun variables from an outer launch."""
+    environment = {k: v for k, v in os.environ.items()
+                   if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    environment["OMP_NUM_THREADS"] = "1"
+    environment["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), str(REPO)])
+    return {**environment, **(extra or {})}
+
+
+def torchrun(*args, nproc=2, extra_env=None, timeout=TIMEOUT):
+    """Launch `nnpd.py` under torchrun on this machine and wait for it."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(REPO / "nnpd.py"), *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=clean_environment(extra_env),
+                          cwd=REPO)
+
+
+def run_folders(root):
+    """Every run folder of an output root."""
+    return sorted(path.parent for path in Path(root, "runs").glob("*/*/run.json"))
+
+
+def cache_entries(root):
+    """{(name, key): manifest mtime} of every committed artifact."""
+    return {(path.parent.parent.name, path.parent.name): path.stat().st_mtime_ns
+            for path in Path(root, "cache").glob("*/*/artifact.json")}
+
+
+def test_two_jobs_workers_take_disjoint_jobs_and_share_products(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out")
+    first = torchrun("run", "--settings-dir", str(settings))
+    assert first.returncode == 0, first.stdout + first.stderr
+    runs = run_folders(tmp_path / "out")
+    assert len(runs) == 4
+    workers = [json.loads((run / "status.json").read_text())["worker"] for run in runs]
+    assert sorted(set(workers)) == [0, 1]                    # both workers trained something
+    for run in runs:
+        assert json.loads((run / "analysis.json").read_text())["worker"] == \
+            json.loads((run / "status.json").read_text())["worker"]   # a job's analysis stays with its trainer
+    entries = cache_entries(tmp_path / "out")
+    assert [name for name, _ in entries].count("observations") == 1   # built once, read by both
+    assert [name for name, _ in entries].count("model") == 4
+    second = torchrun("run", "--settings-dir", str(settings))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert cache_entries(tmp_path / "out") == entries              # nothing retrained or rebuilt
+
+
+def test_ddp_run_trains_together_and_analyses_on_rank_zero(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["runtime"]["parallel"] = "ddp"\n'
+                                                                           'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
+    result = torchrun("run", "--settings-dir", str(settings))
+    assert result.returncode == 0, result.stdout + result.stderr
+    for run in run_folders(tmp_path / "out"):
+        assert json.loads((run / "run.json").read_text())["backend"]["ddp_world_size"] == 2
+        assert json.loads((run / "analysis.json").read_text())["worker"] == 0
+        history = json.loads((run / "status.json").read_text())
+        assert history["state"] == "trained"
+    assert result.stdout.count("analyze ") >= 2 and "rank 1" not in result.stdout
+
+
+@pytest.mark.parametrize("parallel", ["jobs", "ddp"])
+def test_two_nodes_on_loopback(tmp_path, parallel):
+    settings = write_settings(tmp_path / "s", tmp_path / "out",
+                              training=f'settings["runtime"]["parallel"] = "{parallel}"\n'
+                                       'settings["cohort"]["priors"] = ["uniform", "normal"]\n')
+    port = free_port()
+    nodes = []
+    for node in range(2):
+        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
+                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=nnpd-{parallel}",
+                   str(REPO / "nnpd.py"), "run", "--settings-dir", str(settings)]
+        nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                      env=clean_environment(), cwd=REPO))
+    outputs = [node.communicate(timeout=TIMEOUT)[0] for node in nodes]
+    assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
+    runs = run_folders(tmp_path / "out")
+    assert len(runs) == 2
+    assert all(json.loads((run / "analysis.json").read_text())["state"] == "complete" for run in runs)
+
+
+def test_a_rank_that_raises_mid_training_ends_the_launch_promptly(tmp_path):
+    toy = REPO / "tests" / "toy_settings"
+    settings = tmp_path / "s"
+    settings.mkdir()
+    for name in ("settings_training.py", "settings_analysis.py"):
+        text = (toy / name).read_text().replace("OUTPUT_ROOT", str(tmp_path / "out"))
+        text = text.replace('"parallel": "jobs"', '"parallel": "ddp"').replace('"timeout_minutes": 5',
+                                                                             '"timeout_minutes": 10')
+        (settings / name).write_text(text.replace('"noise": 0.3}', '"noise": 0.3, "poison": True}'))
+    started = time.monotonic()
+    failed = torchrun("train", "--settings-dir", str(settings))
+    elapsed = time.monotonic() - started
+    assert failed.returncode != 0
+    assert "non-finite" in failed.stdout + failed.stderr                # the original error is visible
+    assert elapsed < 90, f"took {elapsed:.0f} s: a rank was left waiting"   # far below the 10-minute timeout
+    assert [name for name, _ in cache_entries(tmp_path / "out")].count("model") == 0
+    text = (settings / "settings_training.py").read_text()
+    (settings / "settings_training.py").write_text(text.replace(', "poison": True', ""))
+    relaunch = torchrun("train", "--settings-dir", str(settings))
+    assert relaunch.returncode == 0, relaunch.stdout + relaunch.stderr
+    assert [name for name, _ in cache_entries(tmp_path / "out")].count("model") == 3

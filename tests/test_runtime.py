@@ -1,0 +1,234 @@
+"""Device choice, launch environment, precision, determinism, identity and process-group rules."""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import runtime
+from sweep import SettingsError
+
+ROOT = Path(__file__).resolve().parent.parent
+no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour of a machine without CUDA")
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ---------------------------------------------------------------- settings and environment
+
+
+def test_settings_defaults_and_validation():
+    assert runtime.check_runtime_settings({}) == runtime.RUNTIME_DEFAULTS
+    assert runtime.check_runtime_settings({"parallel": "ddp"})["parallel"] == "ddp"
+    bad = [
+        ({"parallel": "threads"}, "runtime.parallel"),
+        ({"cpu_threads": 0}, "runtime.cpu_threads"),
+        ({"cpu_threads": True}, "runtime.cpu_threads"),
+        ({"cpu_threads": 1.5}, "runtime.cpu_threads"),
+        ({"timeout_minutes": 0}, "runtime.timeout_minutes"),
+        ({"timeout_minutes": "5"}, "runtime.timeout_minutes"),
+        ({"deterministic": "yes"}, "runtime.deterministic"),
+        ({"device": 0}, "runtime.device"),
+        ({"devcie": "cpu"}, "runtime.devcie"),
+    ]
+    for given, name in bad:
+        with pytest.raises(SettingsError, match=name):
+            runtime.check_runtime_settings(given)
+
+
+def test_launch_environment():
+    assert runtime.launch_environment({}) == (0, 1, 0)
+    assert runtime.launch_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)
+    with pytest.raises(RuntimeError, match="RANK"):
+        runtime.launch_environment({"RANK": "x", "WORLD_SIZE": "2"})
+    with pytest.raises(RuntimeError, match="inconsistent"):
+        runtime.launch_environment({"RANK": "2", "WORLD_SIZE": "2"})
+
+
+# ---------------------------------------------------------------- device rows
+
+
+@no_cuda
+def test_auto_is_cpu_without_cuda():
+    assert runtime.resolve_device("auto") == torch.device("cpu")
+    assert runtime.resolve_device("auto", local_rank=1, world_size=2) == torch.device("cpu")
+    assert runtime.resolve_device("cpu", local_rank=1, world_size=2) == torch.device("cpu")
+
+
+@no_cuda
+@pytest.mark.parametrize("spec", ["cuda", "cuda:0"])
+def test_cuda_without_cuda_fails_clearly(spec):
+    with pytest.raises(SettingsError) as caught:
+        runtime.resolve_device(spec)
+    message = str(caught.value)
+    assert message.startswith(f"runtime.device: '{spec}' requested but CUDA is not available")
+    assert torch.__version__ in message and '"cpu"' in message and "\n" not in message
+
+
+def test_indexed_cuda_under_multi_worker_launch_names_cuda_visible_devices():
+    with pytest.raises(SettingsError, match="CUDA_VISIBLE_DEVICES") as caught:
+        runtime.resolve_device("cuda:0", local_rank=1, world_size=2)
+    assert 'use "cuda"' in str(caught.value)
+
+
+def test_indexed_cuda_through_start_with_torchrun_environment():
+    environ = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
+    with pytest.raises(SettingsError, match="CUDA_VISIBLE_DEVICES"):
+        runtime.start({"device": "cuda:0"}, environ=environ)
+    assert not dist.is_initialized()
+
+
+@pytest.mark.parametrize("spec", ["mps", "meta", "gpu", "cuda0", "CPU", "cuda:", "cuda:-1", "cuda:x", ""])
+def test_other_strings_list_the_valid_forms(spec):
+    with pytest.raises(SettingsError) as caught:
+        runtime.resolve_device(spec)
+    message = str(caught.value)
+    assert message.startswith("runtime.device:")
+    for form in ('"auto"', '"cpu"', '"cuda"', '"cuda:N"'):
+        assert form in message
+
+
+@cuda
+@pytest.mark.cuda
+def test_cuda_rows_on_a_gpu_machine():
+    count = torch.cuda.device_count()
+    assert runtime.resolve_device("auto") == torch.device("cuda", 0)
+    assert runtime.resolve_device("cuda", local_rank=count - 1, world_size=count) == torch.device("cuda", count - 1)
+    assert runtime.resolve_device(f"cuda:{count - 1}") == torch.device("cuda", count - 1)
+    with pytest.raises(SettingsError, match="out of range"):
+        runtime.resolve_device(f"cuda:{count}")
+    with pytest.raises(SettingsError, match="one worker per visible GPU"):
+        runtime.resolve_device("cuda", local_rank=count, world_size=count + 1)
+
+
+# ---------------------------------------------------------------- precision
+
+
+def test_precision_rules_on_cpu():
+    runtime.check_precision("off", "cpu")
+    runtime.check_precision("bfloat16", torch.device("cpu"))
+    with pytest.raises(SettingsError, match=r"^training\.precision: \"float16\" needs a CUDA device"):
+        runtime.check_precision("float16", "cpu")
+    with pytest.raises(SettingsError, match="training.precision"):
+        runtime.check_precision("fp16", "cpu")
+
+
+@cuda
+@pytest.mark.cuda
+def test_precision_rules_on_cuda():
+    runtime.check_precision("float16", "cuda")
+    if torch.cuda.is_bf16_supported():
+        runtime.check_precision("bfloat16", "cuda")
+
+
+# ---------------------------------------------------------------- determinism and streams
+
+
+def test_seeded_generator_streams():
+    a = torch.rand(5, generator=runtime.seeded_generator(3, "permutation"))
+    b = torch.rand(5, generator=runtime.seeded_generator(3, "permutation"))
+    c = torch.rand(5, generator=runtime.seeded_generator(3, "init"))
+    d = torch.rand(5, generator=runtime.seeded_generator(4, "permutation"))
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c) and not torch.equal(a, d)
+    assert 0 <= runtime.seeded_generator(3, "x").initial_seed() < 2**63
+
+
+def test_seed_everything_repeats_global_streams():
+    runtime.seed_everything(11)
+    first = torch.rand(3)
+    runtime.seed_everything(11)
+    assert torch.equal(first, torch.rand(3))
+
+
+def test_set_determinism_switches_torch_flags():
+    before = torch.are_deterministic_algorithms_enabled()
+    try:
+        runtime.set_determinism(True)
+        assert torch.are_deterministic_algorithms_enabled()
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] in (":4096:8", ":16:8")
+        runtime.set_determinism(False)
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
+# ---------------------------------------------------------------- start, identity, collectives
+
+
+def test_start_single_process_and_identity():
+    rt = runtime.start({"device": "cpu", "cpu_threads": 2, "deterministic": False}, environ={})
+    try:
+        assert (rt.rank, rt.world_size, rt.is_main, rt.distributed, rt.ddp) == (0, 1, True, False, False)
+        assert torch.get_num_threads() == 2
+        identity = runtime.backend_identity(rt)
+        assert identity == {
+            "device_type": "cpu",
+            "device_name": identity["device_name"],
+            "cuda_version": torch.version.cuda,
+            "torch_version": torch.__version__,
+            "ddp_world_size": 1,
+            "cpu_threads": 2,
+            "deterministic": False,
+        }
+        assert isinstance(identity["device_name"], str) and identity["device_name"]
+        assert type(identity["torch_version"]) is str
+    finally:
+        runtime.stop(rt)
+        torch.set_num_threads(1)
+        torch.use_deterministic_algorithms(False)
+
+
+def test_ddp_in_one_process_starts_nothing_and_collectives_are_no_ops():
+    rt = runtime.start({"device": "cpu", "parallel": "ddp"}, environ={})
+    try:
+        assert not dist.is_initialized() and not rt.owns_group
+        assert not rt.ddp and rt.train_world_size == 1
+        assert runtime.backend_identity(rt)["ddp_world_size"] == 1
+        runtime.barrier(rt)
+        assert runtime.broadcast_object(rt, {"a": 1}) == {"a": 1}
+        assert runtime.all_gather_object(rt, 5) == [5]
+        assert torch.equal(runtime.all_reduce_sum(rt, torch.tensor([2.0])), torch.tensor([2.0]))
+        assert runtime.any_rank_failed(rt, True) and not runtime.any_rank_failed(rt, False)
+    finally:
+        runtime.stop(rt)
+        runtime.stop(rt)  # safe twice
+        torch.use_deterministic_algorithms(False)
+
+
+def test_world_size_properties():
+    jobs = runtime.Runtime(device=torch.device("cpu"), parallel="jobs", rank=1, world_size=2)
+    ddp = runtime.Runtime(device=torch.device("cpu"), parallel="ddp", rank=1, world_size=2)
+    assert jobs.distributed and not jobs.ddp and jobs.train_world_size == 1 and not jobs.is_main
+    assert ddp.ddp and ddp.train_world_size == 2
+    assert runtime.backend_identity(jobs)["ddp_world_size"] == 1
+    assert runtime.backend_identity(ddp)["ddp_world_size"] == 2
+
+
+NESTED = textwrap.dedent(
+    """
+    import tempfile, os, torch.distributed as dist
+    import runtime
+    path = os.path.join(tempfile.mkdtemp(), "rdzv")
+    dist.init_process_group("gloo", init_method="file://" + path, rank=0, world_size=1)
+    try:
+        runtime.start({"device": "cpu"}, environ={})
+    except (RuntimeError, ValueError) as error:
+        print("REFUSED:", error)
+    print("STILL_INITIALIZED:", dist.is_initialized())
+    dist.destroy_process_group()
+    """
+)
+
+
+def test_nesting_inside_an_active_process_group_is_refused():
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", NESTED], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "REFUSED: a launch cannot be started inside an active process group" in done.stdout
+    assert "STILL_INITIALIZED: True" in done.stdout

@@ -1,0 +1,296 @@
+"""The bundled trainer: sharding properties, metrics, and real training on tiny data."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import runtime
+import trainer
+from sweep import SettingsError
+
+CPU = runtime.Runtime(device=torch.device("cpu"))
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+# ---------------------------------------------------------------- sharding math
+
+
+@given(rows=st.integers(0, 500), batch_size=st.integers(1, 80))
+def test_epoch_batches_cover_every_row_once_in_order(rows, batch_size):
+    batches = trainer.epoch_batches(rows, batch_size)
+    covered = [i for start, stop in batches for i in range(start, stop)]
+    assert covered == list(range(rows))
+    assert all(stop - start == batch_size for start, stop in batches[:-1])
+    assert all(0 < stop - start <= batch_size for start, stop in batches)
+
+
+@given(batch_len=st.integers(1, 300), world_size=st.integers(1, 400))
+def test_every_index_of_a_batch_is_in_exactly_one_shard(batch_len, world_size):
+    indices = range(batch_len)
+    shards = [list(indices[trainer.shard_slice(batch_len, r, world_size)]) for r in range(world_size)]
+    assert sorted(i for shard in shards for i in shard) == list(indices)
+    sizes = trainer.shard_sizes(batch_len, world_size)
+    assert sizes == [len(shard) for shard in shards]
+    assert max(sizes) - min(sizes) <= 1
+    assert sum(sizes) == batch_len
+    # World sizes beyond the batch leave the high ranks empty, never the low ones.
+    assert sizes.count(0) == max(0, world_size - batch_len)
+    if world_size > batch_len:
+        assert sizes[batch_len:] == [0] * (world_size - batch_len)
+
+
+@given(batch_len=st.integers(1, 200), world_size=st.integers(1, 300))
+def test_shard_slices_work_on_tensors_including_empty_ones(batch_len, world_size):
+    batch = torch.arange(batch_len)
+    parts = [batch[trainer.shard_slice(batch_len, r, world_size)] for r in range(world_size)]
+    assert torch.equal(torch.sort(torch.cat(parts)).values, batch)
+    assert [len(p) for p in parts] == trainer.shard_sizes(batch_len, world_size)
+
+
+@settings(max_examples=200)
+@given(
+    losses=st.lists(st.floats(0, 50, allow_nan=False), min_size=1, max_size=120),
+    world_size=st.integers(1, 150),
+)
+def test_loss_scales_sum_to_world_size_and_reproduce_the_global_mean(losses, world_size):
+    batch_len = len(losses)
+    scales, weighted = [], 0.0
+    for rank in range(world_size):
+        shard = losses[trainer.shard_slice(batch_len, rank, world_size)]
+        scale = trainer.loss_scale(len(shard), batch_len, world_size)
+        scales.append(scale)
+        if shard:  # an empty shard contributes zero weight
+            weighted += scale * (sum(shard) / len(shard))
+    assert math.isclose(sum(scales), world_size, rel_tol=1e-12)
+    assert math.isclose(weighted / world_size, sum(losses) / batch_len, rel_tol=1e-9, abs_tol=1e-12)
+
+
+def test_sharding_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        trainer.shard_slice(4, 2, 2)
+    with pytest.raises(ValueError):
+        trainer.epoch_batches(4, 0)
+    with pytest.raises(ValueError):
+        trainer.loss_scale(0, 0, 2)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_classification_metrics_by_hand():
+    logits = torch.tensor([2.0, -1.0, 0.5, -3.0])
+    labels = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    m = trainer.classification_metrics(logits, labels)
+    bce = [math.log1p(math.exp(-2.0)), math.log1p(math.exp(-1.0)), math.log1p(math.exp(0.5)), math.log1p(math.exp(3.0))]
+    assert m["bce"] == pytest.approx(sum(bce) / 4, rel=1e-12)
+    assert m["accuracy"] == pytest.approx(0.5)  # rows 1 and 2 right
+    # pairs (pos, neg): (2,-1) win, (2,0.5) win, (-3,-1) loss, (-3,0.5) loss -> 2/4
+    assert m["auc"] == pytest.approx(0.5)
+
+
+def test_auc_counts_ties_as_half():
+    logits = torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0])
+    labels = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0])
+    # positives 1.0 and 2.0 vs negatives 1.0,1.0,0.0: 1.0 -> 0.5+0.5+1, 2.0 -> 3 ; total 5/6
+    assert trainer.classification_metrics(logits, labels)["auc"] == pytest.approx(5 / 6)
+    all_tied = trainer.classification_metrics(torch.zeros(4), torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    assert all_tied["auc"] == pytest.approx(0.5)
+
+
+def test_auc_is_none_when_one_class_is_absent_and_bce_is_stable():
+    m = trainer.classification_metrics(torch.tensor([800.0, -800.0]), torch.tensor([1.0, 1.0]))
+    assert m["auc"] is None
+    assert m["bce"] == pytest.approx(400.0) and m["accuracy"] == 0.5
+
+
+# ---------------------------------------------------------------- settings
+
+
+def test_training_settings_validation():
+    assert trainer.check_training_settings({}) == trainer.TRAINING_DEFAULTS
+    for given, key in [
+        ({"epochs": 0}, "training.epochs"),
+        ({"batch_size": 2.0}, "training.batch_size"),
+        ({"optimizer": "sgd"}, "training.optimizer"),
+        ({"learning_rate": -1}, "training.learning_rate"),
+        ({"betas": [0.9]}, "training.betas"),
+        ({"epsilon": 0}, "training.epsilon"),
+        ({"weight_decay": -0.1}, "training.weight_decay"),
+        ({"gradient_clip": 0}, "training.gradient_clip"),
+        ({"precision": "half"}, "training.precision"),
+        ({"checkpoint": "first"}, "training.checkpoint"),
+        ({"epoch": 3}, "training.epoch"),
+    ]:
+        with pytest.raises(SettingsError, match=key):
+            trainer.check_training_settings(given)
+
+
+def test_float16_on_cpu_is_refused_before_training():
+    model = _model()
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(SettingsError, match="training.precision"):
+        trainer.train(model, _data(), {"precision": "float16"}, CPU, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+# ---------------------------------------------------------------- training on tiny data
+
+
+def _data(rows=300, validation=100, seed=0):
+    """A linearly separable-ish problem with a little label noise."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows + validation, 2, generator=g)
+    y = (x[:, 0] + 0.5 * x[:, 1] + 0.3 * torch.randn(rows + validation, generator=g) > 0).float()
+    return {"train_inputs": x[:rows], "train_labels": y[:rows], "validation_inputs": x[rows:], "validation_labels": y[rows:]}
+
+
+def _model(seed=0):
+    """A tiny MLP returning (rows,) logits."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1), torch.nn.Flatten(0))
+
+
+def _train(settings, data=None, model=None, seed=0, rt=CPU):
+    """Train with defaults for the tests."""
+    return trainer.train(model or _model(), data or _data(), {"batch_size": 32, **settings}, rt, seed)
+
+
+def test_training_lowers_the_loss_and_reports_history():
+    weights, history = _train({"epochs": 4, "learning_rate": 0.02})
+    losses = history["train_loss"]
+    assert len(losses) == 4 and losses[-1] < losses[0] * 0.8
+    assert history["validation"][-1]["accuracy"] > 0.8 and history["validation"][-1]["auc"] > 0.85
+    assert history["rows_per_epoch"] == 300 and history["global_batch_size"] == 32
+    assert history["world_size"] == 1 and history["epochs"] == 4
+    assert all(t.device.type == "cpu" for t in weights.values())
+    assert set(weights) == set(_model().state_dict())
+
+
+def test_epoch_loss_is_the_per_row_mean_over_the_epoch():
+    # With learning rate ~0, the epoch loss equals the BCE of the initial model on all train rows.
+    data = _data()
+    model = _model()
+    with torch.no_grad():
+        expected = torch.nn.functional.binary_cross_entropy_with_logits(model(data["train_inputs"]), data["train_labels"]).item()
+    _, history = _train({"epochs": 1, "learning_rate": 1e-12, "batch_size": 37}, data=data, model=_model())
+    assert history["train_loss"][0] == pytest.approx(expected, rel=1e-5)
+
+
+def test_best_keeps_the_lowest_validation_epoch_and_last_the_final_one():
+    # A learning rate this high makes validation BCE bounce, so best and last differ.
+    settings = {"epochs": 6, "learning_rate": 0.5, "batch_size": 16}
+    best, h_best = _train({**settings, "checkpoint": "best"})
+    last, h_last = _train({**settings, "checkpoint": "last"})
+    bces = [v["bce"] for v in h_best["validation"]]
+    assert h_best["selected_epoch"] == bces.index(min(bces)) + 1
+    assert h_last["selected_epoch"] == 6
+    assert h_best["train_loss"] == h_last["train_loss"]  # same run, different keep
+    model = _model()
+    model.load_state_dict(best)
+    data = _data()
+    logits = model(data["validation_inputs"]).detach()
+    again = trainer.classification_metrics(logits, data["validation_labels"])["bce"]
+    assert again == pytest.approx(min(bces), rel=1e-5)
+    if h_best["selected_epoch"] != 6:
+        assert any(not torch.equal(best[k], last[k]) for k in best)
+
+
+def test_adamw_with_clipping_trains_and_differs_from_adam():
+    plain, _ = _train({"epochs": 2, "learning_rate": 0.05})
+    decayed, history = _train({"epochs": 2, "learning_rate": 0.05, "optimizer": "adamw", "weight_decay": 0.5, "gradient_clip": 0.01})
+    assert history["train_loss"][-1] < history["train_loss"][0]
+    assert any(not torch.allclose(plain[k], decayed[k]) for k in plain)
+
+
+def _step_size(weights, start):
+    """L2 norm of the change of all parameters."""
+    return math.sqrt(sum(float(((weights[k] - start[k]) ** 2).sum()) for k in start))
+
+
+def test_gradient_clip_bounds_the_global_norm():
+    # One full-batch Adam step with a huge epsilon moves parameters by about lr * gradient,
+    # so the step's L2 norm shows the (clipped) global gradient norm.
+    start = _model().state_dict()
+    settings = {"epochs": 1, "learning_rate": 1.0, "epsilon": 10.0, "batch_size": 300, "checkpoint": "last"}
+    clipped, _ = _train({**settings, "gradient_clip": 1e-3})
+    free, _ = _train(settings)
+    assert 0 < _step_size(clipped, start) <= 1e-3 / 10 * 1.001
+    assert _step_size(free, start) > 20 * _step_size(clipped, start)
+
+
+def test_bfloat16_on_cpu_runs():
+    weights, history = _train({"epochs": 2, "learning_rate": 0.02, "precision": "bfloat16"})
+    assert all(math.isfinite(v) for v in history["train_loss"])
+    assert all(t.dtype == torch.float32 for t in weights.values())
+
+
+def test_non_finite_input_raises_naming_epoch_and_batch():
+    data = _data()
+    data["train_inputs"] = data["train_inputs"].clone()
+    data["train_inputs"][5, 0] = math.inf
+    with pytest.raises(FloatingPointError, match=r"epoch 1, batch \d+"):
+        _train({"epochs": 2}, data=data)
+
+
+def test_non_finite_validation_logit_raises():
+    data = _data()
+    data["validation_inputs"] = data["validation_inputs"].clone()
+    data["validation_inputs"][0, 0] = math.nan
+    with pytest.raises(FloatingPointError, match="validation"):
+        _train({"epochs": 1}, data=data)
+
+
+def test_same_seed_gives_identical_weights_and_other_seed_differs():
+    a, ha = _train({"epochs": 2}, seed=3)
+    b, hb = _train({"epochs": 2}, seed=3)
+    c, _ = _train({"epochs": 2}, seed=4)
+    assert all(torch.equal(a[k], b[k]) for k in a) and ha == hb
+    assert any(not torch.equal(a[k], c[k]) for k in a)
+
+
+def test_training_state_round_trips_and_redraws_the_epoch_permutation():
+    model = _model()
+    settings = trainer.check_training_settings({})
+    state = trainer.TrainingState(
+        model=model,
+        optimizer=trainer.make_optimizer(model.parameters(), settings, torch.device("cpu")),
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        generator=runtime.seeded_generator(1, "permutation"),
+    )
+    model(torch.randn(4, 2)).sum().backward()
+    state.optimizer.step()
+    first = state.permutation(50)
+    state.epoch, state.position = 2, 7  # mid-epoch
+    saved = state.state_dict()
+    other_model = _model(seed=9)
+    other = trainer.TrainingState(
+        model=other_model,
+        optimizer=trainer.make_optimizer(other_model.parameters(), settings, torch.device("cpu")),
+        scaler=torch.amp.GradScaler("cpu", enabled=False),
+        generator=torch.Generator(),
+    )
+    other.load_state_dict(saved)
+    assert (other.epoch, other.position) == (2, 7)
+    assert all(torch.equal(model.state_dict()[k], other_model.state_dict()[k]) for k in model.state_dict())
+    assert torch.equal(other.optimizer.state_dict()["state"][0]["exp_avg"], state.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(other.permutation(50), first)  # resume mid-epoch redraws the same order
+    other.position = 0
+    assert not torch.equal(other.permutation(50), first)  # a new epoch draws a new one
+
+
+# ---------------------------------------------------------------- CUDA (skipped without a GPU)
+
+
+@cuda
+@pytest.mark.cuda
+@pytest.mark.parametrize("precision", ["off", "float16", "bfloat16"])
+def test_single_gpu_training(precision):
+    if precision == "bfloat16" and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bfloat16 support")
+    rt = runtime.Runtime(device=torch.device("cuda", 0))
+    weights, history = _train({"epochs": 3, "learning_rate": 0.02, "precision": precision, "gradient_clip": 1.0}, rt=rt)
+    assert history["train_loss"][-1] < history["train_loss"][0]
+    assert all(t.device.type == "cpu" for t in weights.values())
