@@ -1,0 +1,7 @@
+"""`python run.py ...` is the same command as `python nnpd.py ...` (the user page's spelling)."""
+import sys
+
+import nnpd
+
+if __name__ == "__main__":
+    sys.exit(nnpd.main())
