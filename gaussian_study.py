@@ -86,6 +86,13 @@ class GaussianExperiment:
         seed = runtime.derived_seed(self.settings["seed"], "train", member["name"])
         return trainer.train(model, tensors, self.settings["training"], rt, seed)
 
+    def workload(self, member):
+        """Training examples seen and network size: the training cost estimate."""
+        parameters = sum(p.numel() for p in gaussian.build_network(self.settings["model"],
+                                                                    self.input_size()).parameters())
+        return {"training_examples": self.settings["data"]["train"] * self.settings["training"]["epochs"],
+                "network_parameters": int(parameters)}
+
     def describe(self, member):
         """A JSON description of the member's problem and prior for run.json."""
         return {"problem": self.problem().describe(), "prior": self.prior(member).describe()}

@@ -156,7 +156,8 @@ def plan_report(profile, jobs, errors, analysis_errors):
             "name": configuration.name, "variant": configuration.variant, "knob": configuration.knob,
             "value": configuration.value,
             "input_size": mine[0].experiment.input_size() if mine else None,
-            "jobs": [{"run": job.run, "member": job.member["name"], "workload": job.workload} for job in mine],
+            "jobs": [{"run": job.run, "member": job.member["name"],
+                      "workload": {**job.experiment.workload(job.member), **job.workload}} for job in mine],
         })
     return {"profile": profile.name, "settings_dir": str(profile.settings_dir),
             "output_root": profile.training["output"]["root"], "configurations": configurations,
@@ -421,16 +422,24 @@ def log(rt, message):
 
 
 def job_cost(job):
-    """A rough cost used to start the largest jobs first."""
-    settings = job.settings
-    training = settings["data"].get("train", 0) * settings["training"].get("epochs", 1) if "data" in settings else 0
-    return training * 200 + job.workload["model_evaluations"]
+    """A rough cost in multiply-adds, used to start the largest jobs first."""
+    training = job.experiment.workload(job.member)
+    examples = 3 * training["training_examples"] + job.workload["model_evaluations"]
+    return examples * training["network_parameters"]
 
 
 def claim_jobs(store, launch, jobs, rt):
-    """Yield jobs for this worker: all of them in ddp or alone, else the next unclaimed one."""
+    """Yield this worker's jobs: all of them in ddp or alone, else the next unclaimed one.
+
+    Workers claim the largest unclaimed job under a store lock whenever they are
+    free, so they finish together when job costs differ. NNPD_ASSIGNMENT=round-robin
+    (for benchmarks) gives worker r the fixed share jobs[r::world] instead.
+    """
     if not rt.distributed or rt.ddp:
         yield from jobs
+        return
+    if os.environ.get("NNPD_ASSIGNMENT") == "round-robin":
+        yield from jobs[rt.rank::rt.world_size]
         return
     order = sorted(range(len(jobs)), key=lambda i: -job_cost(jobs[i]))
     claims = store.root / "locks" / f"claims-{launch}.json"
@@ -527,12 +536,13 @@ def launch(stage, profile, jobs, root, store, rt):
 
 
 def record_analysis(root, profile, runs):
-    """Add the products an analysis used to the latest training's history entry."""
+    """Add the products an analysis used to its training's history entry, so they are kept."""
     history = read_json(root / "history.json", {"trainings": []})
-    if history["trainings"]:
-        entry = history["trainings"][0]
-        entry["artifacts"] = sorted(set(entry["artifacts"]) | run_artifacts(root, runs))
-        write_json_atomic(root / "history.json", history)
+    identity = sweep.digest(sweep.to_jsonable(profile.training))
+    for entry in history["trainings"]:
+        if entry["digest"] == identity:
+            entry["artifacts"] = sorted(set(entry["artifacts"]) | run_artifacts(root, runs))
+            write_json_atomic(root / "history.json", history)
     copy_settings(root, profile)
 
 

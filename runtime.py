@@ -160,6 +160,7 @@ class Runtime:
     deterministic: bool = True
     timeout_minutes: float = 60
     owns_group: bool = False
+    previous_torch_state: tuple = ()   # (threads, deterministic) to put back on stop
 
     @property
     def is_main(self) -> bool:
@@ -234,7 +235,8 @@ def start(runtime_settings: dict | None, environ=None) -> Runtime:
     environ = os.environ if environ is None else environ
     rank, world_size, local_rank = launch_environment(environ)
     if dist.is_available() and dist.is_initialized():
-        raise RuntimeError("a launch cannot be started inside an active process group; start nnpd as its own launch")
+        raise SettingsError("a launch cannot be started inside an active process group; "
+                            "start nnpd as its own launch (for a trained model, use store.restore)")
     device = resolve_device(settings["device"], local_rank, world_size)
     rt = Runtime(
         device=device,
@@ -246,6 +248,7 @@ def start(runtime_settings: dict | None, environ=None) -> Runtime:
         deterministic=settings["deterministic"],
         timeout_minutes=settings["timeout_minutes"],
     )
+    rt.previous_torch_state = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
     torch.set_num_threads(rt.cpu_threads)
     set_determinism(rt.deterministic)
     if device.type == "cuda":
@@ -257,10 +260,19 @@ def start(runtime_settings: dict | None, environ=None) -> Runtime:
 
 
 def stop(rt: Runtime) -> None:
-    """Destroy the process group this runtime created; safe to call twice or after an error."""
+    """Destroy the process group this runtime created and put torch's settings back.
+
+    Safe to call twice or after an error; a Python caller of a launch gets its own
+    thread count and determinism flag back.
+    """
     if rt.owns_group and dist.is_initialized():
         dist.destroy_process_group()
     rt.owns_group = False
+    if rt.previous_torch_state:
+        threads, deterministic = rt.previous_torch_state
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        rt.previous_torch_state = ()
 
 
 def backend_identity(rt: Runtime) -> dict:

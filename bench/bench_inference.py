@@ -4,12 +4,16 @@ Both evaluate the default study's network (mlp [64]*4, input width 2) on
 candidates × observations rows, side by side in one run, alternating.
 """
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-import gaussian
-import inference
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+
+import gaussian  # noqa: E402
+import inference  # noqa: E402
 
 
 def plain_forward(model, rows, batch):

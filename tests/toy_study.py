@@ -85,6 +85,12 @@ class SlopeExperiment:
                    ("train_inputs", "train_labels", "validation_inputs", "validation_labels")}
         return trainer.train(model, tensors, self.settings["training"], rt, self.settings["seed"])
 
+    def workload(self, member):
+        """Examples seen in training and the network's size."""
+        width = self.settings["model"]["width"]
+        return {"training_examples": self.settings["data"]["train"] * self.settings["training"]["epochs"],
+                "network_parameters": 4 * width + 1}
+
     def describe(self, member):
         """Nothing more to say than the settings."""
         return {"simulator": "x = 2θ + noise"}
