@@ -31,8 +31,13 @@ def patched_source(name, patch):
     source += "\n\nfrom sweep import Choice  # noqa: E402,F811\n"
     source += "_repository_make_settings = make_settings\n\n\ndef make_settings(profile):\n"
     source += "    settings = _repository_make_settings(profile)\n"
-    source += textwrap.indent(textwrap.dedent(patch), "    ") + "    return settings\n"
+    source += textwrap.indent(patch, "    ") + "    return settings\n"
     return source
+
+
+def code(text):
+    """An indented triple-quoted block of settings code as plain, unindented lines."""
+    return textwrap.dedent(text).strip("\n") + "\n"
 
 
 def write_settings(directory, training, analysis):
@@ -101,12 +106,12 @@ def best(values):
 def training_patch(arguments, priors=None):
     """Training settings of parts a and c: the smoke study with a real amount of work."""
     hidden = [int(h) for h in arguments.hidden.split(",")]
-    patch = f"""
+    patch = code(f"""
         settings["data"] = {{"train": {arguments.train_rows}, "validation": {arguments.train_rows // 4},
                             "test": {arguments.train_rows // 4}}}
         settings["model"]["hidden"] = {hidden!r}
         settings["training"]["epochs"] = {arguments.epochs}
-    """
+    """)
     if priors:
         patch += f'settings["cohort"]["priors"] = settings["cohort"]["priors"][:{priors}]\n'
     return patch
@@ -114,10 +119,10 @@ def training_patch(arguments, priors=None):
 
 def analysis_patch(arguments):
     """Analysis settings of parts a and c: grid truths and Sobol candidates."""
-    return f"""
+    return code(f"""
         settings["inference"]["truths"]["truth_points_per_axis"] = {arguments.grid_truths}
         settings["inference"]["candidates"]["candidate_count"] = {arguments.candidates}
-    """
+    """)
 
 
 def part_a(arguments):
@@ -133,18 +138,21 @@ def part_a(arguments):
 
 def part_b(arguments):
     """Load balance: claiming against round-robin on 16 jobs of unequal cost."""
-    print(f"(b) load balance, dimension Choice([1, 2, 3, 4]) x 4 priors, sobol truths "
-          f"{arguments.sobol_truths}*2^(p-1), {arguments.balance_candidates} candidates", flush=True)
-    training = f"""
+    print(f"(b) load balance, dimension Choice([1, 2, 3, 4]) x {arguments.balance_priors} priors, sobol truths "
+          f"{arguments.sobol_truths}*2^(p-1), {arguments.balance_candidates} candidates, grid prior "
+          f"enumerated up to {arguments.max_enumerated} points", flush=True)
+    training = code(f"""
         settings["problem"]["dimension"] = Choice([1, 2, 3, 4])
+        settings["cohort"]["priors"] = settings["cohort"]["priors"][:{arguments.balance_priors}]
         settings["data"] = {{"train": {arguments.balance_rows}, "validation": {arguments.balance_rows // 4},
                             "test": {arguments.balance_rows // 4}}}
-    """
-    analysis = f"""
+    """)
+    analysis = code(f"""
         settings["inference"]["truths"]["kind"] = "sobol"
         settings["inference"]["truths"]["sobol_truths"] = {arguments.sobol_truths}
         settings["inference"]["candidates"]["candidate_count"] = {arguments.balance_candidates}
-    """
+        settings["inference"]["candidates"]["max_enumerated"] = {arguments.max_enumerated}
+    """)
     results = side_by_side(
         [("claiming   ", lambda: fresh_launch(training, analysis, 2)[0]),
          ("round-robin", lambda: fresh_launch(training, analysis, 2, extra_env={"NNPD_ASSIGNMENT": "round-robin"})[0])],
@@ -174,17 +182,23 @@ def part_c(arguments):
 def main():
     """Parse the sizes and run the selected parts."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    # defaults: about 15 s of work per model in a and c, so that the 5-10 s of starting
+    # torch.distributed.run and importing torch in each worker does not hide the speedup
     parser.add_argument("--parts", default="abc", help="which parts to run, e.g. 'ac'")
     parser.add_argument("--repeats", type=int, default=1, help="launches per variant, alternating order")
-    parser.add_argument("--train-rows", type=int, default=20_000)
-    parser.add_argument("--hidden", default="64,64")
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--candidates", type=int, default=2048)
-    parser.add_argument("--grid-truths", type=int, default=16)
+    parser.add_argument("--train-rows", type=int, default=100_000)
+    parser.add_argument("--hidden", default="64,64,64,64")
+    parser.add_argument("--epochs", type=int, default=6)
+    parser.add_argument("--candidates", type=int, default=16_384)
+    parser.add_argument("--grid-truths", type=int, default=48)
     parser.add_argument("--ddp-priors", type=int, default=2)
     parser.add_argument("--balance-rows", type=int, default=4096, help="training rows in part b")
     parser.add_argument("--sobol-truths", type=int, default=64)
-    parser.add_argument("--balance-candidates", type=int, default=1024)
+    parser.add_argument("--balance-candidates", type=int, default=2048)
+    parser.add_argument("--balance-priors", type=int, default=4, help="cohort size in part b (4: 16 jobs)")
+    # the default 200,000 would enumerate the grid prior's 51^3 lattice at dimension 3: one job
+    # 100x the others; 10,000 enumerates it up to dimension 2 and samples it above
+    parser.add_argument("--max-enumerated", type=int, default=10_000, help="grid-prior enumeration limit in b")
     arguments = parser.parse_args()
     print(f"cpu cores: {os.cpu_count()}, OMP_NUM_THREADS=1, runtime.cpu_threads=1, device cpu", flush=True)
     for part in arguments.parts:
