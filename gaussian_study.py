@@ -294,6 +294,89 @@ def build_test_predictions(ctx, writer):
     return {"rows": int(inputs.shape[0])}
 
 
+def split_pairs(ctx):
+    """The test split's inputs and labels as tensors."""
+    return (torch.from_numpy(np.asarray(ctx.data.array("test_inputs"))),
+            torch.from_numpy(np.asarray(ctx.data.array("test_labels"))))
+
+
+def build_reference_logits(ctx, writer):
+    """Bayes-optimal logits log p(x|θ) − log p(x) of the test rows (evidence by Monte Carlo)."""
+    inputs, _ = split_pairs(ctx)
+    seed = runtime.derived_seed(ctx.settings["seed"], "evidence", ctx.member["name"])
+    logits = gaussian.bayes_optimal_logit(ctx.problem, ctx.prior, inputs.double(), seed=seed)
+    writer.array("logits", logits.numpy())
+    return {"rows": int(inputs.shape[0])}
+
+
+def build_pairwise(ctx, writer):
+    """Learned and exact log-ratio differences log r(x, θ1) − log r(x, θ0) over test pairs.
+
+    Each joint test row (x, θ0) is paired with the θ of the next joint row as θ1; the
+    evidence cancels in the difference, so the exact value is a likelihood ratio.
+    """
+    inputs, labels = split_pairs(ctx)
+    joint = inputs[labels == 1]
+    d = ctx.problem.dimension
+    x, theta0 = joint[:, :d], joint[:, d:]
+    theta1 = theta0.roll(1, 0)
+    with torch.no_grad():
+        learned = [ctx.model(torch.cat([x, t], 1).to(ctx.runtime.device)).double().cpu() for t in (theta1, theta0)]
+    exact = [ctx.problem.log_likelihood(x.double(), t.double()) for t in (theta1, theta0)]
+    writer.array("learned", (learned[0] - learned[1]).numpy())
+    writer.array("exact", (exact[0] - exact[1]).numpy())
+    return {"pairs": int(x.shape[0])}
+
+
+def metric_pairwise(ctx):
+    """How far the learned log-ratio differences are from the exact ones."""
+    pairs = ctx.require("pairwise")
+    learned, exact = pairs.array("learned"), pairs.array("exact")
+    error = learned - exact
+    correlation = np.corrcoef(learned, exact)[0, 1] if len(error) > 1 and learned.std() > 0 else None
+    return {"pairs": int(len(error)), "mean_error": inference.finite_or_none(error.mean()),
+            "mean_absolute_error": inference.finite_or_none(np.abs(error).mean()),
+            "rmse": inference.finite_or_none(np.sqrt((error ** 2).mean())),
+            "correlation": inference.finite_or_none(correlation) if correlation is not None else None}
+
+
+def metric_reweighting(ctx):
+    """Sliced W1 from the joint sample to the product sample reweighted by the learned ratio.
+
+    Baselines: the unweighted product sample and the one reweighted by the exact ratio.
+    """
+    inputs, labels = split_pairs(ctx)
+    learned = torch.from_numpy(ctx.require("test_predictions").array("logits")).double()
+    exact = torch.from_numpy(ctx.require("reference_logits").array("logits"))
+    joint, product = inputs[labels == 1], inputs[labels == 0]
+    seed = runtime.derived_seed(ctx.settings["seed"], "projections")
+    product_mask = labels == 0
+    return {
+        "sliced_wasserstein": {
+            "learned_weights": inference.sliced_wasserstein(joint, product, learned[product_mask], seed=seed),
+            "unweighted": inference.sliced_wasserstein(joint, product, None, seed=seed),
+            "exact_weights": inference.sliced_wasserstein(joint, product, exact[product_mask], seed=seed)},
+        "ess": {"learned_weights": inference.effective_sample_size(learned[product_mask]),
+                "exact_weights": inference.effective_sample_size(exact[product_mask]),
+                "sample": int(product_mask.sum())},
+    }
+
+
+def metric_normalization(ctx):
+    """Monte Carlo check that the mean of r(x, θ) over the prior's evidence is 1."""
+    _, labels = split_pairs(ctx)
+    product = labels == 0
+    report = {}
+    for name, logits in (("learned", ctx.require("test_predictions").array("logits")),
+                         ("exact", ctx.require("reference_logits").array("logits"))):
+        ratios = np.exp(np.asarray(logits, dtype=np.float64)[product.numpy()])
+        error = ratios.std(ddof=1) / np.sqrt(len(ratios)) if len(ratios) > 1 else None
+        report[name] = {"mean_ratio": inference.finite_or_none(ratios.mean()),
+                        "standard_error": inference.finite_or_none(error) if error is not None else None}
+    report["rows"] = int(product.sum())
+    return report
+
+
 def summary_of(artifact, target):
     """The HLD summary arrays of one target from a learned or exact product."""
     return {name: artifact.array(f"{target}_{name}") for name in SUMMARY_FIELDS}
@@ -381,6 +464,11 @@ class GaussianAnalysis:
             needs=("truths", "observations", "candidates")),
         "test_predictions": Product(build_test_predictions, lambda ctx: {"data": ctx.data.key},
                                     uses_model=True),
+        "reference_logits": Product(build_reference_logits, lambda ctx: {
+            "data": ctx.data.key, "problem": ctx.settings["problem"],
+            "prior": ctx.settings["priors"][ctx.member["prior"]], "seed": ctx.settings["seed"],
+            "member": ctx.member["name"]}),
+        "pairwise": Product(build_pairwise, lambda ctx: {"data": ctx.data.key}, uses_model=True),
     }
 
     metrics = {
@@ -391,6 +479,9 @@ class GaussianAnalysis:
         "resolution": Metric(metric_resolution, needs=("learned", "candidates")),
         "posterior": Metric(metric_posterior, needs=("learned", "truths")),
         "exact_reference": Metric(metric_exact_reference, needs=("exact", "learned", "truths")),
+        "pairwise": Metric(metric_pairwise, needs=("pairwise",)),
+        "reweighting": Metric(metric_reweighting, needs=("test_predictions", "reference_logits")),
+        "normalization": Metric(metric_normalization, needs=("test_predictions", "reference_logits")),
     }
     NEEDS_RATIO = ("bias", "coverage", "width", "resolution", "exact_reference")
 

@@ -43,11 +43,15 @@ def test_train_then_analyze_then_rerun_reuses_everything(study_dir, tmp_path):
     names = [name for name, _ in analysed]
     assert names.count("truths") == 1 and names.count("observations") == 1
     assert names.count("candidates") == 2 and names.count("exact") == 2
-    assert names.count("learned") == 4
+    assert names.count("learned") == 4 and names.count("pairwise") == 4 and names.count("reference_logits") == 4
     for run in runs:
         metrics = json.loads((run / "metrics.json").read_text())
         assert set(metrics) == {"classification", "bias", "coverage", "width", "resolution", "posterior",
-                                "exact_reference"}
+                                "exact_reference", "pairwise", "reweighting", "normalization"}
+        assert metrics["normalization"]["exact"]["mean_ratio"] == pytest.approx(1.0, abs=0.25)
+        weighted = metrics["reweighting"]["sliced_wasserstein"]
+        assert all(value > 0 for value in weighted.values())
+        assert metrics["pairwise"]["pairs"] == 32
         assert json.loads((run / "analysis.json").read_text())["state"] == "complete"
         assert 0.0 <= metrics["classification"]["accuracy"] <= 1.0
 
