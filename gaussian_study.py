@@ -21,8 +21,9 @@ SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess
 class GaussianExperiment:
     """Training side of the study: cohort, data, network and trainer."""
 
-    DATA_SOURCES = (gaussian,)
-    MODEL_SOURCES = (gaussian, trainer)
+    # Code besides this class that shapes its artifacts (the class itself is always included).
+    DATA_SOURCES = (gaussian, runtime.derived_seed)
+    MODEL_SOURCES = (gaussian, trainer, runtime.derived_seed)
 
     def __init__(self, settings):
         self.settings = settings
@@ -442,7 +443,7 @@ def metric_exact_reference(ctx):
 class GaussianAnalysis:
     """Analysis side of the study: inference products and metrics."""
 
-    SOURCES = (inference, gaussian)
+    SOURCES = (inference, gaussian, runtime.derived_seed)   # besides each build function and its helpers
 
     products = {
         "truths": Product(build_truths, lambda ctx: {

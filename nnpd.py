@@ -260,14 +260,14 @@ def write_status(run_dir, state, **extra):
 def data_recipe(job):
     """The training data's recipe: no backend identity, so CPU and CUDA share data."""
     return {"experiment": job.experiment.data_recipe(job.member),
-            "source": study.source_fingerprint(*job.experiment.DATA_SOURCES),
+            "source": study.source_fingerprint(type(job.experiment), *job.experiment.DATA_SOURCES),
             "versions": study.library_versions()}
 
 
 def model_recipe(job, data_key, identity):
     """The model's recipe: settings, data, source, versions and backend identity."""
     return {"experiment": job.experiment.model_recipe(job.member), "data": data_key, "backend": identity,
-            "source": study.source_fingerprint(*job.experiment.MODEL_SOURCES),
+            "source": study.source_fingerprint(type(job.experiment), *job.experiment.MODEL_SOURCES),
             "versions": study.library_versions()}
 
 
