@@ -34,6 +34,10 @@ class GaussianExperiment:
         gaussian.check_settings(self.settings)
         trainer.check_training_settings(self.settings["training"])
         cohort = self.settings["cohort"]
+        priors = cohort["priors"]
+        if len(set(priors)) != len(priors):
+            raise SettingsError(f"cohort.priors: each prior may appear once, got {priors!r}; "
+                                "use cohort.replicas for repeats")
         replicas = cohort.get("replicas")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
             raise SettingsError(f"cohort.replicas: expected a positive integer, got {replicas!r}")

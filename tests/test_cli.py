@@ -4,6 +4,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, run_cli, write_settings
 
@@ -54,13 +55,17 @@ def test_smoke_profile_runs_reruns_for_free_and_verifies(tmp_path):
     assert report["damaged"] == [] and report["checked"] >= 4 + 4 + 4
 
 
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here, so device=cuda is no error")
 USER_ERRORS = [
-    ('settings["runtime"]["device"] = "cuda"\n', "", "train", "runtime.device"),
+    pytest.param('settings["runtime"]["device"] = "cuda"\n', "", "train", "runtime.device", marks=NO_CUDA),
     ('settings["training"]["precision"] = "float16"\n', "", "train", "training.precision"),
     ("", 'settings["metrics"] = ["bias", "sharpness"]\n', "run", "sharpness"),
     ("", 'settings["inference"]["candidates"]["candidate_count"] = 10_000_000\n', "run", "max_candidate_points"),
     ("", "", "analyze", "train"),
     ('settings["runtime"]["device"] = "mps"\n', "", "train", "runtime.device"),
+    ('settings["cohort"]["priors"] = ["uniform", "uniform"]\n', "", "train", "cohort.priors"),
+    ('settings["seed"] = "abc"\n', "", "train", "seed"),
+    ('del settings["output"]["root"]\n', "", "train", "output.root"),
 ]
 
 

@@ -186,3 +186,30 @@ FRAMEWORK = ("nnpd", "runtime", "store", "trainer", "sweep", "study", "inference
 def test_framework_modules_never_import_the_bundled_study(module):
     source = (REPO / f"{module}.py").read_text()
     assert "import gaussian" not in source and "from gaussian" not in source
+
+
+def test_analyze_after_editing_training_settings_analyses_the_latest_training(tmp_path, capsys):
+    settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["uniform"]\n')
+    nnpd.execute("train", "smoke", settings)
+    write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["uniform"]\n'
+                                                              'settings["training"]["learning_rate"] = 5e-3\n')
+    before = cache_entries(tmp_path / "out")
+    nnpd.execute("analyze", "smoke", settings)
+    assert "differs from the latest training" in capsys.readouterr().err
+    after = cache_entries(tmp_path / "out")
+    assert {e for e in after if e[0] == "model"} == {e for e in before if e[0] == "model"}   # never trains
+    run = run_dirs(tmp_path / "out")[0]
+    assert json.loads((run / "analysis.json").read_text())["state"] == "complete"
+
+
+def test_a_dropped_metric_leaves_no_stale_result(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["grid"]\n',
+                              analysis='settings["metrics"] = ["bias", "coverage"]\n')
+    nnpd.execute("run", "smoke", settings)
+    write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["grid"]\n',
+                   analysis='settings["metrics"] = ["bias"]\n')
+    nnpd.execute("analyze", "smoke", settings)
+    run = run_dirs(tmp_path / "out")[0]
+    assert sorted(p.name for p in (run / "metrics").iterdir()) == ["bias.json"]
+    assert set(json.loads((run / "metrics.json").read_text())) == {"bias"}
+    assert set(restore(run).metrics) == {"bias"}
