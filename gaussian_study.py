@@ -505,6 +505,12 @@ class GaussianAnalysis:
             if name == "exact_reference" and "exact" not in targets:
                 raise SettingsError("metrics: 'exact_reference' needs the 'exact' target; add it to "
                                     "inference.targets or remove the metric")
+        lattice_priors = sorted({member["prior"] for member in self.experiment.members()
+                                 if any(step is not None for step in self.experiment.prior(member).lattice_steps)})
+        if "posterior" in targets and lattice_priors and not self.settings["inference"]["candidates"]["native_grid_prior"]:
+            raise SettingsError(f"inference.targets: the 'posterior' target of lattice priors ({', '.join(lattice_priors)}) "
+                                "has no density on continuous candidates; set inference.candidates.native_grid_prior "
+                                "to True or remove 'posterior'")
         if self.settings["plots"] or self.settings["cohort_plots"]:
             raise SettingsError("plots/cohort_plots: figures are not available in this version; "
                                 "set them to []")

@@ -92,3 +92,11 @@ def test_verify_without_a_store_is_a_clear_error(tmp_path):
     result = run_cli("verify", "--settings-dir", str(settings))
     assert result.returncode == 1 and "train" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_posterior_of_a_grid_prior_on_continuous_candidates_is_refused_at_plan_time(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out",
+                              analysis='settings["inference"]["candidates"]["native_grid_prior"] = False\n')
+    result = run_cli("plan", "--settings-dir", str(settings))
+    assert result.returncode == 1
+    assert any("native_grid_prior" in error for error in json.loads(result.stdout)["errors"])
