@@ -14,6 +14,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
 	$(PY) -c "import numpy, pytest, hypothesis" 2>/dev/null || $(PY) -m pip install numpy pytest hypothesis
+	$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install setuptools
 	$(PY) -m pip install --no-deps --no-build-isolation -e . >/dev/null
 	touch $@
 

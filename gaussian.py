@@ -5,6 +5,8 @@ import math
 
 import torch
 
+import inference
+
 from sweep import SettingsError
 
 KINDS = ("mean", "std")
@@ -242,14 +244,9 @@ def _check_parameter(kind, values, sources):
     if step <= 0 or step > high - low:
         raise SettingsError(f"{sources['grid_step']}={step} does not fit the box [{low}, {high}]; "
                             f"use a step in (0, {high - low}]")
-    if _lattice_count(low, high, step) > MAX_LATTICE_POINTS:
+    if inference.lattice_size(low, high, step) > MAX_LATTICE_POINTS:
         raise SettingsError(f"{sources['grid_step']}={step} gives more than {MAX_LATTICE_POINTS} "
                             f"lattice points on [{low}, {high}]; use a larger step")
-
-
-def _lattice_count(low, high, step):
-    """Number of lattice points low + k*step that are <= high (with float slack)."""
-    return int(math.floor((high - low) / step + LATTICE_TOLERANCE)) + 1
 
 
 # ---------------------------------------------------------------- one-coordinate priors
@@ -294,7 +291,7 @@ class _Coordinate:
         self.rate = values["exponential_rate"]
         self.mu, self.sigma = values["normal_mean"], values["normal_std"]
         if family == "grid":
-            self.count = _lattice_count(self.low, self.high, self.step)
+            self.count = inference.lattice_size(self.low, self.high, self.step)
         elif family == "normal":
             a, b = (self.low - self.mu) / self.sigma, (self.high - self.mu) / self.sigma
             # Work on the side of the mean where the mass is, so Phi differences do not cancel.

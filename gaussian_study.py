@@ -21,8 +21,9 @@ SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess
 class GaussianExperiment:
     """Training side of the study: cohort, data, network and trainer."""
 
-    DATA_SOURCES = (gaussian,)
-    MODEL_SOURCES = (gaussian, trainer)
+    # Code besides this class that shapes its artifacts (the class itself is always included).
+    DATA_SOURCES = (gaussian, runtime.derived_seed)
+    MODEL_SOURCES = (gaussian, trainer, runtime.derived_seed)
 
     def __init__(self, settings):
         self.settings = settings
@@ -33,6 +34,10 @@ class GaussianExperiment:
         gaussian.check_settings(self.settings)
         trainer.check_training_settings(self.settings["training"])
         cohort = self.settings["cohort"]
+        priors = cohort["priors"]
+        if len(set(priors)) != len(priors):
+            raise SettingsError(f"cohort.priors: each prior may appear once, got {priors!r}; "
+                                "use cohort.replicas for repeats")
         replicas = cohort.get("replicas")
         if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
             raise SettingsError(f"cohort.replicas: expected a positive integer, got {replicas!r}")
@@ -294,6 +299,89 @@ def build_test_predictions(ctx, writer):
     return {"rows": int(inputs.shape[0])}
 
 
+def split_pairs(ctx):
+    """The test split's inputs and labels as tensors."""
+    return (torch.from_numpy(np.asarray(ctx.data.array("test_inputs"))),
+            torch.from_numpy(np.asarray(ctx.data.array("test_labels"))))
+
+
+def build_reference_logits(ctx, writer):
+    """Bayes-optimal logits log p(x|θ) − log p(x) of the test rows (evidence by Monte Carlo)."""
+    inputs, _ = split_pairs(ctx)
+    seed = runtime.derived_seed(ctx.settings["seed"], "evidence", ctx.member["name"])
+    logits = gaussian.bayes_optimal_logit(ctx.problem, ctx.prior, inputs.double(), seed=seed)
+    writer.array("logits", logits.numpy())
+    return {"rows": int(inputs.shape[0])}
+
+
+def build_pairwise(ctx, writer):
+    """Learned and exact log-ratio differences log r(x, θ1) − log r(x, θ0) over test pairs.
+
+    Each joint test row (x, θ0) is paired with the θ of the next joint row as θ1; the
+    evidence cancels in the difference, so the exact value is a likelihood ratio.
+    """
+    inputs, labels = split_pairs(ctx)
+    joint = inputs[labels == 1]
+    d = ctx.problem.dimension
+    x, theta0 = joint[:, :d], joint[:, d:]
+    theta1 = theta0.roll(1, 0)
+    with torch.no_grad():
+        learned = [ctx.model(torch.cat([x, t], 1).to(ctx.runtime.device)).double().cpu() for t in (theta1, theta0)]
+    exact = [ctx.problem.log_likelihood(x.double(), t.double()) for t in (theta1, theta0)]
+    writer.array("learned", (learned[0] - learned[1]).numpy())
+    writer.array("exact", (exact[0] - exact[1]).numpy())
+    return {"pairs": int(x.shape[0])}
+
+
+def metric_pairwise(ctx):
+    """How far the learned log-ratio differences are from the exact ones."""
+    pairs = ctx.require("pairwise")
+    learned, exact = pairs.array("learned"), pairs.array("exact")
+    error = learned - exact
+    correlation = np.corrcoef(learned, exact)[0, 1] if len(error) > 1 and learned.std() > 0 else None
+    return {"pairs": int(len(error)), "mean_error": inference.finite_or_none(error.mean()),
+            "mean_absolute_error": inference.finite_or_none(np.abs(error).mean()),
+            "rmse": inference.finite_or_none(np.sqrt((error ** 2).mean())),
+            "correlation": inference.finite_or_none(correlation) if correlation is not None else None}
+
+
+def metric_reweighting(ctx):
+    """Sliced W1 from the joint sample to the product sample reweighted by the learned ratio.
+
+    Baselines: the unweighted product sample and the one reweighted by the exact ratio.
+    """
+    inputs, labels = split_pairs(ctx)
+    learned = torch.from_numpy(ctx.require("test_predictions").array("logits")).double()
+    exact = torch.from_numpy(ctx.require("reference_logits").array("logits"))
+    joint, product = inputs[labels == 1], inputs[labels == 0]
+    seed = runtime.derived_seed(ctx.settings["seed"], "projections")
+    product_mask = labels == 0
+    return {
+        "sliced_wasserstein": {
+            "learned_weights": inference.sliced_wasserstein(joint, product, learned[product_mask], seed=seed),
+            "unweighted": inference.sliced_wasserstein(joint, product, None, seed=seed),
+            "exact_weights": inference.sliced_wasserstein(joint, product, exact[product_mask], seed=seed)},
+        "ess": {"learned_weights": inference.effective_sample_size(learned[product_mask]),
+                "exact_weights": inference.effective_sample_size(exact[product_mask]),
+                "sample": int(product_mask.sum())},
+    }
+
+
+def metric_normalization(ctx):
+    """Monte Carlo check that the mean of r(x, θ) over the prior's evidence is 1."""
+    _, labels = split_pairs(ctx)
+    product = labels == 0
+    report = {}
+    for name, logits in (("learned", ctx.require("test_predictions").array("logits")),
+                         ("exact", ctx.require("reference_logits").array("logits"))):
+        ratios = np.exp(np.asarray(logits, dtype=np.float64)[product.numpy()])
+        error = ratios.std(ddof=1) / np.sqrt(len(ratios)) if len(ratios) > 1 else None
+        report[name] = {"mean_ratio": inference.finite_or_none(ratios.mean()),
+                        "standard_error": inference.finite_or_none(error) if error is not None else None}
+    report["rows"] = int(product.sum())
+    return report
+
+
 def summary_of(artifact, target):
     """The HLD summary arrays of one target from a learned or exact product."""
     return {name: artifact.array(f"{target}_{name}") for name in SUMMARY_FIELDS}
@@ -359,7 +447,7 @@ def metric_exact_reference(ctx):
 class GaussianAnalysis:
     """Analysis side of the study: inference products and metrics."""
 
-    SOURCES = (inference, gaussian)
+    SOURCES = (inference, gaussian, runtime.derived_seed)   # besides each build function and its helpers
 
     products = {
         "truths": Product(build_truths, lambda ctx: {
@@ -381,6 +469,11 @@ class GaussianAnalysis:
             needs=("truths", "observations", "candidates")),
         "test_predictions": Product(build_test_predictions, lambda ctx: {"data": ctx.data.key},
                                     uses_model=True),
+        "reference_logits": Product(build_reference_logits, lambda ctx: {
+            "data": ctx.data.key, "problem": ctx.settings["problem"],
+            "prior": ctx.settings["priors"][ctx.member["prior"]], "seed": ctx.settings["seed"],
+            "member": ctx.member["name"]}),
+        "pairwise": Product(build_pairwise, lambda ctx: {"data": ctx.data.key}, uses_model=True),
     }
 
     metrics = {
@@ -391,6 +484,9 @@ class GaussianAnalysis:
         "resolution": Metric(metric_resolution, needs=("learned", "candidates")),
         "posterior": Metric(metric_posterior, needs=("learned", "truths")),
         "exact_reference": Metric(metric_exact_reference, needs=("exact", "learned", "truths")),
+        "pairwise": Metric(metric_pairwise, needs=("pairwise",)),
+        "reweighting": Metric(metric_reweighting, needs=("test_predictions", "reference_logits")),
+        "normalization": Metric(metric_normalization, needs=("test_predictions", "reference_logits")),
     }
     NEEDS_RATIO = ("bias", "coverage", "width", "resolution", "exact_reference")
 
@@ -409,6 +505,12 @@ class GaussianAnalysis:
             if name == "exact_reference" and "exact" not in targets:
                 raise SettingsError("metrics: 'exact_reference' needs the 'exact' target; add it to "
                                     "inference.targets or remove the metric")
+        lattice_priors = sorted({member["prior"] for member in self.experiment.members()
+                                 if any(step is not None for step in self.experiment.prior(member).lattice_steps)})
+        if "posterior" in targets and lattice_priors and not self.settings["inference"]["candidates"]["native_grid_prior"]:
+            raise SettingsError(f"inference.targets: the 'posterior' target of lattice priors ({', '.join(lattice_priors)}) "
+                                "has no density on continuous candidates; set inference.candidates.native_grid_prior "
+                                "to True or remove 'posterior'")
         if self.settings["plots"] or self.settings["cohort_plots"]:
             raise SettingsError("plots/cohort_plots: figures are not available in this version; "
                                 "set them to []")

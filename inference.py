@@ -15,8 +15,6 @@ import torch
 EVAL_BLOCK_ROWS = 8192
 # Smaller calls are padded to a multiple of this, so every row sits in a full BLAS tile.
 ROW_PAD = 64
-# Relative float tolerance when counting lattice points inside [low, high].
-LATTICE_TOLERANCE = 1e-9
 # Cases summarised at once: bounds the (cases, K) work arrays of hld_summaries.
 SUMMARY_CELLS = 1 << 22
 
@@ -54,7 +52,8 @@ def lattice_size(low, high, step):
     """Number of lattice points low, low+step, ... that lie in [low, high]."""
     if not step > 0:
         raise ValueError(f"grid_step must be positive, got {step}; fix problem.parameters")
-    return int(math.floor((high - low) / step * (1 + LATTICE_TOLERANCE) + LATTICE_TOLERANCE)) + 1
+    # Slack of a millionth of a step: 0.2-steps on [0, 10] give 51 points despite rounding.
+    return int(math.floor((high - low) / step + 1e-6)) + 1
 
 
 def lattice_support(low, high, step):
@@ -412,7 +411,7 @@ def hld_summaries(scores, log_measure, points, truth_scores, levels):
 # Metrics (JSON-able: python floats/lists, None where undefined)
 # ---------------------------------------------------------------------------
 
-def _number(value):
+def finite_or_none(value):
     """A python float, or None when undefined (NaN/inf or no data)."""
     value = float(value)
     return value if math.isfinite(value) else None
@@ -421,7 +420,7 @@ def _number(value):
 def _mean(values):
     """Mean as a JSON number, None for an empty array."""
     values = np.asarray(values, dtype=np.float64)
-    return _number(values.mean()) if values.size else None
+    return finite_or_none(values.mean()) if values.size else None
 
 
 def level_key(level):
@@ -436,8 +435,8 @@ def bias_metrics(modes, truths, names):
     for j, name in enumerate(names):
         e = error[:, j]
         per_axis[name] = {"signed": _mean(e), "absolute": _mean(np.abs(e)),
-                          "rmse": _number(math.sqrt(e.dot(e) / e.size)) if e.size else None}
-    rmse = _number(math.sqrt((error ** 2).mean())) if error.size else None
+                          "rmse": finite_or_none(math.sqrt(e.dot(e) / e.size)) if e.size else None}
+    rmse = finite_or_none(math.sqrt((error ** 2).mean())) if error.size else None
     return {"cases": int(error.shape[0]), "per_axis": per_axis, "rmse": rmse}
 
 
@@ -470,7 +469,7 @@ def width_metrics(summaries, levels, names):
 def resolution_metrics(summaries, candidate_count, levels):
     """Candidate count, ESS spread, mean attained mass per level, and a low-resolution warning."""
     ess = np.asarray(summaries["ess"], dtype=np.float64)
-    median = _number(np.median(ess)) if ess.size else None
+    median = finite_or_none(np.median(ess)) if ess.size else None
     attained, problems = {}, []
     for i, level in enumerate(_check_levels(levels)):
         mass = _mean(summaries["mass"][:, i])
@@ -485,9 +484,48 @@ def resolution_metrics(summaries, candidate_count, levels):
                    + "; raise candidate_count or candidate_points_per_axis")
     return {
         "candidate_count": int(candidate_count),
-        "ess_min": _number(ess.min()) if ess.size else None,
+        "ess_min": finite_or_none(ess.min()) if ess.size else None,
         "ess_median": median,
-        "ess_median_fraction": _number(median / candidate_count) if median is not None and candidate_count else None,
+        "ess_median_fraction": finite_or_none(median / candidate_count) if median is not None and candidate_count else None,
         "attained_mass": attained,
         "warning": warning,
     }
+
+
+# ---------------------------------------------------------------- sample-based checks
+
+def effective_sample_size(log_weights):
+    """Kish's effective sample size (Σw)²/Σw² of weights given as logs."""
+    log_weights = torch.as_tensor(log_weights, dtype=torch.float64)
+    return finite_or_none(torch.exp(2 * torch.logsumexp(log_weights, 0) - torch.logsumexp(2 * log_weights, 0)))
+
+
+def wasserstein_1d(a, a_weights, b, b_weights):
+    """W1 between two weighted empirical distributions on the line: ∫|F_a − F_b| dx."""
+    values = torch.cat([a, b])
+    order = torch.argsort(values)
+    masses = torch.cat([a_weights / a_weights.sum(), -b_weights / b_weights.sum()])[order]
+    gaps = torch.diff(values[order])
+    return float((torch.cumsum(masses, 0)[:-1].abs() * gaps).sum())
+
+
+def sliced_wasserstein(a, b, b_log_weights=None, projections=64, seed=0):
+    """Mean W1 over random 1-D projections between sample `a` and (weighted) sample `b`.
+
+    Coordinates are standardised by the pooled spread first, so every column counts
+    alike whatever its units.
+    """
+    a = torch.as_tensor(a, dtype=torch.float64)
+    b = torch.as_tensor(b, dtype=torch.float64)
+    scale = torch.cat([a, b]).std(0).clamp_min(1e-12)
+    a, b = a / scale, b / scale
+    if b_log_weights is None:
+        b_weights = torch.ones(b.shape[0], dtype=torch.float64)
+    else:
+        b_log_weights = torch.as_tensor(b_log_weights, dtype=torch.float64)
+        b_weights = torch.exp(b_log_weights - b_log_weights.max())
+    a_weights = torch.ones(a.shape[0], dtype=torch.float64)
+    directions = torch.randn(projections, a.shape[1], generator=torch.Generator().manual_seed(seed),
+                             dtype=torch.float64)
+    directions /= directions.norm(dim=1, keepdim=True)
+    return sum(wasserstein_1d(a @ d, a_weights, b @ d, b_weights) for d in directions) / projections

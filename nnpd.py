@@ -25,7 +25,7 @@ from pathlib import Path
 import runtime
 import study
 import sweep
-from store import DamagedArtifact, Store, write_json_atomic
+from store import DamagedArtifact, Store, write_bytes_atomic, write_json_atomic
 from sweep import SettingsError
 
 ACTIONS = ("plan", "train", "analyze", "run", "verify")
@@ -45,7 +45,7 @@ class Job:
     member: dict
     experiment: object
     analysis: object
-    workload: dict
+    analysis_workload: dict
 
     @property
     def settings(self):
@@ -86,9 +86,19 @@ def load(profile=None, settings_dir=None):
     return sweep.load_profile(Path(settings_dir) if settings_dir else default_settings_dir(), profile)
 
 
+def check_launch_settings(settings):
+    """The sections the framework itself reads: the output root and the seed."""
+    root = settings["output"].get("root") if isinstance(settings["output"], dict) else None
+    if not isinstance(root, str) or not root:
+        raise SettingsError("output.root: expected a non-empty path, e.g. \"outputs/<profile>\"")
+    if not isinstance(settings["seed"], int) or isinstance(settings["seed"], bool):
+        raise SettingsError(f"seed: expected an integer, got {settings['seed']!r}")
+
+
 def configuration_jobs(configuration, analysis_settings):
     """Validate one configuration and list its jobs."""
     settings = configuration.settings
+    check_launch_settings(settings)
     experiment = study.load_class(settings["experiment"], "experiment")(settings)
     experiment.validate()
     analysis = study.load_class(analysis_settings["analysis"], "analysis")(analysis_settings, experiment)
@@ -103,10 +113,10 @@ def workload_errors(job, limits):
     checks = (("model_evaluations", "max_model_evaluations"), ("saved_bytes", "max_saved_bytes"),
               ("candidate_points", "max_candidate_points"))
     return [f"configuration {job.configuration.name} member {job.member['name']}: the analysis needs "
-            f"{job.workload[need]:.3g} {need.replace('_', ' ')}, over verification.{limit}="
+            f"{job.analysis_workload[need]:.3g} {need.replace('_', ' ')}, over verification.{limit}="
             f"{limits[limit]:.3g}; reduce inference.truths, inference.candidates or "
             f"inference.observations in settings_analysis.py, or raise the limit"
-            for need, limit in checks if job.workload[need] > limits[limit]]
+            for need, limit in checks if job.analysis_workload[need] > limits[limit]]
 
 
 def check_limits(limits):
@@ -117,9 +127,18 @@ def check_limits(limits):
             raise SettingsError(f"verification.{name}: expected a positive number, got {value!r}")
 
 
+@dataclass
+class Plan:
+    """Every job of a launch and what stands in its way."""
+    jobs: list
+    errors: list            # stop every stage
+    analysis_errors: list   # stop analyze and run (workload over the limits)
+    warnings: list
+
+
 def make_plan(profile):
-    """Every job of the profile, plus the errors that stop training and analysis."""
-    jobs, errors, analysis_errors = [], [], []
+    """Validate every configuration and member before anything is computed."""
+    jobs, errors, analysis_errors, warnings = [], [], [], []
     check_limits(profile.analysis["verification"])
     for configuration in profile.configurations:
         try:
@@ -130,47 +149,55 @@ def make_plan(profile):
         jobs.extend(found)
         for job in found:
             analysis_errors.extend(workload_errors(job, profile.analysis["verification"]))
-    baseline = profile.configurations[0].settings
+    runs = [job.run for job in jobs]
+    repeated = sorted({run for run in runs if runs.count(run) > 1})
+    if repeated:
+        errors.append(f"cohort: two members share the run folder {repeated[0]}; cohort members must be distinct")
+    runtime_settings = profile.configurations[0].settings["runtime"]
     try:
-        runtime.check_runtime_settings(baseline["runtime"])
-        device = runtime.resolve_device(baseline["runtime"]["device"], *launch_device_slot())
+        runtime.check_runtime_settings(runtime_settings)
+        rank, world, local_rank = runtime.launch_environment()
+        device = runtime.resolve_device(runtime_settings["device"], local_rank, world)
         for configuration in profile.configurations:
             runtime.check_precision(configuration.settings["training"]["precision"], device)
+        if runtime_settings.get("parallel") == "ddp" and world == 1:
+            warnings.append("runtime.parallel=\"ddp\" in a single process trains as one process; launch with "
+                            "torchrun --nproc_per_node=N for collective training")
     except SettingsError as error:
         errors.append(str(error))
-    return jobs, errors, analysis_errors
+    return Plan(jobs, errors, analysis_errors, warnings)
 
 
-def launch_device_slot():
-    """(local rank, local world size) used to pick a device under torchrun."""
-    rank, world, local_rank = runtime.launch_environment()
-    return local_rank, world
-
-
-def plan_report(profile, jobs, errors, analysis_errors):
+def plan_report(profile, plan):
     """The plan as a JSON-able dict."""
     configurations = []
     for configuration in profile.configurations:
-        mine = [job for job in jobs if job.configuration is configuration]
+        mine = [job for job in plan.jobs if job.configuration is configuration]
         configurations.append({
             "name": configuration.name, "variant": configuration.variant, "knob": configuration.knob,
             "value": configuration.value,
             "input_size": mine[0].experiment.input_size() if mine else None,
             "jobs": [{"run": job.run, "member": job.member["name"],
-                      "workload": {**job.experiment.workload(job.member), **job.workload}} for job in mine],
+                      "workload": {**job.experiment.workload(job.member), **job.analysis_workload}}
+                     for job in mine],
         })
     return {"profile": profile.name, "settings_dir": str(profile.settings_dir),
-            "output_root": profile.training["output"]["root"], "configurations": configurations,
-            "jobs": len(jobs), "warnings": [], "errors": errors + analysis_errors}
+            "output_root": profile.training["output"].get("root"), "configurations": configurations,
+            "jobs": len(plan.jobs), "warnings": plan.warnings, "errors": plan.errors + plan.analysis_errors}
 
 
 def plan(profile=None, settings_dir=None):
     """Resolve and validate every configuration and member; compute and write nothing."""
     loaded = load(profile, settings_dir)
-    return plan_report(loaded, *make_plan(loaded))
+    return plan_report(loaded, make_plan(loaded))
 
 
 # ---------------------------------------------------------------- launch bookkeeping
+
+def training_identity(profile):
+    """The digest that tells distinct training settings apart in history.json."""
+    return sweep.digest(sweep.to_jsonable(profile.training))
+
 
 def source_snapshot(profile):
     """A deterministic zip of the code and the settings files, and its content hash."""
@@ -179,24 +206,17 @@ def source_snapshot(profile):
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for index, path in enumerate(files):
             name = path.name if index < len(files) - 2 else f"settings/{path.name}"
-            info = zipfile.ZipInfo(name, date_time=(2000, 1, 1, 0, 0, 0))
-            archive.writestr(info, path.read_bytes())
+            archive.writestr(zipfile.ZipInfo(name, date_time=(2000, 1, 1, 0, 0, 0)), path.read_bytes())
     data = buffer.getvalue()
     return hashlib.sha256(data).hexdigest()[:16], data
 
 
 def write_snapshot(root, profile):
-    """Store the source snapshot under source/ (atomically) and return its relative path."""
+    """Store the source snapshot under source/ and return its path relative to the root."""
     name, data = source_snapshot(profile)
     target = root / "source" / f"{name}.zip"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        temporary = target.with_suffix(f".tmp-{id(data)}")
-        with open(temporary, "wb") as handle:
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(temporary, target)
+        write_bytes_atomic(target, data)
     return f"source/{name}.zip"
 
 
@@ -205,23 +225,28 @@ def copy_settings(root, profile):
     for source in (profile.training_path, profile.analysis_path):
         target = root / source.name
         if source.resolve() != target.resolve():
-            temporary = target.with_name(f".{target.name}.tmp")
-            shutil.copyfile(source, temporary)
-            temporary.replace(target)
+            write_bytes_atomic(target, source.read_bytes())
+
+
+def discard(path):
+    """Delete a folder so that a crash half-way never leaves it looking valid: rename, then remove."""
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.time_ns():x}")
+    os.rename(path, trash)
+    shutil.rmtree(trash)
 
 
 def run_artifacts(root, runs):
     """Store keys referenced by the given run folders' artifacts.json."""
     keys = set()
     for run in runs:
-        for reference in (read_json(root / run / "artifacts.json", {}) or {}).values():
+        for reference in read_json(root / run / "artifacts.json", {}).values():
             keys.add(Path(reference).name)
     return keys
 
 
 def record_history(root, profile, runs, snapshot):
     """Put this training first in history.json, keeping the last three distinct settings."""
-    identity = sweep.digest(sweep.to_jsonable(profile.training))
+    identity = training_identity(profile)
     history = read_json(root / "history.json", {"trainings": []})
     entries = [entry for entry in history["trainings"] if entry["digest"] != identity]
     entry = {"digest": identity, "profile": profile.name, "time": now(), "runs": sorted(runs),
@@ -236,18 +261,74 @@ def clean_up(root, store, profile, runs, snapshot):
     """Latest settings win: keep this launch's runs and what the last three trainings use."""
     for variant in (root / "runs").glob("*"):
         for run in variant.glob("*"):
-            if str(run.relative_to(root)) not in runs:
-                shutil.rmtree(run)
-        if variant.is_dir() and not any(variant.iterdir()):
+            if run.name.startswith(".trash-"):
+                shutil.rmtree(run)        # left by an interrupted clean-up
+            elif str(run.relative_to(root)) not in runs:
+                discard(run)
+        if not any(variant.iterdir()):
             variant.rmdir()
     copy_settings(root, profile)
     history = record_history(root, profile, runs, snapshot)
-    keep = set().union(*(entry["artifacts"] for entry in history["trainings"]))
-    store.prune(keep)
+    store.prune(set().union(*(entry["artifacts"] for entry in history["trainings"])))
     sources = {entry["source"] for entry in history["trainings"]}
-    for path in (root / "source").glob("*.zip"):
+    for path in (root / "source").iterdir():
         if f"source/{path.name}" not in sources:
-            path.unlink()
+            path.unlink()     # older snapshots and temporary files of interrupted writes
+
+
+def record_analysis(root, profile, runs):
+    """Add the products an analysis used to its training's history entry, so they are kept."""
+    history = read_json(root / "history.json", {"trainings": []})
+    for entry in history["trainings"]:
+        if entry["digest"] == training_identity(profile):
+            entry["artifacts"] = sorted(set(entry["artifacts"]) | run_artifacts(root, runs))
+            write_json_atomic(root / "history.json", history)
+    copy_settings(root, profile)
+
+
+@dataclass
+class Launch:
+    """What every job of one launch shares: where it writes, how it runs, who it is."""
+    stage: str
+    profile: object
+    root: Path
+    store: Store
+    rt: object
+    identity: dict
+    snapshot: str = ""
+    id: str = ""
+    waits: int = 0
+
+    @property
+    def owner(self):
+        """Whether this worker writes the folders of the jobs it runs (in ddp only rank 0)."""
+        return self.rt.is_main or not self.rt.ddp
+
+    def log(self, message):
+        """Progress, printed by rank 0 only."""
+        if self.rt.is_main:
+            print(f"[nnpd {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+    @property
+    def marks(self):
+        """The folder where workers mark the points they reached."""
+        return self.root / "locks" / f"launch-{self.id}"
+
+    def wait_for_workers(self, step):
+        """Wait until every worker has reached `step`.
+
+        Where one worker may wait long (others still training, rank 0 analysing), a
+        collective would hit the process-group timeout; marker files on the shared
+        output root have none. A worker that dies ends the launch through torchrun.
+        """
+        if not self.rt.distributed:
+            return
+        self.waits += 1
+        name = f"{self.waits}-{step}"
+        self.marks.mkdir(parents=True, exist_ok=True)
+        (self.marks / f"{name}-{self.rt.rank}").touch()
+        while not all((self.marks / f"{name}-{rank}").exists() for rank in range(self.rt.world_size)):
+            time.sleep(0.2)
 
 
 # ---------------------------------------------------------------- jobs
@@ -260,80 +341,48 @@ def write_status(run_dir, state, **extra):
 def data_recipe(job):
     """The training data's recipe: no backend identity, so CPU and CUDA share data."""
     return {"experiment": job.experiment.data_recipe(job.member),
-            "source": study.source_fingerprint(*job.experiment.DATA_SOURCES),
+            "source": study.source_fingerprint(type(job.experiment), *job.experiment.DATA_SOURCES),
             "versions": study.library_versions()}
 
 
 def model_recipe(job, data_key, identity):
     """The model's recipe: settings, data, source, versions and backend identity."""
     return {"experiment": job.experiment.model_recipe(job.member), "data": data_key, "backend": identity,
-            "source": study.source_fingerprint(*job.experiment.MODEL_SOURCES),
+            "source": study.source_fingerprint(type(job.experiment), *job.experiment.MODEL_SOURCES),
             "versions": study.library_versions()}
 
 
-def reference(store_root, artifact):
+def reference(root, artifact):
     """A reference to an artifact relative to the output root."""
-    return str(Path(artifact.path).relative_to(store_root))
+    return str(Path(artifact.path).relative_to(root))
 
 
-def start_run(root, job, rt, snapshot, identity):
-    """Create the run folder with run.json and a `running` status; clear old analysis."""
-    run_dir = root / job.run
-    run_dir.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(run_dir / "run.json", {
-        "id": job.run, "configuration": job.configuration.name, "variant": job.configuration.variant,
-        "knob": job.configuration.knob, "value": job.configuration.value, "member": job.member,
-        "settings": job.settings, "backend": identity, "versions": study.library_versions(),
-        "source": snapshot, "started": now(), "description": job.experiment.describe(job.member)})
+def clear_analysis(run_dir):
+    """Remove a run's analysis results, so none outlives the analysis that made it."""
     for name in ANALYSIS_FILES:
         path = run_dir / name
         if path.is_dir():
-            shutil.rmtree(path)
+            discard(path)
         elif path.exists():
             path.unlink()
-    write_status(run_dir, "running", worker=rt.rank)
-    return run_dir
+
+
+def start_run(launch, job):
+    """Create the run folder with run.json and a `running` status; clear old analysis."""
+    run_dir = launch.root / job.run
+    write_json_atomic(run_dir / "run.json", {
+        "id": job.run, "configuration": job.configuration.name, "variant": job.configuration.variant,
+        "knob": job.configuration.knob, "value": job.configuration.value, "member": job.member,
+        "settings": job.settings, "backend": launch.identity, "versions": study.library_versions(),
+        "source": launch.snapshot, "started": now(), "description": job.experiment.describe(job.member)})
+    clear_analysis(run_dir)
+    write_status(run_dir, "running", worker=launch.rt.rank)
 
 
 def is_trained(run_dir, model_key):
     """Whether the run folder already records this exact model as trained."""
     status = read_json(run_dir / "status.json", {})
     return status.get("state") == "trained" and status.get("model") == model_key
-
-
-def train_job(root, store, job, rt, snapshot, identity):
-    """Get or sample the data, then get or train the model; status becomes `trained`."""
-    owner = rt.is_main or not rt.ddp          # the worker that writes this run's folder
-    run_dir = root / job.run
-    recipe_of_data = data_recipe(job)
-    recipe = model_recipe(job, store.key("training-data", recipe_of_data), identity)
-    model_key = store.key("model", recipe)
-    current = owner and is_trained(run_dir, model_key)
-    if owner and not current:
-        start_run(root, job, rt, snapshot, identity)
-    data = store.get("training-data", recipe_of_data, build=lambda writer: write_data(job, writer))
-
-    def train_and_write(writer):
-        state, history = job.experiment.train(job.member, job.experiment.build_model(job.member), data, rt)
-        return write_model(writer, state, history)
-
-    if not rt.ddp:
-        model = store.get("model", recipe, build=train_and_write)
-    else:
-        # Every rank must train together, so training cannot happen under the
-        # artifact's lock; rank 0 decides whether it is needed and commits it.
-        model = find_intact(store, "model", model_key) if rt.is_main else None
-        if not runtime.broadcast_object(rt, model is not None):
-            state, history = job.experiment.train(job.member, job.experiment.build_model(job.member), data, rt)
-            if rt.is_main:
-                model = store.get("model", recipe, build=lambda writer: write_model(writer, state, history))
-        runtime.barrier(rt)
-    if owner and not current:
-        write_json_atomic(run_dir / "artifacts.json", {"training-data": reference(root, data),
-                                                       "model": reference(root, model)})
-        write_status(run_dir, "trained", worker=rt.rank, model=model.key,
-                     selected_epoch=model.metadata.get("selected_epoch"))
-    return data, model
 
 
 def find_intact(store, name, key):
@@ -359,45 +408,78 @@ def write_model(writer, state, history):
     return {"selected_epoch": history.get("selected_epoch"), "epochs": history.get("epochs")}
 
 
-def trained_artifacts(root, store, job, identity, profile_name):
-    """The committed data and weights of a trained job, or an error saying to train."""
-    run_dir = root / job.run
-    fix = f"run `python nnpd.py train --profile {profile_name}` first"
-    status = read_json(run_dir / "status.json")
-    if not status or status.get("state") != "trained":
-        raise LaunchError(f"{run_dir}: no trained model ({'state ' + status['state'] if status else 'no run'}); {fix}")
-    data_key = store.key("training-data", data_recipe(job))
-    try:
-        data = store.find("training-data", data_key)
-        model = store.find("model", store.key("model", model_recipe(job, data_key, identity)))
-    except DamagedArtifact as error:
-        raise LaunchError(f"{error}; {fix} to rebuild it") from None
-    if data is None or model is None:
-        raise LaunchError(f"{run_dir}: the trained model for this runtime ({identity['device_type']}, world size "
-                          f"{identity['ddp_world_size']}) is not in the store; {fix}")
+def train_job(launch, job):
+    """Get or sample the data, then get or train the model; status becomes `trained`."""
+    store, rt, run_dir = launch.store, launch.rt, launch.root / job.run
+    recipe_of_data = data_recipe(job)
+    recipe = model_recipe(job, store.key("training-data", recipe_of_data), launch.identity)
+    current = launch.owner and is_trained(run_dir, store.key("model", recipe))
+    if launch.owner and not current:
+        start_run(launch, job)
+    data = store.get("training-data", recipe_of_data, build=lambda writer: write_data(job, writer))
+
+    def train_model():
+        return job.experiment.train(job.member, job.experiment.build_model(job.member), data, rt)
+
+    if not rt.ddp:
+        model = store.get("model", recipe, build=lambda writer: write_model(writer, *train_model()))
+    else:
+        # Every rank must train together, so training cannot happen under the
+        # artifact's lock; rank 0 decides whether it is needed and commits it.
+        model = find_intact(store, "model", store.key("model", recipe)) if rt.is_main else None
+        if not runtime.broadcast_object(rt, model is not None):
+            state, history = train_model()
+            if rt.is_main:
+                model = store.get("model", recipe, build=lambda writer: write_model(writer, state, history))
+        runtime.barrier(rt)
+    if launch.owner and not current:
+        write_json_atomic(run_dir / "artifacts.json", {"training-data": reference(launch.root, data),
+                                                       "model": reference(launch.root, model)})
+        write_status(run_dir, "trained", worker=rt.rank, model=model.key,
+                     selected_epoch=model.metadata.get("selected_epoch"))
     return data, model
 
 
-def analyze_job(root, store, job, rt, data, model, snapshot):
+def trained_artifacts(launch, job):
+    """The committed data and weights of a trained job, or an error saying to train."""
+    store, run_dir = launch.store, launch.root / job.run
+    fix = f"run `python nnpd.py train --profile {launch.profile.name}` first"
+    status = read_json(run_dir / "status.json")
+    if not status or status.get("state") != "trained":
+        state = f"state {status['state']}" if status else "no run folder"
+        raise LaunchError(f"{run_dir}: no trained model ({state}); {fix}")
+    data_key = store.key("training-data", data_recipe(job))
+    try:
+        data = store.find("training-data", data_key)
+        model = store.find("model", store.key("model", model_recipe(job, data_key, launch.identity)))
+    except DamagedArtifact as error:
+        raise LaunchError(f"{error}; {fix} to rebuild it") from None
+    if data is None or model is None:
+        raise LaunchError(f"{run_dir}: no model trained with this runtime ({launch.identity['device_type']}, "
+                          f"DDP world size {launch.identity['ddp_world_size']}) is in the store; {fix}")
+    return data, model
+
+
+def analyze_job(launch, job, data, model):
     """Compute the selected metrics of one trained model, building products lazily."""
-    run_dir = root / job.run
-    analysis_settings = job.analysis.settings
+    run_dir = launch.root / job.run
+    settings = job.analysis.settings
     done = read_json(run_dir / "analysis.json", {})
-    if (done.get("state") == "complete" and done.get("model") == model.key and done.get("source") == snapshot
-            and done.get("settings") == analysis_settings and (run_dir / "metrics.json").exists()):
+    if (done.get("state") == "complete" and done.get("model") == model.key and done.get("source") == launch.snapshot
+            and done.get("settings") == settings and (run_dir / "metrics.json").exists()):
         return read_json(run_dir / "metrics.json")    # same model, code and settings: nothing to do
-    record = {"settings": analysis_settings, "source": snapshot, "model": model.key, "worker": rt.rank}
+    clear_analysis(run_dir)
+    record = {"settings": settings, "source": launch.snapshot, "model": model.key, "worker": launch.rt.rank}
     write_json_atomic(run_dir / "analysis.json", {"state": "running", **record, "time": now()})
-    ctx = study.Context(job.settings, analysis_settings, job.member, job.experiment, job.analysis, rt,
-                        run_dir, store, data, model)
+    ctx = study.Context(job.settings, settings, job.member, job.experiment, job.analysis, launch.rt,
+                        run_dir, launch.store, data, model)
     values = {}
-    for name in analysis_settings["metrics"]:
+    for name in settings["metrics"]:
         values[name] = job.analysis.metrics[name].compute(ctx)
         write_json_atomic(run_dir / "metrics" / f"{name}.json", values[name])
     write_json_atomic(run_dir / "metrics.json", values)
-    references = read_json(run_dir / "artifacts.json", {})
-    references.update({name: reference(root, artifact) for name, artifact in ctx.used.items()})
-    write_json_atomic(run_dir / "artifacts.json", references)
+    used = {"training-data": data, "model": model, **ctx.used}
+    write_json_atomic(run_dir / "artifacts.json", {name: reference(launch.root, a) for name, a in used.items()})
     write_json_atomic(run_dir / "analysis.json", {"state": "complete", **record, "time": now()})
     return values
 
@@ -415,26 +497,21 @@ def fail_job(run_dir, stage, error):
 
 # ---------------------------------------------------------------- execution
 
-def log(rt, message):
-    """Progress, printed by rank 0 only."""
-    if rt.is_main:
-        print(f"[nnpd {time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
 def job_cost(job):
     """A rough cost in multiply-adds, used to start the largest jobs first."""
     training = job.experiment.workload(job.member)
-    examples = 3 * training["training_examples"] + job.workload["model_evaluations"]
+    examples = 3 * training["training_examples"] + job.analysis_workload["model_evaluations"]
     return examples * training["network_parameters"]
 
 
-def claim_jobs(store, launch, jobs, rt):
+def claim_jobs(launch, jobs):
     """Yield this worker's jobs: all of them in ddp or alone, else the next unclaimed one.
 
     Workers claim the largest unclaimed job under a store lock whenever they are
     free, so they finish together when job costs differ. NNPD_ASSIGNMENT=round-robin
     (for benchmarks) gives worker r the fixed share jobs[r::world] instead.
     """
+    rt = launch.rt
     if not rt.distributed or rt.ddp:
         yield from jobs
         return
@@ -442,9 +519,9 @@ def claim_jobs(store, launch, jobs, rt):
         yield from jobs[rt.rank::rt.world_size]
         return
     order = sorted(range(len(jobs)), key=lambda i: -job_cost(jobs[i]))
-    claims = store.root / "locks" / f"claims-{launch}.json"
+    claims = launch.marks / "claims.json"
     while True:
-        with store.lock(f"claims-{launch}"):
+        with launch.store.lock(f"claims-{launch.id}"):
             taken = read_json(claims, [])
             free = [i for i in order if i not in taken]
             if not free:
@@ -453,33 +530,52 @@ def claim_jobs(store, launch, jobs, rt):
         yield jobs[free[0]]
 
 
-def do_job(root, store, job, rt, stage, snapshot, identity, profile_name):
+def do_job(launch, job, trained=None):
     """Run one job's stage(s); returns an error message or None."""
-    run_dir = root / job.run
-    current = "train"
+    run_dir = launch.root / job.run
+    stage = "train"
     try:
-        if stage in ("train", "run"):
-            log(rt, f"train   {job.run}")
-            data, model = train_job(root, store, job, rt, snapshot, identity)
+        if launch.stage in ("train", "run"):
+            launch.log(f"train   {job.run}")
+            data, model = train_job(launch, job)
         else:
-            data, model = trained_artifacts(root, store, job, identity, profile_name)
-        if stage in ("analyze", "run"):
-            current = "analyze"
-            if rt.is_main or not rt.ddp:
-                log(rt, f"analyze {job.run}")
-                analyze_job(root, store, job, rt, data, model, snapshot)
-            if rt.ddp:
-                runtime.barrier(rt)
+            data, model = trained
+        if launch.stage in ("analyze", "run"):
+            stage = "analyze"
+            if launch.owner:
+                launch.log(f"analyze {job.run}")
+                analyze_job(launch, job, data, model)
+            if launch.rt.ddp:
+                launch.wait_for_workers("analysed")
         return None
     except LaunchError:
         raise
     except Exception as error:
-        fail_job(run_dir, current, error)
-        where = run_dir / ("status.json" if current == "train" else "analysis.json")
-        message = f"{job.run}: {current} failed on worker {rt.rank}: {error} (traceback in {where})"
-        if rt.ddp:   # the other ranks cannot go on without this one: end the whole launch
+        fail_job(run_dir, stage, error)
+        where = run_dir / ("status.json" if stage == "train" else "analysis.json")
+        message = f"{job.run}: {stage} failed on worker {launch.rt.rank}: {error} (traceback in {where})"
+        if launch.rt.ddp:   # the other ranks cannot go on without this one: end the whole launch
             raise LaunchError(message) from error
         return message
+
+
+def latest_training(profile):
+    """For analyze: the profile with the training settings of the output root's latest training.
+
+    When settings_training.py was edited after the last training, analysis still
+    concerns the models that exist; the root keeps a byte copy of their settings.
+    """
+    root = Path(profile.training["output"]["root"])
+    history = read_json(root / "history.json", {"trainings": []})
+    if not history["trainings"] or history["trainings"][0]["digest"] == training_identity(profile) \
+            or not (root / profile.training_path.name).exists():
+        return profile
+    latest = sweep.load_profile(profile.settings_dir, profile.name, training_dir=root)
+    if runtime.launch_environment()[0] == 0:
+        print(f"nnpd: {profile.training_path} differs from the latest training; analysing the latest "
+              f"training (settings in {latest.training_path}); run train to train the edited settings",
+              file=sys.stderr)
+    return latest
 
 
 def execute(stage, profile=None, settings_dir=None):
@@ -487,63 +583,57 @@ def execute(stage, profile=None, settings_dir=None):
     if stage not in ("train", "analyze", "run"):
         raise SettingsError(f"unknown stage {stage!r}; use train, analyze or run")
     loaded = load(profile, settings_dir)
-    jobs, errors, analysis_errors = make_plan(loaded)
-    if stage != "train":
-        errors = errors + analysis_errors
+    if stage == "analyze":
+        loaded = latest_training(loaded)
+    plan = make_plan(loaded)
+    errors = plan.errors + (plan.analysis_errors if stage != "train" else [])
     if errors:
         raise SettingsError(errors[0])
     root = Path(loaded.training["output"]["root"])
-    store = Store(root)
     rt = runtime.start(loaded.configurations[0].settings["runtime"])
     try:
-        return launch(stage, loaded, jobs, root, store, rt)
+        launch = Launch(stage, loaded, root, Store(root), rt, runtime.backend_identity(rt))
+        return run_launch(launch, plan.jobs)
     finally:
         runtime.stop(rt)
 
 
-def launch(stage, profile, jobs, root, store, rt):
-    """Run the stage over all jobs with this worker's share, then clean up on rank 0."""
-    identity = runtime.backend_identity(rt)
-    if stage == "analyze":
+def run_launch(launch, jobs):
+    """Run the stage over this worker's jobs, then clean up on rank 0 once all are done."""
+    rt, root, profile = launch.rt, launch.root, launch.profile
+    trained = {}
+    if launch.stage == "analyze":   # check every model before anything is written
         if not (root / "runs").is_dir():
             raise LaunchError(f"{root}: nothing trained yet; run `python nnpd.py train --profile {profile.name}` first")
-        trained = {job.run: trained_artifacts(root, store, job, identity, profile.name) for job in jobs}
+        trained = {job.run: trained_artifacts(launch, job) for job in jobs}
     snapshot = write_snapshot(root, profile) if rt.is_main else None
-    snapshot, launch_id = runtime.broadcast_object(rt, (snapshot, f"{time.time_ns():x}"))
-    log(rt, f"{stage} {profile.name}: {len(jobs)} jobs, device {rt.device}, {rt.world_size} worker(s), "
-            f"parallel={rt.parallel}, output {root}")
+    launch.snapshot, launch.id = runtime.broadcast_object(rt, (snapshot, f"{time.time_ns():x}"))
+    launch.log(f"{launch.stage} {profile.name}: {len(jobs)} jobs, device {rt.device}, {rt.world_size} worker(s), "
+               f"parallel={rt.parallel}, output {root}")
     failures = []
-    for job in claim_jobs(store, launch_id, jobs, rt):
-        failure = do_job(root, store, job, rt, stage, snapshot, identity, profile.name)
+    for job in claim_jobs(launch, jobs):
+        failure = do_job(launch, job, trained.get(job.run))
         if failure:
             failures.append(failure)
             print(f"[nnpd rank {rt.rank}] {failure}", file=sys.stderr, flush=True)
+    launch.wait_for_workers("jobs-done")
     failures = [f for part in runtime.all_gather_object(rt, failures) for f in part]
-    if rt.is_main:
-        (root / "locks" / f"claims-{launch_id}.json").unlink(missing_ok=True)
-        if not failures:
-            with store.lock("cleanup"):
-                runs = {job.run for job in jobs}
-                if stage == "analyze":
-                    record_analysis(root, profile, runs)
-                else:
-                    clean_up(root, store, profile, runs, snapshot)
-    runtime.barrier(rt)
+    if rt.is_main and not failures:
+        with launch.store.lock("cleanup"):
+            runs = {job.run for job in jobs}
+            if launch.stage == "analyze":
+                record_analysis(root, profile, runs)
+            else:
+                clean_up(root, launch.store, profile, runs, launch.snapshot)
+    launch.wait_for_workers("cleaned-up")
+    runtime.barrier(rt)   # everyone is past the marks: rank 0 removes them
+    if rt.is_main and rt.distributed:
+        shutil.rmtree(launch.marks, ignore_errors=True)
+        (root / "locks" / f"claims-{launch.id}.lock").unlink(missing_ok=True)
     if failures:
         raise LaunchError(f"{len(failures)} job(s) failed; first: {failures[0]}")
-    log(rt, f"{stage} done: results in {root / 'runs'}")
-    return {"stage": stage, "profile": profile.name, "root": str(root), "runs": sorted(job.run for job in jobs)}
-
-
-def record_analysis(root, profile, runs):
-    """Add the products an analysis used to its training's history entry, so they are kept."""
-    history = read_json(root / "history.json", {"trainings": []})
-    identity = sweep.digest(sweep.to_jsonable(profile.training))
-    for entry in history["trainings"]:
-        if entry["digest"] == identity:
-            entry["artifacts"] = sorted(set(entry["artifacts"]) | run_artifacts(root, runs))
-            write_json_atomic(root / "history.json", history)
-    copy_settings(root, profile)
+    launch.log(f"{launch.stage} done: results in {root / 'runs'}")
+    return {"stage": launch.stage, "profile": profile.name, "root": str(root), "runs": sorted(job.run for job in jobs)}
 
 
 def verify(profile=None, settings_dir=None):

@@ -72,10 +72,10 @@ def launch_environment(environ=None) -> tuple[int, int, int]:
         try:
             values[name] = int(raw) if str(raw).strip() else default
         except ValueError:
-            raise RuntimeError(f"environment variable {name}={raw!r} is not an integer; launch with torchrun") from None
+            raise SettingsError(f"environment variable {name}={raw!r} is not an integer; launch with torchrun") from None
     rank, world_size, local_rank = values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"]
     if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
-        raise RuntimeError(
+        raise SettingsError(
             f"inconsistent launch environment RANK={rank} WORLD_SIZE={world_size} LOCAL_RANK={local_rank}; launch with torchrun"
         )
     return rank, world_size, local_rank
@@ -216,7 +216,7 @@ def _create_group(rt: Runtime, environ) -> None:
     """Create the default process group from torchrun's environment (Gloo on CPU, NCCL on CUDA)."""
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(name)]
     if missing:
-        raise RuntimeError(f"WORLD_SIZE={rt.world_size} but {', '.join(missing)} not set; launch with torchrun")
+        raise SettingsError(f"WORLD_SIZE={rt.world_size} but {', '.join(missing)} not set; launch with torchrun")
     backend = "nccl" if rt.device.type == "cuda" else "gloo"
     # env:// reads MASTER_ADDR/MASTER_PORT and uses torchrun's agent store when it offers one.
     dist.init_process_group(
@@ -325,9 +325,3 @@ def all_gather_object(rt: Runtime, obj) -> list:
     gathered = [None] * rt.world_size
     dist.all_gather_object(gathered, obj)
     return gathered
-
-
-def any_rank_failed(rt: Runtime, failed: bool) -> bool:
-    """True on every worker when at least one worker reports a failure."""
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=rt.device)
-    return bool(all_reduce_sum(rt, flag).item() > 0)

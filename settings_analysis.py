@@ -7,7 +7,7 @@ product and model already in the store is reused.
 PROFILES = ("smoke", "default", "paper")
 
 METRICS = ["classification", "bias", "coverage", "width", "resolution", "posterior",
-           "exact_reference"]
+           "exact_reference", "pairwise", "reweighting", "normalization"]
 
 
 def base_settings():

@@ -93,12 +93,16 @@ def _makedirs_durable(path):
 
 def write_json_atomic(path, value):
     """Write value as JSON to path via a synced temp file and an atomic replace."""
+    write_bytes_atomic(path, _pretty_json(value, str(path)).encode("utf-8"))
+
+
+def write_bytes_atomic(path, data):
+    """Write bytes to path via a synced, uniquely named temp file and an atomic replace."""
     path = Path(path)
-    text = _pretty_json(value, str(path))
     _makedirs_durable(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
-        _write_synced(tmp, text.encode("utf-8"))
+        _write_synced(tmp, data)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -545,8 +549,9 @@ class Restored:
 
     @property
     def metrics(self):
-        """The run's metrics, or None before analysis."""
-        return self.json("metrics")
+        """The run's metrics, or None unless its analysis completed."""
+        analysis = self.json("analysis") or {}
+        return self.json("metrics") if analysis.get("state") == "complete" else None
 
 
 def restore(run_dir, device="cpu"):

@@ -76,10 +76,39 @@ def check_graph(products, metrics, selected):
         visit(name, [])
 
 
+def referenced_names(code):
+    """Global names a code object and the functions nested in it refer to."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if inspect.iscode(constant):
+            names |= referenced_names(constant)
+    return names
+
+
+def source_objects(objects):
+    """The given objects plus, for functions, the module-level functions they call, transitively."""
+    found, pending = [], list(objects)
+    while pending:
+        obj = pending.pop(0)
+        if any(obj is seen for seen in found):
+            continue
+        found.append(obj)
+        if inspect.isfunction(obj):
+            for name in sorted(referenced_names(obj.__code__)):
+                helper = obj.__globals__.get(name)
+                if inspect.isfunction(helper) and helper.__module__ == obj.__module__:
+                    pending.append(helper)
+    return found
+
+
 def source_fingerprint(*objects):
-    """A digest of the source code of the given modules, classes or functions."""
+    """A digest of the source of the given modules, classes and functions and their helpers.
+
+    A build function's own module-level helpers are followed, so editing the code that
+    builds an artifact changes its key, while adding an unrelated metric does not.
+    """
     hasher = hashlib.sha256()
-    for obj in objects:
+    for obj in source_objects(objects):
         hasher.update(inspect.getsource(obj).encode())
     return hasher.hexdigest()
 

@@ -364,10 +364,14 @@ def _make(module, path, profile):
     return settings
 
 
-def load_profile(settings_dir, profile=None):
-    """Load, validate and expand one profile from the two settings files in settings_dir."""
+def load_profile(settings_dir, profile=None, training_dir=None):
+    """Load, validate and expand one profile from the two settings files in settings_dir.
+
+    `training_dir`, when given, supplies settings_training.py instead (analyze uses
+    the copy of the latest training's file in the output root).
+    """
     settings_dir = Path(settings_dir).absolute()
-    training_path = settings_dir / TRAINING_FILE
+    training_path = Path(training_dir or settings_dir).absolute() / TRAINING_FILE
     analysis_path = settings_dir / ANALYSIS_FILE
     training_module = _load_module(training_path)
     analysis_module = _load_module(analysis_path)

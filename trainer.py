@@ -277,10 +277,11 @@ def _run_epoch(state, net, x, y, settings, rt, device):
         xb, yb = xs[start:stop][part], ys[start:stop][part]
         with _autocast(device, precision):
             logits = net(xb).reshape(-1)
-        # Sum over this rank's rows times world/N: an empty shard still joins the all-reduce
-        # with zero gradients, and DDP's averaging yields the global-batch mean's gradient.
+        # The shard mean times loss_scale: an empty shard (sum 0, scale 0) still joins the
+        # all-reduce with zero gradients, and DDP's averaging yields the global-batch mean's gradient.
+        shard_len = yb.shape[0]
         loss_sum = F.binary_cross_entropy_with_logits(logits.float(), yb, reduction="sum")
-        loss = loss_sum * (world / (stop - start))
+        loss = loss_sum / max(shard_len, 1) * loss_scale(shard_len, stop - start, world)
         state.optimizer.zero_grad(set_to_none=True)
         if scaled:
             state.scaler.scale(loss).backward()
@@ -335,6 +336,17 @@ def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runti
         "selected_epoch": None,
         "epochs": settings["epochs"],
     }
+    # Dropout draws from torch's global stream: seed it per rank from the job's seed so the
+    # same recipe gives the same weights whatever ran before in this process.
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(runtime.derived_seed(seed, "dropout", rt.rank if rt.ddp else 0))
+        return _train_epochs(state, net, model, (x, y, vx, vy), settings, rt, history)
+
+
+def _train_epochs(state, net, model, tensors, settings, rt, history):
+    """The epoch loop with validation and checkpoint selection; returns (weights, history)."""
+    x, y, vx, vy = tensors
+    device = rt.device
     best_bce, best_weights = math.inf, None
     while state.epoch < settings["epochs"]:
         batch_losses, norms = _run_epoch(state, net, x, y, settings, rt, device)

@@ -32,9 +32,10 @@ def write_settings(directory, root, training="", analysis="", tiny=True):
     directory.mkdir(parents=True, exist_ok=True)
     for name, patch, tiny_patch in (("settings_training.py", training, TINY_TRAINING),
                                     ("settings_analysis.py", analysis, TINY_ANALYSIS)):
-        body = textwrap.dedent(tiny_patch if tiny else "") + textwrap.dedent(patch)
+        body = textwrap.dedent(tiny_patch if tiny else "")
         if name == "settings_training.py":
             body += f'settings["output"]["root"] = {str(root)!r}\n'
+        body += textwrap.dedent(patch)
         source = (REPO / name).read_text()
         source += "\n\n_repository_make_settings = make_settings\n\n\ndef make_settings(profile):\n"
         source += "    settings = _repository_make_settings(profile)\n"

@@ -4,6 +4,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from conftest import REPO, run_cli, write_settings
 
@@ -54,13 +55,17 @@ def test_smoke_profile_runs_reruns_for_free_and_verifies(tmp_path):
     assert report["damaged"] == [] and report["checked"] >= 4 + 4 + 4
 
 
+NO_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA is available here, so device=cuda is no error")
 USER_ERRORS = [
-    ('settings["runtime"]["device"] = "cuda"\n', "", "train", "runtime.device"),
+    pytest.param('settings["runtime"]["device"] = "cuda"\n', "", "train", "runtime.device", marks=NO_CUDA),
     ('settings["training"]["precision"] = "float16"\n', "", "train", "training.precision"),
     ("", 'settings["metrics"] = ["bias", "sharpness"]\n', "run", "sharpness"),
     ("", 'settings["inference"]["candidates"]["candidate_count"] = 10_000_000\n', "run", "max_candidate_points"),
     ("", "", "analyze", "train"),
     ('settings["runtime"]["device"] = "mps"\n', "", "train", "runtime.device"),
+    ('settings["cohort"]["priors"] = ["uniform", "uniform"]\n', "", "train", "cohort.priors"),
+    ('settings["seed"] = "abc"\n', "", "train", "seed"),
+    ('del settings["output"]["root"]\n', "", "train", "output.root"),
 ]
 
 
@@ -87,3 +92,11 @@ def test_verify_without_a_store_is_a_clear_error(tmp_path):
     result = run_cli("verify", "--settings-dir", str(settings))
     assert result.returncode == 1 and "train" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_posterior_of_a_grid_prior_on_continuous_candidates_is_refused_at_plan_time(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out",
+                              analysis='settings["inference"]["candidates"]["native_grid_prior"] = False\n')
+    result = run_cli("plan", "--settings-dir", str(settings))
+    assert result.returncode == 1
+    assert any("native_grid_prior" in error for error in json.loads(result.stdout)["errors"])

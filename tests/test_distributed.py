@@ -56,14 +56,18 @@ def test_two_jobs_workers_take_disjoint_jobs_and_share_products(tmp_path):
         assert launched.returncode == 0, launched.stdout + launched.stderr
     runs = run_folders(tmp_path / "out")
     assert len(runs) == 4
-    workers = [json.loads((run / "status.json").read_text())["worker"] for run in runs]
-    assert sorted(set(workers)) == [0, 1]                    # both workers trained something
-    for run in runs:
-        assert json.loads((run / "analysis.json").read_text())["worker"] == \
-            json.loads((run / "status.json").read_text())["worker"]   # a job's analysis stays with its trainer
+    # Each job was done by exactly one worker (its folder names it), and both workers had work.
+    for record in ("status.json", "analysis.json"):
+        workers = [json.loads((run / record).read_text())["worker"] for run in runs]
+        assert sorted(set(workers)) == [0, 1], (record, workers)
+    # Both workers' runs use the one observations artifact: built once under its lock, read by the other.
+    used = {json.loads((run / "artifacts.json").read_text())["observations"] for run in runs}
+    assert len(used) == 1
     entries = cache_entries(tmp_path / "out")
-    assert [name for name, _ in entries].count("observations") == 1   # built once, read by both
+    assert [name for name, _ in entries].count("observations") == 1
     assert [name for name, _ in entries].count("model") == 4
+    assert not (tmp_path / "out" / "damaged").exists()
+    assert not list((tmp_path / "out" / "locks").glob("launch-*"))     # launch marks are cleaned up
     second = torchrun("run", "--settings-dir", str(settings))
     assert second.returncode == 0, second.stdout + second.stderr
     assert cache_entries(tmp_path / "out") == entries              # nothing retrained or rebuilt

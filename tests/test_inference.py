@@ -437,3 +437,33 @@ def test_resolution_metrics_by_hand():
     out = inf.resolution_metrics(s, 200, [0.7])
     assert "median ESS" in out["warning"] and "exceeds level 0.7" in out["warning"]
     json.dumps(out)
+
+
+# ---------------------------------------------------------------- sample-based checks
+
+def test_wasserstein_1d_matches_a_shift_and_respects_weights():
+    a = torch.linspace(0, 1, 1001, dtype=torch.float64)
+    ones = torch.ones_like(a)
+    assert inf.wasserstein_1d(a, ones, a + 0.3, ones) == pytest.approx(0.3, abs=1e-9)
+    # Weighting b's sample onto its left half moves its mean; W1 to a's left half is then small.
+    b_weights = (a < 0.5).double()
+    assert inf.wasserstein_1d(a[a < 0.5], torch.ones(int((a < 0.5).sum()), dtype=torch.float64),
+                                     a, b_weights) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_sliced_wasserstein_reweighting_recovers_a_target():
+    generator = torch.Generator().manual_seed(3)
+    source = torch.randn(20000, 2, generator=generator, dtype=torch.float64)
+    target = torch.randn(20000, 2, generator=generator, dtype=torch.float64) * 0.5 + torch.tensor([1.0, 0.0])
+    # Exact density ratio target/source for N(μ, 0.25 I) over N(0, I).
+    log_ratio = (-((source - torch.tensor([1.0, 0.0])) ** 2).sum(1) / 0.5 + (source ** 2).sum(1) / 2)
+    unweighted = inf.sliced_wasserstein(target, source, None, seed=1)
+    reweighted = inf.sliced_wasserstein(target, source, log_ratio, seed=1)
+    assert reweighted < 0.25 * unweighted
+    assert inf.sliced_wasserstein(target, source, log_ratio, seed=1) == reweighted   # seeded
+
+
+def test_effective_sample_size():
+    assert inf.effective_sample_size(torch.zeros(50)) == pytest.approx(50)
+    assert inf.effective_sample_size(torch.tensor([0.0, -1e4, -1e4])) == pytest.approx(1.0)
+    assert inf.effective_sample_size(torch.tensor([1e6, 1e6])) == pytest.approx(2.0)

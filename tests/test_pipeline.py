@@ -43,11 +43,15 @@ def test_train_then_analyze_then_rerun_reuses_everything(study_dir, tmp_path):
     names = [name for name, _ in analysed]
     assert names.count("truths") == 1 and names.count("observations") == 1
     assert names.count("candidates") == 2 and names.count("exact") == 2
-    assert names.count("learned") == 4
+    assert names.count("learned") == 4 and names.count("pairwise") == 4 and names.count("reference_logits") == 4
     for run in runs:
         metrics = json.loads((run / "metrics.json").read_text())
         assert set(metrics) == {"classification", "bias", "coverage", "width", "resolution", "posterior",
-                                "exact_reference"}
+                                "exact_reference", "pairwise", "reweighting", "normalization"}
+        assert metrics["normalization"]["exact"]["mean_ratio"] == pytest.approx(1.0, abs=0.25)
+        weighted = metrics["reweighting"]["sliced_wasserstein"]
+        assert all(value > 0 for value in weighted.values())
+        assert metrics["pairwise"]["pairs"] == 32
         assert json.loads((run / "analysis.json").read_text())["state"] == "complete"
         assert 0.0 <= metrics["classification"]["accuracy"] <= 1.0
 
@@ -182,3 +186,30 @@ FRAMEWORK = ("nnpd", "runtime", "store", "trainer", "sweep", "study", "inference
 def test_framework_modules_never_import_the_bundled_study(module):
     source = (REPO / f"{module}.py").read_text()
     assert "import gaussian" not in source and "from gaussian" not in source
+
+
+def test_analyze_after_editing_training_settings_analyses_the_latest_training(tmp_path, capsys):
+    settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["uniform"]\n')
+    nnpd.execute("train", "smoke", settings)
+    write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["uniform"]\n'
+                                                              'settings["training"]["learning_rate"] = 5e-3\n')
+    before = cache_entries(tmp_path / "out")
+    nnpd.execute("analyze", "smoke", settings)
+    assert "differs from the latest training" in capsys.readouterr().err
+    after = cache_entries(tmp_path / "out")
+    assert {e for e in after if e[0] == "model"} == {e for e in before if e[0] == "model"}   # never trains
+    run = run_dirs(tmp_path / "out")[0]
+    assert json.loads((run / "analysis.json").read_text())["state"] == "complete"
+
+
+def test_a_dropped_metric_leaves_no_stale_result(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["grid"]\n',
+                              analysis='settings["metrics"] = ["bias", "coverage"]\n')
+    nnpd.execute("run", "smoke", settings)
+    write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["grid"]\n',
+                   analysis='settings["metrics"] = ["bias"]\n')
+    nnpd.execute("analyze", "smoke", settings)
+    run = run_dirs(tmp_path / "out")[0]
+    assert sorted(p.name for p in (run / "metrics").iterdir()) == ["bias.json"]
+    assert set(json.loads((run / "metrics.json").read_text())) == {"bias"}
+    assert set(restore(run).metrics) == {"bias"}

@@ -43,9 +43,9 @@ def test_settings_defaults_and_validation():
 def test_launch_environment():
     assert runtime.launch_environment({}) == (0, 1, 0)
     assert runtime.launch_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)
-    with pytest.raises(RuntimeError, match="RANK"):
+    with pytest.raises(SettingsError, match="RANK"):
         runtime.launch_environment({"RANK": "x", "WORLD_SIZE": "2"})
-    with pytest.raises(RuntimeError, match="inconsistent"):
+    with pytest.raises(SettingsError, match="inconsistent"):
         runtime.launch_environment({"RANK": "2", "WORLD_SIZE": "2"})
 
 
@@ -194,7 +194,6 @@ def test_ddp_in_one_process_starts_nothing_and_collectives_are_no_ops():
         assert runtime.broadcast_object(rt, {"a": 1}) == {"a": 1}
         assert runtime.all_gather_object(rt, 5) == [5]
         assert torch.equal(runtime.all_reduce_sum(rt, torch.tensor([2.0])), torch.tensor([2.0]))
-        assert runtime.any_rank_failed(rt, True) and not runtime.any_rank_failed(rt, False)
     finally:
         runtime.stop(rt)
         runtime.stop(rt)  # safe twice

@@ -251,6 +251,19 @@ def test_same_seed_gives_identical_weights_and_other_seed_differs():
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
+def test_dropout_training_is_reproducible_whatever_ran_before():
+    def dropout_model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5),
+                                   torch.nn.Linear(16, 1), torch.nn.Flatten(0))
+
+    models = dropout_model(), dropout_model()
+    first, _ = _train({"epochs": 2}, model=models[0], seed=5)
+    torch.rand(1000)                      # the global stream moves on between the two trainings
+    second, _ = _train({"epochs": 2}, model=models[1], seed=5)
+    assert all(torch.equal(first[k], second[k]) for k in first)
+
+
 def test_training_state_round_trips_and_redraws_the_epoch_permutation():
     model = _model()
     settings = trainer.check_training_settings({})

@@ -1,0 +1,82 @@
+"""The experiment/analysis contract: plan-time graph checks, class loading, source fingerprints."""
+import importlib
+import sys
+
+import pytest
+
+import study
+from study import Metric, Product
+from sweep import SettingsError
+
+
+def build(ctx, writer):
+    """A product builder that is never called by these checks."""
+
+
+def recipe(ctx):
+    """An empty recipe."""
+    return {}
+
+
+def product(*needs):
+    """A product needing the given products."""
+    return Product(build, recipe, needs=needs)
+
+
+def test_a_sound_graph_passes():
+    products = {"a": product(), "b": product("a"), "c": product("a", "b")}
+    study.check_graph(products, {"m": Metric(len, needs=("c",))}, ["m"])
+
+
+@pytest.mark.parametrize("products, metrics, selected, message", [
+    ({"a": product()}, {"m": Metric(len)}, ["m", "nope"], "unknown metric 'nope'"),
+    ({"a": product()}, {"m": Metric(len)}, ["m", "m"], "more than once: m"),
+    ({"a": product("ghost")}, {"m": Metric(len)}, ["m"], "needs unknown product 'ghost'"),
+    ({"a": product()}, {"m": Metric(len, needs=("ghost",))}, ["m"], "metric 'm' needs unknown product"),
+    ({"a": product("b"), "b": product("c"), "c": product("a")}, {}, [], "cycle: a -> b -> c -> a"),
+    ({"a": product("a")}, {}, [], "cycle: a -> a"),
+])
+def test_bad_graphs_are_rejected_at_plan_time(products, metrics, selected, message):
+    with pytest.raises(SettingsError, match=message):
+        study.check_graph(products, metrics, selected)
+
+
+def test_load_class_names_the_setting():
+    assert study.load_class("study:Product", "analysis") is Product
+    with pytest.raises(SettingsError, match="experiment: cannot import module 'no_such_module'"):
+        study.load_class("no_such_module:X", "experiment")
+    with pytest.raises(SettingsError, match="analysis: module 'study' has no class 'Nope'"):
+        study.load_class("study:Nope", "analysis")
+
+
+MODULE = '''
+def helper(value):
+    return value + {helper_offset}
+
+
+def builder(ctx, writer):
+    return [helper(x) for x in range(3)]
+
+
+def unrelated():
+    return {unrelated_value}
+'''
+
+
+def fingerprint_of(tmp_path, monkeypatch, helper_offset, unrelated_value, counter=[0]):
+    """The fingerprint of `builder` in a freshly written module."""
+    counter[0] += 1
+    name = f"fingerprint_module_{counter[0]}"
+    (tmp_path / f"{name}.py").write_text(MODULE.format(helper_offset=helper_offset, unrelated_value=unrelated_value))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module(name)
+    try:
+        return study.source_fingerprint(module.builder)
+    finally:
+        del sys.modules[name]
+
+
+def test_fingerprint_follows_helpers_but_not_unrelated_code(tmp_path, monkeypatch):
+    base = fingerprint_of(tmp_path, monkeypatch, 1, 1)
+    assert fingerprint_of(tmp_path, monkeypatch, 1, 2) == base        # an unrelated function changed
+    assert fingerprint_of(tmp_path, monkeypatch, 2, 1) != base        # a helper the builder calls changed
