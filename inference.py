@@ -84,12 +84,6 @@ def _first_occurrences(points):
     return np.sort(first), rank[inverse]
 
 
-def dedupe_rows(points):
-    """Drop exact duplicate rows, keeping the first occurrence and the original order."""
-    keep, _ = _first_occurrences(points)
-    return points[torch.as_tensor(keep)]
-
-
 def merge_duplicates(points, log_measure):
     """Merge exactly equal points, summing their weights in log space; order kept."""
     keep, group = _first_occurrences(points)
@@ -114,7 +108,7 @@ def _truth_kind(p, settings):
 
 
 def truth_count(p, settings):
-    """Number of truth cases (before lattice dedup, so an upper bound), repeats included."""
+    """Number of truth cases, repeats included."""
     kind = _truth_kind(p, settings)
     if kind == "grid":
         count = int(settings.get("truth_points_per_axis", 7)) ** p
@@ -155,7 +149,8 @@ def make_truths(low, high, grid_step, settings, seed):
         if grid_step is None or _as_f64(grid_step).numel() != p:
             raise ValueError("align_truths_to_grid needs one grid_step per parameter; "
                              "set the grid_step of each parameter or align_truths_to_grid: false")
-        truths = dedupe_rows(snap_to_lattice(truths, low, high, grid_step))
+        # Snapped truths may coincide; each stays a case of its own, so the workload is as planned.
+        truths = snap_to_lattice(truths, low, high, grid_step)
     return truths.repeat_interleave(repeats, dim=0).contiguous()
 
 
@@ -278,12 +273,8 @@ def _block_candidates(m, count, chunk_rows):
 
 
 def _sum_over_observations(values):
-    """Sum a (c, m) block over m in float64, always in the same left-to-right order."""
-    values = values.to(torch.float64)
-    total = values[:, 0].clone()
-    for k in range(1, values.shape[1]):
-        total += values[:, k]
-    return total
+    """Sum a (c, m) block over m in float64; each row's order depends on m alone, not on c."""
+    return values.to(torch.float64).sum(dim=1)
 
 
 def ensemble_scores(logit_fn, observations, points, chunk_rows):
@@ -295,21 +286,22 @@ def ensemble_scores(logit_fn, observations, points, chunk_rows):
     chunk_rows shrink the blocks (at least one candidate, padded to a multiple of ROW_PAD).
     """
     x = observations.to(torch.float32)
-    m, count = x.shape[0], points.shape[0]
+    (m, d), (count, p) = x.shape, points.shape
     theta = points.to(device=x.device, dtype=torch.float32)
     block = _block_candidates(m, count, chunk_rows)
-    padded_rows = -(-block * m // ROW_PAD) * ROW_PAD
-    scores = torch.empty(count, dtype=torch.float64)
+    # One input buffer for every block: the observations never change, only θ does.
+    rows = torch.zeros(-(-block * m // ROW_PAD) * ROW_PAD, d + p, dtype=torch.float32, device=x.device)
+    rows[:block * m, :d] = x.repeat(block, 1)
+    thetas = rows[:block * m, d:].view(block, m, p)
+    scores = torch.empty(count, dtype=torch.float64, device=x.device)
     with torch.no_grad():
         for start in range(0, count, block):
             chunk = theta[start:start + block]
             c = chunk.shape[0]
-            rows = torch.zeros(padded_rows, x.shape[1] + theta.shape[1], dtype=torch.float32, device=x.device)
-            rows[:c * m, :x.shape[1]] = x.repeat(c, 1)
-            rows[:c * m, x.shape[1]:] = chunk.repeat_interleave(m, dim=0)
+            thetas[:c] = chunk[:, None, :]
             logits = logit_fn(rows).reshape(-1)[:c * m].reshape(c, m)
-            scores[start:start + c] = _sum_over_observations(logits).cpu()
-    return scores
+            torch.sum(logits, dim=1, dtype=torch.float64, out=scores[start:start + c])
+    return scores.cpu()
 
 
 def exact_scores(log_likelihood, observations, points, chunk_rows=EVAL_BLOCK_ROWS):

@@ -284,18 +284,19 @@ def test_sobol_and_size_adaptive_truths():
     assert inf.truth_count(2, adaptive) == 32
 
 
-def test_truths_snap_to_lattice_dedupe_and_repeat():
+def test_truths_snap_to_lattice_and_repeat():
     low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
     settings = {"kind": "grid", "truth_points_per_axis": 100, "truth_margin_fraction": 0.1,
                 "align_truths_to_grid": True, "repeats": 1}
     truths = inf.make_truths(low, high, torch.tensor([0.2], dtype=torch.float64), settings, seed=0)
     lattice = inf.lattice_support(0.0, 10.0, 0.2)
-    assert truths.shape == (41, 1)  # 100 points on [1, 9] collapse onto 41 lattice points
-    assert torch.equal(truths[:, 0], lattice[5:46])  # bitwise the candidate lattice, order kept
+    assert truths.shape == (100, 1)  # every truth stays a case, even where two snap together
+    assert torch.equal(torch.unique(truths[:, 0]), lattice[5:46])  # bitwise the candidate lattice
+    assert torch.all(torch.diff(truths[:, 0]) >= 0)                 # order kept
     settings["repeats"] = 3
     repeated = inf.make_truths(low, high, torch.tensor([0.2], dtype=torch.float64), settings, seed=0)
     assert torch.equal(repeated, truths.repeat_interleave(3, 0))
-    assert inf.truth_count(1, settings) == 300  # upper bound, before dedup
+    assert inf.truth_count(1, settings) == 300 == repeated.shape[0]
     # Snapping clamps into the box: the lattice on [0, 1] by 0.3 ends at 0.9.
     snapped = inf.snap_to_lattice(torch.tensor([[0.99], [0.44], [-0.1]], dtype=torch.float64), [0.0], [1.0], [0.3])
     torch.testing.assert_close(snapped[:, 0], torch.tensor([0.9, 0.3, 0.0], dtype=torch.float64), rtol=0, atol=1e-15)

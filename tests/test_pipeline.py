@@ -55,6 +55,16 @@ def test_train_then_analyze_then_rerun_reuses_everything(study_dir, tmp_path):
         assert json.loads((run / "analysis.json").read_text())["state"] == "complete"
         assert 0.0 <= metrics["classification"]["accuracy"] <= 1.0
 
+    # The plan's workload estimate is what the analysis really evaluated.
+    uniform = [job for c in nnpd.plan("smoke", study_dir)["configurations"] for job in c["jobs"]
+               if job["member"] == "uniform-r0"][0]
+    store = Store(root)
+    truths = next(store.artifact_at(p) for p in root.glob("cache/truths/*")).array("truths")
+    uniform_run = next(run for run in run_dirs(root) if run.name.startswith("uniform-r0"))
+    learned = store.artifact_at(root / json.loads((uniform_run / "artifacts.json").read_text())["learned"])
+    assert uniform["workload"]["model_evaluations"] == \
+        len(truths) * (learned.metadata["candidates"] + 1) * 5
+
     nnpd.execute("run", "smoke", study_dir)
     assert cache_entries(root) == analysed                                     # a re-run builds nothing
     checked, damaged = Store(root).verify()
