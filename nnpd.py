@@ -677,6 +677,10 @@ def main(argv=None):
     except (LaunchError, DamagedArtifact) as error:
         print(f"nnpd: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("nnpd: interrupted; everything committed so far is kept, and the same command resumes",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
