@@ -1,6 +1,11 @@
 """The command line: plan, the real smoke profile, verify, and user errors."""
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -100,3 +105,26 @@ def test_posterior_of_a_grid_prior_on_continuous_candidates_is_refused_at_plan_t
     result = run_cli("plan", "--settings-dir", str(settings))
     assert result.returncode == 1
     assert any("native_grid_prior" in error for error in json.loads(result.stdout)["errors"])
+
+
+def test_a_run_killed_mid_training_loses_nothing_committed(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out",
+                              training='settings["data"]["train"] = 40_000\nsettings["training"]["epochs"] = 3\n')
+    environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    process = subprocess.Popen([sys.executable, str(REPO / "nnpd.py"), "train", "--settings-dir", str(settings)],
+                               env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    models = tmp_path / "out" / "cache" / "model"
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not list(models.glob("*/artifact.json")):
+        time.sleep(0.05)
+    os.kill(process.pid, signal.SIGKILL)           # somewhere in the second model's training
+    process.wait()
+    first = {p: p.stat().st_mtime_ns for p in models.glob("*/artifact.json")}
+    assert len(first) >= 1
+    result = run_cli("train", "--settings-dir", str(settings))
+    assert result.returncode == 0, result.stderr
+    after = {p: p.stat().st_mtime_ns for p in models.glob("*/artifact.json")}
+    assert len(after) == 4 and all(after[p] == stamp for p, stamp in first.items())   # kept, not retrained
+    verified = run_cli("verify", "--settings-dir", str(settings))
+    assert verified.returncode == 0 and json.loads(verified.stdout)["damaged"] == []
+    assert not list((tmp_path / "out" / "cache").glob("*/.tmp-*"))   # the killed build's leftovers are gone
