@@ -385,6 +385,10 @@ class Prior:
                              f"not a lattice; it has no finite support")
         return coordinate.support()
 
+    def coordinate_log_prob(self, j, values):
+        """Log density (or lattice log mass) of coordinate j alone at the given values."""
+        return self._coordinates[j].log_prob(torch.as_tensor(values, dtype=torch.float64))
+
     def sample(self, n, generator):
         """Draw n parameter rows (n, p) float64."""
         return torch.stack([c.sample(n, generator) for c in self._coordinates], dim=-1)

@@ -8,10 +8,11 @@ import numpy as np
 import torch
 
 import gaussian
+import gaussian_figures
 import inference
 import runtime
 import trainer
-from study import Metric, Product
+from study import Figure, Metric, Product, check_selection
 from sweep import SettingsError
 
 TARGETS = ("ratio", "posterior", "exact")
@@ -490,6 +491,14 @@ class GaussianAnalysis:
     }
     NEEDS_RATIO = ("bias", "coverage", "width", "resolution", "exact_reference")
 
+    plots = {"diagnostic_cases": Figure(gaussian_figures.draw_diagnostic_cases)}
+    cohort_plots = {
+        "priors": Figure(gaussian_figures.draw_priors),
+        "training": Figure(gaussian_figures.draw_training),
+        "estimates": Figure(gaussian_figures.draw_estimates),
+        "bias_width": Figure(gaussian_figures.draw_bias_width),
+    }
+
     def __init__(self, settings, experiment):
         self.settings = settings
         self.experiment = experiment
@@ -511,9 +520,13 @@ class GaussianAnalysis:
             raise SettingsError(f"inference.targets: the 'posterior' target of lattice priors ({', '.join(lattice_priors)}) "
                                 "has no density on continuous candidates; set inference.candidates.native_grid_prior "
                                 "to True or remove 'posterior'")
-        if self.settings["plots"] or self.settings["cohort_plots"]:
-            raise SettingsError("plots/cohort_plots: figures are not available in this version; "
-                                "set them to []")
+        check_selection("plots", self.settings["plots"], self.plots)
+        check_selection("cohort_plots", self.settings["cohort_plots"], self.cohort_plots)
+        inference_settings = self.settings["inference"]
+        if "diagnostic_cases" in self.settings["plots"] and inference_settings["retain"] == "diagnostic" \
+                and inference_settings["diagnostic_cases"] == 0:
+            raise SettingsError("plots: 'diagnostic_cases' draws retained scores; set inference.diagnostic_cases "
+                                "above 0 or inference.retain to 'full'")
 
     def workload(self, member):
         """Model evaluations, saved bytes and candidate points this member's analysis needs."""

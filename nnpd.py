@@ -127,6 +127,27 @@ def check_limits(limits):
             raise SettingsError(f"verification.{name}: expected a positive number, got {value!r}")
 
 
+PLOT_FORMATS = ("png", "pdf", "svg")
+
+
+def check_plotting(plotting):
+    """The figure format and resolution, when given."""
+    if plotting.get("format", "png") not in PLOT_FORMATS:
+        raise SettingsError(f"plotting.format: {plotting['format']!r} is not one of {', '.join(PLOT_FORMATS)}")
+    dpi = plotting.get("dpi", 120)
+    if not isinstance(dpi, int) or isinstance(dpi, bool) or dpi < 1:
+        raise SettingsError(f"plotting.dpi: expected a positive integer, got {dpi!r}")
+
+
+def matplotlib_missing():
+    """Whether figures cannot be drawn here (matplotlib is an optional extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
 @dataclass
 class Plan:
     """Every job of a launch and what stands in its way."""
@@ -140,6 +161,10 @@ def make_plan(profile):
     """Validate every configuration and member before anything is computed."""
     jobs, errors, analysis_errors, warnings = [], [], [], []
     check_limits(profile.analysis["verification"])
+    check_plotting(profile.analysis["plotting"])
+    if (profile.analysis["plots"] or profile.analysis["cohort_plots"]) and matplotlib_missing():
+        warnings.append("plots/cohort_plots: figures were requested but matplotlib is not installed, so they are "
+                        "skipped; install it with `pip install matplotlib` (the package's [plots] extra)")
     for configuration in profile.configurations:
         try:
             found = configuration_jobs(configuration, profile.analysis)
@@ -231,7 +256,10 @@ def copy_settings(root, profile):
 def discard(path):
     """Delete a folder so that a crash half-way never leaves it looking valid: rename, then remove."""
     trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.time_ns():x}")
-    os.rename(path, trash)
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return                            # already gone (or taken by another worker)
     shutil.rmtree(trash)
 
 
@@ -263,10 +291,10 @@ def clean_up(root, store, profile, runs, snapshot):
         for run in variant.glob("*"):
             if run.name.startswith(".trash-"):
                 shutil.rmtree(run)        # left by an interrupted clean-up
-            elif str(run.relative_to(root)) not in runs:
+            elif run.name != "plots" and str(run.relative_to(root)) not in runs:
                 discard(run)
-        if not any(variant.iterdir()):
-            variant.rmdir()
+        if not any(path.name != "plots" for path in variant.iterdir()):
+            shutil.rmtree(variant)        # a configuration no longer trained, with its cohort figures
     copy_settings(root, profile)
     history = record_history(root, profile, runs, snapshot)
     store.prune(set().union(*(entry["artifacts"] for entry in history["trainings"])))
@@ -331,6 +359,40 @@ class Launch:
             time.sleep(0.2)
 
 
+def draw_figures(figures, selected, target, folder, plotting):
+    """Draw the selected figures into folder, each written atomically; skipped without matplotlib."""
+    if not selected or matplotlib_missing():
+        return
+    from matplotlib.figure import Figure   # no pyplot: no global state, nothing left open
+
+    fmt, dpi = plotting.get("format", "png"), plotting.get("dpi", 120)
+    for name in selected:
+        figure = Figure(figsize=(12, 7), layout="constrained")
+        figures[name].draw(target, figure)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format=fmt, dpi=dpi)
+        write_bytes_atomic(folder / f"{name}.{fmt}", buffer.getvalue())
+
+
+def cohort_figures(launch, jobs, trained):
+    """Per configuration, the cohort figures across its members (rank 0, after every job)."""
+    settings = launch.profile.analysis
+    if not settings["cohort_plots"]:
+        return
+    for configuration in launch.profile.configurations:
+        members = [job for job in jobs if job.configuration is configuration]
+        if not members:
+            continue
+        contexts = [study.Context(job.settings, settings, job.member, job.experiment, job.analysis, launch.rt,
+                                  launch.root / job.run, launch.store,
+                                  *(trained.get(job.run) or trained_artifacts(launch, job))) for job in members]
+        folder = launch.root / "runs" / configuration.name / "plots"
+        discard(folder)                   # figures no longer selected do not linger
+        launch.log(f"figures {configuration.name}")
+        draw_figures(members[0].analysis.cohort_plots, settings["cohort_plots"], contexts, folder,
+                     settings["plotting"])
+
+
 # ---------------------------------------------------------------- jobs
 
 def write_status(run_dir, state, **extra):
@@ -376,6 +438,7 @@ def start_run(launch, job):
         "settings": job.settings, "backend": launch.identity, "versions": study.library_versions(),
         "source": launch.snapshot, "started": now(), "description": job.experiment.describe(job.member)})
     clear_analysis(run_dir)
+    discard(run_dir.parent / "plots")      # the cohort's figures no longer describe its models
     write_status(run_dir, "running", worker=launch.rt.rank)
 
 
@@ -478,6 +541,7 @@ def analyze_job(launch, job, data, model):
         values[name] = job.analysis.metrics[name].compute(ctx)
         write_json_atomic(run_dir / "metrics" / f"{name}.json", values[name])
     write_json_atomic(run_dir / "metrics.json", values)
+    draw_figures(job.analysis.plots, settings["plots"], ctx, run_dir / "plots", settings["plotting"])
     used = {"training-data": data, "model": model, **ctx.used}
     write_json_atomic(run_dir / "artifacts.json", {name: reference(launch.root, a) for name, a in used.items()})
     write_json_atomic(run_dir / "analysis.json", {"state": "complete", **record, "time": now()})
@@ -618,6 +682,8 @@ def run_launch(launch, jobs):
             print(f"[nnpd rank {rt.rank}] {failure}", file=sys.stderr, flush=True)
     launch.wait_for_workers("jobs-done")
     failures = [f for part in runtime.all_gather_object(rt, failures) for f in part]
+    if rt.is_main and not failures and launch.stage != "train":
+        cohort_figures(launch, jobs, trained)
     if rt.is_main and not failures:
         with launch.store.lock("cleanup"):
             runs = {job.run for job in jobs}

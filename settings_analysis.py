@@ -44,8 +44,8 @@ def base_settings():
             "max_candidate_points": 2e6,
         },
         "metrics": list(METRICS),
-        "plots": [],
-        "cohort_plots": [],
+        "plots": [],            # per run: "diagnostic_cases" (needs matplotlib)
+        "cohort_plots": [],     # per configuration: "priors", "training", "estimates", "bias_width"
         "plotting": {"format": "png", "dpi": 120},
     }
 

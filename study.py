@@ -34,6 +34,13 @@ class Metric:
     needs: tuple = ()
 
 
+@dataclass(frozen=True)
+class Figure:
+    """A figure drawn into a matplotlib Figure the framework creates, saves and closes."""
+    draw: object                  # draw(target, figure): target is a run's Context, or a list
+                                  # of the Contexts of a configuration's cohort
+
+
 def load_class(spec, setting):
     """Import the class named by a "module:Class" setting."""
     module_name, _, class_name = spec.partition(":")
@@ -47,14 +54,19 @@ def load_class(spec, setting):
         raise SettingsError(f"{setting}: module {module_name!r} has no class {class_name!r}") from None
 
 
-def check_graph(products, metrics, selected):
-    """Reject unknown or duplicate metrics, unknown dependencies and cycles (plan time)."""
+def check_selection(section, selected, known):
+    """Every selected name exists and is listed once."""
     duplicates = sorted({name for name in selected if selected.count(name) > 1})
     if duplicates:
-        raise SettingsError(f"metrics: listed more than once: {', '.join(duplicates)}")
+        raise SettingsError(f"{section}: listed more than once: {', '.join(duplicates)}")
     for name in selected:
-        if name not in metrics:
-            raise SettingsError(f"metrics: unknown metric {name!r}; known metrics: {', '.join(sorted(metrics))}")
+        if name not in known:
+            raise SettingsError(f"{section}: unknown name {name!r}; known: {', '.join(sorted(known)) or 'none'}")
+
+
+def check_graph(products, metrics, selected):
+    """Reject unknown or duplicate metrics, unknown dependencies and cycles (plan time)."""
+    check_selection("metrics", selected, metrics)
     for owner, needs in [(f"metric {m!r}", metrics[m].needs) for m in selected] + \
                         [(f"product {p!r}", spec.needs) for p, spec in products.items()]:
         for need in needs:

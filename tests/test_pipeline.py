@@ -1,6 +1,7 @@
 """End-to-end pipeline on tiny settings: train, analyze, reuse, clean-up, restore."""
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -223,3 +224,43 @@ def test_a_dropped_metric_leaves_no_stale_result(tmp_path):
     assert sorted(p.name for p in (run / "metrics").iterdir()) == ["bias.json"]
     assert set(json.loads((run / "metrics.json").read_text())) == {"bias"}
     assert set(restore(run).metrics) == {"bias"}
+
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.skipif(nnpd.matplotlib_missing(), reason="matplotlib (the optional [plots] extra) is not installed")
+def test_figures_are_written_per_run_and_per_cohort(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["uniform", "grid"]\n',
+                              analysis='settings["plots"] = ["diagnostic_cases"]\n'
+                                       'settings["cohort_plots"] = ["priors", "training", "estimates", "bias_width"]\n')
+    nnpd.execute("run", "smoke", settings)
+    root = tmp_path / "out"
+    for run in run_dirs(root):
+        assert (run / "plots" / "diagnostic_cases.png").read_bytes().startswith(PNG)
+    cohort = list(root.glob("runs/*/plots/*.png"))
+    assert sorted(p.stem for p in cohort) == ["bias_width", "estimates", "priors", "training"]
+    assert all(p.read_bytes().startswith(PNG) and p.stat().st_size > 5000 for p in cohort)
+    # Retraining clears the cohort's figures with its analyses; a later analyze draws them again.
+    write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["uniform", "grid"]\n'
+                                                              'settings["training"]["epochs"] = 1\n',
+                   analysis='settings["cohort_plots"] = ["priors"]\n')
+    nnpd.execute("train", "smoke", settings)
+    assert not list(root.glob("runs/*/plots")) and not list(root.glob("runs/*/*/plots"))
+    nnpd.execute("analyze", "smoke", settings)
+    assert sorted(p.stem for p in root.glob("runs/*/plots/*.png")) == ["priors"]
+
+
+def test_figures_without_matplotlib_are_skipped_with_a_clear_warning(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["uniform"]\n',
+                              analysis='settings["cohort_plots"] = ["priors"]\n')
+    blocked = "import sys; sys.modules['matplotlib'] = None; import nnpd; sys.exit(nnpd.main(sys.argv[1:]))"
+    plan = subprocess.run([sys.executable, "-c", blocked, "plan", "--settings-dir", str(settings)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stderr
+    assert any("matplotlib is not installed" in w for w in json.loads(plan.stdout)["warnings"])
+    done = subprocess.run([sys.executable, "-c", blocked, "run", "--settings-dir", str(settings)], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert not list((tmp_path / "out").glob("runs/**/*.png"))
+    assert len(list((tmp_path / "out").glob("runs/*/*/metrics.json"))) == 1

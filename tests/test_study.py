@@ -29,7 +29,7 @@ def test_a_sound_graph_passes():
 
 
 @pytest.mark.parametrize("products, metrics, selected, message", [
-    ({"a": product()}, {"m": Metric(len)}, ["m", "nope"], "unknown metric 'nope'"),
+    ({"a": product()}, {"m": Metric(len)}, ["m", "nope"], "metrics: unknown name 'nope'"),
     ({"a": product()}, {"m": Metric(len)}, ["m", "m"], "more than once: m"),
     ({"a": product("ghost")}, {"m": Metric(len)}, ["m"], "needs unknown product 'ghost'"),
     ({"a": product()}, {"m": Metric(len, needs=("ghost",))}, ["m"], "metric 'm' needs unknown product"),

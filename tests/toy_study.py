@@ -132,6 +132,7 @@ class SlopeAnalysis:
     products = {"scan": Product(build_scan, lambda ctx: {"truth": ctx.analysis_settings["inference"]["truth"]},
                                 uses_model=True)}
     metrics = {"slope": Metric(metric_slope, needs=("scan",)), "accuracy": Metric(metric_accuracy)}
+    plots, cohort_plots = {}, {}
 
     def __init__(self, settings, experiment):
         self.settings = settings
