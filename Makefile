@@ -15,6 +15,8 @@ $(VENV)/.ready: pyproject.toml
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
 	$(PY) -c "import numpy, pytest, hypothesis" 2>/dev/null || $(PY) -m pip install numpy pytest hypothesis
 	$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install setuptools
+	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install matplotlib \
+		|| echo "matplotlib (optional) is unavailable: figure tests will be skipped"
 	$(PY) -m pip install --no-deps --no-build-isolation -e . >/dev/null
 	touch $@
 
