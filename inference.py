@@ -265,11 +265,17 @@ def make_candidates(low, high, lattice_steps, settings, seed):
 # ---------------------------------------------------------------------------
 
 def _block_candidates(m, count, chunk_rows):
-    """Candidates per network call: fixed by EVAL_BLOCK_ROWS unless chunk_rows is smaller."""
+    """Candidates per network call: fixed by EVAL_BLOCK_ROWS unless chunk_rows is smaller.
+
+    The candidates are spread evenly over the fewest blocks that fit, so the last block
+    is not mostly padding; every block still has the same shape.
+    """
     rows = min(EVAL_BLOCK_ROWS, int(chunk_rows))
     if rows < 1:
         raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
-    return max(1, min(rows // m, count))
+    largest = max(1, min(rows // m, count))
+    blocks = -(-count // largest)
+    return -(-count // blocks)
 
 
 def _sum_over_observations(values):
