@@ -9,22 +9,10 @@ import torch
 
 import gaussian
 from gaussian import GaussianProblem, make_prior
+from settings_training import base_settings
 from sweep import SettingsError
 
-PROBLEM = {
-    "dimension": 1,
-    "infer": ["mean:*"],
-    "fixed_mean": 5.0,
-    "fixed_std": 2.0,
-    "fixed": {},
-    "parameters": {
-        "mean": {"low": 0.0, "high": 10.0, "normal_mean": 5.0, "normal_std": 4.0,
-                 "exponential_rate": 0.1, "grid_step": 0.2},
-        "std": {"low": 0.2, "high": 4.0, "normal_mean": 2.0, "normal_std": 0.7,
-                "exponential_rate": 0.1, "grid_step": 0.2},
-    },
-    "overrides": {},
-}
+PROBLEM = base_settings("smoke")["problem"]   # the SPEC 9.1 defaults, as the bundled settings hold them
 EXTREME_RATES = [1e-12, 0.1, -0.1, 5.0, -5.0, 1e3, -1e3]
 
 
