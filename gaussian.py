@@ -7,7 +7,7 @@ import torch
 
 import inference
 
-from sweep import SettingsError
+from sweep import SettingsError, is_integer, is_number
 
 KINDS = ("mean", "std")
 FAMILIES = ("uniform", "normal", "exponential", "grid")
@@ -34,14 +34,14 @@ def _require(mapping, key, path):
 
 def _number(value, path):
     """Return value as a finite float or raise naming the setting."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if not is_number(value) or not math.isfinite(value):
         raise SettingsError(f"{path}: expected a finite number, got {value!r}")
     return float(value)
 
 
 def _integer(value, path, minimum):
     """Return value as an int >= minimum or raise naming the setting."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    if not is_integer(value) or value < minimum:
         raise SettingsError(f"{path}: expected an integer >= {minimum}, got {value!r}")
     return value
 

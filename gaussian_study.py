@@ -13,7 +13,7 @@ import inference
 import runtime
 import trainer
 from study import Figure, Metric, Product, check_selection
-from sweep import SettingsError
+from sweep import SettingsError, is_integer, is_number
 
 TARGETS = ("ratio", "posterior", "exact")
 SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer")
@@ -130,10 +130,10 @@ def check_value(value, rule, path):
         if value not in rule:
             raise SettingsError(f"{path}: {value!r} is not one of {', '.join(map(repr, rule))}")
     elif rule is int:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not is_integer(value) or value < 0:
             raise SettingsError(f"{path}: expected a non-negative integer, got {value!r}")
     elif rule is float:
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < 0.5:
+        if not is_number(value) or not 0 <= value < 0.5:
             raise SettingsError(f"{path}: expected a number in [0, 0.5), got {value!r}")
     elif not isinstance(value, rule):
         raise SettingsError(f"{path}: expected a {rule.__name__}, got {value!r}")
@@ -150,7 +150,7 @@ def check_inference_settings(settings):
         raise SettingsError(f"inference.targets: a non-empty list of distinct targets from {', '.join(TARGETS)}; "
                             f"got {targets!r}")
     levels = settings["levels"]
-    if not levels or any(not isinstance(v, (int, float)) or not 0 < v < 1 for v in levels) \
+    if not levels or any(not is_number(v) or not 0 < v < 1 for v in levels) \
             or sorted(set(levels)) != list(levels):
         raise SettingsError(f"inference.levels: increasing enclosed masses strictly between 0 and 1; got {levels!r}")
 
@@ -216,7 +216,7 @@ def summarise_cases(writer, targets, case_scores, truths, points, log_measure, l
     elif retain["cases"]:
         retained = {t: np.zeros((min(retain["cases"], cases), candidates + 1)) for t in targets}
     outputs = {}
-    block = max(1, min(cases, 2 ** 22 // max(candidates, 1)))
+    block = max(1, min(cases, inference.SUMMARY_CELLS // max(candidates, 1)))
     for start in range(0, cases, block):
         stop = min(cases, start + block)
         scores = {t: torch.empty(stop - start, candidates + 1, dtype=torch.float64) for t in targets}
@@ -289,21 +289,21 @@ def build_exact(ctx, writer):
                            settings["levels"], retain_settings(ctx))
 
 
-def build_test_predictions(ctx, writer):
-    """The model's logits on the held-out test split."""
-    inputs = torch.from_numpy(np.asarray(ctx.data.array("test_inputs")))
-    with torch.no_grad():
-        logits = torch.cat([ctx.model(chunk.to(ctx.runtime.device)).float().cpu()
-                            for chunk in inputs.split(65536)])
-    writer.array("logits", logits.numpy())
-    writer.array("labels", np.asarray(ctx.data.array("test_labels")))
-    return {"rows": int(inputs.shape[0])}
-
-
 def split_pairs(ctx):
     """The test split's inputs and labels as tensors."""
     return (torch.from_numpy(np.asarray(ctx.data.array("test_inputs"))),
             torch.from_numpy(np.asarray(ctx.data.array("test_labels"))))
+
+
+def build_test_predictions(ctx, writer):
+    """The model's logits on the held-out test split."""
+    inputs, labels = split_pairs(ctx)
+    with torch.no_grad():
+        logits = torch.cat([ctx.model(chunk.to(ctx.runtime.device)).float().cpu()
+                            for chunk in inputs.split(trainer.VALIDATION_CHUNK)])
+    writer.array("logits", logits.numpy())
+    writer.array("labels", labels.numpy())
+    return {"rows": int(inputs.shape[0])}
 
 
 def build_reference_logits(ctx, writer):

@@ -91,7 +91,7 @@ def check_launch_settings(settings):
     root = settings["output"].get("root") if isinstance(settings["output"], dict) else None
     if not isinstance(root, str) or not root:
         raise SettingsError("output.root: expected a non-empty path, e.g. \"outputs/<profile>\"")
-    if not isinstance(settings["seed"], int) or isinstance(settings["seed"], bool):
+    if not sweep.is_integer(settings["seed"]):
         raise SettingsError(f"seed: expected an integer, got {settings['seed']!r}")
 
 
@@ -123,7 +123,7 @@ def check_limits(limits):
     """The analysis limits must be positive numbers."""
     for name in ("max_model_evaluations", "max_saved_bytes", "max_candidate_points"):
         value = limits.get(name)
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0:
+        if not sweep.is_number(value) or not value > 0:
             raise SettingsError(f"verification.{name}: expected a positive number, got {value!r}")
 
 
@@ -135,7 +135,7 @@ def check_plotting(plotting):
     if plotting.get("format", "png") not in PLOT_FORMATS:
         raise SettingsError(f"plotting.format: {plotting['format']!r} is not one of {', '.join(PLOT_FORMATS)}")
     dpi = plotting.get("dpi", 120)
-    if not isinstance(dpi, int) or isinstance(dpi, bool) or dpi < 1:
+    if not sweep.is_integer(dpi) or dpi < 1:
         raise SettingsError(f"plotting.dpi: expected a positive integer, got {dpi!r}")
 
 

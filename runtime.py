@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sweep import SettingsError
+from sweep import SettingsError, is_integer, is_number
 
 RUNTIME_DEFAULTS = {
     "device": "auto",
@@ -29,16 +29,6 @@ PARALLEL_MODES = ("jobs", "ddp")
 PRECISIONS = ("off", "float16", "bfloat16")
 DEVICE_FORMS = '"auto", "cpu", "cuda" or "cuda:N" (N = GPU index)'
 _INDEXED_CUDA = re.compile(r"cuda:(\d+)")
-
-
-def _is_int(value) -> bool:
-    """True for a real int (bool excluded, since True would pass as 1)."""
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value) -> bool:
-    """True for an int or float that is not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_runtime_settings(runtime_settings: dict | None) -> dict:
@@ -54,12 +44,12 @@ def check_runtime_settings(runtime_settings: dict | None) -> dict:
         raise SettingsError(f"runtime.device: expected a string, one of {DEVICE_FORMS}; got {settings['device']!r}")
     if settings["parallel"] not in PARALLEL_MODES:
         raise SettingsError(f"runtime.parallel: {settings['parallel']!r} is not valid; use \"jobs\" or \"ddp\"")
-    if not _is_int(settings["cpu_threads"]) or settings["cpu_threads"] < 1:
+    if not is_integer(settings["cpu_threads"]) or settings["cpu_threads"] < 1:
         raise SettingsError(f"runtime.cpu_threads: expected an integer >= 1; got {settings['cpu_threads']!r}")
     if not isinstance(settings["deterministic"], bool):
         raise SettingsError(f"runtime.deterministic: expected true or false; got {settings['deterministic']!r}")
     timeout = settings["timeout_minutes"]
-    if not _is_number(timeout) or not timeout > 0:
+    if not is_number(timeout) or not timeout > 0:
         raise SettingsError(f"runtime.timeout_minutes: expected a number > 0; got {timeout!r}")
     return settings
 

@@ -5,6 +5,7 @@ cohort members, the training data, the network and its training. An analysis cla
 (named by `analysis`) supplies named products, built lazily through the store from
 declared dependencies, and metrics computed from products.
 """
+import functools
 import hashlib
 import importlib
 import inspect
@@ -113,6 +114,7 @@ def source_objects(objects):
     return found
 
 
+@functools.cache
 def source_fingerprint(*objects):
     """A digest of the source of the given modules, classes and functions and their helpers.
 

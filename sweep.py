@@ -17,6 +17,16 @@ class SettingsError(ValueError):
     """A settings problem the user can fix; the message names the setting."""
 
 
+def is_integer(value):
+    """True for a real int (a bool is not one, though Python says True == 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value):
+    """True for an int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 TRAINING_SECTIONS = (
     "experiment", "output", "seed", "problem", "cohort",
     "priors", "data", "model", "training", "runtime",

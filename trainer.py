@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import runtime
-from sweep import SettingsError
+from sweep import SettingsError, is_integer, is_number
 
 TRAINING_DEFAULTS = {
     "epochs": 2,
@@ -89,15 +89,10 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
 # ---------------------------------------------------------------- settings
 
 
-def _is_number(value) -> bool:
-    """True for an int or float that is not a bool."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _positive_int(settings: dict, key: str) -> None:
     """Require settings[key] to be an integer >= 1."""
     value = settings[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if not is_integer(value) or value < 1:
         raise SettingsError(f"training.{key}: expected an integer >= 1; got {value!r}")
 
 
@@ -113,15 +108,15 @@ def check_training_settings(training_settings: dict | None) -> dict:
     if s["optimizer"] not in OPTIMIZERS:
         raise SettingsError(f"training.optimizer: {s['optimizer']!r} is not valid; use \"adam\" or \"adamw\"")
     for key in ("learning_rate", "epsilon"):
-        if not _is_number(s[key]) or not s[key] > 0 or not math.isfinite(s[key]):
+        if not is_number(s[key]) or not s[key] > 0 or not math.isfinite(s[key]):
             raise SettingsError(f"training.{key}: expected a finite number > 0; got {s[key]!r}")
-    if not _is_number(s["weight_decay"]) or not 0 <= s["weight_decay"] < math.inf:
+    if not is_number(s["weight_decay"]) or not 0 <= s["weight_decay"] < math.inf:
         raise SettingsError(f"training.weight_decay: expected a finite number >= 0; got {s['weight_decay']!r}")
     betas = s["betas"]
-    if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(_is_number(b) and 0 <= b < 1 for b in betas):
+    if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(is_number(b) and 0 <= b < 1 for b in betas):
         raise SettingsError(f"training.betas: expected two numbers in [0, 1), e.g. [0.9, 0.999]; got {betas!r}")
     clip = s["gradient_clip"]
-    if clip is not None and (not _is_number(clip) or not 0 < clip < math.inf):
+    if clip is not None and (not is_number(clip) or not 0 < clip < math.inf):
         raise SettingsError(f"training.gradient_clip: expected None or a finite number > 0; got {clip!r}")
     if s["precision"] not in runtime.PRECISIONS:
         raise SettingsError(f"training.precision: {s['precision']!r} is not valid; use \"off\", \"float16\" or \"bfloat16\"")
