@@ -19,10 +19,10 @@ import runtime  # noqa: E402
 
 def plain_forward(model, rows, batch):
     """A plain batched forward pass over pre-built rows."""
-    total = torch.zeros(())
+    total = torch.zeros((), device=rows.device)
     for chunk in rows.split(batch):
         total += model(chunk).sum()
-    return total
+    return total.item()     # waits for the device, so both timings include the whole computation
 
 
 def main():
@@ -31,17 +31,19 @@ def main():
     parser.add_argument("--candidates", type=int, default=16_385)
     parser.add_argument("--observations", type=int, default=15)
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
     arguments = parser.parse_args()
-    runtime.start({"device": "cpu", "cpu_threads": 1, "deterministic": False})   # as nnpd runs analyses
+    device = torch.device(arguments.device)
+    runtime.start({"device": arguments.device, "cpu_threads": 1, "deterministic": False})   # as nnpd runs analyses
     torch.manual_seed(0)
     model = gaussian.build_network({"kind": "mlp", "hidden": [64] * 4, "activation": "relu", "dropout": 0.0}, 2)
-    model.eval()
-    observations = torch.randn(arguments.observations, 1, dtype=torch.float64) + 5
-    points = torch.rand(arguments.candidates, 1, dtype=torch.float64) * 10
-    rows = torch.randn(arguments.candidates * arguments.observations, 2)
+    model.to(device).eval()
+    observations = torch.randn(arguments.observations, 1, dtype=torch.float64, device=device) + 5
+    points = torch.rand(arguments.candidates, 1, dtype=torch.float64, device=device) * 10
+    rows = torch.randn(arguments.candidates * arguments.observations, 2, device=device)
     evaluations = rows.shape[0]
     timings = {"ensemble_scores": [], "plain forward": []}
-    runs = {"ensemble_scores": lambda: inference.ensemble_scores(model, observations, points, 262_144),
+    runs = {"ensemble_scores": lambda: inference.ensemble_scores(model, observations, points, 262_144).sum().item(),
             "plain forward": lambda: plain_forward(model, rows, inference.EVAL_BLOCK_ROWS)}
     with torch.no_grad():
         for run in runs.values():        # warm-up, untimed

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, in one go (for a machine with CUDA): the cuda-marked
 # tests (single GPU at off/float16/bfloat16, restore onto cuda and cpu, two-GPU NCCL
-# when two GPUs are visible), then a float16 and a bfloat16 smoke run from the CLI.
+# when two GPUs are visible), then a float16 and a bfloat16 smoke run from the CLI, then the
+# default profile's inference rate on the GPU.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -31,4 +32,6 @@ PATCH
   echo "smoke run at $precision: $(( $(date +%s) - start )) s"
   $PY nnpd.py verify --profile smoke --settings-dir "$work/$precision" | tail -4 || status=1
 done
+echo "default profile's inference rate on the GPU (16,385 candidates x 15 observations, mlp [64]*4):"
+$PY bench/bench_inference.py --device cuda --repeats 6 || status=1
 exit $status
