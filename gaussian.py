@@ -1,11 +1,11 @@
 """The bundled Gaussian study: simulator, priors, balanced training pairs, networks."""
 
-import hashlib
 import math
 
 import torch
 
 import inference
+import runtime
 
 from sweep import SettingsError, is_integer, is_number
 
@@ -454,18 +454,12 @@ def sample_pairs(problem, prior, rows, generator):
     return inputs[order], labels[order].to(torch.float32)
 
 
-def split_seed(seed, split):
-    """Deterministic 63-bit seed for one split, independent across splits."""
-    digest = hashlib.sha256(f"nnpd-gaussian:{seed}:{split}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
-
-
 def sample_training_data(problem, prior, data_settings, seed):
     """Train/validation/test pairs as numpy arrays, each split from its own generator."""
     arrays = {}
     for split in SPLITS:
         rows = _check_rows(_require(data_settings, split, "data"), f"data.{split}")
-        generator = torch.Generator().manual_seed(split_seed(seed, split))
+        generator = runtime.seeded_generator(seed, "split", split)
         inputs, labels = sample_pairs(problem, prior, rows, generator)
         arrays[f"{split}_inputs"] = inputs.numpy()
         arrays[f"{split}_labels"] = labels.numpy()

@@ -156,10 +156,9 @@ def check_inference_settings(settings):
 
 
 def candidate_lattice(ctx):
-    """Lattice steps per coordinate when the prior's own lattice is used, else None."""
-    if not ctx.analysis_settings["inference"]["candidates"]["native_grid_prior"]:
-        return [None] * ctx.problem.parameter_count
-    return list(ctx.prior.lattice_steps)
+    """Lattice steps per coordinate of the candidates (None for continuous axes)."""
+    return inference.candidate_lattice(ctx.prior.lattice_steps, ctx.problem.parameter_count,
+                                       ctx.analysis_settings["inference"]["candidates"])
 
 
 def build_truths(ctx, writer):
@@ -402,7 +401,7 @@ def target_report(ctx, artifact, target):
 def metric_classification(ctx):
     """Held-out test BCE, accuracy and AUC."""
     predictions = ctx.require("test_predictions")
-    return trainer.classification_metrics(torch.from_numpy(predictions.array("logits")),
+    return inference.classification_metrics(torch.from_numpy(predictions.array("logits")),
                                           torch.from_numpy(predictions.array("labels")))
 
 
@@ -533,8 +532,7 @@ class GaussianAnalysis:
         settings = self.settings["inference"]
         problem = self.experiment.problem()
         prior = self.experiment.prior(member)
-        lattice = list(prior.lattice_steps) if settings["candidates"]["native_grid_prior"] \
-            else [None] * problem.parameter_count
+        lattice = inference.candidate_lattice(prior.lattice_steps, problem.parameter_count, settings["candidates"])
         cases = inference.truth_count(problem.parameter_count, settings["truths"])
         candidates = inference.candidate_count_for(problem.parameter_count, lattice, problem.low,
                                                    problem.high, settings["candidates"])

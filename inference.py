@@ -2,7 +2,7 @@
 highest-density (HLD) summaries and the bias/coverage/width/resolution metrics.
 
 Generic on purpose: it works on boxes (low/high tensors), lattice steps and callables,
-and knows nothing about the Gaussian study (SPEC 9.5, 9.6).
+and knows nothing about the Gaussian study (the README's study section describes it).
 """
 
 import math
@@ -118,7 +118,7 @@ def truth_count(p, settings):
 
 
 def make_truths(low, high, grid_step, settings, seed):
-    """Truth parameters (T, p) float64 inside the margin-shrunk box (SPEC 9.5)."""
+    """Truth parameters (T, p) float64 inside the margin-shrunk box."""
     low, high = _as_f64(low), _as_f64(high)
     _check_box(low, high)
     p = low.numel()
@@ -169,8 +169,8 @@ def make_observations(simulate, truths, observations, seed):
 # Candidates
 # ---------------------------------------------------------------------------
 
-def _lattice_axes(lattice_steps, p, settings):
-    """Per-coordinate lattice step when the native lattice is used, else None."""
+def candidate_lattice(lattice_steps, p, settings):
+    """Per-coordinate lattice step of the candidates: the prior's own with native_grid_prior, else None."""
     steps = list(lattice_steps) if lattice_steps is not None else [None] * p
     if len(steps) != p:
         raise ValueError(f"lattice_steps has {len(steps)} entries for {p} parameters")
@@ -184,7 +184,7 @@ def _candidate_plan(p, lattice_steps, low, high, settings):
     kind = settings.get("kind", "sobol")
     if kind not in ("sobol", "grid"):
         raise ValueError(f"candidates kind must be sobol or grid, got {kind!r}")
-    steps = _lattice_axes(lattice_steps, p, settings)
+    steps = candidate_lattice(lattice_steps, p, settings)
     low, high = _as_f64(low), _as_f64(high)
     sizes = [lattice_size(float(low[j]), float(high[j]), s) for j, s in enumerate(steps) if s is not None]
     lattice_total = math.prod(sizes)
@@ -228,7 +228,7 @@ def make_candidates(low, high, lattice_steps, settings, seed):
     low, high = _as_f64(low), _as_f64(high)
     _check_box(low, high)
     p = low.numel()
-    steps = _lattice_axes(lattice_steps, p, settings)
+    steps = candidate_lattice(lattice_steps, p, settings)
     plan, count = _candidate_plan(p, lattice_steps, low, high, settings)
     if plan in ("enumerate", "grid"):
         axes, weights = [], []
@@ -379,7 +379,7 @@ def _summarise_block(scores, log_measure, points, truth_scores, levels):
 
 
 def hld_summaries(scores, log_measure, points, truth_scores, levels):
-    """Highest-density summaries per case (SPEC 9.5) as a dict of numpy arrays.
+    """Highest-density summaries per case as a dict of numpy arrays.
 
     q ∝ exp(score + log_measure). Candidates are ranked by score (density), and the
     region at level α is {score >= t} for the highest t whose region holds mass >= α,
@@ -488,6 +488,33 @@ def resolution_metrics(summaries, candidate_count, levels):
         "attained_mass": attained,
         "warning": warning,
     }
+
+
+# ---------------------------------------------------------------- classification
+
+def _average_ranks(values: torch.Tensor) -> torch.Tensor:
+    """1-based ranks of `values`, ties sharing their average rank."""
+    _, inverse, counts = torch.unique(values, sorted=True, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).to(torch.float64)
+    return (ends - (counts.to(torch.float64) - 1) / 2)[inverse]
+
+
+def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+    """BCE (from logits), accuracy at logit 0 and AUC (None when one class is absent)."""
+    # On the host in float64: exact enough for ranks, and free of device determinism limits.
+    logits = logits.detach().reshape(-1).to("cpu", torch.float64)
+    labels = labels.detach().reshape(-1).to("cpu", torch.float64)
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels).item()
+    positive = labels > 0.5
+    accuracy = ((logits > 0) == positive).to(torch.float64).mean().item()
+    n_pos = int(positive.sum().item())
+    n_neg = positive.numel() - n_pos
+    auc = None
+    if n_pos and n_neg:
+        # Mann-Whitney: U = sum of positive ranks minus its minimum possible value.
+        rank_sum = _average_ranks(logits)[positive].sum().item()
+        auc = (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    return {"bce": bce, "accuracy": accuracy, "auc": auc}
 
 
 # ---------------------------------------------------------------- sample-based checks

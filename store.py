@@ -1,4 +1,4 @@
-"""Crash-safe, content-addressed artifact store (SPEC section 7).
+"""Crash-safe, content-addressed artifact store (the README's storage section describes it).
 
 Layout under an output root::
 

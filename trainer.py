@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import runtime
+from inference import classification_metrics
 from sweep import SettingsError, is_integer, is_number
 
 TRAINING_DEFAULTS = {
@@ -56,34 +57,6 @@ def loss_scale(shard_len: int, batch_len: int, world_size: int) -> float:
     if batch_len < 1:
         raise ValueError("a global batch has at least one row")
     return world_size * shard_len / batch_len
-
-
-# ---------------------------------------------------------------- metrics
-
-
-def _average_ranks(values: torch.Tensor) -> torch.Tensor:
-    """1-based ranks of `values`, ties sharing their average rank."""
-    _, inverse, counts = torch.unique(values, sorted=True, return_inverse=True, return_counts=True)
-    ends = torch.cumsum(counts, 0).to(torch.float64)
-    return (ends - (counts.to(torch.float64) - 1) / 2)[inverse]
-
-
-def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
-    """BCE (from logits), accuracy at logit 0 and AUC (None when one class is absent)."""
-    # On the host in float64: exact enough for ranks, and free of device determinism limits.
-    logits = logits.detach().reshape(-1).to("cpu", torch.float64)
-    labels = labels.detach().reshape(-1).to("cpu", torch.float64)
-    bce = F.binary_cross_entropy_with_logits(logits, labels).item()
-    positive = labels > 0.5
-    accuracy = ((logits > 0) == positive).to(torch.float64).mean().item()
-    n_pos = int(positive.sum().item())
-    n_neg = positive.numel() - n_pos
-    auc = None
-    if n_pos and n_neg:
-        # Mann-Whitney: U = sum of positive ranks minus its minimum possible value.
-        rank_sum = _average_ranks(logits)[positive].sum().item()
-        auc = (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
-    return {"bce": bce, "accuracy": accuracy, "auc": auc}
 
 
 # ---------------------------------------------------------------- settings

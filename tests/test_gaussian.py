@@ -12,7 +12,7 @@ from gaussian import GaussianProblem, make_prior
 from settings_training import base_settings
 from sweep import SettingsError
 
-PROBLEM = base_settings("smoke")["problem"]   # the SPEC 9.1 defaults, as the bundled settings hold them
+PROBLEM = base_settings("smoke")["problem"]   # the documented defaults, as the bundled settings hold them
 EXTREME_RATES = [1e-12, 0.1, -0.1, 5.0, -5.0, 1e3, -1e3]
 
 

@@ -49,7 +49,8 @@ def test_train_then_analyze_then_rerun_reuses_everything(study_dir, tmp_path):
         metrics = json.loads((run / "metrics.json").read_text())
         assert set(metrics) == {"classification", "bias", "coverage", "width", "resolution", "posterior",
                                 "exact_reference", "pairwise", "reweighting", "normalization"}
-        assert metrics["normalization"]["exact"]["mean_ratio"] == pytest.approx(1.0, abs=0.25)
+        exact = metrics["normalization"]["exact"]      # a Monte Carlo mean of 32 ratios: within 4 standard errors
+        assert abs(exact["mean_ratio"] - 1.0) <= 4 * exact["standard_error"]
         weighted = metrics["reweighting"]["sliced_wasserstein"]
         assert all(value > 0 for value in weighted.values())
         assert metrics["pairwise"]["pairs"] == 32
