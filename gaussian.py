@@ -7,7 +7,7 @@ import torch
 import inference
 import runtime
 
-from settings import SettingsError, is_integer, is_number
+from settings import SettingsError, integer, known_keys, name_list, number, one_of, require
 
 KINDS = ("mean", "std")
 FAMILIES = ("uniform", "normal", "exponential", "grid")
@@ -23,34 +23,16 @@ _HALF_LOG_2PI = 0.5 * math.log(2.0 * math.pi)
 
 # ---------------------------------------------------------------- validation helpers
 
-def _require(mapping, key, path):
-    """Return mapping[key] or raise an error naming the missing setting."""
-    if not isinstance(mapping, dict):
-        raise SettingsError(f"{path}: expected a dict, got {type(mapping).__name__}")
-    if key not in mapping:
-        raise SettingsError(f"{path}.{key} is missing; add it to the settings")
-    return mapping[key]
+# Magnitudes beyond these are surely typos, and would overflow the numerics downstream.
+MAX_MAGNITUDE = 1e6
+MAX_DIMENSION = 100
+MAX_ROWS = 10**9
+MAX_WIDTH = 1 << 16
 
 
 def _number(value, path):
-    """Return value as a finite float or raise naming the setting."""
-    if not is_number(value) or not math.isfinite(value):
-        raise SettingsError(f"{path}: expected a finite number, got {value!r}")
-    return float(value)
-
-
-def _integer(value, path, minimum):
-    """Return value as an int >= minimum or raise naming the setting."""
-    if not is_integer(value) or value < minimum:
-        raise SettingsError(f"{path}: expected an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _no_unknown_keys(mapping, known, path):
-    """Reject keys outside `known` (usually typos) with the list of valid ones."""
-    for key in mapping:
-        if key not in known:
-            raise SettingsError(f"{path}.{key} is not a known setting; use one of {', '.join(known)}")
+    """A finite float of sensible magnitude, or an error naming the setting."""
+    return number(value, path, -MAX_MAGNITUDE, MAX_MAGNITUDE)
 
 
 def _parse_name(text, dimension, path):
@@ -121,9 +103,9 @@ class GaussianProblem:
         """Validate the problem settings and build the problem."""
         if not isinstance(settings, dict):
             raise SettingsError(f"{path}: expected a dict, got {type(settings).__name__}")
-        _no_unknown_keys(settings, PROBLEM_KEYS, path)
-        dimension = _integer(_require(settings, "dimension", path), f"{path}.dimension", 1)
-        names = expand_infer(_require(settings, "infer", path), dimension, f"{path}.infer")
+        known_keys(settings, PROBLEM_KEYS, path)
+        dimension = integer(require(settings, "dimension", path), f"{path}.dimension", 1, MAX_DIMENSION)
+        names = expand_infer(require(settings, "infer", path), dimension, f"{path}.infer")
         fixed_values = _fixed_values(settings, dimension, path)
         parameters = _resolved_parameters(settings, dimension, path)
         return cls(dimension, names, fixed_values, parameters)
@@ -177,8 +159,8 @@ class GaussianProblem:
 
 def _fixed_values(settings, dimension, path):
     """Fixed value of every mean:j/std:j from fixed_mean/fixed_std and the per-name dict."""
-    fixed_mean = _number(_require(settings, "fixed_mean", path), f"{path}.fixed_mean")
-    fixed_std = _number(_require(settings, "fixed_std", path), f"{path}.fixed_std")
+    fixed_mean = _number(require(settings, "fixed_mean", path), f"{path}.fixed_mean")
+    fixed_std = _number(require(settings, "fixed_std", path), f"{path}.fixed_std")
     if fixed_std <= 0:
         raise SettingsError(f"{path}.fixed_std: standard deviations must be > 0, got {fixed_std}")
     values = {f"mean:{j}": fixed_mean for j in range(dimension)}
@@ -197,12 +179,12 @@ def _fixed_values(settings, dimension, path):
 
 def _resolved_parameters(settings, dimension, path):
     """Bounds/hyper-parameters for every mean:j/std:j after overrides, all validated."""
-    base = _require(settings, "parameters", path)
+    base = require(settings, "parameters", path)
     for kind in KINDS:
-        kind_settings = _require(base, kind, f"{path}.parameters")
-        _no_unknown_keys(kind_settings, PARAMETER_KEYS, f"{path}.parameters.{kind}")
+        kind_settings = require(base, kind, f"{path}.parameters")
+        known_keys(kind_settings, PARAMETER_KEYS, f"{path}.parameters.{kind}")
         for key in PARAMETER_KEYS:
-            _number(_require(kind_settings, key, f"{path}.parameters.{kind}"), f"{path}.parameters.{kind}.{key}")
+            _number(require(kind_settings, key, f"{path}.parameters.{kind}"), f"{path}.parameters.{kind}.{key}")
     overrides = settings.get("overrides", {})
     if not isinstance(overrides, dict):
         raise SettingsError(f"{path}.overrides: expected a dict such as {{'mean:0': {{'high': 8.0}}}}")
@@ -211,7 +193,7 @@ def _resolved_parameters(settings, dimension, path):
         name = _concrete_name(key, dimension, f"{path}.overrides")
         if not isinstance(values, dict):
             raise SettingsError(f"{path}.overrides.{key}: expected a dict of {', '.join(PARAMETER_KEYS)}")
-        _no_unknown_keys(values, PARAMETER_KEYS, f"{path}.overrides.{key}")
+        known_keys(values, PARAMETER_KEYS, f"{path}.overrides.{key}")
         canonical[name] = (key, values)
     resolved = {}
     for kind in KINDS:
@@ -409,8 +391,8 @@ def make_prior(problem, prior_settings, path="prior"):
     """Validate one prior definition ({'family', optional 'by_parameter'}) and build it."""
     if not isinstance(prior_settings, dict):
         raise SettingsError(f"{path}: expected a dict such as {{'family': 'uniform'}}, got {prior_settings!r}")
-    _no_unknown_keys(prior_settings, ("family", "by_parameter"), path)
-    family = _family(_require(prior_settings, "family", path), f"{path}.family")
+    known_keys(prior_settings, ("family", "by_parameter"), path)
+    family = _family(require(prior_settings, "family", path), f"{path}.family")
     families = {name: family for name in problem.names}
     by_parameter = prior_settings.get("by_parameter", {})
     if not isinstance(by_parameter, dict):
@@ -425,16 +407,14 @@ def make_prior(problem, prior_settings, path="prior"):
 
 def _family(value, path):
     """Check a family name."""
-    if value not in FAMILIES:
-        raise SettingsError(f"{path}: unknown family {value!r}; use one of {', '.join(FAMILIES)}")
-    return value
+    return one_of(value, FAMILIES, path)
 
 
 # ---------------------------------------------------------------- training data
 
 def _check_rows(rows, path):
     """Split sizes are positive even integers (half joint, half product pairs)."""
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows <= 0 or rows % 2:
+    if integer(rows, path, 2, MAX_ROWS) % 2:
         raise SettingsError(f"{path}: expected a positive even number of rows, got {rows!r}")
     return rows
 
@@ -458,7 +438,7 @@ def sample_training_data(problem, prior, data_settings, seed):
     """Train/validation/test pairs as numpy arrays, each split from its own generator."""
     arrays = {}
     for split in SPLITS:
-        rows = _check_rows(_require(data_settings, split, "data"), f"data.{split}")
+        rows = _check_rows(require(data_settings, split, "data"), f"data.{split}")
         generator = runtime.seeded_generator(seed, "split", split)
         inputs, labels = sample_pairs(problem, prior, rows, generator)
         arrays[f"{split}_inputs"] = inputs.numpy()
@@ -550,26 +530,20 @@ def check_model_settings(model, path="model"):
         raise SettingsError(f"{path}: expected a dict, got {type(model).__name__}")
     if "input_size" in model:
         raise SettingsError(f"{path}.input_size: the input size is derived (d + p); remove this key")
-    _no_unknown_keys(model, MODEL_KEYS, path)
-    kind = _require(model, "kind", path)
-    if kind not in ("mlp", "residual"):
-        raise SettingsError(f"{path}.kind: unknown kind {kind!r}; use 'mlp' or 'residual'")
-    activation = _require(model, "activation", path)
-    if activation not in ACTIVATIONS:
-        raise SettingsError(f"{path}.activation: unknown activation {activation!r}; "
-                            f"use one of {', '.join(ACTIVATIONS)}")
-    dropout = _number(model.get("dropout", 0.0), f"{path}.dropout")
-    if not 0.0 <= dropout < 1.0:
-        raise SettingsError(f"{path}.dropout: must be in [0, 1), got {dropout}")
+    known_keys(model, MODEL_KEYS, path)
+    kind = one_of(require(model, "kind", path), ("mlp", "residual"), f"{path}.kind")
+    one_of(require(model, "activation", path), tuple(ACTIVATIONS), f"{path}.activation")
+    if not 0.0 <= number(model.get("dropout", 0.0), f"{path}.dropout", 0.0, 1.0) < 1.0:
+        raise SettingsError(f"{path}.dropout: must be in [0, 1), got {model['dropout']}")
     if kind == "mlp":
-        hidden = _require(model, "hidden", path)
-        if not isinstance(hidden, (list, tuple)):
-            raise SettingsError(f"{path}.hidden: expected a list of layer widths such as [32, 32]")
+        hidden = require(model, "hidden", path)
+        if not isinstance(hidden, (list, tuple)) or len(hidden) > 100:
+            raise SettingsError(f"{path}.hidden: expected a list of up to 100 layer widths such as [32, 32]")
         for i, size in enumerate(hidden):
-            _integer(size, f"{path}.hidden[{i}]", 1)
+            integer(size, f"{path}.hidden[{i}]", 1, MAX_WIDTH)
     else:
-        _integer(_require(model, "width", path), f"{path}.width", 1)
-        _integer(_require(model, "blocks", path), f"{path}.blocks", 0)
+        integer(require(model, "width", path), f"{path}.width", 1, MAX_WIDTH)
+        integer(require(model, "blocks", path), f"{path}.blocks", 0, 1000)
 
 
 def build_network(model_settings, input_size):
@@ -585,13 +559,13 @@ def build_network(model_settings, input_size):
 # ---------------------------------------------------------------- whole-settings check
 
 def check_settings(settings):
-    """Validate problem, the cohort's priors, data sizes and model; errors name the path."""
-    problem = GaussianProblem.from_settings(_require(settings, "problem", "settings"))
-    cohort = _require(settings, "cohort", "settings")
-    names = _require(cohort, "priors", "cohort")
-    if not isinstance(names, (list, tuple)) or not names:
-        raise SettingsError(f"cohort.priors: expected a non-empty list of prior names, got {names!r}")
-    priors = _require(settings, "priors", "settings")
+    """Validate problem, cohort, priors, data sizes and model; errors name the path."""
+    problem = GaussianProblem.from_settings(require(settings, "problem", "settings"))
+    cohort = require(settings, "cohort", "settings")
+    known_keys(cohort, ("priors", "replicas"), "cohort")
+    names = name_list(require(cohort, "priors", "cohort"), "cohort.priors", allow_empty=False)
+    integer(require(cohort, "replicas", "cohort"), "cohort.replicas", 1, 1000)
+    priors = require(settings, "priors", "settings")
     if not isinstance(priors, dict):
         raise SettingsError("priors: expected a dict of prior name -> definition")
     for i, name in enumerate(names):
@@ -599,7 +573,8 @@ def check_settings(settings):
             raise SettingsError(f"cohort.priors[{i}]: {name!r} is not defined in priors "
                                 f"(defined: {', '.join(map(str, priors))})")
         make_prior(problem, priors[name], f"priors.{name}")
-    data = _require(settings, "data", "settings")
+    data = require(settings, "data", "settings")
+    known_keys(data, SPLITS, "data")
     for split in SPLITS:
-        _check_rows(_require(data, split, "data"), f"data.{split}")
-    check_model_settings(_require(settings, "model", "settings"))
+        _check_rows(require(data, split, "data"), f"data.{split}")
+    check_model_settings(require(settings, "model", "settings"))

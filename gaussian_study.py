@@ -34,14 +34,6 @@ class GaussianExperiment:
         """Check every section this experiment reads."""
         gaussian.check_settings(self.settings)
         trainer.check_training_settings(self.settings["training"])
-        cohort = self.settings["cohort"]
-        priors = cohort["priors"]
-        if len(set(priors)) != len(priors):
-            raise SettingsError(f"cohort.priors: each prior may appear once, got {priors!r}; "
-                                "use cohort.replicas for repeats")
-        replicas = cohort.get("replicas")
-        if not isinstance(replicas, int) or isinstance(replicas, bool) or replicas < 1:
-            raise SettingsError(f"cohort.replicas: expected a positive integer, got {replicas!r}")
 
     def members(self):
         """The cohort: every prior in `cohort.priors` times `cohort.replicas`."""
@@ -96,7 +88,8 @@ class GaussianExperiment:
         """Training examples seen and network size: the training cost estimate."""
         parameters = sum(p.numel() for p in gaussian.build_network(self.settings["model"],
                                                                     self.input_size()).parameters())
-        return {"training_examples": self.settings["data"]["train"] * self.settings["training"]["epochs"],
+        epochs = trainer.check_training_settings(self.settings["training"])["epochs"]
+        return {"training_examples": self.settings["data"]["train"] * epochs,
                 "network_parameters": int(parameters)}
 
     def describe(self, member):

@@ -102,7 +102,7 @@ def make_plan(profile):
     if repeated:
         errors.append(f"cohort: two members share the run folder {repeated[0]}; cohort members must be distinct")
     try:
-        warnings_found += runtime_warnings(profile)
+        warnings_found += runtime_warnings(profile) if not errors else []
     except SettingsError as error:
         errors.append(str(error))
     return Plan(found, errors, analysis_errors, warnings_found)

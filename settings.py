@@ -419,7 +419,7 @@ PLOT_FORMATS = ("png", "pdf", "svg")
 
 def check_runtime(runtime_settings):
     """The `runtime` section with defaults filled in (the device string is resolved by runtime.py)."""
-    given = runtime_settings if runtime_settings is not None else {}
+    given = runtime_settings
     known_keys(given, tuple(RUNTIME_DEFAULTS), "runtime")
     settings = {**RUNTIME_DEFAULTS, **given}
     if not isinstance(settings["device"], str) or not settings["device"].isprintable() or len(settings["device"]) > 32:
@@ -443,6 +443,8 @@ def check_output_root(output):
                             "write a plain path")
     if ".." in Path(root).parts:
         raise SettingsError(f"output.root: {root!r} climbs out with '..'; write the path without '..'")
+    if any(len(part.encode("utf-8")) > 255 for part in Path(root).parts):
+        raise SettingsError(f"output.root: a folder name in {root[:60]!r}... is longer than 255 bytes; shorten it")
     return root
 
 

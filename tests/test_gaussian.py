@@ -86,7 +86,7 @@ def test_overrides_apply_per_name_only():
     ({"infer": ["var:0"]}, r"^problem\.infer\[0\]: 'var:0' has unknown kind 'var'"),
     ({"infer": ["mean:x"]}, r"^problem\.infer\[0\]: 'mean:x' has a bad index"),
     ({"infer": "mean:*"}, r"^problem\.infer: expected a list"),
-    ({"dimension": 0}, r"^problem\.dimension: expected an integer >= 1"),
+    ({"dimension": 0}, r"^problem\.dimension: expected an integer from 1 to 100"),
     ({"dimensions": 2}, r"^problem\.dimensions is not a known setting"),
     ({"fixed_std": 0.0}, r"^problem\.fixed_std: standard deviations must be > 0"),
     ({"fixed": {"std:0": -1.0}}, r"^problem\.fixed\.std:0: standard deviations must be > 0"),
@@ -118,10 +118,10 @@ def test_std_low_bound_in_parameters_must_be_positive():
 
 
 @pytest.mark.parametrize("prior, message", [
-    ({"family": "beta"}, r"^priors\.p\.family: unknown family 'beta'"),
+    ({"family": "beta"}, r"^priors\.p\.family: 'beta' is not valid"),
     ({"family": "uniform", "by_parameter": {"std:0": "grid"}},
      r"^priors\.p\.by_parameter: 'std:0' is not an inferred parameter \(inferred: mean:0\)"),
-    ({"family": "uniform", "by_parameter": {"mean:0": "gird"}}, r"^priors\.p\.by_parameter\.mean:0: unknown family"),
+    ({"family": "uniform", "by_parameter": {"mean:0": "gird"}}, r"^priors\.p\.by_parameter\.mean:0: 'gird' is not valid"),
     ({"family": "uniform", "shape": 2}, r"^priors\.p\.shape is not a known setting"),
     ({}, r"^priors\.p\.family is missing"),
 ])
@@ -139,11 +139,11 @@ def test_check_settings_accepts_valid_and_names_each_bad_setting():
         (("priors", "mixed"), {"family": "normal", "by_parameter": {"std:1": "grid"}},
          r"^priors\.mixed\.by_parameter: 'std:1' is not an inferred parameter"),
         (("data", "train"), 1023, r"^data\.train: expected a positive even number of rows, got 1023"),
-        (("data", "test"), 0, r"^data\.test: expected a positive even"),
+        (("data", "test"), 0, r"^data\.test: expected an integer from 2"),
         (("model", "input_size"), 3, r"^model\.input_size: the input size is derived"),
-        (("model", "kind"), "cnn", r"^model\.kind: unknown kind 'cnn'"),
-        (("model", "activation"), "sigmoid", r"^model\.activation: unknown activation 'sigmoid'"),
-        (("model", "hidden"), [32, 0], r"^model\.hidden\[1\]: expected an integer >= 1"),
+        (("model", "kind"), "cnn", r"^model\.kind: 'cnn' is not valid"),
+        (("model", "activation"), "sigmoid", r"^model\.activation: 'sigmoid' is not valid"),
+        (("model", "hidden"), [32, 0], r"^model\.hidden\[1\]: expected an integer from 1"),
         (("model", "dropout"), 1.0, r"^model\.dropout: must be in \[0, 1\)"),
         (("problem", "infer"), ["mean:2"], r"^problem\.infer\[0\]: 'mean:2' is out of range for dimension 2"),
     ]
