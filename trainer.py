@@ -428,12 +428,67 @@ def _flag_group(rt: runtime.Runtime):
     return _side_group[1]
 
 
+FLAG_EXCHANGE_SECONDS = 0.1  # DDP: about this much training time between stop/save flag exchanges
+
+
+class _FlagExchange:
+    """DDP's agreement on [stop, save due]: an asynchronous all-reduce every few steps.
+
+    Each exchange is waited for one step after it was posted, so its latency hides behind
+    that step. Rank 0 sets how many steps pass until the next exchange (about
+    FLAG_EXCHANGE_SECONDS of them, at least one) and the count travels with the flags, so
+    every rank posts at the same steps: one exchange per step cost a fifth of a small
+    model's step time on CPU Gloo (bench/bench_resume.py).
+    """
+
+    def __init__(self, rt: runtime.Runtime):
+        self.rt, self.group = rt, _flag_group(rt)
+        self.step = 0                              # steps trained in this call
+        self.next_post = 1                         # the step that posts next, the same on every rank
+        self.last_post = (0, time.monotonic())     # step and time of the latest post
+        self.pending = None
+
+    def collect(self) -> tuple[bool, bool]:
+        """Wait for the pending exchange: the agreed (stop, save due); (False, False) without one."""
+        if self.pending is None:
+            return False, False
+        work, flags = self.pending
+        self.pending = None
+        work.wait()
+        stop, due, interval = flags.tolist()
+        self.next_post = self.last_post[0] + int(interval)
+        return stop > 0, due > 0
+
+    def offer(self, stop: bool, due: bool) -> None:
+        """Count a step, and post this rank's flags when this is an exchange step."""
+        self.step += 1
+        if self.step < self.next_post:
+            return
+        interval = self._interval() if self.rt.is_main else 0.0
+        flags = torch.tensor([float(stop), float(due), interval])
+        self.pending = (dist.all_reduce(flags, group=self.group, async_op=True), flags)
+        self.last_post = (self.step, time.monotonic())
+
+    def _interval(self) -> float:
+        """Rank 0's steps until the next exchange, from the step time since the latest post."""
+        step, posted_at = self.last_post
+        per_step = max((time.monotonic() - posted_at) / max(self.step - step, 1), 1e-9)
+        return float(min(max(int(FLAG_EXCHANGE_SECONDS / per_step), 1), 10_000))
+
+    def agree_at_epoch_end(self, stop: bool) -> bool:
+        """Finish the pending exchange, then agree on stopping (one blocking exchange per epoch)."""
+        self.collect()
+        flag = torch.tensor([float(stop)])
+        dist.all_reduce(flag, group=self.group)
+        return flag.item() > 0
+
+
 class _HookRunner:
     """Calls the hooks: resumes, saves and stops at steps every rank agrees on, reports epochs.
 
-    One process acts on its own flags at once. Under DDP each step starts an asynchronous
-    all-reduce of [stop, save-due] and the next step waits for it, so the exchange hides
-    behind a step's compute; rank 0's clock alone decides when a periodic save is due.
+    `stop_requested` is polled after every step. One process acts on it, and on its clock
+    for periodic saves, at once; under DDP a _FlagExchange agrees on both (rank 0's clock
+    alone decides when a save is due), and every epoch end agrees on stopping.
     """
 
     def __init__(self, hooks: TrainingHooks | None, rt: runtime.Runtime, identity: dict | None, n_batches: int):
@@ -441,33 +496,13 @@ class _HookRunner:
         self.polling = hooks is not None and hooks.stop_requested is not None
         self.saving = hooks is not None and hooks.saving
         self.active = self.polling or self.saving
-        self.group = _flag_group(rt) if rt.ddp and self.active else None
-        self.pending = None
+        self.exchange = _FlagExchange(rt) if rt.ddp and self.active else None
+        self.stop_seen = False
         self.last_save = time.monotonic()
 
-    def _local_flags(self) -> list[float]:
-        """This rank's [stop requested, periodic save due]."""
-        stop = self.polling and bool(self.hooks.stop_requested())
-        due = self.saving and self.rt.is_main and time.monotonic() - self.last_save >= self.hooks.save_seconds
-        return [float(stop), float(due)]
-
-    def _post(self) -> None:
-        """Start the exchange of this step's flags (DDP only)."""
-        flags = torch.tensor(self._local_flags())
-        self.pending = (dist.all_reduce(flags, group=self.group, async_op=True), flags)
-
-    def _agreed(self) -> tuple[bool, bool]:
-        """(stop, save due) for now: one process's own flags, or DDP's exchange posted a step ago."""
-        if not self.rt.ddp:
-            stop, due = self._local_flags()
-            return stop > 0, due > 0
-        if self.pending is None:
-            return False, False
-        work, flags = self.pending
-        self.pending = None
-        work.wait()
-        stop, due = flags.tolist()
-        return stop > 0, due > 0
+    def _save_due(self) -> bool:
+        """True on rank 0 when the periodic save interval has passed."""
+        return self.saving and self.rt.is_main and time.monotonic() - self.last_save >= self.hooks.save_seconds
 
     def progress(self, state: TrainingState) -> tuple[int, int]:
         """(epoch from 1, batches of it trained); an epoch boundary reads as the end of the epoch before."""
@@ -489,20 +524,21 @@ class _HookRunner:
         raise Preempted(*self.progress(state), saved=self.saving)
 
     def after_step(self, state: TrainingState) -> None:
-        """Save and stop when agreed; then (DDP) start exchanging this step's flags."""
+        """Poll for a stop; save and stop when agreed; under DDP offer this step's flags."""
         if not self.active:
             return
-        stop, due = self._agreed()
+        self.stop_seen = self.stop_seen or (self.polling and bool(self.hooks.stop_requested()))
+        stop, due = (self.stop_seen, self._save_due()) if self.exchange is None else self.exchange.collect()
         if self.saving and (stop or due):
             self._save(state)
         if stop:
             self._stop(state)
-        if self.rt.ddp:
-            self._post()
+        if self.exchange is not None:
+            self.exchange.offer(self.stop_seen, self._save_due())
 
     def drain(self) -> bool:
-        """At an epoch end: finish DDP's pending exchange; True when it asks to stop."""
-        return self.active and self.rt.ddp and self._agreed()[0]
+        """At an epoch end (before its collectives): True when every rank agrees to stop there."""
+        return self.exchange is not None and self.exchange.agree_at_epoch_end(self.stop_seen)
 
     def epoch_done(self, state: TrainingState, stop: bool, record: dict) -> None:
         """Save at the epoch end, report the epoch (rank 0), then stop when asked."""

@@ -4,7 +4,8 @@ Usage: ddp_train_worker.py OUTPUT_FILE MODE ROWS BATCH EPOCHS DEVICE [ARGUMENT..
   train                 the BCE objective at batch BATCH and the balanced one at BALANCED_BATCH
   fail                  rank 1 raises after a few batches
   preempt DIR STEP...   the uninterrupted resumable recipe, then one run per STEP whose rank 1
-                        asks to stop after STEP steps, saving every step to DIR/stop-STEP.pt
+                        asks to stop after STEP steps, saving at every flag exchange to
+                        DIR/stop-STEP.pt (exchanging after every step unless STEP is "~N")
   resume FILE...        continue the resumable recipe from each saved state; a FILE prefixed
                         with "rank0:" is offered to rank 0 only
 """
@@ -92,20 +93,27 @@ def stop_request_on_rank_one(rt, after: int):
     polls = [0]
 
     def requested() -> bool:
+        """Count the poll; rank 1 answers True once enough steps ran."""
         polls[0] += 1
         return rt.rank == 1 and polls[0] >= after
     return requested
 
 
 def preempt(rt, rows, epochs, directory, steps) -> dict:
-    """The uninterrupted reference, then a stopped run per step; every rank's Preempted fields."""
+    """The uninterrupted reference, then a stopped run per step; every rank's Preempted fields.
+
+    A step written "~N" keeps the trainer's adaptive flag exchange; the others exchange
+    flags after every step, so the stop lands at a step the test can predict.
+    """
     settings = {**RESUMABLE, "epochs": epochs}
     weights, history = trainer.train(make_model(dropout=0.2), make_data(rows), settings, rt, seed=SEED)
-    stops = {}
+    adaptive, stops = trainer.FLAG_EXCHANGE_SECONDS, {}
     for step in steps:
         path = os.path.join(directory, f"stop-{step}.pt")
+        trainer.FLAG_EXCHANGE_SECONDS = adaptive if step.startswith("~") else 0.0
         hooks = trainer.TrainingHooks(save_state=lambda state, path=path: save_atomically(state, path),
-                                      save_seconds=1e-9, stop_requested=stop_request_on_rank_one(rt, step))
+                                      save_seconds=1e-9,
+                                      stop_requested=stop_request_on_rank_one(rt, int(step.lstrip("~"))))
         try:
             trainer.train(make_model(dropout=0.2), make_data(rows), settings, rt, seed=SEED, hooks=hooks)
             stopped = None
@@ -135,7 +143,7 @@ def run_mode(rt, mode, rows, batch, epochs, arguments):
     if mode == "train":
         return train_objectives(rt, rows, batch, epochs)
     if mode == "preempt":
-        return preempt(rt, rows, epochs, arguments[0], [int(step) for step in arguments[1:]])
+        return preempt(rt, rows, epochs, arguments[0], arguments[1:])
     if mode == "resume":
         return resume(rt, rows, epochs, arguments)
     settings = {"epochs": epochs, "batch_size": batch, "learning_rate": 0.05, "checkpoint": "last"}

@@ -111,7 +111,8 @@ def test_a_rank_failing_mid_training_ends_the_launch_quickly(tmp_path):
 # ---------------------------------------------------------------- stop together, resume bitwise
 
 RESUMABLE_BATCHES = 9  # 41 rows in batches of 5: eight of 5 rows and one of 1, 27 steps in 3 epochs
-STOPS = (1, 9, 13, 17, 26, 27)
+STOPS = ("1", "9", "13", "17", "26", "27")  # flags exchanged after every step
+ADAPTIVE_STOP = "~4"  # the trainer's own exchange schedule
 
 
 def _expected_stop(step):
@@ -120,6 +121,7 @@ def _expected_stop(step):
     The flags travel during the next step, so training stops one step later; a request
     at an epoch's last step is answered at that epoch's end.
     """
+    step = int(step)
     done = step if step % RESUMABLE_BATCHES == 0 else step + 1
     return (done - 1) // RESUMABLE_BATCHES + 1, (done - 1) % RESUMABLE_BATCHES + 1, True
 
@@ -134,20 +136,28 @@ def _single_process_state(path):
                       runtime.Runtime(device=torch.device("cpu")), seed=worker.SEED, hooks=hooks)
 
 
+def _check_stops(stops):
+    """Both ranks stopped at the same step: the predicted one, or for the adaptive schedule
+    one after the request and no later than the end of its epoch."""
+    assert all(stops[step] == [_expected_stop(step)] * 2 for step in STOPS), stops
+    first, second = stops[ADAPTIVE_STOP]
+    assert first == second and first[0] == 1 and int(ADAPTIVE_STOP[1:]) < first[1] <= RESUMABLE_BATCHES, stops
+
+
 def _check_stop_and_resume(tmp_path, device):
-    """Stop at several agreed steps saving every step, then resume each state in a new launch."""
-    done, _, output = _torchrun(tmp_path, "preempt", device=device, arguments=(tmp_path, *STOPS))
+    """Stop at several agreed steps saving at every exchange, then resume each state in a new launch."""
+    done, _, output = _torchrun(tmp_path, "preempt", device=device, arguments=(tmp_path, *STOPS, ADAPTIVE_STOP))
     preempted = _result(done, output)["result"]
-    assert all(preempted["stops"][step] == [_expected_stop(step)] * 2 for step in STOPS), preempted["stops"]
-    files = [str(tmp_path / f"stop-{step}.pt") for step in STOPS]
+    _check_stops(preempted["stops"])
+    files = [str(tmp_path / f"stop-{step}.pt") for step in (*STOPS, ADAPTIVE_STOP)]
     single = str(tmp_path / "single.pt")
     _single_process_state(single)
     ignored = {single: "another number of training ranks", f"rank0:{files[2]}": "rank 1 found no saved state"}
     done, _, output = _torchrun(tmp_path, "resume", device=device, arguments=(*files, *ignored))
     resumed = _result(done, output)["result"]
     reference = preempted["reference"]
-    for name in (*files, *ignored):
-        expected = [] if name in ignored else [_expected_stop(STOPS[files.index(name)])[:2]]
+    for name, step in [*zip(files, (*STOPS, ADAPTIVE_STOP)), *((name, None) for name in ignored)]:
+        expected = [] if step is None else [tuple(preempted["stops"][step][0][:2])]
         assert resumed[name]["resumed"] == expected, name
         assert all(torch.equal(resumed[name]["weights"][k], v) for k, v in reference["weights"].items()), name
         assert resumed[name]["history"] == reference["history"], name

@@ -127,6 +127,7 @@ def test_every_periodic_save_resumes_bitwise(reference):
     states = []
 
     def keep(state):
+        """Serialise each state as a file would hold it."""
         buffer = io.BytesIO()
         torch.save(state, buffer)
         states.append(buffer.getvalue())
