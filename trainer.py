@@ -162,8 +162,8 @@ class TrainingHooks:
         return self.save_state is not None and self.save_seconds > 0
 
 
-class Preempted(Exception):
-    """Training stopped on request at a step every rank agreed on."""
+class Preempted(runtime.Preempted):
+    """Training stopped on request at a step every rank agreed on (an interruption, not a failure)."""
 
     def __init__(self, epoch: int, batch: int, saved: bool):
         self.epoch, self.batch, self.saved = epoch, batch, saved

@@ -183,7 +183,8 @@ def test_hooks_that_never_fire_change_nothing(reference):
     assert_same_training(train(trainer.TrainingHooks()), reference)
 
 
-def test_preempted_pickles_with_its_fields():
+def test_preempted_is_the_runtime_interruption_and_pickles_with_its_fields():
+    assert issubclass(trainer.Preempted, runtime.Preempted) and not issubclass(trainer.Preempted, Exception)
     error = pickle.loads(pickle.dumps(trainer.Preempted(2, 7, True)))
     assert (error.epoch, error.batch, error.saved) == (2, 7, True)
     assert str(error) == str(trainer.Preempted(2, 7, True))
