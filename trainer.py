@@ -140,6 +140,8 @@ class TrainingHooks:
     - on_epoch(epoch, record): rank 0, after each epoch; record holds train_loss, bce,
       accuracy, auc, seconds (the epoch's wall time) and epochs (the total).
     - on_resume(epoch, batch): rank 0, when training continues from a loaded state.
+    Under DDP every rank passes hooks with the same fields set: they decide which
+    collectives run.
     """
 
     load_state: Callable[[], dict | None] | None = None
@@ -437,8 +439,8 @@ class _FlagExchange:
     Each exchange is waited for one step after it was posted, so its latency hides behind
     that step. Rank 0 sets how many steps pass until the next exchange (about
     FLAG_EXCHANGE_SECONDS of them, at least one) and the count travels with the flags, so
-    every rank posts at the same steps: one exchange per step cost a fifth of a small
-    model's step time on CPU Gloo (bench/bench_resume.py).
+    every rank posts at the same steps: one exchange after every step added a quarter or
+    more to a small model's step time on CPU Gloo (bench/bench_resume.py).
     """
 
     def __init__(self, rt: runtime.Runtime):
