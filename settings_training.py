@@ -50,6 +50,10 @@ def base_settings(profile):
             "gradient_clip": None,
             "precision": "off",
             "checkpoint": "best",
+            # "bce", or "balanced": BCE plus balance_weight * (mean sigmoid over joint pairs
+            # + mean sigmoid over product pairs - 1)^2 on each global batch.
+            "objective": "bce",
+            "balance_weight": 100.0,
         },
         "runtime": {
             "device": "auto",

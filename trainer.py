@@ -1,12 +1,19 @@
-"""The bundled trainer: exact global-batch sharding, mixed precision, clipping, checkpoints."""
+"""The bundled trainer: exact global-batch sharding, mixed precision, clipping, checkpoints,
+the balanced NRE objective, resumable state and cooperative preemption."""
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
-from dataclasses import dataclass
+import time
+import uuid
+import warnings
+from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 import runtime
@@ -24,10 +31,15 @@ TRAINING_DEFAULTS = {
     "gradient_clip": None,
     "precision": "off",
     "checkpoint": "best",
+    "objective": "bce",
+    "balance_weight": 100.0,
 }
 OPTIMIZERS = ("adam", "adamw")
 CHECKPOINTS = ("best", "last")
+OBJECTIVES = ("bce", "balanced")
 VALIDATION_CHUNK = 65536  # rows per validation forward, bounding memory on large sets
+# Written into every saved state; a state of another format is ignored, never misread.
+STATE_FORMAT = "nnpd-training-state-1"
 
 
 # ---------------------------------------------------------------- sharding math (pure)
@@ -69,6 +81,15 @@ def _positive_int(settings: dict, key: str) -> None:
         raise SettingsError(f"training.{key}: expected an integer >= 1; got {value!r}")
 
 
+def _check_objective(settings: dict) -> None:
+    """Require a known objective and a finite balance weight >= 0."""
+    if settings["objective"] not in OBJECTIVES:
+        raise SettingsError(f"training.objective: {settings['objective']!r} is not valid; use \"bce\" or \"balanced\"")
+    weight = settings["balance_weight"]
+    if not is_number(weight) or not 0 <= weight < math.inf:
+        raise SettingsError(f"training.balance_weight: expected a finite number >= 0 (e.g. 100); got {weight!r}")
+
+
 def check_training_settings(training_settings: dict | None) -> dict:
     """Validate the `training` settings and return them with defaults filled in."""
     given = dict(training_settings or {})
@@ -95,16 +116,85 @@ def check_training_settings(training_settings: dict | None) -> dict:
         raise SettingsError(f"training.precision: {s['precision']!r} is not valid; use \"off\", \"float16\" or \"bfloat16\"")
     if s["checkpoint"] not in CHECKPOINTS:
         raise SettingsError(f"training.checkpoint: {s['checkpoint']!r} is not valid; use \"best\" or \"last\"")
+    _check_objective(s)
     s["betas"] = [float(b) for b in betas]
+    s["balance_weight"] = float(s["balance_weight"])
     return s
+
+
+# ---------------------------------------------------------------- hooks
+
+
+@dataclass
+class TrainingHooks:
+    """Optional callbacks through which a caller resumes, saves, stops and follows a training.
+
+    Epochs are numbered from 1; `batch` counts the batches of that epoch already trained.
+    - load_state() -> dict | None: a state `save_state` received earlier (called on every rank).
+    - save_state(state): persist `state`, a dict of CPU tensors and plain values that
+      torch.save and torch.load(weights_only=True) round-trip (rank 0 only; write atomically).
+    - save_seconds: seconds between periodic saves; a state is also saved at each epoch end.
+      0 saves nothing; math.inf saves at epoch ends only.
+    - stop_requested() -> bool: polled after every step; True on any rank stops every rank
+      at the same step, saves (when saving) and raises Preempted.
+    - on_epoch(epoch, record): rank 0, after each epoch; record holds train_loss, bce,
+      accuracy, auc, seconds (the epoch's wall time) and epochs (the total).
+    - on_resume(epoch, batch): rank 0, when training continues from a loaded state.
+    Under DDP every rank passes hooks with the same fields set: they decide which
+    collectives run.
+    """
+
+    load_state: Callable[[], dict | None] | None = None
+    save_state: Callable[[dict], None] | None = None
+    save_seconds: float = 0.0
+    stop_requested: Callable[[], bool] | None = None
+    on_epoch: Callable[[int, dict], None] | None = None
+    on_resume: Callable[[int, int], None] | None = None
+
+    def check(self) -> None:
+        """Refuse an interval that is not a number >= 0, or one without a place to save."""
+        if not is_number(self.save_seconds) or not self.save_seconds >= 0:
+            raise ValueError(f"TrainingHooks.save_seconds: expected a number >= 0 (0 = never save); got {self.save_seconds!r}")
+        if self.save_seconds > 0 and self.save_state is None:
+            raise ValueError("TrainingHooks.save_seconds > 0 needs a save_state callable")
+
+    @property
+    def saving(self) -> bool:
+        """True when states are saved (periodically and at epoch ends)."""
+        return self.save_state is not None and self.save_seconds > 0
+
+
+class Preempted(runtime.Preempted):
+    """Training stopped on request at a step every rank agreed on (an interruption, not a failure)."""
+
+    def __init__(self, epoch: int, batch: int, saved: bool):
+        self.epoch, self.batch, self.saved = epoch, batch, saved
+        then = ("its state was saved: run the same command again to resume from there" if saved
+                else "no state was saved (saving is off): the same command starts it again")
+        super().__init__(f"training stopped on request in epoch {epoch} after batch {batch}; {then}")
+
+    def __reduce__(self):
+        """Pickle with the constructor's arguments (the message is derived from them)."""
+        return Preempted, (self.epoch, self.batch, self.saved)
 
 
 # ---------------------------------------------------------------- training state
 
 
+def _cpu_copy(value):
+    """A deep copy with every tensor copied to the CPU: safe to keep while training goes on."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {key: _cpu_copy(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_cpu_copy(item) for item in value)
+    return value
+
+
 @dataclass
 class TrainingState:
-    """All mutable training state in one place: saved and resumed as a whole."""
+    """All mutable training state of one rank in one place: saved and resumed as a whole."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -114,10 +204,17 @@ class TrainingState:
     position: int = 0
     # Generator state before the current epoch's permutation, so a resume redraws it.
     epoch_rng: torch.Tensor | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # This rank's per-batch loss sums (and clipped gradient norms) of the epoch in progress.
+    batch_losses: torch.Tensor | None = None
+    norms: torch.Tensor | None = None
+    history: dict = field(default_factory=dict)
+    best_bce: float = math.inf
+    best_weights: dict | None = None
 
     def state_dict(self) -> dict:
-        """Everything needed to continue training exactly where it stopped."""
-        return {
+        """Everything needed to continue training exactly where it stopped, as CPU copies."""
+        return _cpu_copy({
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -125,17 +222,27 @@ class TrainingState:
             "epoch_rng": self.epoch_rng,
             "epoch": self.epoch,
             "position": self.position,
-        }
+            "batch_losses": self.batch_losses,
+            "norms": self.norms,
+            "history": self.history,
+            "best_bce": self.best_bce,
+            "best_weights": self.best_weights,
+        })
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` saved."""
+        """Restore what `state_dict` saved (copying, so `state` can be reused)."""
         self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.optimizer.load_state_dict(_cpu_copy(state["optimizer"]))
         self.scaler.load_state_dict(state["scaler"])
         self.generator.set_state(state["generator"])
         self.epoch_rng = state["epoch_rng"]
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
+        self.batch_losses, self.norms = (None if t is None else t.to(self.device, copy=True)
+                                         for t in (state["batch_losses"], state["norms"]))
+        self.history = _cpu_copy(state["history"])
+        self.best_bce = float(state["best_bce"])
+        self.best_weights = _cpu_copy(state["best_weights"])
 
     def permutation(self, rows: int) -> torch.Tensor:
         """This epoch's permutation; identical on every rank and redrawn identically on resume."""
@@ -170,6 +277,313 @@ def _autocast(device: torch.device, precision: str):
         return contextlib.nullcontext()
     dtype = torch.float16 if precision == "float16" else torch.bfloat16
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# ---------------------------------------------------------------- saved states
+
+
+_FILE_KEYS = {"format", "save_id", "identity", "state", "ranks"}
+_SHARED_KEYS = {"model", "optimizer", "scaler", "generator", "epoch_rng", "epoch", "position", "norms",
+                "history", "best_bce", "best_weights"}
+_IDENTITY_PHRASES = {"world_size": "it was saved by a launch with another number of training ranks",
+                     "settings": "its training settings differ", "seed": "its training seed differs",
+                     "data": "its training or validation data differ"}
+
+
+def _identity(settings: dict, seed: int, rt: runtime.Runtime, tensors) -> dict:
+    """What a saved state must share with this training to continue it."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(str(tuple(tensor.shape)).encode())
+        digest.update(tensor.detach().to("cpu").contiguous().numpy())
+    return {"world_size": rt.train_world_size, "settings": settings, "seed": seed, "data": digest.hexdigest()}
+
+
+def _global_rng(device: torch.device) -> dict:
+    """This process's global torch streams: dropout draws from them."""
+    return {"cpu": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+
+
+def _set_global_rng(streams: dict, device: torch.device) -> None:
+    """Put back what `_global_rng` returned."""
+    torch.set_rng_state(streams["cpu"])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(streams["cuda"], device)
+
+
+def _saved_state(state: TrainingState, rt: runtime.Runtime, identity: dict) -> dict | None:
+    """One file's worth of state on rank 0 (None elsewhere): shared parts once, every rank's own parts."""
+    own = {"rng": _global_rng(rt.device), "batch_losses": _cpu_copy(state.batch_losses)}
+    # A collective: every rank gets here at the same step, so one file restores every rank.
+    ranks = runtime.all_gather_object(rt, own) if rt.ddp else [own]
+    if not rt.is_main:
+        return None
+    shared = state.state_dict()
+    del shared["batch_losses"]
+    return {"format": STATE_FORMAT, "save_id": uuid.uuid4().hex, "identity": identity, "state": shared,
+            "ranks": ranks}
+
+
+def _shapes(tensors: dict) -> dict:
+    """Name -> (shape, dtype) of a state dict."""
+    return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
+
+
+def _tensors_problem(shared: dict, state: TrainingState) -> str | None:
+    """Why the saved weights or optimizer state do not fit this model (None when they do)."""
+    live = _shapes(state.model.state_dict())
+    if _shapes(shared["model"]) != live:
+        return "the model's parameter names or shapes differ"
+    if shared["best_weights"] is not None and _shapes(shared["best_weights"]) != live:
+        return "the kept best weights do not fit the model"
+    groups = state.optimizer.param_groups
+    if [len(g["params"]) for g in shared["optimizer"]["param_groups"]] != [len(g["params"]) for g in groups]:
+        return "the optimizer's parameter groups differ"
+    params = [p for group in groups for p in group["params"]]
+    for index, entry in shared["optimizer"]["state"].items():
+        shapes = {tuple(v.shape) for v in entry.values() if isinstance(v, torch.Tensor) and v.ndim > 0}
+        if not 0 <= index < len(params) or shapes - {tuple(params[index].shape)}:
+            return "the optimizer state's shapes differ from the parameters'"
+    return None
+
+
+def _progress_problem(saved: dict, epochs: int, n_batches: int, world_size: int) -> str | None:
+    """Why the saved progress, history or per-rank parts are inconsistent (None when they are not)."""
+    shared = saved["state"]
+    epoch, position = shared["epoch"], shared["position"]
+    if not (is_integer(epoch) and is_integer(position) and 0 <= epoch <= epochs and 0 <= position <= n_batches) \
+            or (epoch == epochs and position):
+        return f"its progress (epoch index {epoch}, batch {position}) does not fit {epochs} epochs of {n_batches} batches"
+    if len(shared["history"]["train_loss"]) != epoch or len(shared["history"]["validation"]) != epoch:
+        return "its history does not match its progress"
+    ranks, ongoing = saved["ranks"], position > 0
+    if len(ranks) != world_size:
+        return f"it holds {len(ranks)} ranks' streams for {world_size} ranks"
+    per_batch = [part["batch_losses"] for part in ranks] + [shared["norms"]]
+    if ongoing and any(t is not None and tuple(t.shape) != (n_batches,) for t in per_batch):
+        return "its per-batch records do not fit the epoch"
+    if ongoing and any(t is None for t in per_batch[:-1]):
+        return "it lacks a rank's per-batch losses"
+    return None
+
+
+def _state_problem(saved, state: TrainingState, identity: dict, n_batches: int) -> str | None:
+    """Why a loaded state cannot continue this training (None when it can)."""
+    found = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
+    if found != STATE_FORMAT:
+        return f"its format is {found!r}, not {STATE_FORMAT!r}"
+    if set(saved) != _FILE_KEYS or not isinstance(saved["state"], dict) or set(saved["state"]) != _SHARED_KEYS:
+        return "its keys are not those of a training state"
+    for key, value in identity.items():
+        if saved["identity"].get(key) != value:
+            return _IDENTITY_PHRASES[key]
+    epochs = identity["settings"]["epochs"]
+    return _tensors_problem(saved["state"], state) or _progress_problem(saved, epochs, n_batches,
+                                                                         identity["world_size"])
+
+
+def _apply_saved_state(saved: dict, state: TrainingState, rt: runtime.Runtime) -> None:
+    """Load the shared parts and this rank's own streams and losses."""
+    own = saved["ranks"][rt.rank if rt.ddp else 0]
+    state.load_state_dict({**saved["state"], "batch_losses": own["batch_losses"]})
+    _set_global_rng(own["rng"], rt.device)
+
+
+def _first_problem(reports: list) -> str | None:
+    """The first reason, over ranks' (found, problem, save id) reports, not to resume (None: resume)."""
+    several = len(reports) > 1
+    for rank, (found, problem, _) in enumerate(reports):
+        if problem is not None:
+            return f"rank {rank}: {problem}" if several else problem
+        if not found:
+            return f"rank {rank} found no saved state"
+    if len({save_id for _, _, save_id in reports}) > 1:
+        return "the ranks loaded different saved states"
+    return None
+
+
+def _one_line(error: Exception) -> str:
+    """An exception as one short line."""
+    text = f"{type(error).__name__}: {error}".strip().splitlines()[0]
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+# ---------------------------------------------------------------- hooks at agreed steps
+
+
+_side_group = None  # (default group, its Gloo side group) under NCCL
+
+
+def _flag_group(rt: runtime.Runtime):
+    """The group carrying stop and save flags: the default one on CPU (Gloo).
+
+    Under NCCL a Gloo side group keeps the flags on the host, so reading them never
+    waits for the GPU; it is made once per default group (all ranks train together).
+    """
+    global _side_group
+    if rt.device.type != "cuda":
+        return None
+    world = dist.group.WORLD
+    if _side_group is None or _side_group[0] is not world:
+        _side_group = (world, dist.new_group(backend="gloo"))
+    return _side_group[1]
+
+
+FLAG_EXCHANGE_SECONDS = 0.1  # DDP: about this much training time between stop/save flag exchanges
+
+
+class _FlagExchange:
+    """DDP's agreement on [stop, save due]: an asynchronous all-reduce every few steps.
+
+    Each exchange is waited for one step after it was posted, so its latency hides behind
+    that step. Rank 0 sets how many steps pass until the next exchange (about
+    FLAG_EXCHANGE_SECONDS of them, at least one) and the count travels with the flags, so
+    every rank posts at the same steps: one exchange after every step added a quarter or
+    more to a small model's step time on CPU Gloo (bench/bench_resume.py).
+    """
+
+    def __init__(self, rt: runtime.Runtime):
+        self.rt, self.group = rt, _flag_group(rt)
+        self.step = 0                              # steps trained in this call
+        self.next_post = 1                         # the step that posts next, the same on every rank
+        self.last_post = (0, time.monotonic())     # step and time of the latest post
+        self.pending = None
+
+    def collect(self) -> tuple[bool, bool]:
+        """Wait for the pending exchange: the agreed (stop, save due); (False, False) without one."""
+        if self.pending is None:
+            return False, False
+        work, flags = self.pending
+        self.pending = None
+        work.wait()
+        stop, due, interval = flags.tolist()
+        self.next_post = self.last_post[0] + int(interval)
+        return stop > 0, due > 0
+
+    def offer(self, stop: bool, due: bool) -> None:
+        """Count a step, and post this rank's flags when this is an exchange step."""
+        self.step += 1
+        if self.step < self.next_post:
+            return
+        interval = self._interval() if self.rt.is_main else 0.0
+        flags = torch.tensor([float(stop), float(due), interval])
+        self.pending = (dist.all_reduce(flags, group=self.group, async_op=True), flags)
+        self.last_post = (self.step, time.monotonic())
+
+    def _interval(self) -> float:
+        """Rank 0's steps until the next exchange, from the step time since the latest post."""
+        step, posted_at = self.last_post
+        per_step = max((time.monotonic() - posted_at) / max(self.step - step, 1), 1e-9)
+        return float(min(max(int(FLAG_EXCHANGE_SECONDS / per_step), 1), 10_000))
+
+    def agree_at_epoch_end(self, stop: bool) -> bool:
+        """Finish the pending exchange, then agree on stopping (one blocking exchange per epoch)."""
+        self.collect()
+        flag = torch.tensor([float(stop)])
+        dist.all_reduce(flag, group=self.group)
+        return flag.item() > 0
+
+
+class _HookRunner:
+    """Calls the hooks: resumes, saves and stops at steps every rank agrees on, reports epochs.
+
+    `stop_requested` is polled after every step. One process acts on it, and on its clock
+    for periodic saves, at once; under DDP a _FlagExchange agrees on both (rank 0's clock
+    alone decides when a save is due), and every epoch end agrees on stopping.
+    """
+
+    def __init__(self, hooks: TrainingHooks | None, rt: runtime.Runtime, identity: dict | None, n_batches: int):
+        self.hooks, self.rt, self.identity, self.n_batches = hooks, rt, identity, n_batches
+        self.polling = hooks is not None and hooks.stop_requested is not None
+        self.saving = hooks is not None and hooks.saving
+        self.active = self.polling or self.saving
+        self.exchange = _FlagExchange(rt) if rt.ddp and self.active else None
+        self.stop_seen = False
+        self.last_save = time.monotonic()
+
+    def _save_due(self) -> bool:
+        """True on rank 0 when the periodic save interval has passed."""
+        return self.saving and self.rt.is_main and time.monotonic() - self.last_save >= self.hooks.save_seconds
+
+    def progress(self, state: TrainingState) -> tuple[int, int]:
+        """(epoch from 1, batches of it trained); an epoch boundary reads as the end of the epoch before."""
+        if state.position == 0 and state.epoch > 0:
+            return state.epoch, self.n_batches
+        return state.epoch + 1, state.position
+
+    def _save(self, state: TrainingState) -> None:
+        """Save the whole state (a collective under DDP; rank 0 writes)."""
+        saved = _saved_state(state, self.rt, self.identity)
+        if saved is not None:
+            self.hooks.save_state(saved)
+        self.last_save = time.monotonic()
+
+    def _stop(self, state: TrainingState) -> None:
+        """Raise Preempted once every rank is done, so no rank leaves while rank 0 still writes."""
+        if self.saving and self.rt.ddp:
+            runtime.barrier(self.rt)
+        raise Preempted(*self.progress(state), saved=self.saving)
+
+    def after_step(self, state: TrainingState) -> None:
+        """Poll for a stop; save and stop when agreed; under DDP offer this step's flags."""
+        if not self.active:
+            return
+        self.stop_seen = self.stop_seen or (self.polling and bool(self.hooks.stop_requested()))
+        stop, due = (self.stop_seen, self._save_due()) if self.exchange is None else self.exchange.collect()
+        if self.saving and (stop or due):
+            self._save(state)
+        if stop:
+            self._stop(state)
+        if self.exchange is not None:
+            self.exchange.offer(self.stop_seen, self._save_due())
+
+    def drain(self) -> bool:
+        """At an epoch end (before its collectives): True when every rank agrees to stop there."""
+        return self.exchange is not None and self.exchange.agree_at_epoch_end(self.stop_seen)
+
+    def epoch_done(self, state: TrainingState, stop: bool, record: dict) -> None:
+        """Save at the epoch end, report the epoch (rank 0), then stop when asked."""
+        if self.saving:
+            self._save(state)
+        if self.hooks is not None and self.hooks.on_epoch is not None and self.rt.is_main:
+            self.hooks.on_epoch(state.epoch, record)
+        if stop:
+            self._stop(state)
+
+    def _load(self, state: TrainingState) -> tuple[bool, str | None, str | None]:
+        """Load and apply this rank's saved state: (found one, why it is unusable, its save id)."""
+        saved, problem = None, None
+        try:
+            saved = self.hooks.load_state()
+            if saved is not None:
+                problem = _state_problem(saved, state, self.identity, self.n_batches)
+                if problem is None:
+                    _apply_saved_state(saved, state, self.rt)
+        except Exception as error:  # a damaged state must never stop a training that can start afresh
+            problem = _one_line(error)
+        save_id = saved.get("save_id") if isinstance(saved, dict) else None
+        return saved is not None or problem is not None, problem, save_id
+
+    def resume(self, state: TrainingState) -> None:
+        """Continue from the saved state when every rank can; otherwise warn once and start afresh."""
+        if self.hooks is None or self.hooks.load_state is None:
+            return
+        fresh = state.state_dict(), _global_rng(self.rt.device)
+        report = self._load(state)
+        reports = runtime.all_gather_object(self.rt, report) if self.rt.ddp else [report]
+        if not any(found for found, _, _ in reports):
+            return
+        problem = _first_problem(reports)
+        if problem is None:
+            if self.hooks.on_resume is not None and self.rt.is_main:
+                self.hooks.on_resume(*self.progress(state))
+            return
+        state.load_state_dict(fresh[0])
+        _set_global_rng(fresh[1], self.rt.device)
+        if self.rt.is_main:
+            warnings.warn(f"ignoring the saved training state ({problem}); training starts from the beginning",
+                          stacklevel=3)
 
 
 # ---------------------------------------------------------------- the loop
@@ -226,62 +640,177 @@ def _raise_non_finite(epoch: int, batch_losses: torch.Tensor, norms: torch.Tenso
         raise FloatingPointError(f"non-finite training loss or logit in epoch {epoch + 1}, batch {loss_at + 1}")
 
 
-def _run_epoch(state, net, x, y, settings, rt, device):
-    """One epoch of consecutive global batches; returns this rank's per-batch loss sums and grad norms."""
-    rows = x.shape[0]
-    world = rt.train_world_size
+def _balance_terms(logits: torch.Tensor, labels: torch.Tensor, weight: float, rt: runtime.Runtime):
+    """The balancing regulariser λ(mean_joint σ(f) + mean_product σ(f) − 1)² of the global batch.
+
+    Returns (surrogate to back-propagate, the regulariser's value). Joint rows have label 1,
+    product rows label 0. Under DDP the sums and counts are all-reduced, and the surrogate
+    2λ·g·W·(s_joint/N_joint + s_product/N_product), with the gap g = m_joint + m_product − 1
+    held constant and s this rank's sums, has a DDP-averaged gradient equal to the global
+    regulariser's. A global batch lacking joint or product rows states no balance: its
+    regulariser is zero (with no host synchronisation).
+    """
+    probability = torch.sigmoid(logits)
+    joint = (labels > 0.5).to(probability.dtype)
+    own = torch.stack([(probability * joint).sum(), (probability * (1 - joint)).sum()])
+    totals = torch.stack([own.detach()[0], joint.sum(), own.detach()[1], (1 - joint).sum()])
+    if rt.ddp:
+        runtime.all_reduce_sum(rt, totals)
+    joint_sum, joint_count, product_sum, product_count = totals
+    present = (joint_count > 0) & (product_count > 0)
+    joint_count, product_count = joint_count.clamp(min=1), product_count.clamp(min=1)
+    gap = torch.where(present, joint_sum / joint_count + product_sum / product_count - 1, 0.0)
+    surrogate = 2 * weight * rt.train_world_size * gap * (own[0] / joint_count + own[1] / product_count)
+    return surrogate, weight * gap**2
+
+
+def batch_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, settings: dict, rt: runtime.Runtime):
+    """This rank's loss to back-propagate for its shard of a global batch, and the shard's record.
+
+    The record sums to the global batch's objective times its rows over ranks: the shard's
+    BCE sum, plus (rank 0) the balancing regulariser times the batch's rows.
+    """
+    shard_len = labels.shape[0]
+    loss_sum = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
+    # The shard mean times loss_scale: an empty shard (sum 0, scale 0) still joins the
+    # all-reduce with zero gradients, and DDP's averaging yields the global-batch mean's gradient.
+    loss = loss_sum / max(shard_len, 1) * loss_scale(shard_len, batch_len, rt.train_world_size)
+    record = loss_sum.detach()
+    if settings["objective"] == "balanced":
+        surrogate, penalty = _balance_terms(logits, labels, settings["balance_weight"], rt)
+        loss = loss + surrogate
+        if rt.is_main:
+            record = record + batch_len * penalty.detach()
+    return loss, record
+
+
+def _step(state: TrainingState, net, params, shard: tuple, batch_len: int, index: int, settings, rt) -> None:
+    """One optimizer step on this rank's shard of a global batch; records its loss and gradient norm."""
+    xb, yb = shard
+    with _autocast(rt.device, settings["precision"]):
+        logits = net(xb).reshape(-1)
+    loss, record = batch_loss(logits.float(), yb, batch_len, settings, rt)
+    state.optimizer.zero_grad(set_to_none=True)
+    scaled, clip = state.scaler.is_enabled(), settings["gradient_clip"]
+    if scaled:
+        state.scaler.scale(loss).backward()
+    else:
+        loss.backward()
+    if clip is not None:
+        if scaled:
+            state.scaler.unscale_(state.optimizer)
+        state.norms[index] = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+    if scaled:
+        state.scaler.step(state.optimizer)
+        state.scaler.update()
+    else:
+        state.optimizer.step()
+    state.batch_losses[index] = record
+
+
+def _run_epoch(state: TrainingState, net, x, y, settings, rt, runner: _HookRunner):
+    """The rest of the current epoch; returns this rank's per-batch loss sums and gradient norms."""
+    rows, device = x.shape[0], rt.device
     perm = state.permutation(rows).to(device)
     # One gather per epoch makes every global batch a contiguous view.
     xs, ys = x.index_select(0, perm), y.index_select(0, perm)
     batches = epoch_batches(rows, settings["batch_size"])
-    batch_losses = torch.zeros(len(batches), device=device)
-    clip, precision = settings["gradient_clip"], settings["precision"]
-    norms = torch.zeros(len(batches), device=device) if clip is not None else None
+    if state.position == 0:
+        state.batch_losses = torch.zeros(len(batches), device=device)
+        clipping = settings["gradient_clip"] is not None
+        state.norms = torch.zeros(len(batches), device=device) if clipping else None
     params = [p for p in state.model.parameters() if p.requires_grad]
-    scaled = state.scaler.is_enabled()
     for index in range(state.position, len(batches)):
         start, stop = batches[index]
-        part = shard_slice(stop - start, rt.rank if rt.ddp else 0, world)
-        xb, yb = xs[start:stop][part], ys[start:stop][part]
-        with _autocast(device, precision):
-            logits = net(xb).reshape(-1)
-        # The shard mean times loss_scale: an empty shard (sum 0, scale 0) still joins the
-        # all-reduce with zero gradients, and DDP's averaging yields the global-batch mean's gradient.
-        shard_len = yb.shape[0]
-        loss_sum = F.binary_cross_entropy_with_logits(logits.float(), yb, reduction="sum")
-        loss = loss_sum / max(shard_len, 1) * loss_scale(shard_len, stop - start, world)
-        state.optimizer.zero_grad(set_to_none=True)
-        if scaled:
-            state.scaler.scale(loss).backward()
-        else:
-            loss.backward()
-        if clip is not None:
-            if scaled:
-                state.scaler.unscale_(state.optimizer)
-            norms[index] = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-        if scaled:
-            state.scaler.step(state.optimizer)
-            state.scaler.update()
-        else:
-            state.optimizer.step()
-        batch_losses[index] = loss_sum.detach()
+        part = shard_slice(stop - start, rt.rank if rt.ddp else 0, rt.train_world_size)
+        _step(state, net, params, (xs[start:stop][part], ys[start:stop][part]), stop - start, index, settings, rt)
         state.position = index + 1
-    if scaled and norms is not None:
-        # With float16 an overflowing norm is the scaler's business: it skips that step.
-        norms = None
-    return batch_losses, norms
+        runner.after_step(state)
+    # With float16 an overflowing norm is the scaler's business: it skips that step.
+    norms = None if state.scaler.is_enabled() else state.norms
+    return state.batch_losses, norms
 
 
-def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runtime.Runtime, seed: int):
-    """Train a logit-returning classifier; returns (CPU state dict, history)."""
+def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, settings, rt) -> dict:
+    """Reduce the epoch's losses, validate, keep the checkpoint; returns the epoch's metrics."""
+    if rt.ddp:
+        # One collective per epoch: every rank sees the same losses and fails together.
+        # Gradient norms need no reduction: after the all-reduce every rank has the same grads.
+        runtime.all_reduce_sum(rt, batch_losses)
+    total = batch_losses.sum()
+    finite = bool(torch.isfinite(total)) and (norms is None or bool(torch.isfinite(norms).all()))
+    if not finite:
+        _raise_non_finite(state.epoch, batch_losses, norms)
+    history = state.history
+    train_loss = total.item() / history["rows_per_epoch"]
+    history["train_loss"].append(train_loss)
+    metrics = _shared_validation(state.model, *validation, settings["precision"], rt)
+    history["validation"].append(metrics)
+    last = state.epoch + 1 == settings["epochs"]
+    if (settings["checkpoint"] == "best" and metrics["bce"] < state.best_bce) or (
+        settings["checkpoint"] == "last" and last
+    ):
+        state.best_bce = metrics["bce"]
+        state.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in state.model.state_dict().items()}
+        history["selected_epoch"] = state.epoch + 1
+    state.epoch += 1
+    state.position = 0
+    return {"train_loss": train_loss, **metrics}
+
+
+def _train_epochs(state: TrainingState, net, tensors: tuple, settings: dict, rt, runner: _HookRunner) -> None:
+    """The epoch loop: train, close and report each epoch, saving and stopping where agreed."""
+    x, y, vx, vy = tensors
+    while state.epoch < settings["epochs"]:
+        began = time.monotonic()
+        batch_losses, norms = _run_epoch(state, net, x, y, settings, rt, runner)
+        stop = runner.drain()
+        metrics = _close_epoch(state, batch_losses, norms, (vx, vy), settings, rt)
+        record = {**metrics, "seconds": time.monotonic() - began, "epochs": settings["epochs"]}
+        runner.epoch_done(state, stop, record)
+
+
+def _new_history(settings: dict, rows: int, rt: runtime.Runtime) -> dict:
+    """The history of a training that has not started."""
+    return {
+        "train_loss": [],
+        "validation": [],
+        "rows_per_epoch": rows,
+        "global_batch_size": settings["batch_size"],
+        "world_size": rt.train_world_size,
+        "selected_epoch": None,
+        "epochs": settings["epochs"],
+    }
+
+
+def _new_state(model, settings: dict, rt: runtime.Runtime, seed: int, rows: int) -> TrainingState:
+    """A fresh training state for a model already on the device."""
+    device = rt.device
+    return TrainingState(
+        model=model,
+        optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad], settings, device),
+        scaler=torch.amp.GradScaler(device.type, enabled=settings["precision"] == "float16"),
+        generator=runtime.seeded_generator(seed, "permutation"),
+        device=device,
+        history=_new_history(settings, rows, rt),
+    )
+
+
+def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runtime.Runtime, seed: int,
+          hooks: TrainingHooks | None = None):
+    """Train a logit-returning classifier; returns (CPU state dict, history).
+
+    `hooks` (optional, see TrainingHooks) resume a saved state, save the state, stop on
+    request by raising Preempted, and report progress; without them nothing is saved or polled.
+    """
     settings = check_training_settings(training_settings)
+    if hooks is not None:
+        hooks.check()
     device = rt.device
     runtime.check_precision(settings["precision"], device)
     _check_data(data)
-    x = data["train_inputs"].to(device=device, dtype=torch.float32)
-    y = data["train_labels"].to(device=device, dtype=torch.float32)
-    vx = data["validation_inputs"].to(device=device, dtype=torch.float32)
-    vy = data["validation_labels"].to(device=device, dtype=torch.float32)
+    tensors = tuple(data[f"{part}_{kind}"].to(device=device, dtype=torch.float32)
+                    for part in ("train", "validation") for kind in ("inputs", "labels"))
     model = model.to(device)
     model.train()
     net = model
@@ -289,53 +818,15 @@ def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runti
         net = torch.nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None
         )
-    state = TrainingState(
-        model=model,
-        optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad], settings, device),
-        scaler=torch.amp.GradScaler(device.type, enabled=settings["precision"] == "float16"),
-        generator=runtime.seeded_generator(seed, "permutation"),
-    )
-    history = {
-        "train_loss": [],
-        "validation": [],
-        "rows_per_epoch": int(x.shape[0]),
-        "global_batch_size": settings["batch_size"],
-        "world_size": rt.train_world_size,
-        "selected_epoch": None,
-        "epochs": settings["epochs"],
-    }
+    rows = int(tensors[0].shape[0])
+    state = _new_state(model, settings, rt, seed, rows)
+    keeps_state = hooks is not None and (hooks.load_state is not None or hooks.saving)
+    identity = _identity(settings, seed, rt, tensors) if keeps_state else None
+    runner = _HookRunner(hooks, rt, identity, len(epoch_batches(rows, settings["batch_size"])))
     # Dropout draws from torch's global stream: seed it per rank from the job's seed so the
     # same recipe gives the same weights whatever ran before in this process.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(runtime.derived_seed(seed, "dropout", rt.rank if rt.ddp else 0))
-        return _train_epochs(state, net, model, (x, y, vx, vy), settings, rt, history)
-
-
-def _train_epochs(state, net, model, tensors, settings, rt, history):
-    """The epoch loop with validation and checkpoint selection; returns (weights, history)."""
-    x, y, vx, vy = tensors
-    device = rt.device
-    best_bce, best_weights = math.inf, None
-    while state.epoch < settings["epochs"]:
-        batch_losses, norms = _run_epoch(state, net, x, y, settings, rt, device)
-        if rt.ddp:
-            # One collective per epoch: every rank sees the same losses and fails together.
-            # Gradient norms need no reduction: after the all-reduce every rank has the same grads.
-            runtime.all_reduce_sum(rt, batch_losses)
-        total = batch_losses.sum()
-        finite = bool(torch.isfinite(total)) and (norms is None or bool(torch.isfinite(norms).all()))
-        if not finite:
-            _raise_non_finite(state.epoch, batch_losses, norms)
-        history["train_loss"].append(total.item() / x.shape[0])
-        metrics = _shared_validation(model, vx, vy, settings["precision"], rt)
-        history["validation"].append(metrics)
-        last = state.epoch + 1 == settings["epochs"]
-        if (settings["checkpoint"] == "best" and metrics["bce"] < best_bce) or (
-            settings["checkpoint"] == "last" and last
-        ):
-            best_bce = metrics["bce"]
-            best_weights = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            history["selected_epoch"] = state.epoch + 1
-        state.epoch += 1
-        state.position = 0
-    return best_weights, history
+        runner.resume(state)
+        _train_epochs(state, net, tensors, settings, rt, runner)
+    return state.best_weights, state.history

@@ -124,6 +124,12 @@ def test_training_settings_validation():
         ({"precision": "half"}, "training.precision"),
         ({"checkpoint": "first"}, "training.checkpoint"),
         ({"epoch": 3}, "training.epoch"),
+        ({"objective": "focal"}, "training.objective"),
+        ({"balance_weight": -1}, "training.balance_weight"),
+        ({"balance_weight": math.inf}, "training.balance_weight"),
+        ({"balance_weight": math.nan}, "training.balance_weight"),
+        ({"balance_weight": "100"}, "training.balance_weight"),
+        ({"balance_weight": True}, "training.balance_weight"),
     ]:
         with pytest.raises(SettingsError, match=key):
             trainer.check_training_settings(given)
@@ -293,6 +299,69 @@ def test_training_state_round_trips_and_redraws_the_epoch_permutation():
     assert torch.equal(other.permutation(50), first)  # resume mid-epoch redraws the same order
     other.position = 0
     assert not torch.equal(other.permutation(50), first)  # a new epoch draws a new one
+
+
+# ---------------------------------------------------------------- balanced objective
+
+
+def _balanced_formula(logits, labels, weight):
+    """Mean BCE plus weight * (mean sigmoid of joint rows + mean sigmoid of product rows - 1)^2."""
+    p = torch.sigmoid(logits)
+    gap = p[labels > 0.5].mean() + p[labels < 0.5].mean() - 1
+    return torch.nn.functional.binary_cross_entropy_with_logits(logits, labels) + weight * gap**2
+
+
+def _gradients(loss, model):
+    """Gradients of `loss` with respect to the model's parameters."""
+    return torch.autograd.grad(loss, list(model.parameters()))
+
+
+def test_balanced_loss_gradient_is_autograd_of_the_formula_on_the_full_batch():
+    data, model = _data(), _model()
+    x, y = data["train_inputs"], data["train_labels"]
+    settings = trainer.check_training_settings({"objective": "balanced", "balance_weight": 3.0})
+    loss, record = trainer.batch_loss(model(x), y, len(y), settings, CPU)
+    formula = _balanced_formula(model(x), y, 3.0)
+    for got, want in zip(_gradients(loss, model), _gradients(formula, model)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+    assert record.item() / len(y) == pytest.approx(formula.item(), rel=1e-6)
+    # The regulariser really matters here: BCE alone has another gradient.
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(model(x), y)
+    formula = _balanced_formula(model(x), y, 3.0)
+    assert any(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(_gradients(bce, model), _gradients(formula, model)))
+
+
+def test_a_batch_of_one_class_has_no_balance_term():
+    model = _model()
+    x = _data()["train_inputs"][:10]
+    settings = trainer.check_training_settings({"objective": "balanced", "balance_weight": 50.0})
+    for labels in (torch.ones(10), torch.zeros(10)):
+        loss, record = trainer.batch_loss(model(x), labels, 10, settings, CPU)
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(model(x), labels)
+        assert loss.item() == pytest.approx(bce.item(), rel=1e-6)
+        assert record.item() == pytest.approx(10 * bce.item(), rel=1e-6)
+        for got, want in zip(_gradients(loss, model), _gradients(bce, model)):
+            torch.testing.assert_close(got, want)
+
+
+def test_one_balanced_training_step_follows_the_formula_gradient():
+    # Adam's first full-batch step moves each parameter by -lr * g / (|g| + epsilon).
+    start, data, lr, epsilon = _model(), _data(), 0.01, 0.1
+    settings = {"epochs": 1, "batch_size": 300, "learning_rate": lr, "epsilon": epsilon, "checkpoint": "last",
+                "objective": "balanced", "balance_weight": 5.0}
+    trained, _ = _train(settings, data=data)
+    want = _gradients(_balanced_formula(start(data["train_inputs"]), data["train_labels"], 5.0), start)
+    for (name, before), gradient in zip(start.state_dict().items(), want):
+        step = lr * gradient / (gradient.abs() + epsilon)
+        torch.testing.assert_close(before - trained[name], step, rtol=1e-3, atol=3e-7)
+
+
+def test_balanced_with_zero_weight_trains_exactly_like_bce():
+    plain, plain_history = _train({"epochs": 2, "learning_rate": 0.05})
+    zero, zero_history = _train({"epochs": 2, "learning_rate": 0.05, "objective": "balanced", "balance_weight": 0.0})
+    weighted, _ = _train({"epochs": 2, "learning_rate": 0.05, "objective": "balanced", "balance_weight": 10.0})
+    assert all(torch.equal(plain[k], zero[k]) for k in plain) and plain_history == zero_history
+    assert any(not torch.allclose(plain[k], weighted[k]) for k in plain)
 
 
 # ---------------------------------------------------------------- CUDA (skipped without a GPU)
