@@ -326,25 +326,31 @@ def summarise_targets(ctx, writer, targets, case_scores):
     return {**metadata, "design": design}
 
 
-def build_learned(ctx, writer):
-    """HLD summaries of the learned ratio and posterior targets for every case."""
-    settings = ctx.analysis_settings["inference"]
-    targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
-    observations = torch.from_numpy(ctx.require("observations").array("observations"))
-    model, device, prior = ctx.model, ctx.runtime.device, ctx.prior
-    evaluations = [0]
-
+def learned_case_scores(model, device, prior, observations, targets, chunk_rows, evaluations):
+    """case_scores(i, points) of the learned targets: the model's ensemble score of case i's
+    observations (ratio), plus the log prior (posterior); `evaluations[0]` counts model rows."""
     def logits(rows):
         return model(rows.to(device)).float().cpu()
 
     def case_scores(i, points):
         evaluations[0] += points.shape[0] * observations.shape[1]
-        ratio = inference.ensemble_scores(logits, observations[i], points, settings["chunk_rows"])
+        ratio = inference.ensemble_scores(logits, observations[i], points, chunk_rows)
         scores = {"ratio": ratio}
         if "posterior" in targets:
             scores["posterior"] = ratio + prior.log_prob(points)
         return {t: scores[t] for t in targets}
 
+    return case_scores
+
+
+def build_learned(ctx, writer):
+    """HLD summaries of the learned ratio and posterior targets for every case."""
+    settings = ctx.analysis_settings["inference"]
+    targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
+    observations = torch.from_numpy(ctx.require("observations").array("observations"))
+    evaluations = [0]
+    case_scores = learned_case_scores(ctx.model, ctx.runtime.device, ctx.prior, observations, targets,
+                                      settings["chunk_rows"], evaluations)
     with torch.no_grad():
         metadata = summarise_targets(ctx, writer, targets, case_scores)
     return {**metadata, "model_evaluations": evaluations[0]}
@@ -353,10 +359,10 @@ def build_learned(ctx, writer):
 def build_exact(ctx, writer):
     """HLD summaries of the exact Gaussian likelihood, on the same kind of candidates."""
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
-    problem = ctx.problem
+    problem, chunk_rows = ctx.problem, ctx.analysis_settings["inference"]["chunk_rows"]
 
     def case_scores(i, points):
-        return {"exact": inference.exact_scores(problem.log_likelihood, observations[i], points)}
+        return {"exact": inference.exact_scores(problem.log_likelihood, observations[i], points, chunk_rows)}
 
     return summarise_targets(ctx, writer, ["exact"], case_scores)
 

@@ -535,32 +535,47 @@ def draw_proposal(proposal, unit, box):
     return box.snap(values, proposal.low, proposal.high)
 
 
-def proposal_log_density(proposal, points, box):
-    """Log density of the proposal at points (n, p): Lebesgue × counting measure, −inf outside."""
-    inside = ((points >= proposal.low) & (points <= proposal.high)).all(dim=1)
-    z = (points[inside] - proposal.mean) / proposal.sd
-    per_axis = -0.5 * z * z - torch.log(proposal.sd) - 0.5 * math.log(2 * math.pi)
+def proposal_log_density(proposals, points, box):
+    """Log density (C, n) of stacked proposals (fields (C, p)) at points (n, p): Lebesgue ×
+    counting measure, −inf outside each proposal's box."""
+    inside = torch.ones(points.shape[0], proposals.mean.shape[0], dtype=torch.bool)
+    for j in range(points.shape[1]):
+        column = points[:, j:j + 1]
+        inside &= (column >= proposals.low[:, j]) & (column <= proposals.high[:, j])
+    continuous = ~box.lattice
+    x, mean, inverse = points[:, continuous], proposals.mean[:, continuous], proposals.sd[:, continuous] ** -2
+    # Σ_j (x_j − μ_j)²/σ_j² of every point under every proposal at once, as matrix products.
+    quadratic = torch.addmm((mean * mean * inverse).sum(dim=1), x * x, inverse.T)
+    quadratic.addmm_(x, (mean * inverse).T, alpha=-2)
+    total = -0.5 * quadratic - (torch.log(proposals.sd[:, continuous]).sum(dim=1)
+                                + 0.5 * int(continuous.sum()) * math.log(2 * math.pi))
     if bool(box.lattice.any()):
-        cell = (box.half_cell() / proposal.sd)[box.lattice]
-        per_axis[:, box.lattice] = _log_normal_interval(z[:, box.lattice] - cell, z[:, box.lattice] + cell)
-    za, zb = _standard_z(proposal, box)
-    result = torch.full((points.shape[0],), -math.inf, dtype=torch.float64)
-    result[inside] = per_axis.sum(dim=1) - _log_normal_interval(za, zb).sum()
-    return result
+        sd = proposals.sd[:, None, box.lattice]
+        z = (points[None, :, box.lattice] - proposals.mean[:, None, box.lattice]) / sd
+        cell = box.half_cell()[box.lattice] / sd
+        total = total + _log_normal_interval(z - cell, z + cell).sum(dim=-1).T
+    za, zb = _standard_z(proposals, box)
+    total = total - _log_normal_interval(za, zb).sum(dim=-1)
+    return torch.where(inside, total, torch.full_like(total, -math.inf)).T
 
 
-def mixture_log_weights(points, multiplicity, components, coarse_count, box):
+def stack_proposals(proposals):
+    """Proposals stacked along a first axis, for proposal_log_density."""
+    return Proposal(*(torch.stack([getattr(c, name) for c in proposals]) for name in ("mean", "sd", "low", "high")),
+                    [c.count for c in proposals])
+
+
+def mixture_log_weights(log_densities, counts, multiplicity, coarse_count, log_box):
     """Deterministic-mixture importance weights of every point drawn so far, as logs.
 
     All points together are a sample of the mixture of the uniform coarse design and
-    the refined proposals (each with its count), so a point weighs 1/Σ_c n_c g_c(θ):
-    an unbiased rule for the box's measure. Coarse points merged on a lattice weigh
-    their multiplicity (log given) times that.
+    the refined proposals (log_densities (C, n) at every point, `counts` points each),
+    so a point weighs 1/Σ_c n_c g_c(θ): an unbiased rule for the box's measure. Coarse
+    points merged on a lattice weigh their multiplicity (log given, first) times that.
     """
-    log_box = box.log_measure()
-    terms = [torch.full((points.shape[0],), math.log(coarse_count) - log_box, dtype=torch.float64)]
-    terms += [math.log(c.count) + proposal_log_density(c, points, box) for c in components]
-    log_weights = -torch.logsumexp(torch.stack(terms), dim=0)
+    uniform = torch.full((1, log_densities.shape[1]), math.log(coarse_count) - log_box, dtype=torch.float64)
+    log_counts = torch.tensor(counts, dtype=torch.float64).reshape(-1, 1).log()
+    log_weights = -torch.logsumexp(torch.cat([uniform, log_counts + log_densities]), dim=0)
     log_weights[:multiplicity.numel()] += multiplicity
     return log_weights
 
@@ -612,23 +627,28 @@ def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, s
     targets, points = list(scores), coarse_points
     anchors = {t: coarse_points[int(torch.argmax(scores[t]))] for t in targets}   # the coarse modes
     spread = {t: (box.high - box.low + 2 * box.half_cell()) / math.sqrt(12) for t in targets}  # uniform's sd
-    components, last = [], {}
+    components, last, log_box = [], {}, box.log_measure()
+    densities = torch.empty(0, points.shape[0], dtype=torch.float64)   # every proposal at every point
     engine = torch.quasirandom.SobolEngine(points.shape[1], scramble=True, seed=seed)
     for size in sizes["passes"]:
-        log_weights = mixture_log_weights(points, multiplicity, components, sizes["coarse"], box)
-        drawn = []
+        log_weights = mixture_log_weights(densities, [c.count for c in components], multiplicity,
+                                          sizes["coarse"], log_box)
+        fitted = []
         for target, share in zip(targets, _shares(size, len(targets))):
             best = points[int(torch.argmax(scores[target]))]
-            proposal = fit_proposal(points, scores[target] + log_weights, spread[target], box,
-                                    torch.stack([anchors[target], best]), share)
-            spread[target], last[target] = proposal.sd, proposal
-            components.append(proposal)
-            drawn.append(draw_proposal(proposal, engine.draw(share, dtype=torch.float64), box))
-        fresh = torch.cat(drawn)
+            fitted.append(fit_proposal(points, scores[target] + log_weights, spread[target], box,
+                                       torch.stack([anchors[target], best]), share))
+            last[target], spread[target] = fitted[-1], fitted[-1].sd
+        fresh = torch.cat([draw_proposal(proposal, engine.draw(proposal.count, dtype=torch.float64), box)
+                           for proposal in fitted])
         fresh_scores = score_fn(fresh)
+        densities = torch.cat([densities, proposal_log_density(stack_proposals(fitted), points, box)])
+        components += fitted
+        densities = torch.cat([densities, proposal_log_density(stack_proposals(components), fresh, box)], dim=1)
         points = torch.cat([points, fresh])
         scores = {t: torch.cat([scores[t], fresh_scores[t]]) for t in targets}
-    return points, mixture_log_weights(points, multiplicity, components, sizes["coarse"], box), scores, last
+    log_weights = mixture_log_weights(densities, [c.count for c in components], multiplicity, sizes["coarse"], log_box)
+    return points, log_weights, scores, last
 
 
 def _merged(points, log_weights, scores, box):
@@ -645,13 +665,12 @@ def _merged(points, log_weights, scores, box):
     return points, log_weights + (box.log_measure() - torch.logsumexp(log_weights, dim=0)), scores
 
 
-def _ray_frame(points, scores, log_q, origin, threshold, box):
+def _ray_frame(points, scores, covariance, origin, threshold, box):
     """Rays from the mode along ±Σe_j/√Σ_jj, where an ellipsoid's extent along axis j lies, and their ends.
 
     Σ is the density's covariance. A ray ends at PROBE_REACH times the farthest
     Mahalanobis radius of the widest region's points, or where it leaves the box.
     """
-    _, covariance = weighted_moments(points, log_q)
     floor = torch.where(box.lattice, box.step / 2, (box.high - box.low) * 1e-6)
     covariance = covariance + torch.diag(floor * floor)
     directions = covariance / covariance.diagonal().sqrt()[:, None]
@@ -724,15 +743,18 @@ def _widen(summary, probes, probe_scores, best):
         summary["mode"][0] = probes[int(np.argmax(probe_scores))]
 
 
-def refinement_checks(points, log_q, proposal, box):
-    """Edge mass and disagreement of a target's refined density with the last proposal that placed it.
+def refinement_checks(points, log_q, moments, proposal, box):
+    """Edge mass and disagreement of a target's refined density (moments: its mean and covariance)
+    with the last proposal that placed it.
 
     Edge mass: the density's mass outside the last box shrunk by one proposal sd (not on
-    sides where the box is the prior's). Disagreement: the largest |mean shift| or
-    density sd in proposal sds; above 1 the earlier passes misjudged where the mass is.
+    sides where the box is the prior's). Disagreement: the larger of the largest mean
+    shift over 2 proposal sds and the largest density sd over √2 proposal sds; above 1
+    the earlier passes misjudged where the mass is, or importance weights may have
+    infinite variance.
     """
     q = torch.softmax(log_q, dim=0)
-    mean, covariance = weighted_moments(points, log_q)
+    mean, covariance = moments
     inner_low = torch.where(proposal.low > box.low, proposal.low + proposal.sd, box.low)
     inner_high = torch.where(proposal.high < box.high, proposal.high - proposal.sd, box.high)
     edge = ((points < inner_low) | (points > inner_high)).any(dim=1)
@@ -754,8 +776,9 @@ def refine_case(score_fn, coarse_points, coarse_log_measure, truth, box, levels,
     over repeated lattice points and scaled to the box's measure exactly. Then
     zero-measure probes along rays from each mode (see _ray_frame) sharpen projected
     bounds: they change no mass, threshold or coverage, only where a region is seen to
-    end. Returns points and log_measure (probes last, at −inf), scores and one-case
-    summaries per target (with edge_mass and disagreement), and the count evaluated.
+    end. Returns points and log_measure (probes last, at −inf), scores (the truth's
+    last), one-case summaries (with edge_mass and disagreement) and the last proposal
+    per target, and the count of points evaluated.
     """
     levels = _check_levels(levels)
     first = score_fn(torch.cat([coarse_points, truth[None]]))
@@ -771,22 +794,25 @@ def refine_case(score_fn, coarse_points, coarse_log_measure, truth, box, levels,
     points, log_weights, scores, last = _refined_passes(
         score_fn, coarse_points, multiplicity, scores, box, dict(sizes, passes=passes), case_seed(seed, case))
     points, log_weights, scores = _merged(points, log_weights, scores, box)
-    summaries, frames = {}, {}
+    summaries, frames, moments = {}, {}, {}
     for target, values in scores.items():
         summary = hld_summaries(values[None], log_weights, points, truth_scores[target], levels)
         origin = torch.from_numpy(summary["mode"][0])
-        rays, ends = _ray_frame(points, values, values + log_weights, origin, summary["threshold"][0].min(), box)
+        moments[target] = weighted_moments(points, values + log_weights)
+        rays, ends = _ray_frame(points, values, moments[target][1], origin, summary["threshold"][0].min(), box)
         frames[target] = (origin, rays, ends, summary["threshold"][0].tolist())
         summaries[target] = summary
     probes, probe_scores = _probe(score_fn, frames, box)
     for target, summary in summaries.items():
         _widen(summary, probes, probe_scores[target], float(scores[target].max()))
-        edge, disagreement = refinement_checks(points, scores[target] + log_weights, last[target], box)
+        edge, disagreement = refinement_checks(points, scores[target] + log_weights, moments[target], last[target],
+                                               box)
         summary["edge_mass"], summary["disagreement"] = np.array([edge]), np.array([disagreement])
     return {"points": torch.cat([points, probes]),
             "log_measure": torch.cat([log_weights, torch.full((probes.shape[0],), -math.inf, dtype=torch.float64)]),
             "scores": {t: torch.cat([scores[t], probe_scores[t], truth_scores[t]]) for t in scores},
-            "summaries": summaries, "evaluated": coarse_points.shape[0] + sum(passes) + probes.shape[0]}
+            "summaries": summaries, "proposals": last,
+            "evaluated": coarse_points.shape[0] + sum(passes) + probes.shape[0]}
 
 
 # ---------------------------------------------------------------------------

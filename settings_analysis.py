@@ -60,7 +60,7 @@ def make_settings(profile):
     inference = settings["inference"]
     if profile == "default":
         inference["truths"]["kind"] = "sobol"
-        inference["candidates"].update(kind="adaptive", candidate_count=16_384, coarse_count=1024)
+        inference["candidates"].update(kind="adaptive", candidate_count=10_240, coarse_count=1024)
     elif profile == "paper":
         inference["truths"].update(kind="size_adaptive", truth_points_per_axis=25,
                                    truth_margin_fraction=0.0, align_truths_to_grid=False)
