@@ -466,6 +466,12 @@ def summary_of(artifact, target):
     return {name: artifact.array(f"{target}_{name}") for name in SUMMARY_FIELDS}
 
 
+def resolution_report(ctx, artifact, target):
+    """Whether one target's candidates resolved its densities (see inference.resolution_metrics)."""
+    return inference.resolution_metrics(summary_of(artifact, target), artifact.metadata["candidates"],
+                                        ctx.analysis_settings["inference"]["levels"], artifact.metadata["design"])
+
+
 def target_report(ctx, artifact, target):
     """Bias, coverage, width and resolution of one target's summaries."""
     settings = ctx.analysis_settings["inference"]
@@ -475,8 +481,7 @@ def target_report(ctx, artifact, target):
     return {"bias": inference.bias_metrics(summary["mode"], truths, names),
             "coverage": inference.coverage_metrics(summary, truths, settings["levels"], names),
             "width": inference.width_metrics(summary, settings["levels"], names),
-            "resolution": inference.resolution_metrics(summary, artifact.metadata["candidates"], settings["levels"],
-                                                       artifact.metadata["design"])}
+            "resolution": resolution_report(ctx, artifact, target)}
 
 
 def metric_classification(ctx):
@@ -503,7 +508,7 @@ def metric_width(ctx):
 
 def metric_resolution(ctx):
     """Whether the candidates resolve the ratio target's densities."""
-    return target_report(ctx, ctx.require("learned"), "ratio")["resolution"]
+    return resolution_report(ctx, ctx.require("learned"), "ratio")
 
 
 def metric_posterior(ctx):
@@ -596,7 +601,7 @@ class GaussianAnalysis:
         "bias": Metric(metric_bias, needs=("learned", "truths")),
         "coverage": Metric(metric_coverage, needs=("learned", "truths")),
         "width": Metric(metric_width, needs=("learned",)),
-        "resolution": Metric(metric_resolution, needs=("learned", "truths")),
+        "resolution": Metric(metric_resolution, needs=("learned",)),
         "posterior": Metric(metric_posterior, needs=("learned", "truths")),
         "exact_reference": Metric(metric_exact_reference, needs=("exact", "learned", "truths")),
         "pairwise": Metric(metric_pairwise, needs=("pairwise",)),

@@ -763,6 +763,30 @@ def refinement_checks(points, log_q, moments, proposal, box):
     return float(q[edge].sum()), float(torch.maximum(shift / 2, spread / math.sqrt(2)))
 
 
+def _coarse_scores(score_fn, coarse_points, truth, case):
+    """Every target's scores on the coarse design and at the truth, in one call; unusable scores raise."""
+    first = score_fn(torch.cat([coarse_points, truth[None]]))
+    for target, values in first.items():
+        values = values[:-1]
+        if not torch.isfinite(values).any() or torch.isnan(values).any() or torch.isposinf(values).any():
+            raise ValueError(f"case {case}: {target} scores on the coarse candidates are NaN, +inf or all -inf; "
+                             "check the network output or the likelihood for that case")
+    return {t: s[:-1] for t, s in first.items()}, {t: s[-1:] for t, s in first.items()}
+
+
+def _measured_summaries(points, log_weights, scores, truth_scores, levels, box):
+    """Per target: the summary on the measured points, the probe frame and the density's moments."""
+    summaries, frames, moments = {}, {}, {}
+    for target, values in scores.items():
+        summary = hld_summaries(values[None], log_weights, points, truth_scores[target], levels)
+        origin = torch.from_numpy(summary["mode"][0])
+        moments[target] = weighted_moments(points, values + log_weights)
+        rays, ends = _ray_frame(points, values, moments[target][1], origin, summary["threshold"][0].min(), box)
+        frames[target] = (origin, rays, ends, summary["threshold"][0].tolist())
+        summaries[target] = summary
+    return summaries, frames, moments
+
+
 def refine_case(score_fn, coarse_points, coarse_log_measure, truth, box, levels, sizes, seed, case=0):
     """Adaptive candidates and highest-density summaries of one case, for every target score_fn returns.
 
@@ -781,27 +805,14 @@ def refine_case(score_fn, coarse_points, coarse_log_measure, truth, box, levels,
     per target, and the count of points evaluated.
     """
     levels = _check_levels(levels)
-    first = score_fn(torch.cat([coarse_points, truth[None]]))
-    truth_scores = {t: s[-1:] for t, s in first.items()}
-    scores = {t: s[:-1] for t, s in first.items()}
-    for target, values in scores.items():
-        if not torch.isfinite(values).any() or torch.isnan(values).any() or torch.isposinf(values).any():
-            raise ValueError(f"case {case}: {target} scores on the coarse candidates are NaN, +inf or all -inf; "
-                             "check the network output or the likelihood for that case")
+    scores, truth_scores = _coarse_scores(score_fn, coarse_points, truth, case)
     multiplicity = coarse_log_measure + math.log(sizes["coarse"]) - box.log_measure()
     # Coarse points merged on a lattice leave their places to the last pass: every case evaluates the same count.
     passes = sizes["passes"][:-1] + [sizes["passes"][-1] + sizes["coarse"] - coarse_points.shape[0]]
     points, log_weights, scores, last = _refined_passes(
         score_fn, coarse_points, multiplicity, scores, box, dict(sizes, passes=passes), case_seed(seed, case))
     points, log_weights, scores = _merged(points, log_weights, scores, box)
-    summaries, frames, moments = {}, {}, {}
-    for target, values in scores.items():
-        summary = hld_summaries(values[None], log_weights, points, truth_scores[target], levels)
-        origin = torch.from_numpy(summary["mode"][0])
-        moments[target] = weighted_moments(points, values + log_weights)
-        rays, ends = _ray_frame(points, values, moments[target][1], origin, summary["threshold"][0].min(), box)
-        frames[target] = (origin, rays, ends, summary["threshold"][0].tolist())
-        summaries[target] = summary
+    summaries, frames, moments = _measured_summaries(points, log_weights, scores, truth_scores, levels, box)
     probes, probe_scores = _probe(score_fn, frames, box)
     for target, summary in summaries.items():
         _widen(summary, probes, probe_scores[target], float(scores[target].max()))
