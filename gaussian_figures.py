@@ -122,7 +122,7 @@ def case_design(artifact, candidates, case):
 
 
 def draw_diagnostic_cases(ctx, figure):
-    """Normalised densities of the retained cases on the first parameter, per target."""
+    """Normalised densities of the retained cases at their candidates, against the first parameter, per target."""
     learned = ctx.require("learned")
     exact = ctx.require("exact") if "exact" in ctx.analysis_settings["inference"]["targets"] else None
     candidates = ctx.require("candidates")
@@ -137,11 +137,11 @@ def draw_diagnostic_cases(ctx, figure):
             points, log_measure = case_design(artifact, candidates, case)
             measured = np.isfinite(log_measure)      # refined designs also hold padding and zero-measure probes
             scores = artifact.array(f"{target}_scores")[case, :-1][measured]
-            log_mass = scores + log_measure[measured]
-            mass = np.exp(log_mass - np.logaddexp.reduce(log_mass))
+            # The density, not the mass per point: refined designs weigh their points unequally.
+            density = np.exp(scores - np.logaddexp.reduce(scores + log_measure[measured]))
             order = np.argsort(points[measured, 0], kind="stable")
-            axis.plot(points[measured, 0][order], mass[order], ".", color=colour, markersize=2, label=target)
+            axis.plot(points[measured, 0][order], density[order], ".", color=colour, markersize=2, label=target)
         axis.axvline(truths[case, 0], color="black", linestyle=":")
         axis.set_xlabel(ctx.problem.names[0])
-    axes[0].set_ylabel("normalised mass per candidate")
+    axes[0].set_ylabel("normalised density (per unit measure)")
     axes[0].legend(fontsize="x-small")

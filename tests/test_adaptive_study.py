@@ -75,6 +75,7 @@ ADAPTIVE = """
 settings["inference"]["candidates"].update(kind="adaptive", candidate_count=1024, coarse_count=64,
                                            max_enumerated=100)
 settings["inference"]["diagnostic_cases"] = 2
+settings["plots"] = ["diagnostic_cases"]
 """
 
 
@@ -106,6 +107,8 @@ def test_an_adaptive_run_reports_intervals_and_resolution_and_evaluates_what_the
         assert learned.metadata["model_evaluations"] == workload["model_evaluations"] == 16 * 1025 * 5
         assert learned.metadata["candidates"] == workload["candidate_points"]
         assert learned.array("design_points").shape == (2, 1024, 2)
+        if not nnpd.matplotlib_missing():   # the figure draws each retained case on its own points
+            assert (run / "plots" / "diagnostic_cases.png").read_bytes().startswith(b"\x89PNG")
         if member.startswith("grid"):   # the lattice prior is refined on its lattice
             points = learned.array("design_points")[0]
             steps = points[~(points != points).any(axis=1)] / 0.2
