@@ -666,7 +666,7 @@ def _merged(points, log_weights, scores, box):
 
 
 def _ray_frame(points, scores, covariance, origin, threshold, box):
-    """Rays from the mode along ±Σe_j/√Σ_jj, where an ellipsoid's extent along axis j lies, and their ends.
+    """Rays from the origin along ±Σe_j/√Σ_jj, where an ellipsoid's extent along axis j lies, and their ends.
 
     Σ is the density's covariance. A ray ends at PROBE_REACH times the farthest
     Mahalanobis radius of the widest region's points, or where it leaves the box.
@@ -692,16 +692,16 @@ def _ray_points(origin, rays, radii, box):
 def _bracket_radii(scores, radii, thresholds):
     """Second-round radii per ray: PROBE_REFINE points shared among the levels' brackets.
 
-    A level's bracket lies between the last radius inside its region (0: the mode)
-    and the first outside it; a ray inside throughout repeats its end.
+    A level's bracket lies between the farthest first-round radius inside its region
+    (0: the origin) and the next one; a ray inside throughout repeats its end.
     """
     rays, count = radii.shape
     padded = torch.cat([torch.zeros(rays, 1, dtype=radii.dtype), radii], dim=1)
+    position = torch.arange(1, count + 1)
     parts = []
     for threshold, share in zip(thresholds, _shares(PROBE_REFINE, len(thresholds))):
-        outside = scores < threshold
-        first = torch.where(outside.any(dim=1), outside.to(torch.int64).argmax(dim=1), count)[:, None]
-        inner, outer = padded.gather(1, first), padded.gather(1, (first + 1).clamp(max=count))
+        last = ((scores >= threshold) * position).max(dim=1).values[:, None]   # 0 when no radius is inside
+        inner, outer = padded.gather(1, last), padded.gather(1, (last + 1).clamp(max=count))
         fraction = torch.arange(1, share + 1, dtype=radii.dtype) / (share + 1)
         parts.append(inner + (outer - inner) * fraction)
     return torch.cat(parts, dim=1)
@@ -779,8 +779,8 @@ def _measured_summaries(points, log_weights, scores, truth_scores, levels, box):
     summaries, frames, moments = {}, {}, {}
     for target, values in scores.items():
         summary = hld_summaries(values[None], log_weights, points, truth_scores[target], levels)
-        origin = torch.from_numpy(summary["mode"][0])
         moments[target] = weighted_moments(points, values + log_weights)
+        origin = moments[target][0]   # the mean: far closer to a region's centre than the best point found
         rays, ends = _ray_frame(points, values, moments[target][1], origin, summary["threshold"][0].min(), box)
         frames[target] = (origin, rays, ends, summary["threshold"][0].tolist())
         summaries[target] = summary
@@ -798,7 +798,7 @@ def refine_case(score_fn, coarse_points, coarse_log_measure, truth, box, levels,
     of each lattice point's cell, so they keep counting measure. The points of all
     passes, coarse included, carry deterministic-mixture importance weights, summed
     over repeated lattice points and scaled to the box's measure exactly. Then
-    zero-measure probes along rays from each mode (see _ray_frame) sharpen projected
+    zero-measure probes along rays from each density's mean (see _ray_frame) sharpen projected
     bounds: they change no mass, threshold or coverage, only where a region is seen to
     end. Returns points and log_measure (probes last, at −inf), scores (the truth's
     last), one-case summaries (with edge_mass and disagreement) and the last proposal
