@@ -951,7 +951,7 @@ def resolution_metrics(summaries, candidate_count, levels, design="sobol"):
     if problem:
         problems.append(problem)
     warning = None
-    if problems:
+    if problems and design != "enumerate":   # an enumerated lattice is exact, however few points carry the mass
         fix = ("raise inference.candidates.candidate_count or refinement_stages" if design == "adaptive" else
                "set inference.candidates.kind to 'adaptive' or raise candidate_count or candidate_points_per_axis")
         warning = "low candidate resolution: " + "; ".join(problems) + "; " + fix

@@ -466,6 +466,8 @@ def test_resolution_flags_count_cases_and_warn():
     assert out["flagged"]["any"] == 0 and out["warning"] is None
     out = inf.resolution_metrics(s, 200, [0.7], design="sobol")
     assert out["flagged"]["few_effective_points"] == 1 and "1 of 2 cases" in out["warning"]
+    s["ess"] = np.array([3.0, 5.0])    # a low ESS on an enumerated lattice is exact, not under-resolved
+    assert inf.resolution_metrics(s, 200, [0.7], design="enumerate")["warning"] is None
     json.dumps(out)
 
 
