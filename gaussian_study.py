@@ -709,9 +709,10 @@ class GaussianAnalysis:
             expected = count * posterior_share(problem, list(lattice), self.settings["inference"]["observations"])
             if expected < MIN_EXPECTED_INSIDE:
                 needed = math.ceil(count * MIN_EXPECTED_INSIDE / max(expected, 1e-300))
+                knob = f"candidate_count to about {needed:.3g}" if design == "sobol" else "candidate_points_per_axis"
                 lines.append(
                     f"inference.candidates: the fixed {design} design of {count} points puts about {expected:.3g} "
                     f"inside a 0.95 posterior region of the {problem.parameter_count} parameters (priors "
                     f"{', '.join(priors)}), fewer than {MIN_EXPECTED_INSIDE}, so coverage and widths describe the "
-                    f"design; set inference.candidates.kind to 'adaptive' or raise candidate_count to about {needed:.3g}")
+                    f"design; set inference.candidates.kind to 'adaptive' or raise {knob}")
         return lines

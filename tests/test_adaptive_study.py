@@ -45,6 +45,9 @@ def test_plan_warns_when_a_fixed_design_under_resolves_before_any_compute():
     assert f"about {expected:.3g} inside" in line
     assert analysis_for(6, {"kind": "adaptive", "candidate_count": 10240, "coarse_count": 1024}).plan_warnings() == []
     assert analysis_for(1, {"kind": "sobol", "candidate_count": 16384}).plan_warnings() == []
+    grid = analysis_for(4, {"kind": "grid", "candidate_points_per_axis": 8}).plan_warnings()
+    assert len(grid) == 1 and "fixed grid design of 4096 points" in grid[0] and grid[0].endswith(
+        "raise candidate_points_per_axis")
     # An enumerated lattice is exact: nothing to warn about.
     assert analysis_for(2, {"kind": "sobol", "candidate_count": 16}, priors=("grid",)).plan_warnings() == []
 
