@@ -7,7 +7,7 @@ import torch
 import inference
 import runtime
 
-from sweep import SettingsError, is_integer, is_number
+from settings import SettingsError, is_integer, is_number
 
 KINDS = ("mean", "std")
 FAMILIES = ("uniform", "normal", "exponential", "grid")

@@ -15,7 +15,7 @@ import inference
 import runtime
 import trainer
 from study import Figure, Metric, Product, check_selection
-from sweep import SettingsError, is_integer, is_number
+from settings import SettingsError, is_integer, is_number
 
 TARGETS = ("ratio", "posterior", "exact")
 SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer", "region_ess",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
@@ -9,6 +10,8 @@ import os
 import platform
 import random
 import re
+import signal
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -16,42 +19,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from sweep import SettingsError, is_integer, is_number
+from settings import DEVICE_FORMS, SettingsError, check_runtime
 
-RUNTIME_DEFAULTS = {
-    "device": "auto",
-    "parallel": "jobs",
-    "cpu_threads": 1,
-    "deterministic": True,
-    "timeout_minutes": 60,
-}
-PARALLEL_MODES = ("jobs", "ddp")
 PRECISIONS = ("off", "float16", "bfloat16")
-DEVICE_FORMS = '"auto", "cpu", "cuda" or "cuda:N" (N = GPU index)'
 _INDEXED_CUDA = re.compile(r"cuda:(\d+)")
-
-
-def check_runtime_settings(runtime_settings: dict | None) -> dict:
-    """Validate the `runtime` settings and return them with defaults filled in."""
-    given = dict(runtime_settings or {})
-    unknown = sorted(set(given) - set(RUNTIME_DEFAULTS))
-    if unknown:
-        raise SettingsError(
-            f"runtime.{unknown[0]}: unknown setting; valid keys are {sorted(RUNTIME_DEFAULTS)}"
-        )
-    settings = {**RUNTIME_DEFAULTS, **given}
-    if not isinstance(settings["device"], str):
-        raise SettingsError(f"runtime.device: expected a string, one of {DEVICE_FORMS}; got {settings['device']!r}")
-    if settings["parallel"] not in PARALLEL_MODES:
-        raise SettingsError(f"runtime.parallel: {settings['parallel']!r} is not valid; use \"jobs\" or \"ddp\"")
-    if not is_integer(settings["cpu_threads"]) or settings["cpu_threads"] < 1:
-        raise SettingsError(f"runtime.cpu_threads: expected an integer >= 1; got {settings['cpu_threads']!r}")
-    if not isinstance(settings["deterministic"], bool):
-        raise SettingsError(f"runtime.deterministic: expected true or false; got {settings['deterministic']!r}")
-    timeout = settings["timeout_minutes"]
-    if not is_number(timeout) or not timeout > 0:
-        raise SettingsError(f"runtime.timeout_minutes: expected a number > 0; got {timeout!r}")
-    return settings
 
 
 def launch_environment(environ=None) -> tuple[int, int, int]:
@@ -121,11 +92,12 @@ def resolve_device(spec: str, local_rank: int = 0, world_size: int = 1) -> torch
     return torch.device("cuda", index)
 
 
-def check_precision(precision: str, device) -> None:
-    """Refuse an impossible `training.precision` for a device; call it before any data is sampled."""
+def check_precision(precision: str, device) -> torch.dtype | None:
+    """The autocast dtype of a `training.precision` (one of PRECISIONS; None for "off") on a device.
+
+    Refuses what the device cannot do; call it before any data is sampled.
+    """
     device = torch.device(device)
-    if precision not in PRECISIONS:
-        raise SettingsError(f"training.precision: {precision!r} is not valid; use \"off\", \"float16\" or \"bfloat16\"")
     if precision == "float16" and device.type != "cuda":
         raise SettingsError(
             f"training.precision: \"float16\" needs a CUDA device but runtime.device resolved to {device.type}; "
@@ -136,6 +108,70 @@ def check_precision(precision: str, device) -> None:
             f"training.precision: \"bfloat16\" is not supported by {torch.cuda.get_device_name(device)}; "
             "use \"float16\" or \"off\""
         )
+    return {"off": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[precision]
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT ended the launch; what was committed is kept, and the same command resumes."""
+
+
+class Preempted(Interrupted):
+    """Training stopped on request after saving its state; the same command resumes it."""
+
+
+class StopRequest:
+    """SIGTERM/SIGINT handling: raise Interrupted at once, except while training polls the flag.
+
+    Cluster schedulers send SIGTERM before preempting a job. A trainer that polls
+    `requested` finishes its step and saves its state; anywhere else the signal interrupts
+    at once. A second signal always interrupts at once.
+    """
+
+    def __init__(self):
+        self.requested = None
+        self.polled = False
+        self.previous = {}
+
+    def install(self):
+        """Handle SIGTERM and SIGINT (only possible in the main thread; elsewhere nothing changes)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            self.previous[signum] = signal.signal(signum, self.handle)
+
+    def uninstall(self):
+        """Put the previous handlers back."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}
+
+    def handle(self, signum, frame):
+        """The signal handler."""
+        first = self.requested is None
+        self.requested = signal.Signals(signum).name
+        if not (self.polled and first):
+            raise Interrupted(f"stopped by {self.requested}")
+
+    @contextlib.contextmanager
+    def polling(self):
+        """Within this block a first signal only sets `requested` (the trainer stops at its next step)."""
+        self.polled = True
+        try:
+            yield
+        finally:
+            self.polled = False
+
+    def __call__(self):
+        """Whether a stop was requested (the trainer's stop_requested hook)."""
+        return self.requested is not None
+
+
+STOP = StopRequest()
+
+
+def request_stop():
+    """Ask this process to stop as SIGTERM would (used when the launcher died)."""
+    signal.raise_signal(signal.SIGTERM)
 
 
 @dataclass
@@ -150,6 +186,7 @@ class Runtime:
     cpu_threads: int = 1
     deterministic: bool = True
     timeout_minutes: float = 60
+    resume_seconds: float = 60
     owns_group: bool = False
     previous_torch_state: tuple = ()   # (threads, deterministic) to put back on stop
 
@@ -239,7 +276,7 @@ def _create_group(rt: Runtime, environ) -> None:
 
 def start(runtime_settings: dict | None, environ=None) -> Runtime:
     """Validate settings, pick the device, configure torch and join the launch's process group."""
-    settings = check_runtime_settings(runtime_settings)
+    settings = check_runtime(runtime_settings)
     environ = os.environ if environ is None else environ
     rank, world_size, local_rank = launch_environment(environ)
     if dist.is_available() and dist.is_initialized():
@@ -255,6 +292,7 @@ def start(runtime_settings: dict | None, environ=None) -> Runtime:
         cpu_threads=settings["cpu_threads"],
         deterministic=settings["deterministic"],
         timeout_minutes=settings["timeout_minutes"],
+        resume_seconds=settings["resume_seconds"],
     )
     rt.previous_torch_state = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
     torch.set_num_threads(rt.cpu_threads)

@@ -4,7 +4,7 @@ Edit the dictionaries below. `Choice([...])` marks alternatives of one setting; 
 launch trains the baseline (every Choice at its first option) and then one
 configuration per further option with only that knob changed.
 """
-from sweep import Choice
+from settings import Choice
 
 DEFAULT_PROFILE = "smoke"
 PROFILES = ("smoke", "default", "paper")

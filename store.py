@@ -14,10 +14,13 @@ manifest last and commits with one atomic rename. Readers take no lock.
 import contextlib
 import fcntl
 import hashlib
+import importlib
 import json
 import os
+import re
 import secrets
 import shutil
+import sys
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
@@ -48,9 +51,14 @@ def canonical_json(value):
         raise ValueError(f"cannot encode as JSON ({exc}); replace NaN/inf with a finite number or None") from None
 
 
+def sha256_text(text):
+    """Return the SHA-256 hex digest of a text's UTF-8 bytes."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
 def digest(value):
     """Return the SHA-256 hex digest of canonical_json(value)."""
-    return hashlib.sha256(canonical_json(value).encode("utf-8")).hexdigest()
+    return sha256_text(canonical_json(value))
 
 
 def _pretty_json(value, what):
@@ -155,9 +163,56 @@ def _npy_header(path):
     return list(shape), np.lib.format.dtype_to_descr(dtype)
 
 
-def _now_iso():
+def now_iso():
     """Return the current UTC time as ISO 8601 text."""
     return datetime.now(timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+# ---------------------------------------------------------------- directory helpers
+
+KEY = re.compile(r"[0-9a-f]{64}")
+
+
+def _listdir(path):
+    """Sorted names in a real directory; empty when it is missing, a file or a link."""
+    if not _real_dir(path):
+        return []
+    return sorted(os.listdir(path))
+
+
+def _real_dir(path):
+    """True for a directory that is not a symbolic link."""
+    return os.path.isdir(path) and not os.path.islink(path)
+
+
+def _is_safe(name):
+    """Whether check_name accepts the name."""
+    try:
+        check_name(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _tree_size(path):
+    """Bytes of the files under path (links not followed)."""
+    if not _real_dir(path):
+        return os.lstat(path).st_size
+    return sum(os.lstat(os.path.join(top, f)).st_size for top, _, files in os.walk(path) for f in files)
+
+
+def _remove_path(path):
+    """Remove a file, link or directory tree without following links."""
+    if _real_dir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _stamp_of(entry):
+    """The time stamp a damaged entry's name ends with (sorts oldest first)."""
+    return entry.rsplit("-", 1)[-1]
 
 
 # ---------------------------------------------------------------- writer
@@ -333,6 +388,8 @@ def _read_manifest(path):
 def _open(path, deep=False):
     """Return (Artifact, None), (None, reason) when damaged, or (None, None) when absent."""
     # Lean cache-hit path: read the manifest, then one stat per file.
+    if os.path.islink(path):
+        return None, "it is a symbolic link; nnpd never follows links in its store"
     try:
         manifest, reason = _read_manifest(path)
     except FileNotFoundError:
@@ -381,14 +438,14 @@ class Store:
         return os.path.join(self.cache, check_name(name, "artifact name"), check_name(key, "artifact key"))
 
     @contextlib.contextmanager
-    def lock(self, lock_name, blocking=True):
-        """Hold an exclusive flock on locks/<lock_name>.lock; yields False if busy and not blocking."""
+    def lock(self, lock_name, blocking=True, shared=False):
+        """Hold a flock on locks/<lock_name>.lock (exclusive, or shared); yields False if busy and not blocking."""
         check_name(lock_name, "lock name")
         _makedirs_durable(self.locks)
-        fd = os.open(self.locks / f"{lock_name}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = os.open(self.locks / f"{lock_name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             try:
-                fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+                fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB))
             except BlockingIOError:
                 yield False
                 return
@@ -398,6 +455,15 @@ class Store:
                 fcntl.flock(fd, fcntl.LOCK_UN)
         finally:
             os.close(fd)
+
+    def scratch_file(self, name, key):
+        """Where an unfinished build of (name, key) keeps its state between processes (training resumes)."""
+        return self.root / "scratch" / check_name(name, "artifact name") / f"{check_name(key, 'artifact key')}.pt"
+
+    def drop_scratch(self, name, key):
+        """Forget the saved state of a build once its artifact is committed."""
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.scratch_file(name, key))
 
     def find(self, name, key):
         """Return the committed artifact for key, None if absent; DamagedArtifact if damaged."""
@@ -437,15 +503,20 @@ class Store:
             self._remove_stale(name, key)
             return self._build(name, key, recipe, build, metadata)
 
-    def _move_aside(self, name, key, path, reason):
-        """Move a damaged entry to damaged/<name>/<key>-<time> and warn."""
+    def move_aside(self, path, group, reason, then="rebuilding", name=None):
+        """Move a damaged file or entry to damaged/<group>/<name>-<time> (never deleted) and warn."""
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-        target = self.damaged / name / f"{key}-{stamp}"
+        target = self.damaged / check_name(group, "group") / f"{name or os.path.basename(path)}-{stamp}"
         _makedirs_durable(target.parent)
         os.rename(path, target)
         _fsync_dir(os.path.dirname(path))
         _fsync_dir(target.parent)
-        warnings.warn(f"artifact {path} was damaged ({reason}); moved to {target} and rebuilding", stacklevel=3)
+        warnings.warn(f"{path} was damaged ({reason}); moved to {target}; {then}", stacklevel=3)
+        return target
+
+    def _move_aside(self, name, key, path, reason):
+        """Move a damaged artifact to damaged/<name>/<key>-<time> and warn."""
+        self.move_aside(path, name, reason)
 
     def _remove_stale(self, name, key):
         """Remove temp dirs of key left by killed builds (caller holds the key's lock)."""
@@ -469,7 +540,7 @@ class Store:
             if produced is not None and not isinstance(produced, dict):
                 raise TypeError(f"build for artifact {name!r} must return a metadata dict or None, got {type(produced).__name__}")
             meta = {**(metadata or {}), **(produced or {})}
-            manifest = {"schema": SCHEMA, "name": name, "key": key, "created": _now_iso(),
+            manifest = {"schema": SCHEMA, "name": name, "key": key, "created": now_iso(),
                         "metadata": meta, "recipe": recipe, "files": writer.finish()}
             _write_synced(tmp / MANIFEST, _pretty_json(manifest, f"manifest of {name!r}").encode("utf-8"))
             _fsync_dir(tmp)
@@ -482,26 +553,55 @@ class Store:
         return Artifact(final, manifest)
 
     def entries(self):
-        """Yield (name, key, path) for every committed entry (temp dirs excluded)."""
-        if not self.cache.is_dir():
-            return
-        for name in sorted(os.listdir(self.cache)):
+        """Yield (name, key, path) for every committed entry: temp dirs, links and foreign names excluded."""
+        for name in _listdir(self.cache):
             ndir = self.cache / name
-            if name.startswith(".") or not ndir.is_dir():
+            if not _is_safe(name) or not _real_dir(ndir):
                 continue
-            for key in sorted(os.listdir(ndir)):
-                if not key.startswith(".") and (ndir / key).is_dir():
+            for key in _listdir(ndir):
+                if KEY.fullmatch(key) and _real_dir(ndir / key):
                     yield name, key, ndir / key
 
-    def verify(self):
-        """Deep-check every committed artifact; return (checked, damaged directory paths)."""
+    def verify(self, repair=False):
+        """Deep-check every committed artifact; return (checked, damaged paths), moving damaged ones aside when repairing."""
         checked, damaged = 0, []
-        for _, _, path in self.entries():
+        for name, key, path in list(self.entries()):
             checked += 1
             _, reason = _open(path, deep=True)
             if reason:
                 damaged.append(str(path))
+                if repair:
+                    with self.lock(f"{name}-{key}"):
+                        self.move_aside(path, name, reason, then="the next launch that needs it rebuilds it")
         return checked, damaged
+
+    def damaged_size(self):
+        """(entries, bytes) kept under damaged/."""
+        entries, size = 0, 0
+        for group in _listdir(self.damaged):
+            for entry in _listdir(self.damaged / group):
+                entries += 1
+                size += _tree_size(self.damaged / group / entry)
+        return entries, size
+
+    def tidy(self, keep_locks=(), keep_damaged=3):
+        """Remove leftovers of killed processes: temp builds, prune renames, unused lock files, old damaged entries.
+
+        Call it only while no other process uses this output root (a launch holds the root's lease);
+        a lock file may be removed only when nobody can be waiting on it.
+        """
+        for name in _listdir(self.cache):
+            if _real_dir(self.cache / name):
+                for entry in _listdir(self.cache / name):
+                    if entry.startswith(TMP_PREFIX):
+                        shutil.rmtree(self.cache / name / entry, ignore_errors=True)
+        for entry in _listdir(self.locks):
+            if entry.endswith(".lock") and entry[:-len(".lock")] not in keep_locks:
+                with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                    os.unlink(self.locks / entry)
+        for group in _listdir(self.damaged):
+            for entry in sorted(_listdir(self.damaged / group), key=_stamp_of)[:-keep_damaged or None]:
+                _remove_path(self.damaged / group / entry)
 
     def prune(self, keep_keys):
         """Delete committed artifacts whose key is not kept, skipping ones being built; return deleted paths."""
@@ -554,34 +654,90 @@ class Restored:
         return self.json("metrics") if analysis.get("state") == "complete" else None
 
 
-def restore(run_dir, device="cpu"):
-    """Reopen a finished run with its trained model on `device` (CPU by default) in eval mode.
+# What restore needs of an experiment class: it instantiates only classes that have all of these.
+EXPERIMENT_METHODS = ("members", "problem", "prior", "data_recipe", "sample_data", "model_recipe",
+                      "build_model", "train", "validate", "workload", "describe")
+ROOT_MARKER = ".nnpd-root"
 
-    Never joins a process group, whatever torchrun variables are set. References are
-    relative to the output root, so a moved output root still restores.
+
+def import_class(spec, methods=()):
+    """The class named by "module:Class", refused unless it is a class with every one of `methods`.
+
+    Standard-library modules are never imported this way: a name read from a file must not
+    reach os, subprocess or a module that acts when imported.
     """
-    import torch
-    import study   # the experiment class is named in run.json; imported lazily
+    module_name, _, class_name = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not module_name or not class_name.isidentifier():
+        raise ValueError(f"{spec!r} is not of the form 'module:Class'")
+    if module_name.split(".")[0] in sys.stdlib_module_names:
+        raise ValueError(f"{spec!r} names a standard-library module, not an nnpd experiment or analysis")
+    module = importlib.import_module(module_name)
+    cls = getattr(module, class_name, None)
+    if not isinstance(cls, type):
+        raise ValueError(f"module {module_name!r} has no class {class_name!r}")
+    missing = [name for name in methods if not callable(getattr(cls, name, None))]
+    if missing:
+        raise ValueError(f"{spec!r} is not an nnpd experiment or analysis class: it lacks {', '.join(missing)}")
+    return cls
 
-    run_dir = Path(run_dir).resolve()
+
+def record_checksum(record):
+    """The checksum of a JSON record (a run.json) over everything but its own checksum field."""
+    return digest({key: value for key, value in record.items() if key != "checksum"})
+
+
+def find_root(run_dir):
+    """The output root above a run folder: the nearest parent holding the root marker."""
+    for parent in run_dir.parents:
+        if (parent / ROOT_MARKER).is_file():
+            return parent
+    if len(run_dir.parents) > 2 and (run_dir.parents[2] / "cache").is_dir():
+        return run_dir.parents[2]        # an output root written before roots carried the marker
+    raise FileNotFoundError(f"{run_dir}: no output root above it (no {ROOT_MARKER} marker and no cache/); "
+                            f"a run folder cannot be moved without its output root")
+
+
+def _read_run_record(run_dir):
+    """run.json of a run folder, refused when its checksum does not match."""
     run_file = run_dir / "run.json"
     if not run_file.is_file():
         raise FileNotFoundError(f"{run_dir}: not a run folder (no run.json)")
-    root = run_dir.parents[2]
-    store = Store(root)
-    if not (root / "cache").is_dir():
-        raise FileNotFoundError(f"{run_dir}: its output root {root} has no cache/; a run folder cannot be "
-                                f"moved without its output root")
+    try:
+        run = json.loads(run_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        raise DamagedArtifact(f"{run_file} is unreadable ({error}); re-run the training that wrote it") from None
+    if not isinstance(run, dict) or run.get("checksum") != record_checksum(run):
+        raise DamagedArtifact(f"{run_file} was altered (its checksum does not match); restore refuses it")
+    return run
+
+
+def restore(run_dir, device="cpu", experiment=None):
+    """Reopen a finished run with its trained model on `device` (CPU by default) in eval mode.
+
+    Never joins a process group, whatever torchrun variables are set. References are
+    relative to the output root, so a moved output root still restores. The experiment class
+    is the caller's `experiment`, or the one run.json names when it is an importable class
+    with every method of the experiment contract (EXPERIMENT_METHODS); nothing else named by
+    a run folder is ever called.
+    """
+    import torch
+
+    run_dir = Path(run_dir).resolve()
+    run = _read_run_record(run_dir)
+    root = find_root(run_dir)
     references = json.loads((run_dir / "artifacts.json").read_text())
     artifacts = {}
     for name, relative in references.items():
-        path = root / relative
-        if not (path / MANIFEST).is_file():
+        path = (root / relative).resolve()
+        if root.resolve() not in path.parents or not (path / MANIFEST).is_file():
             raise FileNotFoundError(f"{run_dir}: artifact {relative} is missing from the output root {root}")
-        artifacts[name] = store.artifact_at(path)
-    run = json.loads(run_file.read_text())
-    experiment = study.load_class(run["settings"]["experiment"], "experiment")(run["settings"])
-    model = experiment.build_model(run["member"])
+        artifacts[name] = Store(root).artifact_at(path)
+    if experiment is None:
+        try:
+            experiment = import_class(run["settings"]["experiment"], EXPERIMENT_METHODS)
+        except (ImportError, ValueError) as error:
+            raise ValueError(f"{run_dir}: cannot restore its experiment: {error}; pass restore(..., experiment=Class)") from None
+    model = experiment(run["settings"]).build_model(run["member"])
     model.load_state_dict(artifacts["model"].state_dict())
     model = model.to(torch.device(device)).eval()
     return Restored(run_dir, run, model, artifacts["model"].json("history"), artifacts)

@@ -7,7 +7,6 @@ declared dependencies, and metrics computed from products.
 """
 import functools
 import hashlib
-import importlib
 import inspect
 import platform
 from dataclasses import dataclass, field
@@ -15,8 +14,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from sweep import SettingsError, digest
 import runtime
+from settings import SettingsError
+from store import EXPERIMENT_METHODS, import_class
 
 
 @dataclass(frozen=True)
@@ -42,17 +42,23 @@ class Figure:
                                   # of the Contexts of a configuration's cohort
 
 
+# What an analysis class supplies (an experiment's methods are store.EXPERIMENT_METHODS, which restore checks).
+ANALYSIS_MEMBERS = ("products", "metrics", "plots", "cohort_plots", "validate", "workload")
+
+
 def load_class(spec, setting):
-    """Import the class named by a "module:Class" setting."""
-    module_name, _, class_name = spec.partition(":")
+    """Import the experiment or analysis class named by a "module:Class" setting, checking its contract."""
+    members = EXPERIMENT_METHODS if setting == "experiment" else ANALYSIS_MEMBERS
     try:
-        module = importlib.import_module(module_name)
+        cls = import_class(spec, ())
     except ImportError as error:
-        raise SettingsError(f"{setting}: cannot import module {module_name!r} ({error})") from None
-    try:
-        return getattr(module, class_name)
-    except AttributeError:
-        raise SettingsError(f"{setting}: module {module_name!r} has no class {class_name!r}") from None
+        raise SettingsError(f"{setting}: cannot import module {spec.partition(':')[0]!r} ({error})") from None
+    except ValueError as error:
+        raise SettingsError(f"{setting}: {error}") from None
+    missing = [name for name in members if not hasattr(cls, name)]
+    if missing:
+        raise SettingsError(f"{setting}: {spec!r} is not an nnpd {setting} class: it lacks {', '.join(missing)}")
+    return cls
 
 
 def check_selection(section, selected, known):
@@ -66,14 +72,17 @@ def check_selection(section, selected, known):
 
 
 def check_graph(products, metrics, selected):
-    """Reject unknown or duplicate metrics, unknown dependencies and cycles (plan time)."""
+    """Reject unknown or duplicate metrics, unknown dependencies and cycles (plan time).
+
+    Returns the products in an order that builds every dependency before its dependents.
+    """
     check_selection("metrics", selected, metrics)
     for owner, needs in [(f"metric {m!r}", metrics[m].needs) for m in selected] + \
                         [(f"product {p!r}", spec.needs) for p, spec in products.items()]:
         for need in needs:
             if need not in products:
                 raise SettingsError(f"{owner} needs unknown product {need!r}")
-    state = {}
+    state, order = {}, []
 
     def visit(name, path):
         if state.get(name) == "done":
@@ -84,9 +93,11 @@ def check_graph(products, metrics, selected):
         for need in products[name].needs:
             visit(need, path + [name])
         state[name] = "done"
+        order.append(name)
 
     for name in products:
         visit(name, [])
+    return order
 
 
 def referenced_names(code):

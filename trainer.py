@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import runtime
 from inference import classification_metrics
-from sweep import SettingsError, is_integer, is_number
+from settings import SettingsError, is_integer, is_number
 
 TRAINING_DEFAULTS = {
     "epochs": 2,

@@ -28,7 +28,7 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_P
 def patched_source(name, patch):
     """The repository's settings file with make_settings wrapped by `patch`."""
     source = (REPO / name).read_text()
-    source += "\n\nfrom sweep import Choice  # noqa: E402,F811\n"
+    source += "\n\nfrom settings import Choice  # noqa: E402,F811\n"
     source += "_repository_make_settings = make_settings\n\n\ndef make_settings(profile):\n"
     source += "    settings = _repository_make_settings(profile)\n"
     source += textwrap.indent(patch, "    ") + "    return settings\n"

@@ -103,8 +103,9 @@ def test_posterior_of_a_grid_prior_on_continuous_candidates_is_refused_at_plan_t
     settings = write_settings(tmp_path / "s", tmp_path / "out",
                               analysis='settings["inference"]["candidates"]["native_grid_prior"] = False\n')
     result = run_cli("plan", "--settings-dir", str(settings))
-    assert result.returncode == 1
+    assert result.returncode == 2                       # a settings error, as for run
     assert any("native_grid_prior" in error for error in json.loads(result.stdout)["errors"])
+    assert "native_grid_prior" in result.stderr
 
 
 def test_a_run_killed_mid_training_loses_nothing_committed(tmp_path):

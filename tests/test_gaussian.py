@@ -10,7 +10,7 @@ import torch
 import gaussian
 from gaussian import GaussianProblem, make_prior
 from settings_training import base_settings
-from sweep import SettingsError
+from settings import SettingsError
 
 PROBLEM = base_settings("smoke")["problem"]   # the documented defaults, as the bundled settings hold them
 EXTREME_RATES = [1e-12, 0.1, -0.1, 5.0, -5.0, 1e3, -1e3]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import jobs
 import nnpd
 from conftest import REPO, run_cli, write_settings
 from store import Store, restore
@@ -191,7 +192,7 @@ def test_non_gaussian_experiment_runs_through_the_framework(tmp_path, monkeypatc
     assert restored.model(torch.zeros(3, 2)).shape == (3,)
 
 
-FRAMEWORK = ("nnpd", "runtime", "store", "trainer", "sweep", "study", "inference")
+FRAMEWORK = ("nnpd", "runtime", "store", "trainer", "settings", "study", "inference")
 
 
 @pytest.mark.parametrize("module", FRAMEWORK)
@@ -230,7 +231,7 @@ def test_a_dropped_metric_leaves_no_stale_result(tmp_path):
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.skipif(nnpd.matplotlib_missing(), reason="matplotlib (the optional [plots] extra) is not installed")
+@pytest.mark.skipif(jobs.matplotlib_missing(), reason="matplotlib (the optional [plots] extra) is not installed")
 def test_figures_are_written_per_run_and_per_cohort(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["uniform", "grid"]\n',
                               analysis='settings["plots"] = ["diagnostic_cases"]\n'

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 import runtime
-from sweep import SettingsError
+from settings import RUNTIME_DEFAULTS, SettingsError, check_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the behaviour of a machine without CUDA")
@@ -22,8 +22,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 def test_settings_defaults_and_validation():
-    assert runtime.check_runtime_settings({}) == runtime.RUNTIME_DEFAULTS
-    assert runtime.check_runtime_settings({"parallel": "ddp"})["parallel"] == "ddp"
+    assert check_runtime({}) == RUNTIME_DEFAULTS
+    assert check_runtime({"parallel": "ddp"})["parallel"] == "ddp"
     bad = [
         ({"parallel": "threads"}, "runtime.parallel"),
         ({"cpu_threads": 0}, "runtime.cpu_threads"),
@@ -34,10 +34,12 @@ def test_settings_defaults_and_validation():
         ({"deterministic": "yes"}, "runtime.deterministic"),
         ({"device": 0}, "runtime.device"),
         ({"devcie": "cpu"}, "runtime.devcie"),
+        ({"resume_seconds": -1}, "runtime.resume_seconds"),
+        ({"device": "cuda\n0"}, "runtime.device"),
     ]
     for given, name in bad:
         with pytest.raises(SettingsError, match=name):
-            runtime.check_runtime_settings(given)
+            check_runtime(given)
 
 
 def test_launch_environment():
@@ -109,20 +111,18 @@ def test_cuda_rows_on_a_gpu_machine():
 
 
 def test_precision_rules_on_cpu():
-    runtime.check_precision("off", "cpu")
-    runtime.check_precision("bfloat16", torch.device("cpu"))
+    assert runtime.check_precision("off", "cpu") is None
+    assert runtime.check_precision("bfloat16", torch.device("cpu")) is torch.bfloat16
     with pytest.raises(SettingsError, match=r"^training\.precision: \"float16\" needs a CUDA device"):
         runtime.check_precision("float16", "cpu")
-    with pytest.raises(SettingsError, match="training.precision"):
-        runtime.check_precision("fp16", "cpu")
 
 
 @cuda
 @pytest.mark.cuda
 def test_precision_rules_on_cuda():
-    runtime.check_precision("float16", "cuda")
+    assert runtime.check_precision("float16", "cuda") is torch.float16
     if torch.cuda.is_bf16_supported():
-        runtime.check_precision("bfloat16", "cuda")
+        assert runtime.check_precision("bfloat16", "cuda") is torch.bfloat16
 
 
 # ---------------------------------------------------------------- determinism and streams

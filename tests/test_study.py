@@ -6,7 +6,7 @@ import pytest
 
 import study
 from study import Metric, Product
-from sweep import SettingsError
+from settings import SettingsError
 
 
 def build(ctx, writer):
@@ -23,9 +23,9 @@ def product(*needs):
     return Product(build, recipe, needs=needs)
 
 
-def test_a_sound_graph_passes():
-    products = {"a": product(), "b": product("a"), "c": product("a", "b")}
-    study.check_graph(products, {"m": Metric(len, needs=("c",))}, ["m"])
+def test_a_sound_graph_passes_with_dependencies_first():
+    products = {"c": product("a", "b"), "b": product("a"), "a": product(), "d": product()}
+    assert study.check_graph(products, {"m": Metric(len, needs=("c",))}, ["m"]) == ["a", "b", "c", "d"]
 
 
 @pytest.mark.parametrize("products, metrics, selected, message", [
@@ -41,12 +41,16 @@ def test_bad_graphs_are_rejected_at_plan_time(products, metrics, selected, messa
         study.check_graph(products, metrics, selected)
 
 
-def test_load_class_names_the_setting():
-    assert study.load_class("study:Product", "analysis") is Product
+def test_load_class_names_the_setting_and_checks_the_contract():
+    assert study.load_class("gaussian_study:GaussianAnalysis", "analysis").__name__ == "GaussianAnalysis"
     with pytest.raises(SettingsError, match="experiment: cannot import module 'no_such_module'"):
         study.load_class("no_such_module:X", "experiment")
     with pytest.raises(SettingsError, match="analysis: module 'study' has no class 'Nope'"):
         study.load_class("study:Nope", "analysis")
+    with pytest.raises(SettingsError, match="experiment: 'study:Product' is not an nnpd experiment class"):
+        study.load_class("study:Product", "experiment")
+    with pytest.raises(SettingsError, match="standard-library module"):
+        study.load_class("subprocess:Popen", "experiment")
 
 
 MODULE = '''

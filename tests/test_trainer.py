@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 import inference
 import runtime
 import trainer
-from sweep import SettingsError
+from settings import SettingsError
 
 CPU = runtime.Runtime(device=torch.device("cpu"))
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

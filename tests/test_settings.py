@@ -1,4 +1,4 @@
-"""Tests for sweep.py: Choice, one-factor-at-a-time expansion, checks and profiles."""
+"""Tests for settings.py: Choice, one-factor-at-a-time expansion, checks and profiles."""
 
 import copy
 import json
@@ -10,7 +10,7 @@ import textwrap
 import pytest
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
-from sweep import (
+from settings import (
     LAUNCH_INVARIANT, Choice, Configuration, Profile, SettingsError, canonical_json,
     check_structure, digest, expand, load_profile, resolve, to_jsonable,
 )
@@ -56,14 +56,14 @@ def write_settings(folder, training_body, analysis_body,
     """Write both settings files; bodies are expressions of `profile`."""
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "settings_training.py").write_text(textwrap.dedent(f"""\
-        from sweep import Choice
+        from settings import Choice
         DEFAULT_PROFILE = {default!r}
         PROFILES = {tuple(profiles)!r}
         def make_settings(profile):
             return {training_body}
         """))
     (folder / "settings_analysis.py").write_text(textwrap.dedent(f"""\
-        from sweep import Choice
+        from sweep import Choice  # the name before the module was renamed still works
         PROFILES = {tuple(profiles)!r}
         def make_settings(profile):
             return {analysis_body}
@@ -97,7 +97,7 @@ def put(settings, dotted, value):
 
 
 def choice_paths(value, path=""):
-    """(dotted path, Choice) pairs in depth-first dict order (independent of sweep)."""
+    """(dotted path, Choice) pairs in depth-first dict order (independent of settings.py)."""
     found = []
     if isinstance(value, Choice):
         return [(path, value)]
@@ -158,7 +158,9 @@ def test_two_choices_of_three_give_five():
     for c in configs:
         assert isinstance(c, Configuration)
         assert c.digest == digest(c.settings)
-        assert c.name == f"{c.variant}-{c.digest[:10]}"
+    assert [c.name.rsplit("-", 1)[0] for c in configs] == [
+        "baseline", "problem_dimension=2", "problem_dimension=3", "training_lr=0.01", "training_lr=0.001"]
+    assert all(c.name.endswith(f"-{c.digest[:10]}") for c in configs)
     assert len({c.name for c in configs}) == 5
 
 
@@ -250,7 +252,7 @@ ANALYSIS = ('{"analysis": "study:Analysis", "inference": {}, "verification": {},
 def test_load_profile_from_files_elsewhere(tmp_path, monkeypatch):
     folder = write_settings(tmp_path / "elsewhere", TRAINING, ANALYSIS)
     before = snapshot(folder)
-    monkeypatch.chdir(tmp_path)  # neither cwd nor settings dir holds sweep.py
+    monkeypatch.chdir(tmp_path)  # neither cwd nor settings dir holds settings.py
     modules_before = set(sys.modules)
     smoke = load_profile(folder)
     assert isinstance(smoke, Profile)
@@ -331,7 +333,7 @@ def test_choice_in_analysis_rejected(tmp_path):
     ("runtime", {"device": "cpu", "mode": Choice(["jobs", "ddp"])}, "runtime.mode"),
 ])
 def test_launch_invariant_sections(section, value, path):
-    from sweep import check_training
+    from settings import check_training
     assert section in LAUNCH_INVARIANT
     with pytest.raises(SettingsError) as info:
         check_training(training_settings(**{section: value}), "t.py [p]")
@@ -340,7 +342,7 @@ def test_launch_invariant_sections(section, value, path):
 
 
 def test_class_reference_form():
-    from sweep import check_analysis, check_training
+    from settings import check_analysis, check_training
     with pytest.raises(SettingsError, match="experiment: 'study.Experiment'"):
         check_training(training_settings(experiment="study.Experiment"))
     with pytest.raises(SettingsError, match="analysis: 5"):

@@ -1,10 +1,19 @@
-"""Settings files, profiles, Choice and one-factor-at-a-time expansion."""
+"""Settings: loading the two settings files, Choice and one-factor-at-a-time expansion,
+identity digests, and the checks of every section the framework itself reads.
 
+The framework's sections (`output`, `seed`, `runtime`, `verification`, `plotting`, and the
+`metrics`/`plots`/`cohort_plots` lists) are checked here; the bundled trainer checks
+`training` (trainer.py) and an experiment checks its own sections (for the bundled study:
+gaussian.py and gaussian_study.py), all with the helpers below, so each section's rules
+stand in one place.
+"""
+
+import contextlib
 import copy
 import dataclasses
-import hashlib
 import itertools
 import math
+import os
 import re
 import sys
 import types
@@ -25,6 +34,73 @@ def is_integer(value):
 def is_number(value):
     """True for an int or float that is not a bool."""
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+# ---------------------------------------------------------------- checks shared by every section
+
+# Names that become folder names or keys: letters, digits, '_', '-', '.' inside, no '..'.
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
+def require(mapping, key, path):
+    """mapping[key], or an error naming the missing setting."""
+    if not isinstance(mapping, dict):
+        raise SettingsError(f"{path}: expected a dict, got {type(mapping).__name__}")
+    if key not in mapping:
+        raise SettingsError(f"{path}.{key} is missing; add it to the settings")
+    return mapping[key]
+
+
+def known_keys(mapping, known, path):
+    """Reject keys outside `known` (usually typos), listing the valid ones."""
+    if not isinstance(mapping, dict):
+        raise SettingsError(f"{path}: expected a dict with keys {', '.join(known)}, got {type(mapping).__name__}")
+    for key in mapping:
+        if key not in known:
+            raise SettingsError(f"{path}.{key} is not a known setting; use one of {', '.join(known)}")
+
+
+def number(value, path, low=-math.inf, high=math.inf, low_open=False):
+    """value as a finite float in [low, high] ((low, high] when low_open), else an error."""
+    inside = is_number(value) and math.isfinite(value) and low <= value <= high and not (low_open and value == low)
+    if not inside:
+        bracket = "(" if low_open else "["
+        raise SettingsError(f"{path}: expected a finite number in {bracket}{low:g}, {high:g}], got {value!r}")
+    return float(value)
+
+
+def integer(value, path, minimum=0, maximum=2**62):
+    """value as an int in [minimum, maximum], else an error."""
+    if not is_integer(value) or not minimum <= value <= maximum:
+        raise SettingsError(f"{path}: expected an integer from {minimum} to {maximum:g}, got {value!r}")
+    return value
+
+
+def one_of(value, options, path):
+    """value when it is one of options, else an error listing them."""
+    if not isinstance(value, (str, bool, int, float, type(None))) or value not in options:
+        raise SettingsError(f"{path}: {value!r} is not valid; use one of {', '.join(map(repr, options))}")
+    return value
+
+
+def safe_name(value, path):
+    """A name that may become a folder or file name: up to 64 letters, digits, '_', '-' or '.'."""
+    if not isinstance(value, str) or not SAFE_NAME.fullmatch(value) or ".." in value:
+        raise SettingsError(f"{path}: {value!r} is not a safe name; use up to 64 letters, digits, '_', '-' "
+                            "or '.', starting with a letter or digit (no '/', '..' or spaces)")
+    return value
+
+
+def name_list(value, path, allow_empty=True):
+    """A list of distinct safe names."""
+    if not isinstance(value, list) or (not value and not allow_empty):
+        raise SettingsError(f"{path}: expected a {'' if allow_empty else 'non-empty '}list of names, got {value!r}")
+    for index, item in enumerate(value):
+        safe_name(item, f"{path}[{index}]")
+    repeated = sorted({item for item in value if value.count(item) > 1})
+    if repeated:
+        raise SettingsError(f"{path}: listed more than once: {', '.join(repeated)}")
+    return value
 
 
 TRAINING_SECTIONS = (
@@ -80,8 +156,11 @@ class Configuration:
 
     @property
     def name(self):
-        """Readable, unique folder-friendly name."""
-        return f"{self.variant}-{self.digest[:10]}"
+        """Readable, unique folder name: the changed knob and its value, then a digest."""
+        if self.knob is None:
+            return f"{self.variant}-{self.digest[:10]}"
+        shown = re.sub(r"[^A-Za-z0-9_.,+-]+", "_", canonical_json(self.value).strip('"'))[:40].strip("._")
+        return f"{self.variant}={shown or 'value'}-{self.digest[:10]}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,7 +189,7 @@ def canonical_json(value):
 
 def digest(value):
     """SHA-256 hex digest of the canonical JSON of value."""
-    return hashlib.sha256(canonical_json(value).encode("utf-8")).hexdigest()
+    return store.sha256_text(canonical_json(value))
 
 
 # ---------------------------------------------------------------- structure
@@ -138,18 +217,25 @@ def check_structure(settings, where="settings"):
     _check_node(settings, "", where, allow_choice=True)
 
 
-def _check_node(value, path, where, allow_choice):
+# Deeper nesting than this is surely a mistake (and would exhaust Python's recursion limit).
+MAX_DEPTH = 32
+
+
+def _check_node(value, path, where, allow_choice, depth=0):
     """Check one value and everything below it."""
+    if depth > MAX_DEPTH:
+        _fail(where, path, f"settings nest deeper than {MAX_DEPTH} levels (a value that contains itself?); "
+                           "flatten them")
     if isinstance(value, Choice):
-        _check_choice(value, path, where, allow_choice)
+        _check_choice(value, path, where, allow_choice, depth)
     elif isinstance(value, dict):
         for key, item in value.items():
             _check_key(key, path, where)
-            _check_node(item, _key_path(path, key), where, allow_choice)
+            _check_node(item, _key_path(path, key), where, allow_choice, depth + 1)
     elif isinstance(value, (list, tuple)):
         # A plain list is one value, so it cannot hold alternatives.
         for index, item in enumerate(value):
-            _check_node(item, f"{path}[{index}]", where, allow_choice=False)
+            _check_node(item, f"{path}[{index}]", where, False, depth + 1)
     elif isinstance(value, float):
         if not math.isfinite(value):
             _fail(where, path, f"{value!r} is not allowed; use a finite number "
@@ -159,7 +245,7 @@ def _check_node(value, path, where, allow_choice):
                            "use dict, list, str, int, float, bool, None or Choice")
 
 
-def _check_choice(choice, path, where, allow_choice):
+def _check_choice(choice, path, where, allow_choice, depth):
     """Check one Choice: placed in a dict, non-empty, options free of Choices."""
     if not allow_choice:
         _fail(where, path, "a Choice may not be nested inside a Choice option or a "
@@ -169,7 +255,7 @@ def _check_choice(choice, path, where, allow_choice):
         _fail(where, path, "empty Choice; give at least one option (the first is "
                            "the baseline)")
     for index, option in enumerate(choice.options):
-        _check_node(option, f"{path}[option {index}]", where, allow_choice=False)
+        _check_node(option, f"{path}[option {index}]", where, False, depth + 1)
 
 
 def _check_key(key, path, where):
@@ -178,6 +264,8 @@ def _check_key(key, path, where):
         _fail(where, path, f"key {key!r} is not a string; use string keys")
     if not key:
         _fail(where, path, "empty key; give the setting a name")
+    if not key.isprintable() or len(key) > 64:
+        _fail(where, path, f"key {key!r} is too long or has control characters; give the setting a plain name")
     if "." in key:
         _fail(where, path, f"key {key!r} contains a dot; dots separate setting "
                            "paths, use '_' instead")
@@ -313,6 +401,80 @@ def check_analysis(settings, where="settings_analysis.py"):
     check_class_ref(settings, "analysis", where)
 
 
+# ---------------------------------------------------------------- the framework's own sections
+
+RUNTIME_DEFAULTS = {
+    "device": "auto",
+    "parallel": "jobs",
+    "cpu_threads": 1,
+    "deterministic": True,
+    "timeout_minutes": 60,
+    "resume_seconds": 60,
+}
+PARALLEL_MODES = ("jobs", "ddp")
+DEVICE_FORMS = '"auto", "cpu", "cuda" or "cuda:N" (N = GPU index)'
+LIMITS = ("max_model_evaluations", "max_saved_bytes", "max_candidate_points")
+PLOT_FORMATS = ("png", "pdf", "svg")
+
+
+def check_runtime(runtime_settings):
+    """The `runtime` section with defaults filled in (the device string is resolved by runtime.py)."""
+    given = runtime_settings if runtime_settings is not None else {}
+    known_keys(given, tuple(RUNTIME_DEFAULTS), "runtime")
+    settings = {**RUNTIME_DEFAULTS, **given}
+    if not isinstance(settings["device"], str) or not settings["device"].isprintable() or len(settings["device"]) > 32:
+        raise SettingsError(f"runtime.device: expected one of {DEVICE_FORMS}; got {settings['device']!r}")
+    one_of(settings["parallel"], PARALLEL_MODES, "runtime.parallel")
+    integer(settings["cpu_threads"], "runtime.cpu_threads", 1, 4096)
+    one_of(settings["deterministic"], (True, False), "runtime.deterministic")
+    number(settings["timeout_minutes"], "runtime.timeout_minutes", 0, 10**6, low_open=True)
+    number(settings["resume_seconds"], "runtime.resume_seconds", 0, 10**6)
+    return settings
+
+
+def check_output_root(output):
+    """The `output` section: a plain path for the output root (whether it may be used is checked at launch)."""
+    known_keys(output, ("root",), "output")
+    root = require(output, "root", "output")
+    if not isinstance(root, str) or not root.strip():
+        raise SettingsError(f"output.root: expected a non-empty path, e.g. \"outputs/<profile>\"; got {root!r}")
+    if root != root.strip() or not root.isprintable() or len(root) > 1024:
+        raise SettingsError(f"output.root: {root!r} has surrounding spaces, control characters or is too long; "
+                            "write a plain path")
+    if ".." in Path(root).parts:
+        raise SettingsError(f"output.root: {root!r} climbs out with '..'; write the path without '..'")
+    return root
+
+
+def check_seed(seed):
+    """The `seed`: a non-negative integer below 2**63."""
+    return integer(seed, "seed", 0, 2**63 - 1)
+
+
+def check_analysis_framework(analysis):
+    """The analysis sections the framework reads: limits, figure format, selected names."""
+    limits = analysis["verification"]
+    known_keys(limits, LIMITS, "verification")
+    for name in LIMITS:
+        number(require(limits, name, "verification"), f"verification.{name}", 0, 1e18, low_open=True)
+    plotting = analysis["plotting"]
+    known_keys(plotting, ("format", "dpi"), "plotting")
+    one_of(plotting.get("format", "png"), PLOT_FORMATS, "plotting.format")
+    integer(plotting.get("dpi", 120), "plotting.dpi", 1, 2400)
+    name_list(analysis["metrics"], "metrics", allow_empty=False)
+    name_list(analysis["plots"], "plots")
+    name_list(analysis["cohort_plots"], "cohort_plots")
+
+
+def check_framework(profile):
+    """Every framework section of a loaded profile; per-configuration values are checked per configuration."""
+    check_output_root(profile.training["output"])
+    check_runtime(profile.training["runtime"])
+    check_analysis_framework(profile.analysis)
+    for configuration in profile.configurations:
+        check_seed(configuration.settings["seed"])
+
+
 # ---------------------------------------------------------------- loading
 
 def _load_module(path):
@@ -325,21 +487,37 @@ def _load_module(path):
     name = f"_nnpd_settings_{path.stem}_{next(_load_counter)}"
     module = types.ModuleType(name)
     module.__file__ = str(path)
-    # Settings files say `from sweep import Choice`; make that this very module.
+    # Settings files written before this module's rename say `from sweep import Choice`.
     sys.modules.setdefault("sweep", sys.modules[__name__])
     writes_bytecode = sys.dont_write_bytecode
     sys.dont_write_bytecode = True  # also for anything the settings file imports
     sys.modules[name] = module  # dataclasses and pickling look modules up here
     try:
-        code = compile(path.read_text(encoding="utf-8"), str(path), "exec")
-        exec(code, module.__dict__)
-    except Exception as error:
+        with _no_exit():
+            code = compile(path.read_text(encoding="utf-8"), str(path), "exec")
+            exec(code, module.__dict__)
+    except (Exception, SystemExit) as error:
         raise SettingsError(f"{path}: could not be executed: "
-                            f"{type(error).__name__}: {error}; fix the file") from error
+                            f"{type(error).__name__}: {error}; fix the file") from None
     finally:
         sys.modules.pop(name, None)
         sys.dont_write_bytecode = writes_bytecode
     return module
+
+
+def _refuse_exit(status=0):
+    """Stands in for os._exit while settings code runs: a settings file may not end nnpd."""
+    raise SystemExit(f"os._exit({status}) called")
+
+
+@contextlib.contextmanager
+def _no_exit():
+    """Run settings code with os._exit turned into an exception (sys.exit already is one)."""
+    hard_exit, os._exit = os._exit, _refuse_exit
+    try:
+        yield
+    finally:
+        os._exit = hard_exit
 
 
 def _attribute(module, path, attribute):
@@ -362,12 +540,13 @@ def _make(module, path, profile):
     """Call make_settings(profile), turning its failures into SettingsError."""
     make_settings = _attribute(module, path, "make_settings")
     try:
-        settings = make_settings(profile)
+        with _no_exit():
+            settings = make_settings(profile)
     except SettingsError as error:
-        raise SettingsError(f"{path.name} [{profile}]: {error}") from error
-    except Exception as error:
+        raise SettingsError(f"{path.name} [{profile}]: {error}") from None
+    except (Exception, SystemExit) as error:
         raise SettingsError(f"{path.name} [{profile}]: make_settings failed: "
-                            f"{type(error).__name__}: {error}") from error
+                            f"{type(error).__name__}: {error}") from None
     if not isinstance(settings, dict):
         raise SettingsError(f"{path.name} [{profile}]: make_settings returned "
                             f"{type(settings).__name__}; it must return a dict")

@@ -1,0 +1,376 @@
+"""One launch's jobs: what a worker does for each trained model, and how workers meet.
+
+A job is one configuration times one cohort member. `train_job` gets or samples the data and
+gets or trains the model through the store; `analyze_job` computes the selected metrics,
+building analysis products lazily. Workers of a launch meet at marker files on the output
+root rather than in timed collectives, because one may wait long for another.
+"""
+import io
+import json
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import runs
+import runtime
+import study
+from runs import LaunchError
+from settings import digest
+from store import DamagedArtifact, Store, now_iso, write_bytes_atomic, write_json_atomic
+
+
+@dataclass
+class Job:
+    """One trained model: a configuration times a cohort member."""
+    configuration: object
+    member: dict
+    experiment: object
+    analysis: object
+    analysis_workload: dict
+
+    @property
+    def settings(self):
+        """The configuration's resolved training settings."""
+        return self.configuration.settings
+
+    @property
+    def run(self):
+        """The run folder relative to the output root."""
+        tag = digest({"configuration": self.configuration.digest, "member": self.member})[:10]
+        return f"runs/{self.configuration.name}/{self.member['name']}-{tag}"
+
+
+@dataclass
+class Launch:
+    """What every job of one launch shares: where it writes, how it runs, who it is."""
+    stage: str
+    profile: object
+    root: Path
+    store: Store
+    rt: object
+    identity: dict
+    snapshot: str = ""
+    id: str = ""
+    waits: int = 0
+    used: set = field(default_factory=set)      # keys of every artifact this worker's jobs used
+
+    @property
+    def owner(self):
+        """Whether this worker writes the folders of the jobs it runs (in ddp only rank 0)."""
+        return self.rt.is_main or not self.rt.ddp
+
+    def log(self, message, every_worker=False):
+        """Progress: launch-wide lines from rank 0; job lines from every worker in jobs mode, with its rank."""
+        if self.rt.is_main or (every_worker and not self.rt.ddp):
+            who = f" rank {self.rt.rank}" if self.rt.distributed and every_worker and not self.rt.ddp else ""
+            print(f"[nnpd {time.strftime('%H:%M:%S')}{who}] {message}", flush=True)
+
+    @property
+    def marks(self):
+        """The folder where workers mark the points they reached."""
+        return self.root / "locks" / f"launch-{self.id}"
+
+    def wait_for_workers(self, step):
+        """Wait until every worker has reached `step`.
+
+        Where one worker may wait long (others still training, rank 0 analysing), a
+        collective would hit the process-group timeout; marker files have none. A worker
+        whose heartbeat stopped for runtime.timeout_minutes is taken for dead.
+        """
+        if not self.rt.distributed:
+            return
+        self.waits += 1
+        name = f"{self.waits}-{step}"
+        (self.marks / f"{name}-{self.rt.rank}").touch()
+        while True:
+            missing = [rank for rank in range(self.rt.world_size) if not (self.marks / f"{name}-{rank}").exists()]
+            if not missing:
+                return
+            silent = [rank for rank in missing if self.silent_for(rank) > 60 * self.rt.timeout_minutes]
+            if silent:
+                raise LaunchError(f"worker(s) {silent} stopped answering (no heartbeat for "
+                                  f"{self.rt.timeout_minutes:g} minutes, runtime.timeout_minutes) before {step!r}; "
+                                  "the launch ends; the same command resumes")
+            time.sleep(0.2)
+
+    def silent_for(self, rank):
+        """Seconds since worker `rank` last beat its heartbeat."""
+        try:
+            return time.time() - (self.marks / f"alive-{rank}").stat().st_mtime
+        except FileNotFoundError:
+            return 0.0
+
+
+def keep_watch(launch, interval=2.0, grace=10.0):
+    """Start this worker's watch: beat a heartbeat file, and stop the worker when its launcher dies.
+
+    torchrun starts each worker in a session of its own, so a killed agent leaves workers
+    running; a worker whose parent changed asks itself to stop (SIGTERM: training saves its
+    state), then exits hard after `grace` seconds.
+    """
+    parent = os.getppid()
+    heartbeat = launch.marks / f"alive-{launch.rt.rank}"
+
+    def watch():
+        orphaned_at = None
+        while True:
+            heartbeat.touch()
+            if orphaned_at is None and os.getppid() != parent:
+                orphaned_at = time.monotonic()
+                print(f"[nnpd rank {launch.rt.rank}] the launcher died; stopping", file=sys.stderr, flush=True)
+                runtime.request_stop()
+            if orphaned_at is not None and time.monotonic() - orphaned_at > grace:
+                os._exit(1)
+            time.sleep(interval)
+
+    threading.Thread(target=watch, name="nnpd-watch", daemon=True).start()
+
+
+# ---------------------------------------------------------------- recipes
+
+def data_recipe(job):
+    """The training data's recipe: no backend identity, so CPU and CUDA share data."""
+    return {"experiment": job.experiment.data_recipe(job.member),
+            "source": study.source_fingerprint(type(job.experiment), *job.experiment.DATA_SOURCES),
+            "versions": study.library_versions()}
+
+
+def model_recipe(job, data_key, identity):
+    """The model's recipe: settings, data, source, versions and backend identity."""
+    return {"experiment": job.experiment.model_recipe(job.member), "data": data_key, "backend": identity,
+            "source": study.source_fingerprint(type(job.experiment), *job.experiment.MODEL_SOURCES),
+            "versions": study.library_versions()}
+
+
+def write_data(job, writer):
+    """Build the training-data artifact."""
+    arrays = job.experiment.sample_data(job.member)
+    for name, array in arrays.items():
+        writer.array(name, array)
+    return {"rows": {name: int(array.shape[0]) for name, array in arrays.items() if name.endswith("_labels")}}
+
+
+def write_model(writer, state, history):
+    """Build the model artifact: weights plus the training history."""
+    writer.weights(state)
+    writer.json("history", history)
+    return {"selected_epoch": history.get("selected_epoch"), "epochs": history.get("epochs")}
+
+
+# ---------------------------------------------------------------- training
+
+def train_job(launch, job):
+    """Get or sample the data, then get or train the model; status becomes `trained`."""
+    store, rt, run_dir = launch.store, launch.rt, launch.root / job.run
+    recipe_of_data = data_recipe(job)
+    data_key = store.key("training-data", recipe_of_data)
+    recipe = model_recipe(job, data_key, launch.identity)
+    current = launch.owner and runs.trained_keys(run_dir) == (data_key, store.key("model", recipe))
+    if launch.owner and not current:
+        runs.start_run(launch.root, job.run, run_record(launch, job), rt.rank)
+    data = find_intact(store, "training-data", data_key)
+    if data is None:
+        launch.log(f"data    {job.run}: sampling", every_worker=True)
+        data = store.get("training-data", recipe_of_data, build=lambda writer: write_data(job, writer))
+    else:
+        launch.log(f"data    {job.run}: reused", every_worker=True)
+    model = get_model(launch, job, data, recipe)
+    if launch.owner and not current:
+        runs.write_artifacts(launch.root, run_dir, {"training-data": data, "model": model})
+        runs.write_status(run_dir, "trained", worker=rt.rank, data=data.key, model=model.key,
+                          selected_epoch=model.metadata.get("selected_epoch"))
+    launch.used |= {artifact.key for artifact in (data, model) if artifact is not None}
+    return data, model
+
+
+def run_record(launch, job):
+    """What run.json says of a job: settings, member, backend, versions, source."""
+    return {"configuration": job.configuration.name, "variant": job.configuration.variant,
+            "knob": job.configuration.knob, "value": job.configuration.value, "member": job.member,
+            "settings": job.settings, "backend": launch.identity, "versions": study.library_versions(),
+            "source": launch.snapshot, "description": job.experiment.describe(job.member)}
+
+
+def get_model(launch, job, data, recipe):
+    """The committed model, trained now (resuming a saved state) when the store lacks it."""
+    store, rt = launch.store, launch.rt
+    key = store.key("model", recipe)
+    found = find_intact(store, "model", key) if launch.owner else None
+    # In ddp every rank must train together, so rank 0 decides for all of them.
+    reused = runtime.broadcast_object(rt, found is not None) if rt.ddp else found is not None
+    if reused:
+        launch.log(f"model   {job.run}: reused", every_worker=True)
+        return found
+    launch.log(f"train   {job.run}", every_worker=True)
+    started = time.monotonic()
+    if not rt.ddp:
+        model = store.get("model", recipe, build=lambda writer: write_model(writer, *train_model(launch, job, data, key)))
+    else:
+        # Training cannot happen under the artifact's lock here: rank 0 commits what all trained.
+        state, history = train_model(launch, job, data, key)
+        model = store.get("model", recipe, build=lambda writer: write_model(writer, state, history)) \
+            if rt.is_main else None
+        runtime.barrier(rt)
+    if launch.owner:
+        store.drop_scratch("model", key)
+    launch.log(f"model   {job.run}: trained in {time.monotonic() - started:.1f} s", every_worker=True)
+    return model
+
+
+def train_model(launch, job, data, key):
+    """Train one model with hooks that save and resume its state in the store's scratch area."""
+    model = job.experiment.build_model(job.member)
+    return job.experiment.train(job.member, model, data, launch.rt)
+
+
+def find_intact(store, name, key):
+    """A committed, undamaged artifact, or None (a damaged one is rebuilt by `get`)."""
+    try:
+        return store.find(name, key)
+    except DamagedArtifact:
+        return None
+
+
+def trained_artifacts(launch, job):
+    """The committed data and weights a run's status records, or an error saying to train."""
+    store, run_dir = launch.store, launch.root / job.run
+    fix = f"run `python nnpd.py train --profile {launch.profile.name}` first"
+    keys = runs.trained_keys(run_dir)
+    if keys is None:
+        status = runs.read_json(run_dir / "status.json", {})
+        state = f"state {status['state']}" if status.get("state") else "no run folder"
+        raise LaunchError(f"{run_dir}: no trained model ({state}); {fix}")
+    backend = runs.read_json(run_dir / "run.json", {}).get("backend")
+    if backend != launch.identity:
+        raise LaunchError(f"{run_dir}: its model was trained on another backend ({describe_backend(backend)}), "
+                          f"not this one ({describe_backend(launch.identity)}); {fix} here, or restore it with "
+                          "store.restore(run_dir, device=...)")
+    try:
+        data, model = store.find("training-data", keys[0]), store.find("model", keys[1])
+    except DamagedArtifact as error:
+        raise LaunchError(f"{error}; {fix} to rebuild it") from None
+    if data is None or model is None:
+        raise LaunchError(f"{run_dir}: its trained model or data is missing from the store; {fix}")
+    return data, model
+
+
+def describe_backend(identity):
+    """A short description of a backend identity."""
+    if not isinstance(identity, dict):
+        return "unknown"
+    return f"{identity.get('device_type')}, DDP world size {identity.get('ddp_world_size')}"
+
+
+# ---------------------------------------------------------------- analysis
+
+def analyze_job(launch, job, data, model):
+    """Compute the selected metrics of one trained model, building products lazily."""
+    run_dir = launch.root / job.run
+    settings = job.analysis.settings
+    done = runs.read_json(run_dir / "analysis.json", {})
+    metrics = runs.read_json(run_dir / "metrics.json", {}) if done.get("state") == "complete" else {}
+    if (done.get("model") == model.key and done.get("source") == launch.snapshot
+            and done.get("settings") == settings and set(metrics) == set(settings["metrics"])):
+        launch.used |= set(done.get("artifacts", []))
+        return metrics                   # same model, code and settings: nothing to do
+    runs.clear_analysis(run_dir)
+    record = {"settings": settings, "source": launch.snapshot, "model": model.key, "worker": launch.rt.rank}
+    write_json_atomic(run_dir / "analysis.json", {"state": "running", **record, "time": now_iso()})
+    ctx = study.Context(job.settings, settings, job.member, job.experiment, job.analysis, launch.rt,
+                        run_dir, launch.store, data, model)
+    values = {}
+    for name in settings["metrics"]:
+        values[name] = job.analysis.metrics[name].compute(ctx)
+        write_json_atomic(run_dir / "metrics" / f"{name}.json", values[name])
+    write_json_atomic(run_dir / "metrics.json", values)
+    draw_figures(job.analysis.plots, settings["plots"], ctx, run_dir / "plots", settings["plotting"])
+    used = {"training-data": data, "model": model, **ctx.used}
+    runs.write_artifacts(launch.root, run_dir, used)
+    keys = sorted(artifact.key for artifact in used.values())
+    write_json_atomic(run_dir / "analysis.json", {"state": "complete", **record, "artifacts": keys, "time": now_iso()})
+    launch.used |= set(keys)
+    return values
+
+
+# ---------------------------------------------------------------- figures
+
+def matplotlib_missing():
+    """Whether figures cannot be drawn here (matplotlib is an optional extra)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return True
+    return False
+
+
+def draw_figures(figures, selected, target, folder, plotting):
+    """Draw the selected figures into folder, each written atomically; skipped without matplotlib."""
+    if not selected or matplotlib_missing():
+        return
+    from matplotlib.figure import Figure   # no pyplot: no global state, nothing left open
+
+    fmt, dpi = plotting.get("format", "png"), plotting.get("dpi", 120)
+    for name in selected:
+        figure = Figure(figsize=(12, 7), layout="constrained")
+        figures[name].draw(target, figure)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format=fmt, dpi=dpi)
+        write_bytes_atomic(folder / f"{name}.{fmt}", buffer.getvalue())
+
+
+def cohort_figures(launch, jobs, trained):
+    """Per configuration, the cohort figures across its members (rank 0, after every job)."""
+    settings = launch.profile.analysis
+    if not settings["cohort_plots"]:
+        return
+    for configuration in launch.profile.configurations:
+        members = [job for job in jobs if job.configuration is configuration]
+        if not members:
+            continue
+        contexts = [study.Context(job.settings, settings, job.member, job.experiment, job.analysis, launch.rt,
+                                  launch.root / job.run, launch.store,
+                                  *(trained.get(job.run) or trained_artifacts(launch, job))) for job in members]
+        folder = launch.root / "runs" / configuration.name / "plots"
+        if folder.exists():
+            runs.discard(folder)          # figures no longer selected do not linger
+        launch.log(f"figures {configuration.name}")
+        draw_figures(members[0].analysis.cohort_plots, settings["cohort_plots"], contexts, folder,
+                     settings["plotting"])
+
+
+# ---------------------------------------------------------------- claiming
+
+def job_cost(job):
+    """A rough cost in multiply-adds, used to start the largest jobs first."""
+    training = job.experiment.workload(job.member)
+    examples = 3 * training["training_examples"] + job.analysis_workload["model_evaluations"]
+    return examples * training["network_parameters"]
+
+
+def claim_jobs(launch, jobs):
+    """Yield this worker's jobs: all of them in ddp or alone, else the next unclaimed one.
+
+    Workers claim the largest unclaimed job under a store lock whenever they are
+    free, so they finish together when job costs differ. NNPD_ASSIGNMENT=round-robin
+    (for benchmarks) gives worker r the fixed share jobs[r::world] instead.
+    """
+    rt = launch.rt
+    if not rt.distributed or rt.ddp:
+        yield from jobs
+        return
+    if os.environ.get("NNPD_ASSIGNMENT") == "round-robin":
+        yield from jobs[rt.rank::rt.world_size]
+        return
+    order = sorted(range(len(jobs)), key=lambda i: -job_cost(jobs[i]))
+    claims = launch.marks / "claims.json"
+    while True:
+        with launch.store.lock(f"claims-{launch.id}"):
+            taken = runs.read_json(claims, [])
+            free = [i for i in order if i not in taken]
+            if not free:
+                return
+            write_json_atomic(claims, taken + [free[0]])
+        yield jobs[free[0]]

@@ -1,0 +1,382 @@
+"""The output root's bookkeeping: ownership, the launch lease, run folders, history and clean-up.
+
+An output root belongs to nnpd: it carries a marker file written when nnpd created it, and
+clean-up removes only what nnpd recorded as its own, never following a symbolic link. One
+launch at a time works in a root (a lease held for the whole launch); a second one waits.
+What the README calls "latest settings win" is implemented by `record_launch` and `clean_up`.
+"""
+import contextlib
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import sys
+import time
+import traceback
+import zipfile
+from pathlib import Path
+
+from store import ROOT_MARKER, now_iso, record_checksum, write_bytes_atomic, write_json_atomic
+
+HISTORY_SLOTS = 3
+ANALYSIS_FILES = ("analysis.json", "metrics.json", "metrics", "plots", "timings.json")
+NNPD_ENTRIES = ("cache", "runs", "locks", "source", "damaged", "history.json", "timings.json", "report",
+                "settings_training.py", "settings_analysis.py", ROOT_MARKER)
+LEASE, WORKERS = "launch", "workers"          # lock names of the root's lease
+SNAPSHOT = re.compile(r"[0-9a-f]{16}\.zip")
+
+
+class LaunchError(RuntimeError):
+    """A launch cannot go on for a reason the user can fix; the message says how."""
+
+
+def warn(message):
+    """One warning line on stderr."""
+    print(f"nnpd: warning: {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------- reading what may be damaged
+
+def read_json(path, default=None):
+    """A JSON file's content; `default` when it is missing, unreadable or not a JSON object/list like default."""
+    try:
+        with open(path, encoding="utf-8") as handle:
+            value = json.load(handle)
+    except FileNotFoundError:
+        return default
+    except (OSError, ValueError) as error:
+        warn(f"{path} is unreadable ({type(error).__name__}); treating it as absent, so that step is redone")
+        return default
+    if default is not None and not isinstance(value, type(default)):
+        warn(f"{path} does not hold a JSON {type(default).__name__}; treating it as absent, so that step is redone")
+        return default
+    return value
+
+
+# ---------------------------------------------------------------- ownership and the lease
+
+def refuse_wrong_root(root):
+    """Refuse roots that are surely a mistake: the filesystem root, the home folder, a file."""
+    resolved = root.resolve()
+    if resolved == Path(resolved.anchor) or resolved == Path.home().resolve():
+        raise LaunchError(f"output.root {str(root)!r} is {resolved}; choose a folder of its own, "
+                          "e.g. \"outputs/<profile>\"")
+    if root.exists() and not root.is_dir():
+        raise LaunchError(f"output.root {str(root)!r} exists and is not a folder; choose a folder of its own")
+
+
+def claim_root(root, create):
+    """Check that nnpd owns the output root, creating it (with its marker) when `create` and it is new."""
+    refuse_wrong_root(root)
+    marker = root / ROOT_MARKER
+    if marker.is_file() and not marker.is_symlink():
+        return
+    if root.is_dir() and any(root.iterdir()):
+        raise LaunchError(f"output.root {str(root)!r} is a folder nnpd did not create (no {ROOT_MARKER} "
+                          f"marker) and is not empty; choose a new or empty folder (an output root of an "
+                          f"earlier nnpd release: create the marker with `touch {marker}`)")
+    if not create:
+        raise LaunchError(f"{root}: nothing trained yet; run train first")
+    write_json_atomic(marker, {"created": now_iso(), "by": "nnpd"})
+
+
+def refuse_links(root):
+    """Refuse symbolic links where nnpd writes or deletes: the root's own folders, runs and cache entries."""
+    places = [root / name for name in NNPD_ENTRIES]
+    for folder in ("runs", "cache"):
+        for entry in _children(root / folder):
+            places += [entry] + _children(entry)
+    for place in places:
+        if place.is_symlink():
+            raise LaunchError(f"{place} is a symbolic link; nnpd never follows links inside its output root "
+                              f"(they could lead outside it); remove the link")
+
+
+def _children(folder):
+    """Entries of a real folder (none for a link or a missing folder)."""
+    if folder.is_symlink() or not folder.is_dir():
+        return []
+    return sorted(folder.iterdir())
+
+
+def wait_for_lock(store, name, shared, minutes, waiting_message):
+    """Hold a lock on the root (close the returned stack to release it), saying once that we wait."""
+    deadline = time.monotonic() + 60 * minutes
+    while True:
+        held = contextlib.ExitStack()
+        if held.enter_context(store.lock(name, blocking=False, shared=shared)):
+            return held
+        held.close()
+        if waiting_message:
+            print(f"nnpd: {waiting_message}", file=sys.stderr, flush=True)
+            waiting_message = None
+        if time.monotonic() > deadline:
+            raise LaunchError(f"{store.root}: still in use after {minutes:g} minutes (runtime.timeout_minutes); "
+                              "wait for the other launch to end, or use another output.root")
+        time.sleep(0.5)
+
+
+def take_lease(store, minutes):
+    """Rank 0: hold the root's lease, so one launch at a time works here; wait for a running one."""
+    return wait_for_lock(store, LEASE, False, minutes,
+                         f"another launch is using {store.root}; waiting for it to end (Ctrl-C to stop)")
+
+
+def wait_for_leftovers(store, minutes):
+    """Rank 0 under its lease: wait until no worker of an earlier launch is still alive."""
+    wait_for_lock(store, WORKERS, False, minutes,
+                  f"workers of an earlier launch still run in {store.root}; waiting for them to stop").close()
+
+
+def join_launch(store, minutes):
+    """Every worker: a shared hold that tells later launches a worker of this one is alive."""
+    return wait_for_lock(store, WORKERS, True, minutes, None)
+
+
+def tidy_root(root, store):
+    """Remove leftovers of killed launches (rank 0, holding the lease, before any worker starts)."""
+    store.tidy(keep_locks=(LEASE, WORKERS))
+    for entry in _children(root / "runs"):
+        for run in _children(entry):
+            if run.name.startswith(".trash-"):
+                shutil.rmtree(run, ignore_errors=True)
+    for path in _children(root / "source"):
+        if path.name.startswith(".") and ".tmp-" in path.name:
+            path.unlink(missing_ok=True)
+    for marks in _children(root / "locks"):
+        if marks.name.startswith("launch-") and marks.is_dir():
+            shutil.rmtree(marks, ignore_errors=True)     # marker folders of launches that died
+
+
+# ---------------------------------------------------------------- run folders
+
+def discard(path):
+    """Delete a folder so that a crash half-way never leaves it looking valid: rename, then remove."""
+    if path.is_symlink():
+        raise LaunchError(f"{path} is a symbolic link; nnpd never follows links inside its output root")
+    trash = path.with_name(f".trash-{path.name}-{os.getpid()}-{time.time_ns():x}")
+    try:
+        os.rename(path, trash)
+    except FileNotFoundError:
+        return                            # already gone
+    shutil.rmtree(trash)
+
+
+def write_status(run_dir, state, **extra):
+    """Atomically record a run's training state."""
+    write_json_atomic(run_dir / "status.json", {"state": state, "time": now_iso(), **extra})
+
+
+def clear_analysis(run_dir):
+    """Remove a run's analysis results, so none outlives the analysis that made it."""
+    for name in ANALYSIS_FILES:
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            discard(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+
+
+def start_run(root, run, record, worker):
+    """Create the run folder with run.json (with its checksum) and a `running` status; clear old analysis."""
+    run_dir = root / run
+    record = {"id": run, **record, "started": now_iso()}
+    write_json_atomic(run_dir / "run.json", {**record, "checksum": record_checksum(record)})
+    clear_analysis(run_dir)
+    plots = run_dir.parent / "plots"
+    if plots.exists():
+        discard(plots)                    # the cohort's figures no longer describe its models
+    write_status(run_dir, "running", worker=worker)
+
+
+def trained_keys(run_dir):
+    """(data key, model key) of a run whose status and artifacts agree that it is trained, else None."""
+    status = read_json(run_dir / "status.json", {})
+    used = read_json(run_dir / "artifacts.json", {})
+    model, data = status.get("model"), status.get("data")
+    if status.get("state") != "trained" or not model or Path(str(used.get("model"))).name != model \
+            or Path(str(used.get("training-data"))).name != data:
+        return None
+    return data, model
+
+
+def write_artifacts(root, run_dir, used):
+    """Record relative references to every artifact a run used."""
+    write_json_atomic(run_dir / "artifacts.json",
+                      {name: str(Path(artifact.path).relative_to(root)) for name, artifact in used.items()})
+
+
+def fail_job(run_dir, stage, error):
+    """Record a failed job's traceback in its status (training) or analysis.json."""
+    text = "".join(traceback.format_exception(error))
+    if stage == "train":
+        write_status(run_dir, "failed", error=str(error), traceback=text)
+    else:
+        previous = read_json(run_dir / "analysis.json", {})
+        write_json_atomic(run_dir / "analysis.json", {**previous, "state": "failed", "error": str(error),
+                                                      "traceback": text, "time": now_iso()})
+
+
+def is_own_run(root, path):
+    """Whether a folder under runs/ is a run folder nnpd wrote there (its run.json names this very path)."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    try:
+        record = json.loads((path / "run.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(record, dict) and record.get("id") == str(path.relative_to(root))
+
+
+# ---------------------------------------------------------------- source snapshot and settings copies
+
+def source_snapshot(code_dir, training_path, analysis_path):
+    """A deterministic zip of the code and the settings files, and its content hash."""
+    files = sorted(Path(code_dir).glob("*.py")) + [training_path, analysis_path]
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
+        for index, path in enumerate(files):
+            name = path.name if index < len(files) - 2 else f"settings/{path.name}"
+            archive.writestr(zipfile.ZipInfo(name, date_time=(2000, 1, 1, 0, 0, 0)), path.read_bytes())
+    data = buffer.getvalue()
+    return hashlib.sha256(data).hexdigest()[:16], data
+
+
+def write_snapshot(root, code_dir, profile):
+    """Store the source snapshot under source/ and return its path relative to the root."""
+    name, data = source_snapshot(code_dir, profile.training_path, profile.analysis_path)
+    target = root / "source" / f"{name}.zip"
+    if not target.exists():
+        write_bytes_atomic(target, data)
+    return f"source/{name}.zip"
+
+
+def copy_settings(root, profile):
+    """Byte copies of the settings files this launch started from."""
+    for source in (profile.training_path, profile.analysis_path):
+        target = root / source.name
+        if source.resolve() != target.resolve():
+            write_bytes_atomic(target, source.read_bytes())
+
+
+# ---------------------------------------------------------------- history: latest settings win
+
+def read_history(root):
+    """history.json, or one rebuilt from the run folders when it is missing its structure."""
+    history = read_json(root / "history.json", {})
+    entries = history.get("trainings")
+    if isinstance(entries, list) and all(_sound_entry(entry) for entry in entries):
+        return entries
+    if (root / "history.json").exists():
+        warn(f"{root / 'history.json'} is not nnpd's history; rebuilding it from the run folders")
+    return _rebuilt_history(root)
+
+
+def _sound_entry(entry):
+    """Whether a history entry has the fields clean-up relies on."""
+    return (isinstance(entry, dict) and isinstance(entry.get("digest"), str) and isinstance(entry.get("runs"), list)
+            and isinstance(entry.get("backends"), dict) and isinstance(entry.get("source"), str)
+            and all(isinstance(b, dict) and isinstance(b.get("artifacts"), list) for b in entry["backends"].values()))
+
+
+def _rebuilt_history(root):
+    """One entry keeping everything the existing run folders use, so nothing in use is deleted."""
+    runs = [path for entry in _children(root / "runs") for path in _children(entry) if is_own_run(root, path)]
+    if not runs:
+        return []
+    artifacts = sorted({Path(str(reference)).name for run in runs
+                        for reference in read_json(run / "artifacts.json", {}).values()})
+    sources = sorted({str(read_json(run / "run.json", {}).get("source")) for run in runs})
+    return [{"digest": "rebuilt", "time": now_iso(), "runs": [str(run.relative_to(root)) for run in runs],
+             "source": sources[0], "sources": sources, "backends": {"rebuilt": {"artifacts": artifacts}}}]
+
+
+def record_launch(root, entry_fields, backend, used_keys, replace):
+    """Put what this launch used in its (settings, backend) history entry, newest first; return the history.
+
+    Slots count distinct training settings (HISTORY_SLOTS); within one, every backend's
+    artifacts are kept, so switching between CPU and GPU, or jobs and DDP, loses no model.
+    A training launch replaces its backend's list; an analysis adds its products to it.
+    """
+    entries = read_history(root)
+    mine = next((entry for entry in entries if entry["digest"] == entry_fields["digest"]), None)
+    others = [entry for entry in entries if entry is not mine]
+    backends = dict(mine["backends"]) if mine else {}
+    known = set() if replace else set(backends.get(backend["digest"], {}).get("artifacts", []))
+    backends[backend["digest"]] = {"identity": backend["identity"], "time": now_iso(),
+                                   "artifacts": sorted(known | set(used_keys))}
+    runs = entry_fields["runs"] if replace or not mine else mine["runs"]
+    entry = {**(mine or {}), **entry_fields, "runs": runs, "backends": backends, "time": now_iso()}
+    entries = [entry] + others[:HISTORY_SLOTS - 1]
+    write_json_atomic(root / "history.json", {"trainings": entries})
+    return entries
+
+
+def kept_artifacts(entries):
+    """Keys of every artifact some kept training uses, on any backend."""
+    return {key for entry in entries for backend in entry["backends"].values() for key in backend["artifacts"]}
+
+
+def clean_up(root, store, runs, entries):
+    """Keep this launch's runs and what the kept trainings use; delete only what nnpd made."""
+    for variant in _children(root / "runs"):
+        if not variant.is_dir():
+            continue
+        for run in _children(variant):
+            if run.name != "plots" and str(run.relative_to(root)) not in runs:
+                if is_own_run(root, run) or run.name.startswith(".trash-"):
+                    discard(run)
+                else:
+                    warn(f"left alone: {run} (not a run folder nnpd made)")
+        rest = [path for path in _children(variant) if path.name != "plots"]
+        if not rest:
+            if (variant / "plots").exists():
+                discard(variant / "plots")   # a configuration no longer trained, with its cohort figures
+            variant.rmdir()
+    store.prune(kept_artifacts(entries))
+    sources = {source for entry in entries for source in entry.get("sources", [entry["source"]])}
+    for path in _children(root / "source"):
+        if SNAPSHOT.fullmatch(path.name) and f"source/{path.name}" not in sources:
+            path.unlink()                    # older snapshots
+
+
+def latest_training_digest(root):
+    """The digest of the output root's latest training, or None."""
+    entries = read_history(root) if (root / "history.json").exists() else []
+    return entries[0]["digest"] if entries else None
+
+
+
+# ---------------------------------------------------------------- verify: the root's own records
+
+RUN_RECORDS = ("run.json", "status.json", "artifacts.json", "analysis.json", "metrics.json")
+
+
+def record_problem(path):
+    """Why a JSON record of nnpd's is damaged, or None when it reads as an object (run.json: with its checksum)."""
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as error:
+        return f"unreadable ({type(error).__name__})"
+    if not isinstance(value, dict):
+        return "not a JSON object"
+    if path.name == "run.json" and value.get("checksum") != record_checksum(value):
+        return "its checksum does not match"
+    return None
+
+
+def verify_records(root, store):
+    """Check the run folders' JSON records and history.json; move damaged ones aside; return their paths."""
+    damaged = []
+    records = [root / "history.json"] + [run / name for variant in _children(root / "runs")
+                                         for run in _children(variant) for name in RUN_RECORDS]
+    for path in records:
+        if path.is_file() and not path.is_symlink():
+            problem = record_problem(path)
+            if problem:
+                damaged.append(str(path))
+                name = str(path.relative_to(root)).replace("/", "__")
+                store.move_aside(path, "records", problem, then="the next launch redoes that step", name=name)
+    return damaged
