@@ -709,7 +709,7 @@ class GaussianAnalysis:
             expected = count * posterior_share(problem, list(lattice), self.settings["inference"]["observations"])
             if expected < MIN_EXPECTED_INSIDE:
                 needed = math.ceil(count * MIN_EXPECTED_INSIDE / max(expected, 1e-300))
-                knob = f"candidate_count to about {needed:.3g}" if design == "sobol" else "candidate_points_per_axis"
+                knob = f"candidate_count to about {needed:,}" if design == "sobol" else "candidate_points_per_axis"
                 lines.append(
                     f"inference.candidates: the fixed {design} design of {count} points puts about {expected:.3g} "
                     f"inside a 0.95 posterior region of the {problem.parameter_count} parameters (priors "

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
+import jobs
 import nnpd
 import settings_analysis
 import settings_training
 from conftest import write_settings
 from gaussian_study import GaussianAnalysis, GaussianExperiment, chi_square_quantile
+from settings import SettingsError
 from store import Store
-from sweep import SettingsError
 
 
 def analysis_for(dimension, candidates, priors=("uniform",), targets=("ratio", "posterior", "exact")):
@@ -68,8 +69,8 @@ def test_adaptive_settings_are_checked_with_one_clear_line():
 def test_the_default_profile_refines_and_stays_within_todays_evaluations():
     plan = nnpd.plan("default")
     assert plan["errors"] == []
-    jobs = [job for configuration in plan["configurations"] for job in configuration["jobs"]]
-    assert sum(job["workload"]["model_evaluations"] for job in jobs) <= 6.989e10
+    planned_jobs = [job for configuration in plan["configurations"] for job in configuration["jobs"]]
+    assert sum(job["workload"]["model_evaluations"] for job in planned_jobs) <= 6.989e10
     assert settings_analysis.make_settings("default")["inference"]["candidates"]["kind"] == "adaptive"
     assert settings_analysis.make_settings("paper")["inference"]["candidates"]["kind"] == "sobol"
 
@@ -88,7 +89,7 @@ def test_an_adaptive_run_reports_intervals_and_resolution_and_evaluates_what_the
                               training='settings["problem"]["dimension"] = 2\n'
                                        'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
     nnpd.execute("run", "smoke", settings)
-    jobs = {job["member"]: job for c in nnpd.plan("smoke", settings)["configurations"] for job in c["jobs"]}
+    planned = {job["member"]: job for c in nnpd.plan("smoke", settings)["configurations"] for job in c["jobs"]}
     store = Store(root)
     for run in sorted(path.parent for path in Path(root, "runs").glob("*/*/run.json")):
         text = (run / "metrics.json").read_text()
@@ -106,11 +107,11 @@ def test_an_adaptive_run_reports_intervals_and_resolution_and_evaluates_what_the
         member = run.name.rsplit("-", 1)[0]
         artifacts = json.loads((run / "artifacts.json").read_text())
         learned = store.artifact_at(root / artifacts["learned"])
-        workload = jobs[member]["workload"]
+        workload = planned[member]["workload"]
         assert learned.metadata["model_evaluations"] == workload["model_evaluations"] == 16 * 1025 * 5
         assert learned.metadata["candidates"] == workload["candidate_points"]
         assert learned.array("design_points").shape == (2, 1024, 2)
-        if not nnpd.matplotlib_missing():   # the figure draws each retained case on its own points
+        if not jobs.matplotlib_missing():   # the figure draws each retained case on its own points
             assert (run / "plots" / "diagnostic_cases.png").read_bytes().startswith(b"\x89PNG")
         if member.startswith("grid"):   # the lattice prior is refined on its lattice
             points = learned.array("design_points")[0]
