@@ -881,7 +881,8 @@ def coverage_metrics(summaries, truths, levels, names):
         result[level_key(level)] = {
             "nominal": float(level), "cases": cases,
             "per_axis": {name: _mean(inside[:, j]) for j, name in enumerate(names)},
-            "per_axis_interval": {name: wilson_interval(int(inside[:, j].sum()), cases) for j, name in enumerate(names)},
+            "per_axis_interval": {name: wilson_interval(int(inside[:, j].sum()), cases)
+                                  for j, name in enumerate(names)},
             "mean": _mean(inside.mean(axis=1)) if inside.size else None,
             "joint": _mean(covered), "interval": wilson_interval(int(covered.sum()), cases),
         }

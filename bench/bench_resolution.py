@@ -55,10 +55,12 @@ def summarise(problem, truths, observations, candidates, targets, case_scores, f
         meta = gaussian_study.summarise_adaptive(writer, targets, case_scores, truths, (points, log_measure), box,
                                                  LEVELS, retain, sizes, 5)
     else:
-        meta = gaussian_study.summarise_cases(writer, targets, lambda i: case_scores(i, torch.cat([points, truths[i:i + 1]])),
-                                              truths, points, log_measure, LEVELS, retain)
-    return {f"{t}_{f}": np.load(Path(folder) / f"{t}_{f}.npy") for t in targets for f in gaussian_study.SUMMARY_FIELDS}, \
-        meta["candidates"]
+        meta = gaussian_study.summarise_cases(
+            writer, targets, lambda i: case_scores(i, torch.cat([points, truths[i:i + 1]])), truths, points,
+            log_measure, LEVELS, retain)
+    arrays = {f"{t}_{f}": np.load(Path(folder) / f"{t}_{f}.npy")
+              for t in targets for f in gaussian_study.SUMMARY_FIELDS}
+    return arrays, meta["candidates"]
 
 
 def analytic(p, level):
@@ -84,7 +86,7 @@ def exact_row(p, design, candidates, cases, folder):
     width = inference.width_metrics(summary, LEVELS, problem.names)["0.68"]["mean"]
     warning = inference.resolution_metrics(summary, per_case, LEVELS, candidates["kind"])["warning"]
     projected, analytic_width = analytic(p, 0.68)
-    joint = " / ".join(f"{coverage[k]['joint']:.3f} [{coverage[k]['interval'][0]:.3f}, {coverage[k]['interval'][1]:.3f}]"
+    joint = " / ".join("{:.3f} [{:.3f}, {:.3f}]".format(coverage[k]["joint"], *coverage[k]["interval"])
                        for k in ("0.68", "0.95"))
     evaluations = truths.shape[0] * (per_case + 1) * settings["observations"]
     return (f"| {p} | {design} | {truths.shape[0]} | {per_case} | {evaluations:.3g} | {joint} | "
@@ -110,7 +112,8 @@ def learned_timer(cases, candidates):
     torch.manual_seed(0)
     model = gaussian.build_network({"kind": "mlp", "hidden": [64] * 4, "activation": "relu", "dropout": 0.0}, 12)
     model.eval()
-    truths = inference.make_truths(problem.low, problem.high, problem.grid_step, default_inference()["truths"], 1)[:cases]
+    truths = inference.make_truths(problem.low, problem.high, problem.grid_step, default_inference()["truths"], 1)
+    truths = truths[:cases]
     observations = inference.make_observations(problem.simulate, truths, 15, 2)
     targets = ["ratio", "posterior"]
 
@@ -129,13 +132,15 @@ def learned_timer(cases, candidates):
 def speed(cases, repeats):
     """Print ms per case of the fixed and the adaptive design, alternating which goes first."""
     runtime.start({"device": "cpu", "cpu_threads": 1, "deterministic": False})   # as nnpd runs analyses
-    timers = {"fixed sobol": learned_timer(cases, FIXED), "adaptive": learned_timer(cases, default_inference()["candidates"])}
+    timers = {"fixed sobol": learned_timer(cases, FIXED),
+              "adaptive": learned_timer(cases, default_inference()["candidates"])}
     seconds = {name: [] for name in timers}
     for repeat in range(repeats):
         for name in (list(timers) if repeat % 2 == 0 else list(timers)[::-1]):
             elapsed, evaluations = timers[name]()
             seconds[name].append(elapsed)
-            print(f"{name:12s} {elapsed * 1e3:7.1f} ms per case, {evaluations:.0f} model evaluations per case", flush=True)
+            print(f"{name:12s} {elapsed * 1e3:7.1f} ms per case, {evaluations:.0f} model evaluations per case",
+                  flush=True)
     paired = sorted(a / f for a, f in zip(seconds["adaptive"], seconds["fixed sobol"]))
     print(f"adaptive / fixed time per case: best-of {min(seconds['adaptive']) / min(seconds['fixed sobol']):.2f}, "
           f"median of pairs {paired[len(paired) // 2]:.2f} (target <= 1)")
@@ -151,8 +156,8 @@ def budget():
         settings = copy.deepcopy(job.analysis.settings)
         settings["inference"]["candidates"].update(FIXED)
         fixed += gaussian_study.GaussianAnalysis(settings, job.experiment).workload(job.member)["model_evaluations"]
-    print(f"default profile, planned model evaluations: adaptive {adaptive:.4g}, fixed 16,384-point sobol {fixed:.4g} "
-          f"(ratio {adaptive / fixed:.2f})")
+    print(f"default profile, planned model evaluations: adaptive {adaptive:.4g}, "
+          f"fixed 16,384-point sobol {fixed:.4g} (ratio {adaptive / fixed:.2f})")
 
 
 def main():

@@ -144,7 +144,8 @@ def test_exact_scores_refine_identically_whatever_the_chunk():
         return (-0.5 * ((x - theta) / 2.0) ** 2).sum(dim=-1)
 
     def run(chunk_rows):
-        score = lambda points: {"exact": inf.exact_scores(log_likelihood, observations, points, chunk_rows)}  # noqa: E731
+        def score(points):
+            return {"exact": inf.exact_scores(log_likelihood, observations, points, chunk_rows)}
         return refine(score, box_of(2), adaptive_settings(1536, 128), centre)["summaries"]["exact"]
 
     reference = run(inf.EVAL_BLOCK_ROWS)

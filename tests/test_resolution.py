@@ -47,8 +47,9 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
         gaussian_study.summarise_adaptive(writer, ["exact"], case_scores, truths, (points, log_measure), box,
                                           LEVELS, retain, sizes, seed)
     else:
-        gaussian_study.summarise_cases(writer, ["exact"], lambda i: case_scores(i, torch.cat([points, truths[i:i + 1]])),
-                                       truths, points, log_measure, LEVELS, retain)
+        gaussian_study.summarise_cases(
+            writer, ["exact"], lambda i: case_scores(i, torch.cat([points, truths[i:i + 1]])), truths, points,
+            log_measure, LEVELS, retain)
     return {field: np.load(tmp_path / name / f"exact_{field}.npy") for field in gaussian_study.SUMMARY_FIELDS}
 
 
