@@ -114,13 +114,18 @@ def draw_bias_width(contexts, figure):
     bias_axes[0].legend(fontsize="x-small")
 
 
+def case_design(artifact, candidates, case):
+    """Points (n, p) and log measure (n,) a retained case was scored on: its own when refined."""
+    if "design_points.npy" in artifact.files:
+        return artifact.array("design_points")[case], artifact.array("design_log_measure")[case]
+    return candidates.array("points"), candidates.array("log_measure")
+
+
 def draw_diagnostic_cases(ctx, figure):
-    """Normalised densities of the retained cases on the first parameter, per target."""
+    """Normalised densities of the retained cases at their candidates, against the first parameter, per target."""
     learned = ctx.require("learned")
     exact = ctx.require("exact") if "exact" in ctx.analysis_settings["inference"]["targets"] else None
     candidates = ctx.require("candidates")
-    points, log_measure = candidates.array("points"), candidates.array("log_measure")
-    order = np.argsort(points[:, 0], kind="stable")
     sources = [(learned, t) for t in ("ratio", "posterior") if f"{t}_scores.npy" in learned.files]
     if exact is not None:
         sources.append((exact, "exact"))
@@ -129,10 +134,14 @@ def draw_diagnostic_cases(ctx, figure):
     truths = ctx.require("truths").array("truths")
     for case, axis in zip(range(cases), axes):
         for colour, (artifact, target) in zip(COLOURS, sources):
-            scores = artifact.array(f"{target}_scores")[case, :-1]
-            mass = np.exp(scores + log_measure - np.logaddexp.reduce(scores + log_measure))
-            axis.plot(points[order, 0], mass[order], ".", color=colour, markersize=2, label=target)
+            points, log_measure = case_design(artifact, candidates, case)
+            measured = np.isfinite(log_measure)      # refined designs also hold padding and zero-measure probes
+            scores = artifact.array(f"{target}_scores")[case, :-1][measured]
+            # The density, not the mass per point: refined designs weigh their points unequally.
+            density = np.exp(scores - np.logaddexp.reduce(scores + log_measure[measured]))
+            order = np.argsort(points[measured, 0], kind="stable")
+            axis.plot(points[measured, 0][order], density[order], ".", color=colour, markersize=2, label=target)
         axis.axvline(truths[case, 0], color="black", linestyle=":")
         axis.set_xlabel(ctx.problem.names[0])
-    axes[0].set_ylabel("normalised mass per candidate")
+    axes[0].set_ylabel("normalised density (per unit measure)")
     axes[0].legend(fontsize="x-small")

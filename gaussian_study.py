@@ -4,6 +4,8 @@
 the Gaussian simulator; `GaussianAnalysis` builds the inference products (truths,
 observation ensembles, candidates, highest-density summaries) and the metrics.
 """
+import math
+
 import numpy as np
 import torch
 
@@ -16,7 +18,8 @@ from study import Figure, Metric, Product, check_selection
 from settings import SettingsError, is_integer, is_number
 
 TARGETS = ("ratio", "posterior", "exact")
-SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer")
+SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer", "region_ess",
+                  "edge_mass", "disagreement")
 
 
 class GaussianExperiment:
@@ -101,8 +104,8 @@ INFERENCE_SCHEMA = {
     "truths": {"kind": ("grid", "sobol", "size_adaptive"), "truth_points_per_axis": int, "sobol_truths": int,
                "max_grid_truths": int, "truth_margin_fraction": float, "align_truths_to_grid": bool,
                "repeats": int},
-    "candidates": {"kind": ("sobol", "grid"), "candidate_count": int, "candidate_points_per_axis": int,
-                   "native_grid_prior": bool, "max_enumerated": int},
+    "candidates": {"kind": inference.CANDIDATE_KINDS, "candidate_count": int, "candidate_points_per_axis": int,
+                   "native_grid_prior": bool, "max_enumerated": int, "coarse_count": int, "refinement_stages": int},
     "observations": int, "chunk_rows": int, "diagnostic_cases": int, "retain": ("diagnostic", "full"),
     "targets": list, "levels": list,
 }
@@ -138,6 +141,9 @@ def check_inference_settings(settings):
     for key in ("observations", "chunk_rows"):
         if settings[key] < 1:
             raise SettingsError(f"inference.{key}: must be at least 1")
+    for key in ("candidate_count", "coarse_count", "refinement_stages"):
+        if settings["candidates"][key] < 1:
+            raise SettingsError(f"inference.candidates.{key}: must be at least 1")
     targets = settings["targets"]
     if not targets or len(set(targets)) != len(targets) or not set(targets) <= set(TARGETS):
         raise SettingsError(f"inference.targets: a non-empty list of distinct targets from {', '.join(TARGETS)}; "
@@ -174,15 +180,22 @@ def build_observations(ctx, writer):
     return {"shape": list(observations.shape)}
 
 
+def candidate_design(ctx):
+    """'enumerate', 'grid', 'sobol' or 'adaptive': how this member's cases are scored."""
+    problem = ctx.problem
+    return inference.candidate_design(problem.parameter_count, candidate_lattice(ctx), problem.low, problem.high,
+                                      ctx.analysis_settings["inference"]["candidates"])
+
+
 def build_candidates(ctx, writer):
-    """The points densities are normalised on, with their log measure."""
+    """The shared design (the adaptive kind's coarse first pass) with its log measure."""
     problem = ctx.problem
     seed = runtime.derived_seed(ctx.settings["seed"], "candidates")
     points, log_measure = inference.make_candidates(
         problem.low, problem.high, candidate_lattice(ctx), ctx.analysis_settings["inference"]["candidates"], seed)
     writer.array("points", points.numpy())
     writer.array("log_measure", log_measure.numpy())
-    return {"count": int(points.shape[0])}
+    return {"count": int(points.shape[0]), "design": candidate_design(ctx)}
 
 
 def inference_inputs(ctx):
@@ -194,8 +207,18 @@ def inference_inputs(ctx):
         torch.from_numpy(candidates.array("log_measure"))
 
 
+def write_summary(outputs, writer, target, summary, start, cases):
+    """Write a block of one target's summaries into memory-mapped arrays, allocated on first use."""
+    for name in SUMMARY_FIELDS:
+        value = np.asarray(summary[name])
+        key = f"{target}_{name}"
+        if key not in outputs:
+            outputs[key] = writer.allocate(key, (cases,) + value.shape[1:], value.dtype)
+        outputs[key][start:start + value.shape[0]] = value
+
+
 def summarise_cases(writer, targets, case_scores, truths, points, log_measure, levels, retain):
-    """Score every case in blocks and write one HLD summary per target.
+    """Score every case on the shared design in blocks and write one HLD summary per target.
 
     `case_scores(i)` returns {target: scores over candidates followed by the truth}.
     Scores of all cases are never held at once: blocks of cases are summarised and
@@ -221,16 +244,50 @@ def summarise_cases(writer, targets, case_scores, truths, points, log_measure, l
                 keep = min(stop, retained[target].shape[0])
                 retained[target][start:keep] = rows[: keep - start].numpy()
             summary = inference.hld_summaries(rows[:, :-1], log_measure, points, rows[:, -1], levels)
-            for name in SUMMARY_FIELDS:
-                value = np.asarray(summary[name])
-                key = f"{target}_{name}"
-                if key not in outputs:
-                    outputs[key] = writer.allocate(key, (cases,) + value.shape[1:], value.dtype)
-                outputs[key][start:stop] = value
+            # A shared design has no refined box to check against.
+            summary["edge_mass"] = summary["disagreement"] = np.full(stop - start, np.nan)
+            write_summary(outputs, writer, target, summary, start, cases)
     for target, array in retained.items():
         if retain["mode"] != "full":
             writer.array(f"{target}_scores", array)
     return {"cases": cases, "candidates": candidates, "targets": list(targets)}
+
+
+def retain_case(arrays, row, result):
+    """Keep one refined case: points, log measure and scores, padded with NaN points and −inf."""
+    count = result["points"].shape[0]
+    arrays["design_points"][row] = np.nan
+    arrays["design_points"][row, :count] = result["points"].numpy()
+    arrays["design_log_measure"][row] = -np.inf
+    arrays["design_log_measure"][row, :count] = result["log_measure"].numpy()
+    for target, scores in result["scores"].items():
+        arrays[f"{target}_scores"][row] = -np.inf
+        arrays[f"{target}_scores"][row, :count] = scores[:-1].numpy()
+        arrays[f"{target}_scores"][row, -1] = float(scores[-1])
+
+
+def summarise_adaptive(writer, targets, case_scores, truths, coarse, box, levels, retain, sizes, seed):
+    """Refine every case's candidates on its own and write one HLD summary per target.
+
+    `case_scores(i, points)` returns {target: scores}; see inference.refine_case. Retained
+    cases keep their own points (design_points), log measure (probes at −inf) and scores.
+    """
+    cases, total = truths.shape[0], sizes["total"]
+    kept = cases if retain["mode"] == "full" else min(retain["cases"], cases)
+    arrays = {}
+    if kept:
+        arrays = {"design_points": writer.allocate("design_points", (kept, total, truths.shape[1]), "float64"),
+                  "design_log_measure": writer.allocate("design_log_measure", (kept, total), "float64")}
+        arrays.update({f"{t}_scores": writer.allocate(f"{t}_scores", (kept, total + 1), "float64") for t in targets})
+    outputs = {}
+    for i in range(cases):
+        result = inference.refine_case(lambda points: case_scores(i, points), *coarse, truths[i], box, levels,
+                                       sizes, seed, case=i)
+        for target in targets:
+            write_summary(outputs, writer, target, result["summaries"][target], i, cases)
+        if i < kept:
+            retain_case(arrays, i, result)
+    return {"cases": cases, "candidates": total, "targets": list(targets)}
 
 
 def retain_settings(ctx):
@@ -240,45 +297,67 @@ def retain_settings(ctx):
     return {"mode": settings["retain"], "cases": cases}
 
 
+def summarise_targets(ctx, writer, targets, case_scores):
+    """Summaries of every case for the targets `case_scores(i, points) -> {target: scores}` gives.
+
+    Adaptive candidates are refined per case (the shared design is their coarse pass);
+    other designs score every case on the shared design.
+    """
+    settings = ctx.analysis_settings["inference"]
+    truths, _, points, log_measure = inference_inputs(ctx)
+    design = candidate_design(ctx)
+    levels, retain = settings["levels"], retain_settings(ctx)
+    if design == "adaptive":
+        sizes = inference.adaptive_sizes(ctx.problem.parameter_count, settings["candidates"], len(targets))
+        box = inference.support_box(ctx.problem.low, ctx.problem.high, candidate_lattice(ctx))
+        seed = runtime.derived_seed(ctx.settings["seed"], "refine")
+        metadata = summarise_adaptive(writer, targets, case_scores, truths, (points, log_measure), box, levels,
+                                      retain, sizes, seed)
+    else:
+        metadata = summarise_cases(writer, targets, lambda i: case_scores(i, torch.cat([points, truths[i:i + 1]])),
+                                   truths, points, log_measure, levels, retain)
+    return {**metadata, "design": design}
+
+
+def learned_case_scores(model, device, prior, observations, targets, chunk_rows, evaluations):
+    """case_scores(i, points) of the learned targets: the model's ensemble score of case i's
+    observations (ratio), plus the log prior (posterior); `evaluations[0]` counts model rows."""
+    def logits(rows):
+        return model(rows.to(device)).float().cpu()
+
+    def case_scores(i, points):
+        evaluations[0] += points.shape[0] * observations.shape[1]
+        ratio = inference.ensemble_scores(logits, observations[i], points, chunk_rows)
+        scores = {"ratio": ratio}
+        if "posterior" in targets:
+            scores["posterior"] = ratio + prior.log_prob(points)
+        return {t: scores[t] for t in targets}
+
+    return case_scores
+
+
 def build_learned(ctx, writer):
     """HLD summaries of the learned ratio and posterior targets for every case."""
     settings = ctx.analysis_settings["inference"]
     targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
-    truths, observations, points, log_measure = inference_inputs(ctx)
-    model, device = ctx.model, ctx.runtime.device
-    prior = ctx.prior
-
-    def logits(rows):
-        return model(rows.to(device)).float().cpu()
-
-    log_prior_points = prior.log_prob(points)
-
-    def case_scores(i):
-        here = torch.cat([points, truths[i:i + 1]])
-        ratio = inference.ensemble_scores(logits, observations[i], here, settings["chunk_rows"])
-        scores = {"ratio": ratio}
-        if "posterior" in targets:
-            log_prior = torch.cat([log_prior_points, prior.log_prob(truths[i:i + 1])])
-            scores["posterior"] = ratio + log_prior
-        return {t: scores[t] for t in targets}
-
+    observations = torch.from_numpy(ctx.require("observations").array("observations"))
+    evaluations = [0]
+    case_scores = learned_case_scores(ctx.model, ctx.runtime.device, ctx.prior, observations, targets,
+                                      settings["chunk_rows"], evaluations)
     with torch.no_grad():
-        return summarise_cases(writer, targets, case_scores, truths, points, log_measure,
-                               settings["levels"], retain_settings(ctx))
+        metadata = summarise_targets(ctx, writer, targets, case_scores)
+    return {**metadata, "model_evaluations": evaluations[0]}
 
 
 def build_exact(ctx, writer):
-    """HLD summaries of the exact Gaussian likelihood on the same candidates."""
-    settings = ctx.analysis_settings["inference"]
-    truths, observations, points, log_measure = inference_inputs(ctx)
-    problem = ctx.problem
+    """HLD summaries of the exact Gaussian likelihood, on the same kind of candidates."""
+    observations = torch.from_numpy(ctx.require("observations").array("observations"))
+    problem, chunk_rows = ctx.problem, ctx.analysis_settings["inference"]["chunk_rows"]
 
-    def case_scores(i):
-        here = torch.cat([points, truths[i:i + 1]])
-        return {"exact": inference.exact_scores(problem.log_likelihood, observations[i], here)}
+    def case_scores(i, points):
+        return {"exact": inference.exact_scores(problem.log_likelihood, observations[i], points, chunk_rows)}
 
-    return summarise_cases(writer, ["exact"], case_scores, truths, points, log_measure,
-                           settings["levels"], retain_settings(ctx))
+    return summarise_targets(ctx, writer, ["exact"], case_scores)
 
 
 def split_pairs(ctx):
@@ -380,15 +459,22 @@ def summary_of(artifact, target):
     return {name: artifact.array(f"{target}_{name}") for name in SUMMARY_FIELDS}
 
 
+def resolution_report(ctx, artifact, target):
+    """Whether one target's candidates resolved its densities (see inference.resolution_metrics)."""
+    return inference.resolution_metrics(summary_of(artifact, target), artifact.metadata["candidates"],
+                                        ctx.analysis_settings["inference"]["levels"], artifact.metadata["design"])
+
+
 def target_report(ctx, artifact, target):
-    """Bias, coverage and width of one target's summaries."""
+    """Bias, coverage, width and resolution of one target's summaries."""
     settings = ctx.analysis_settings["inference"]
     truths = ctx.require("truths").array("truths")
     summary = summary_of(artifact, target)
     names = ctx.problem.names
     return {"bias": inference.bias_metrics(summary["mode"], truths, names),
             "coverage": inference.coverage_metrics(summary, truths, settings["levels"], names),
-            "width": inference.width_metrics(summary, settings["levels"], names)}
+            "width": inference.width_metrics(summary, settings["levels"], names),
+            "resolution": resolution_report(ctx, artifact, target)}
 
 
 def metric_classification(ctx):
@@ -415,9 +501,7 @@ def metric_width(ctx):
 
 def metric_resolution(ctx):
     """Whether the candidates resolve the ratio target's densities."""
-    candidates = ctx.require("candidates").metadata["count"]
-    summary = summary_of(ctx.require("learned"), "ratio")
-    return inference.resolution_metrics(summary, candidates, ctx.analysis_settings["inference"]["levels"])
+    return resolution_report(ctx, ctx.require("learned"), "ratio")
 
 
 def metric_posterior(ctx):
@@ -435,6 +519,42 @@ def metric_exact_reference(ctx):
     exact_modes = exact.array("exact_mode")
     report["mode_rmse_learned_vs_exact"] = float(np.sqrt(np.mean((learned_modes - exact_modes) ** 2)))
     return report
+
+
+MIN_EXPECTED_INSIDE = 100   # design points a fixed design should put inside a 0.95 posterior region
+
+
+def chi_square_quantile(level, dof):
+    """The `level` quantile of a chi-square with `dof` degrees of freedom (bisection on its CDF)."""
+    low, high = 0.0, 10.0 * dof + 100.0
+    shape = torch.tensor(dof / 2, dtype=torch.float64)
+    for _ in range(100):
+        middle = (low + high) / 2
+        if float(torch.special.gammainc(shape, torch.tensor(middle / 2, dtype=torch.float64))) < level:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def posterior_sds(problem, observations):
+    """Posterior sds of the inferred parameters, Gaussian approximation at the box centre.
+
+    From m observations a mean is known to std/√m, a std to std/√(2m).
+    """
+    _, stds = problem.means_and_stds((problem.low + problem.high) / 2)
+    return torch.tensor([float(stds[int(name.split(":")[1])]) / math.sqrt(observations * (1 + name.startswith("std:")))
+                         for name in problem.names], dtype=torch.float64)
+
+
+def posterior_share(problem, lattice, observations):
+    """Expected share of a box-filling design inside a 0.95 posterior region: ellipsoid over box volume."""
+    p = problem.parameter_count
+    radius = math.sqrt(chi_square_quantile(0.95, p))
+    log_ball = p / 2 * math.log(math.pi) - math.lgamma(p / 2 + 1) + p * math.log(radius)
+    widths = [float(b - a) + (step or 0.0) for a, b, step in zip(problem.low, problem.high, lattice)]
+    log_share = log_ball + float(posterior_sds(problem, observations).log().sum()) - sum(map(math.log, widths))
+    return min(1.0, math.exp(log_share))
 
 
 class GaussianAnalysis:
@@ -474,7 +594,7 @@ class GaussianAnalysis:
         "bias": Metric(metric_bias, needs=("learned", "truths")),
         "coverage": Metric(metric_coverage, needs=("learned", "truths")),
         "width": Metric(metric_width, needs=("learned",)),
-        "resolution": Metric(metric_resolution, needs=("learned", "candidates")),
+        "resolution": Metric(metric_resolution, needs=("learned",)),
         "posterior": Metric(metric_posterior, needs=("learned", "truths")),
         "exact_reference": Metric(metric_exact_reference, needs=("exact", "learned", "truths")),
         "pairwise": Metric(metric_pairwise, needs=("pairwise",)),
@@ -498,6 +618,7 @@ class GaussianAnalysis:
     def validate(self):
         """Check the inference settings and that every selected metric can be computed."""
         check_inference_settings(self.settings["inference"])
+        self.check_adaptive_sizes()
         targets = self.settings["inference"]["targets"]
         for name in self.settings["metrics"]:
             if name in self.NEEDS_RATIO and "ratio" not in targets:
@@ -520,22 +641,71 @@ class GaussianAnalysis:
             raise SettingsError("plots: 'diagnostic_cases' draws retained scores; set inference.diagnostic_cases "
                                 "above 0 or inference.retain to 'full'")
 
+    def learned_targets(self):
+        """The targets the learned product scores with the model."""
+        return [t for t in ("ratio", "posterior") if t in self.settings["inference"]["targets"]]
+
+    def design_of(self, member):
+        """The member's candidate design and its lattice steps."""
+        problem = self.experiment.problem()
+        candidates = self.settings["inference"]["candidates"]
+        lattice = inference.candidate_lattice(self.experiment.prior(member).lattice_steps, problem.parameter_count,
+                                              candidates)
+        return inference.candidate_design(problem.parameter_count, lattice, problem.low, problem.high,
+                                          candidates), lattice
+
+    def check_adaptive_sizes(self):
+        """An adaptive design must fit its passes and probes into candidate_count."""
+        candidates = self.settings["inference"]["candidates"]
+        if candidates["kind"] != "adaptive":
+            return
+        groups = [len(self.learned_targets()), int("exact" in self.settings["inference"]["targets"])]
+        try:
+            for targets in filter(None, groups):
+                inference.adaptive_sizes(self.experiment.problem().parameter_count, candidates, targets)
+        except ValueError as error:
+            raise SettingsError(f"inference.candidates: {error}") from None
+
     def workload(self, member):
         """Model evaluations, saved bytes and candidate points this member's analysis needs."""
         settings = self.settings["inference"]
         problem = self.experiment.problem()
-        prior = self.experiment.prior(member)
-        lattice = inference.candidate_lattice(prior.lattice_steps, problem.parameter_count, settings["candidates"])
-        cases = inference.truth_count(problem.parameter_count, settings["truths"])
-        candidates = inference.candidate_count_for(problem.parameter_count, lattice, problem.low,
-                                                   problem.high, settings["candidates"])
-        ensemble = settings["observations"]
-        learned = [t for t in ("ratio", "posterior") if t in settings["targets"]]
-        evaluations = cases * (candidates + 1) * ensemble if learned else 0
-        retained_cases = cases if settings["retain"] == "full" else min(cases, settings["diagnostic_cases"])
+        p = problem.parameter_count
+        design, lattice = self.design_of(member)
+        cases = inference.truth_count(p, settings["truths"])
+        shared = inference.candidate_count_for(p, lattice, problem.low, problem.high, settings["candidates"])
+        per_case = inference.points_per_case(p, lattice, problem.low, problem.high, settings["candidates"])
+        ensemble, levels = settings["observations"], len(settings["levels"])
+        learned = self.learned_targets()
+        evaluations = cases * (per_case + 1) * ensemble if learned else 0
+        retained = cases if settings["retain"] == "full" else min(cases, settings["diagnostic_cases"])
         targets = len(learned) + ("exact" in settings["targets"])
-        saved = 8 * (cases * ensemble * problem.dimension + 2 * candidates
-                     + targets * (retained_cases * (candidates + 1)
-                                  + cases * (2 * len(settings["levels"]) * problem.parameter_count + 8)))
-        return {"model_evaluations": int(evaluations), "saved_bytes": int(saved),
-                "candidate_points": int(candidates)}
+        products = bool(learned) + ("exact" in settings["targets"])
+        designs = products * retained * per_case * (p + 1) if design == "adaptive" else 0
+        saved = 8 * (cases * ensemble * problem.dimension + (p + 1) * shared + designs
+                     + targets * (retained * (per_case + 1) + cases * (2 * levels * p + 3 * levels + p + 5)))
+        return {"model_evaluations": int(evaluations), "saved_bytes": int(saved), "candidate_points": int(per_case)}
+
+    def plan_warnings(self):
+        """One line per fixed candidate design predicted to under-resolve the posteriors, before any compute."""
+        candidates = self.settings["inference"]["candidates"]
+        problem = self.experiment.problem()
+        by_design = {}
+        for member in self.experiment.members():
+            design, lattice = self.design_of(member)
+            if design in ("sobol", "grid"):
+                by_design.setdefault((design, tuple(lattice)), []).append(member["prior"])
+        lines = []
+        for (design, lattice), priors in by_design.items():
+            count = inference.candidate_count_for(problem.parameter_count, list(lattice), problem.low, problem.high,
+                                                  candidates)
+            expected = count * posterior_share(problem, list(lattice), self.settings["inference"]["observations"])
+            if expected < MIN_EXPECTED_INSIDE:
+                needed = math.ceil(count * MIN_EXPECTED_INSIDE / max(expected, 1e-300))
+                knob = f"candidate_count to about {needed:,}" if design == "sobol" else "candidate_points_per_axis"
+                lines.append(
+                    f"inference.candidates: the fixed {design} design of {count} points puts about {expected:.3g} "
+                    f"inside a 0.95 posterior region of the {problem.parameter_count} parameters (priors "
+                    f"{', '.join(priors)}), fewer than {MIN_EXPECTED_INSIDE}, so coverage and widths describe the "
+                    f"design; set inference.candidates.kind to 'adaptive' or raise {knob}")
+        return lines

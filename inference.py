@@ -6,6 +6,7 @@ and knows nothing about the Gaussian study (the README's study section describes
 """
 
 import math
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -15,6 +16,7 @@ import torch
 EVAL_BLOCK_ROWS = 8192
 # Smaller calls are padded to a multiple of this, so every row sits in a full BLAS tile.
 ROW_PAD = 64
+CANDIDATE_KINDS = ("sobol", "grid", "adaptive")
 # Cases summarised at once: bounds the (cases, K) work arrays of hld_summaries.
 SUMMARY_CELLS = 1 << 22
 
@@ -180,10 +182,14 @@ def candidate_lattice(lattice_steps, p, settings):
 
 
 def _candidate_plan(p, lattice_steps, low, high, settings):
-    """Decide 'enumerate', 'grid' or 'sobol' and the candidate count before merging."""
+    """Decide 'enumerate', 'grid', 'sobol' or 'adaptive' and the shared design's size before merging.
+
+    An adaptive design shares a coarse Sobol design of coarse_count points; each case
+    then refines it on its own (see refine_case).
+    """
     kind = settings.get("kind", "sobol")
-    if kind not in ("sobol", "grid"):
-        raise ValueError(f"candidates kind must be sobol or grid, got {kind!r}")
+    if kind not in CANDIDATE_KINDS:
+        raise ValueError(f"candidates kind must be one of {', '.join(CANDIDATE_KINDS)}, got {kind!r}")
     steps = candidate_lattice(lattice_steps, p, settings)
     low, high = _as_f64(low), _as_f64(high)
     sizes = [lattice_size(float(low[j]), float(high[j]), s) for j, s in enumerate(steps) if s is not None]
@@ -195,15 +201,29 @@ def _candidate_plan(p, lattice_steps, low, high, settings):
         if n < 2:
             raise ValueError(f"candidate_points_per_axis must be at least 2, got {n}")
         return "grid", n ** (p - len(sizes)) * lattice_total
-    count = int(settings.get("candidate_count", 256))
+    key = "coarse_count" if kind == "adaptive" else "candidate_count"
+    count = int(settings.get(key, 256))
     if count < 1:
-        raise ValueError(f"candidate_count must be at least 1, got {count}")
-    return "sobol", count
+        raise ValueError(f"{key} must be at least 1, got {count}")
+    return kind, count
+
+
+def candidate_design(p, lattice_steps, low, high, settings):
+    """The design each case is scored on: 'enumerate', 'grid', 'sobol' or 'adaptive'."""
+    return _candidate_plan(p, lattice_steps, low, high, settings)[0]
 
 
 def candidate_count_for(p, lattice_steps, low, high, settings):
-    """Candidate count (before duplicate merging) without building them."""
+    """Size of the shared design (before duplicate merging) without building it."""
     return _candidate_plan(p, lattice_steps, low, high, settings)[1]
+
+
+def points_per_case(p, lattice_steps, low, high, settings, targets=1):
+    """Points each case is scored on (the truth aside): the shared design, or every adaptive pass."""
+    design, count = _candidate_plan(p, lattice_steps, low, high, settings)
+    if design == "adaptive":
+        return adaptive_sizes(p, settings, targets)["total"]
+    return count
 
 
 def _trapezoid(low, high, n):
@@ -223,7 +243,8 @@ def make_candidates(low, high, lattice_steps, settings, seed):
     grid kind always uses the full lattice support on lattice axes. The sobol kind with
     lattice axes is a Monte Carlo rule over lattice × continuous: lattice indices are
     drawn uniformly (floor of the Sobol coordinate times the lattice size) and every
-    point weighs continuous_volume · Π lattice_sizes / K.
+    point weighs continuous_volume · Π lattice_sizes / K. The adaptive kind returns its
+    coarse design: the sobol rule with coarse_count points.
     """
     low, high = _as_f64(low), _as_f64(high)
     _check_box(low, high)
@@ -356,8 +377,9 @@ def _summarise_block(scores, log_measure, points, truth_scores, levels):
     # Rank by density; the stable sort keeps the first candidate first among ties.
     order = torch.argsort(scores, dim=1, descending=True, stable=True)
     sorted_scores = torch.gather(scores, 1, order)
-    cumulative = torch.cumsum(torch.gather(q, 1, order), dim=1)
-    cumulative = cumulative / cumulative[:, -1:]  # exact 1 at the end, so level 1 is reachable
+    sorted_q = torch.gather(q, 1, order)
+    running = torch.cumsum(sorted_q, dim=1)
+    cumulative = running / running[:, -1:]  # exact 1 at the end, so level 1 is reachable
     level_t = torch.as_tensor(levels, dtype=torch.float64)
     reach = torch.searchsorted(cumulative, level_t.expand(n, -1).contiguous(), side="left")
     threshold = torch.gather(sorted_scores, 1, reach.clamp(max=count - 1))
@@ -365,6 +387,10 @@ def _summarise_block(scores, log_measure, points, truth_scores, levels):
     size = torch.searchsorted(-sorted_scores, -threshold, side="right")
     last = size - 1
     mass = torch.gather(cumulative, 1, last)
+    # Kish ESS of the points inside the widest region: how well that region is resolved.
+    widest = last[:, int(np.argmax(levels))][:, None]
+    region_ess = (torch.gather(running, 1, widest) ** 2
+                  / torch.gather(torch.cumsum(sorted_q * sorted_q, dim=1), 1, widest))[:, 0]
     lower = torch.empty(n, len(levels), points.shape[1], dtype=torch.float64)
     upper = torch.empty_like(lower)
     for j in range(points.shape[1]):
@@ -374,7 +400,7 @@ def _summarise_block(scores, log_measure, points, truth_scores, levels):
     return {
         "lower": lower, "upper": upper, "mass": mass, "threshold": threshold,
         "covered": truth_scores[:, None] >= threshold,
-        "mode": points[order[:, 0]], "ess": ess, "log_normalizer": log_normalizer,
+        "mode": points[order[:, 0]], "ess": ess, "log_normalizer": log_normalizer, "region_ess": region_ess,
     }
 
 
@@ -385,7 +411,7 @@ def hld_summaries(scores, log_measure, points, truth_scores, levels):
     region at level α is {score >= t} for the highest t whose region holds mass >= α,
     i.e. the smallest such region, with all ties at t included. Returns lower/upper
     (n, L, p) projected bounds, mass/threshold/covered (n, L), mode (n, p), ess (n,),
-    log_normalizer (n,).
+    log_normalizer (n,) and region_ess (n,), the Kish ESS of the widest level's region.
     """
     scores = torch.as_tensor(scores, dtype=torch.float64).cpu()
     if scores.dim() != 2:
@@ -403,6 +429,401 @@ def hld_summaries(scores, log_measure, points, truth_scores, levels):
     parts = [_summarise_block(scores[i:i + step], log_measure, points, truth_scores[i:i + step], levels)
              for i in range(0, scores.shape[0], step)]
     return {key: torch.cat([part[key] for part in parts]).numpy() for key in parts[0]}
+
+
+# ---------------------------------------------------------------------------
+# Adaptive candidates: a coarse global pass, then refined passes per case and target
+# ---------------------------------------------------------------------------
+
+INFLATION = 1.5      # a refined proposal's sd over the density's estimated sd: wide enough not to clip it
+REACH = 4.0          # a refined box spans the proposal mean ± REACH proposal sds (and the modes found)
+MAX_SHRINK = 4.0     # a pass narrows the previous spread at most this much: few effective points mislead
+PROBE_RADII = 16     # first probe round: evenly spaced radii along each ray
+PROBE_REFINE = 16    # second round, per ray: points inside the brackets where the levels' regions end
+PROBE_REACH = 1.5    # rays reach this multiple of the farthest region point's Mahalanobis radius
+
+
+class Box(NamedTuple):
+    """The prior's support: bounds (p,) (lattice axes: first and last lattice point) and steps."""
+    low: torch.Tensor
+    high: torch.Tensor
+    lattice: torch.Tensor   # bool (p,)
+    step: torch.Tensor      # the lattice step, 1 on continuous axes
+
+    def half_cell(self):
+        """Half a lattice step on lattice axes, 0 elsewhere: a lattice point's cell reaches this far."""
+        return torch.where(self.lattice, self.step / 2, torch.zeros_like(self.step))
+
+    def log_measure(self):
+        """Log of the box's measure: Lebesgue on continuous axes, counting on lattice axes."""
+        counts = torch.round((self.high - self.low) / self.step) + 1
+        return float(torch.where(self.lattice, counts, self.high - self.low).log().sum())
+
+    def snap(self, values, low=None, high=None):
+        """Values clamped into [low, high] (the box by default), lattice axes rounded onto the lattice."""
+        low = self.low if low is None else low
+        high = self.high if high is None else high
+        k = torch.round((values - self.low) / self.step)
+        on_lattice = self.low + k * self.step
+        return torch.maximum(torch.minimum(torch.where(self.lattice, on_lattice, values), high), low)
+
+
+def support_box(low, high, lattice_steps):
+    """The Box of a prior's support; lattice axes end on their last lattice point."""
+    low, high = _as_f64(low), _as_f64(high)
+    _check_box(low, high)
+    lattice = torch.tensor([s is not None for s in lattice_steps])
+    step = torch.tensor([1.0 if s is None else float(s) for s in lattice_steps], dtype=torch.float64)
+    last = torch.tensor([float(lattice_support(a, b, s)[-1]) if s is not None else b
+                         for a, b, s in zip(low.tolist(), high.tolist(), lattice_steps)], dtype=torch.float64)
+    return Box(low, last, lattice, step)
+
+
+class Proposal(NamedTuple):
+    """A product of normals truncated to a box [low, high]; a lattice point takes its cell's mass."""
+    mean: torch.Tensor
+    sd: torch.Tensor
+    low: torch.Tensor
+    high: torch.Tensor
+    count: int              # points drawn from it
+
+
+def adaptive_sizes(p, settings, targets=1):
+    """Points per case of an adaptive design: coarse, each refined pass, probes and total.
+
+    Every refined pass but the last draws coarse_count points; probes take
+    targets · 2p · (PROBE_RADII + PROBE_REFINE); the last pass takes what is left.
+    """
+    total, coarse = int(settings["candidate_count"]), int(settings["coarse_count"])
+    stages = int(settings["refinement_stages"])
+    if stages < 1:
+        raise ValueError(f"refinement_stages must be at least 1, got {stages}")
+    probes = targets * 2 * p * (PROBE_RADII + PROBE_REFINE)
+    last = total - coarse * stages - probes
+    if coarse < 1 or last < coarse:
+        raise ValueError(f"candidate_count={total} is too small for an adaptive design with coarse_count={coarse} "
+                         f"and refinement_stages={stages} in {p} dimensions: it needs at least "
+                         f"{coarse * (stages + 1) + probes}; raise candidate_count or lower coarse_count")
+    return {"coarse": coarse, "passes": [coarse] * (stages - 1) + [last], "probes": probes, "total": total}
+
+
+def _log1mexp(x):
+    """log(1 − exp(x)) for x <= 0, accurate on both sides of −log 2."""
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _log_normal_interval(a, b):
+    """log(Φ(b) − Φ(a)) for a <= b, accurate in both tails."""
+    upper = a > 0   # both in the upper tail: mirror into the lower one, where Φ keeps its digits
+    a, b = torch.where(upper, -b, a), torch.where(upper, -a, b)
+    log_b = torch.special.log_ndtr(b)
+    return log_b + _log1mexp(torch.special.log_ndtr(a) - log_b)
+
+
+def _standard_z(proposal, box):
+    """The proposal's support [low, high] (lattice cells included) in standard units."""
+    half = box.half_cell()
+    return (proposal.low - half - proposal.mean) / proposal.sd, (proposal.high + half - proposal.mean) / proposal.sd
+
+
+def draw_proposal(proposal, unit, box):
+    """Map unit-cube points (n, p) through the truncated normals' inverse CDF; lattice axes snap."""
+    za, zb = _standard_z(proposal, box)
+    pa, pb = torch.special.ndtr(za), torch.special.ndtr(zb)
+    z = torch.special.ndtri(pa + unit * (pb - pa))
+    values = proposal.mean + proposal.sd * torch.maximum(torch.minimum(z, zb), za)
+    return box.snap(values, proposal.low, proposal.high)
+
+
+def proposal_log_density(proposals, points, box):
+    """Log density (C, n) of stacked proposals (fields (C, p)) at points (n, p): Lebesgue ×
+    counting measure, −inf outside each proposal's box."""
+    inside = torch.ones(points.shape[0], proposals.mean.shape[0], dtype=torch.bool)
+    for j in range(points.shape[1]):
+        column = points[:, j:j + 1]
+        inside &= (column >= proposals.low[:, j]) & (column <= proposals.high[:, j])
+    continuous = ~box.lattice
+    x, mean, inverse = points[:, continuous], proposals.mean[:, continuous], proposals.sd[:, continuous] ** -2
+    # Σ_j (x_j − μ_j)²/σ_j² of every point under every proposal at once, as matrix products.
+    quadratic = torch.addmm((mean * mean * inverse).sum(dim=1), x * x, inverse.T)
+    quadratic.addmm_(x, (mean * inverse).T, alpha=-2)
+    total = -0.5 * quadratic - (torch.log(proposals.sd[:, continuous]).sum(dim=1)
+                                + 0.5 * int(continuous.sum()) * math.log(2 * math.pi))
+    if bool(box.lattice.any()):
+        sd = proposals.sd[:, None, box.lattice]
+        z = (points[None, :, box.lattice] - proposals.mean[:, None, box.lattice]) / sd
+        cell = box.half_cell()[box.lattice] / sd
+        total = total + _log_normal_interval(z - cell, z + cell).sum(dim=-1).T
+    za, zb = _standard_z(proposals, box)
+    total = total - _log_normal_interval(za, zb).sum(dim=-1)
+    return torch.where(inside, total, torch.full_like(total, -math.inf)).T
+
+
+def stack_proposals(proposals):
+    """Proposals stacked along a first axis, for proposal_log_density."""
+    return Proposal(*(torch.stack([getattr(c, name) for c in proposals]) for name in ("mean", "sd", "low", "high")),
+                    [c.count for c in proposals])
+
+
+def mixture_log_weights(log_densities, counts, multiplicity, coarse_count, log_box):
+    """Deterministic-mixture importance weights of every point drawn so far, as logs.
+
+    All points together are a sample of the mixture of the uniform coarse design and
+    the refined proposals (log_densities (C, n) at every point, `counts` points each),
+    so a point weighs 1/Σ_c n_c g_c(θ): an unbiased rule for the box's measure. Coarse
+    points merged on a lattice weigh their multiplicity (log given, first) times that.
+    """
+    uniform = torch.full((1, log_densities.shape[1]), math.log(coarse_count) - log_box, dtype=torch.float64)
+    log_counts = torch.tensor(counts, dtype=torch.float64).reshape(-1, 1).log()
+    log_weights = -torch.logsumexp(torch.cat([uniform, log_counts + log_densities]), dim=0)
+    log_weights[:multiplicity.numel()] += multiplicity
+    return log_weights
+
+
+def weighted_moments(points, log_q):
+    """Mean (p,) and covariance (p, p) of the points under normalised weights exp(log_q)."""
+    q = torch.softmax(log_q, dim=0)
+    mean = q @ points
+    centred = points - mean
+    return mean, (q[:, None] * centred).T @ centred
+
+
+def fit_proposal(points, log_q, spread, box, anchors, count):
+    """The next proposal for a density given by weights exp(log_q) on points.
+
+    Its sd is the density's, inflated, but at least spread / MAX_SHRINK (the previous
+    spread: estimates from few effective points are too narrow). Its box reaches REACH
+    sds either side of the mean and always holds the anchors (the modes found so far).
+    """
+    mean, covariance = weighted_moments(points, log_q)
+    floor = torch.where(box.lattice, box.step / 2, (box.high - box.low) * 1e-9)
+    # Few effective points place the mean roughly and see too little of the tails: widen more.
+    inflation = INFLATION * (1 + 1 / math.sqrt(effective_sample_size(log_q)))
+    sd = torch.maximum(torch.maximum(inflation * covariance.diagonal().sqrt(), spread / MAX_SHRINK), floor)
+    low = torch.maximum(torch.minimum(mean - REACH * sd, anchors.min(dim=0).values), box.low)
+    high = torch.minimum(torch.maximum(mean + REACH * sd, anchors.max(dim=0).values), box.high)
+    # Lattice axes: widen outwards onto the lattice.
+    low = torch.where(box.lattice, box.low + torch.floor((low - box.low) / box.step + 1e-9) * box.step, low)
+    high = torch.where(box.lattice, box.low + torch.ceil((high - box.low) / box.step - 1e-9) * box.step, high)
+    return Proposal(mean, sd, torch.maximum(low, box.low), torch.minimum(high, box.high), int(count))
+
+
+def case_seed(seed, case):
+    """A 63-bit seed of one case's refined passes, from the design's seed and the case index."""
+    return int(np.random.SeedSequence([int(seed), int(case)]).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def _shares(count, parts):
+    """Split count into `parts` near-equal shares, the larger first."""
+    return [count // parts + (i < count % parts) for i in range(parts)]
+
+
+def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, seed):
+    """Run the refined passes: each target fits its next proposal on its own weighted scores.
+
+    Returns every point drawn (coarse first), their mixture weights, each target's
+    scores on them and each target's last proposal.
+    """
+    targets, points = list(scores), coarse_points
+    anchors = {t: coarse_points[int(torch.argmax(scores[t]))] for t in targets}   # the coarse modes
+    spread = {t: (box.high - box.low + 2 * box.half_cell()) / math.sqrt(12) for t in targets}  # uniform's sd
+    components, last, log_box = [], {}, box.log_measure()
+    densities = torch.empty(0, points.shape[0], dtype=torch.float64)   # every proposal at every point
+    engine = torch.quasirandom.SobolEngine(points.shape[1], scramble=True, seed=seed)
+    for size in sizes["passes"]:
+        log_weights = mixture_log_weights(densities, [c.count for c in components], multiplicity,
+                                          sizes["coarse"], log_box)
+        fitted = []
+        for target, share in zip(targets, _shares(size, len(targets))):
+            best = points[int(torch.argmax(scores[target]))]
+            fitted.append(fit_proposal(points, scores[target] + log_weights, spread[target], box,
+                                       torch.stack([anchors[target], best]), share))
+            last[target], spread[target] = fitted[-1], fitted[-1].sd
+        fresh = torch.cat([draw_proposal(proposal, engine.draw(proposal.count, dtype=torch.float64), box)
+                           for proposal in fitted])
+        fresh_scores = score_fn(fresh)
+        densities = torch.cat([densities, proposal_log_density(stack_proposals(fitted), points, box)])
+        components += fitted
+        densities = torch.cat([densities, proposal_log_density(stack_proposals(components), fresh, box)], dim=1)
+        points = torch.cat([points, fresh])
+        scores = {t: torch.cat([scores[t], fresh_scores[t]]) for t in targets}
+    log_weights = mixture_log_weights(densities, [c.count for c in components], multiplicity, sizes["coarse"], log_box)
+    return points, log_weights, scores, last
+
+
+def _merged(points, log_weights, scores, box):
+    """Merge repeated lattice points (weights summed), then scale the weights to the box's measure."""
+    if bool(box.lattice.any()):
+        keep, group = _first_occurrences(points)
+        merged = np.full(keep.size, -np.inf)
+        np.logaddexp.at(merged, group, log_weights.numpy())
+        keep = torch.as_tensor(keep)
+        points, log_weights = points[keep], torch.from_numpy(merged)
+        scores = {t: s[keep] for t, s in scores.items()}
+    # The mixture rule integrates the box's measure without bias; rescaling makes it exact and
+    # leaves every normalised density unchanged.
+    return points, log_weights + (box.log_measure() - torch.logsumexp(log_weights, dim=0)), scores
+
+
+def _ray_frame(points, scores, covariance, origin, threshold, box):
+    """Rays from the origin along ±Σe_j/√Σ_jj, where an ellipsoid's extent along axis j lies, and their ends.
+
+    Σ is the density's covariance. A ray ends at PROBE_REACH times the farthest
+    Mahalanobis radius of the widest region's points, or where it leaves the box.
+    """
+    floor = torch.where(box.lattice, box.step / 2, (box.high - box.low) * 1e-6)
+    covariance = covariance + torch.diag(floor * floor)
+    directions = covariance / covariance.diagonal().sqrt()[:, None]
+    rays = torch.cat([directions, -directions])
+    offsets = points[scores >= threshold] - origin
+    radius = torch.linalg.solve_triangular(torch.linalg.cholesky(covariance), offsets.T, upper=False).norm(dim=0)
+    reach = PROBE_REACH * max(float(radius.max()) if radius.numel() else 0.0, 1.0)
+    safe = torch.where(rays == 0, torch.ones_like(rays), rays)
+    exits = torch.where(rays > 0, (box.high - origin) / safe,
+                        torch.where(rays < 0, (box.low - origin) / safe, torch.full_like(rays, math.inf)))
+    return rays, exits.min(dim=1).values.clamp(min=0.0, max=reach)
+
+
+def _ray_points(origin, rays, radii, box):
+    """Points origin + t·ray for radii (rays, n), snapped into the box, shape (rays · n, p)."""
+    return box.snap((origin + radii[:, :, None] * rays[:, None, :]).reshape(-1, origin.numel()))
+
+
+def _bracket_radii(scores, radii, thresholds):
+    """Second-round radii per ray: PROBE_REFINE points shared among the levels' brackets.
+
+    A level's bracket lies between the farthest first-round radius inside its region
+    (0: the origin) and the next one; a ray inside throughout repeats its end.
+    """
+    rays, count = radii.shape
+    padded = torch.cat([torch.zeros(rays, 1, dtype=radii.dtype), radii], dim=1)
+    position = torch.arange(1, count + 1)
+    parts = []
+    for threshold, share in zip(thresholds, _shares(PROBE_REFINE, len(thresholds))):
+        last = ((scores >= threshold) * position).max(dim=1).values[:, None]   # 0 when no radius is inside
+        inner, outer = padded.gather(1, last), padded.gather(1, (last + 1).clamp(max=count))
+        fraction = torch.arange(1, share + 1, dtype=radii.dtype) / (share + 1)
+        parts.append(inner + (outer - inner) * fraction)
+    return torch.cat(parts, dim=1)
+
+
+def _probe(score_fn, frames, box):
+    """Two rounds of probes along every target's rays; returns the points and every target's scores.
+
+    frames: {target: (origin, rays, ends, thresholds)}. One call per round scores all
+    targets' probes together.
+    """
+    first = {t: ends[:, None] * torch.arange(1, PROBE_RADII + 1, dtype=torch.float64) / PROBE_RADII
+             for t, (_, _, ends, _) in frames.items()}
+    points = torch.cat([_ray_points(origin, rays, first[t], box) for t, (origin, rays, _, _) in frames.items()])
+    scores = score_fn(points)
+    second, offset = {}, 0
+    for target, (_, rays, _, thresholds) in frames.items():
+        size = rays.shape[0] * PROBE_RADII
+        own = scores[target][offset:offset + size].reshape(rays.shape[0], PROBE_RADII)
+        second[target] = _bracket_radii(own, first[target], thresholds)
+        offset += size
+    more = torch.cat([_ray_points(origin, rays, second[t], box) for t, (origin, rays, _, _) in frames.items()])
+    more_scores = score_fn(more)
+    return torch.cat([points, more]), {t: torch.cat([scores[t], more_scores[t]]) for t in scores}
+
+
+def _widen(summary, probes, probe_scores, best):
+    """Extend a one-case summary's bounds by the probes inside each region, and its mode by a higher probe.
+
+    Probes carry no measure: they sharpen where a region ends without changing its mass.
+    """
+    probes, probe_scores = probes.numpy(), probe_scores.numpy()
+    for level, threshold in enumerate(summary["threshold"][0]):
+        inside = probe_scores >= threshold
+        if inside.any():
+            summary["lower"][0, level] = np.minimum(summary["lower"][0, level], probes[inside].min(axis=0))
+            summary["upper"][0, level] = np.maximum(summary["upper"][0, level], probes[inside].max(axis=0))
+    if probe_scores.size and probe_scores.max() > best:
+        summary["mode"][0] = probes[int(np.argmax(probe_scores))]
+
+
+def refinement_checks(points, log_q, moments, proposal, box):
+    """Edge mass and disagreement of a target's refined density (moments: its mean and covariance)
+    with the last proposal that placed it.
+
+    Edge mass: the density's mass outside the last box shrunk by one proposal sd (not on
+    sides where the box is the prior's). Disagreement: the larger of the largest mean
+    shift over 2 proposal sds and the largest density sd over √2 proposal sds; above 1
+    the earlier passes misjudged where the mass is, or importance weights may have
+    infinite variance.
+    """
+    q = torch.softmax(log_q, dim=0)
+    mean, covariance = moments
+    inner_low = torch.where(proposal.low > box.low, proposal.low + proposal.sd, box.low)
+    inner_high = torch.where(proposal.high < box.high, proposal.high - proposal.sd, box.high)
+    edge = ((points < inner_low) | (points > inner_high)).any(dim=1)
+    shift = ((mean - proposal.mean).abs() / proposal.sd).max()
+    spread = (covariance.diagonal().sqrt() / proposal.sd).max()
+    return float(q[edge].sum()), float(torch.maximum(shift / 2, spread / math.sqrt(2)))
+
+
+def _coarse_scores(score_fn, coarse_points, truth, case):
+    """Every target's scores on the coarse design and at the truth, in one call; unusable scores raise."""
+    first = score_fn(torch.cat([coarse_points, truth[None]]))
+    for target, values in first.items():
+        values = values[:-1]
+        if not torch.isfinite(values).any() or torch.isnan(values).any() or torch.isposinf(values).any():
+            raise ValueError(f"case {case}: {target} scores on the coarse candidates are NaN, +inf or all -inf; "
+                             "check the network output or the likelihood for that case")
+    return {t: s[:-1] for t, s in first.items()}, {t: s[-1:] for t, s in first.items()}
+
+
+def _measured_summaries(points, log_weights, scores, truth_scores, levels, box):
+    """Per target: the summary on the measured points, the probe frame and the density's moments."""
+    summaries, frames, moments = {}, {}, {}
+    for target, values in scores.items():
+        summary = hld_summaries(values[None], log_weights, points, truth_scores[target], levels)
+        moments[target] = weighted_moments(points, values + log_weights)
+        origin = moments[target][0]   # the mean: far closer to a region's centre than the best point found
+        rays, ends = _ray_frame(points, values, moments[target][1], origin, summary["threshold"][0].min(), box)
+        frames[target] = (origin, rays, ends, summary["threshold"][0].tolist())
+        summaries[target] = summary
+    return summaries, frames, moments
+
+
+def refine_case(score_fn, coarse_points, coarse_log_measure, truth, box, levels, sizes, seed, case=0):
+    """Adaptive candidates and highest-density summaries of one case, for every target score_fn returns.
+
+    `score_fn(points (n, p)) -> {target: scores (n,)}` is called on the coarse design and
+    the truth, once per refined pass and twice for probes, so every case evaluates
+    exactly sizes["total"] points besides its truth. Each pass fits, per target and on
+    that target's own scores (never the truth), a product of truncated normals with
+    the density's mean and inflated sd (see fit_proposal); lattice axes take the mass
+    of each lattice point's cell, so they keep counting measure. The points of all
+    passes, coarse included, carry deterministic-mixture importance weights, summed
+    over repeated lattice points and scaled to the box's measure exactly. Then
+    zero-measure probes along rays from each density's mean (see _ray_frame) sharpen projected
+    bounds: they change no mass, threshold or coverage, only where a region is seen to
+    end. Returns points and log_measure (probes last, at −inf), scores (the truth's
+    last), one-case summaries (with edge_mass and disagreement) and the last proposal
+    per target, and the count of points evaluated.
+    """
+    levels = _check_levels(levels)
+    scores, truth_scores = _coarse_scores(score_fn, coarse_points, truth, case)
+    multiplicity = coarse_log_measure + math.log(sizes["coarse"]) - box.log_measure()
+    # Coarse points merged on a lattice leave their places to the last pass: every case evaluates the same count.
+    passes = sizes["passes"][:-1] + [sizes["passes"][-1] + sizes["coarse"] - coarse_points.shape[0]]
+    points, log_weights, scores, last = _refined_passes(
+        score_fn, coarse_points, multiplicity, scores, box, dict(sizes, passes=passes), case_seed(seed, case))
+    points, log_weights, scores = _merged(points, log_weights, scores, box)
+    summaries, frames, moments = _measured_summaries(points, log_weights, scores, truth_scores, levels, box)
+    probes, probe_scores = _probe(score_fn, frames, box)
+    for target, summary in summaries.items():
+        _widen(summary, probes, probe_scores[target], float(scores[target].max()))
+        edge, disagreement = refinement_checks(points, scores[target] + log_weights, moments[target], last[target],
+                                               box)
+        summary["edge_mass"], summary["disagreement"] = np.array([edge]), np.array([disagreement])
+    return {"points": torch.cat([points, probes]),
+            "log_measure": torch.cat([log_weights, torch.full((probes.shape[0],), -math.inf, dtype=torch.float64)]),
+            "scores": {t: torch.cat([scores[t], probe_scores[t], truth_scores[t]]) for t in scores},
+            "summaries": summaries, "proposals": last,
+            "evaluated": coarse_points.shape[0] + sum(passes) + probes.shape[0]}
 
 
 # ---------------------------------------------------------------------------
@@ -438,16 +859,32 @@ def bias_metrics(modes, truths, names):
     return {"cases": int(error.shape[0]), "per_axis": per_axis, "rmse": rmse}
 
 
+def wilson_interval(successes, trials, z=1.959963984540054):
+    """The 95% Wilson score interval [lo, hi] of a binomial proportion, None without trials."""
+    if trials == 0:
+        return None
+    share, spread = successes / trials, z * z / trials
+    centre = (share + spread / 2) / (1 + spread)
+    half = z * math.sqrt(share * (1 - share) / trials + spread / (4 * trials)) / (1 + spread)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
+
+
 def coverage_metrics(summaries, truths, levels, names):
-    """Per level: fraction of truths in the projected bounds per axis and mean, and joint coverage."""
+    """Per level: the fraction of truths inside the projected bounds per axis (and their mean) and
+    inside the joint region, with the case count and 95% Wilson intervals of each fraction."""
     truths = np.asarray(truths, dtype=np.float64)
+    cases = int(truths.shape[0])
     result = {}
     for i, level in enumerate(_check_levels(levels)):
         inside = (summaries["lower"][:, i] <= truths) & (truths <= summaries["upper"][:, i])
-        per_axis = {name: _mean(inside[:, j]) for j, name in enumerate(names)}
+        covered = np.asarray(summaries["covered"][:, i])
         result[level_key(level)] = {
-            "nominal": float(level), "per_axis": per_axis, "mean": _mean(inside.mean(axis=1)) if inside.size else None,
-            "joint": _mean(summaries["covered"][:, i]),
+            "nominal": float(level), "cases": cases,
+            "per_axis": {name: _mean(inside[:, j]) for j, name in enumerate(names)},
+            "per_axis_interval": {name: wilson_interval(int(inside[:, j].sum()), cases)
+                                  for j, name in enumerate(names)},
+            "mean": _mean(inside.mean(axis=1)) if inside.size else None,
+            "joint": _mean(covered), "interval": wilson_interval(int(covered.sum()), cases),
         }
     return result
 
@@ -464,29 +901,69 @@ def width_metrics(summaries, levels, names):
     return result
 
 
-def resolution_metrics(summaries, candidate_count, levels):
-    """Candidate count, ESS spread, mean attained mass per level, and a low-resolution warning."""
+MIN_REGION_ESS = 100       # effective points a widest region needs before its mass and bounds are trusted
+MAX_EDGE_MASS = 0.01       # mass allowed near the edge of a refined box
+MAX_FLAGGED_SHARE = 0.01   # a larger share of flagged cases raises the warning
+
+
+def resolution_flags(summaries, design):
+    """Per case: too few effective points in the widest region, mass at a refined box's edge, or a
+    refined density that disagrees with the passes that placed it (booleans, one per case)."""
+    region_ess = np.asarray(summaries["region_ess"], dtype=np.float64)
+    missing = np.full(region_ess.shape, np.nan)
+    edge = np.asarray(summaries.get("edge_mass", missing), dtype=np.float64)
+    disagreement = np.asarray(summaries.get("disagreement", missing), dtype=np.float64)
+    return {
+        # An enumerated lattice is the support itself: nothing is left to resolve.
+        "few_effective_points": (region_ess < MIN_REGION_ESS) & (design != "enumerate"),
+        "edge_mass": np.nan_to_num(edge, nan=0.0) > MAX_EDGE_MASS,
+        "disagreement": np.nan_to_num(disagreement, nan=0.0) > 1.0,
+    }
+
+
+def _flag_problem(flagged, cases, levels):
+    """The warning text for flagged cases, or None when few enough are flagged."""
+    if not cases or flagged["any"] <= MAX_FLAGGED_SHARE * cases:
+        return None
+    return (f"{flagged['any']} of {cases} cases are under-resolved ({flagged['few_effective_points']} with fewer "
+            f"than {MIN_REGION_ESS} effective points in the {max(levels):g} region, {flagged['edge_mass']} with "
+            f"mass at the edge of the refined box, {flagged['disagreement']} where the refined density "
+            "disagrees with the passes that placed it)")
+
+
+def resolution_metrics(summaries, candidate_count, levels, design="sobol"):
+    """Candidate count, ESS spread, attained mass per level, counts of under-resolved cases, a warning."""
+    levels = _check_levels(levels)
     ess = np.asarray(summaries["ess"], dtype=np.float64)
+    region_ess = np.asarray(summaries["region_ess"], dtype=np.float64)
     median = finite_or_none(np.median(ess)) if ess.size else None
     attained, problems = {}, []
-    for i, level in enumerate(_check_levels(levels)):
+    for i, level in enumerate(levels):
         mass = _mean(summaries["mass"][:, i])
         attained[level_key(level)] = mass
         if mass is not None and mass > level + 0.05:
             problems.append(f"mean attained mass {mass:.3f} exceeds level {level:g} by more than 0.05")
     if median is not None and median < 10:
         problems.insert(0, f"median ESS {median:.1f} is below 10")
+    flags = resolution_flags(summaries, design)
+    flagged = {name: int(values.sum()) for name, values in flags.items()}
+    flagged["any"] = int(np.logical_or.reduce(list(flags.values())).sum()) if ess.size else 0
+    problem = _flag_problem(flagged, int(ess.size), levels)
+    if problem:
+        problems.append(problem)
     warning = None
-    if problems:
-        warning = ("low candidate resolution: " + "; ".join(problems)
-                   + "; raise candidate_count or candidate_points_per_axis")
+    if problems and design != "enumerate":   # an enumerated lattice is exact, however few points carry the mass
+        fix = ("raise inference.candidates.candidate_count or refinement_stages" if design == "adaptive" else
+               "set inference.candidates.kind to 'adaptive' or raise candidate_count or candidate_points_per_axis")
+        warning = "low candidate resolution: " + "; ".join(problems) + "; " + fix
     return {
-        "candidate_count": int(candidate_count),
+        "design": design, "candidate_count": int(candidate_count), "cases": int(ess.size),
         "ess_min": finite_or_none(ess.min()) if ess.size else None,
         "ess_median": median,
         "ess_median_fraction": finite_or_none(median / candidate_count) if median is not None and candidate_count else None,
-        "attained_mass": attained,
-        "warning": warning,
+        "region_ess_min": finite_or_none(region_ess.min()) if region_ess.size else None,
+        "region_ess_median": finite_or_none(np.median(region_ess)) if region_ess.size else None,
+        "attained_mass": attained, "flagged": flagged, "warning": warning,
     }
 
 

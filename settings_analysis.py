@@ -26,11 +26,13 @@ def base_settings():
             },
             "observations": 15,
             "candidates": {
-                "kind": "sobol",
-                "candidate_count": 256,
+                "kind": "sobol",            # sobol or grid: one fixed design; adaptive: refined per case
+                "candidate_count": 1024,    # sobol: the design's size; adaptive: points per case, all passes
                 "candidate_points_per_axis": 64,
                 "native_grid_prior": True,
                 "max_enumerated": 200_000,
+                "coarse_count": 64,         # adaptive: the shared first pass, and each intermediate pass
+                "refinement_stages": 3,     # adaptive: refined passes per case and target
             },
             "targets": ["ratio", "posterior", "exact"],
             "levels": [0.68, 0.95],
@@ -58,7 +60,7 @@ def make_settings(profile):
     inference = settings["inference"]
     if profile == "default":
         inference["truths"]["kind"] = "sobol"
-        inference["candidates"]["candidate_count"] = 16_384
+        inference["candidates"].update(kind="adaptive", candidate_count=10_240, coarse_count=1024)
     elif profile == "paper":
         inference["truths"].update(kind="size_adaptive", truth_points_per_axis=25,
                                    truth_margin_fraction=0.0, align_truths_to_grid=False)

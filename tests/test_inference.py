@@ -421,7 +421,15 @@ def test_coverage_and_width_metrics_by_hand():
     s = hand_summaries()
     truths = np.array([[0.5, 4.0], [3.0, 2.5]])
     cov = inf.coverage_metrics(s, truths, [0.7], ["a", "b"])
-    assert cov == {"0.7": {"nominal": 0.7, "per_axis": {"a": 1.0, "b": 0.5}, "mean": 0.75, "joint": 0.5}}
+    entry = cov["0.7"]
+    assert {k: entry[k] for k in ("nominal", "cases", "per_axis", "mean", "joint")} == {
+        "nominal": 0.7, "cases": 2, "per_axis": {"a": 1.0, "b": 0.5}, "mean": 0.75, "joint": 0.5}
+    z2 = 1.959963984540054 ** 2
+    # Wilson at 1 of 2 is symmetric about 1/2; at 2 of 2 its lower end is n / (n + z²).
+    assert entry["interval"] == pytest.approx([0.5 - 1.959963984540054 * math.sqrt(0.125 + z2 / 16) / (1 + z2 / 2),
+                                               0.5 + 1.959963984540054 * math.sqrt(0.125 + z2 / 16) / (1 + z2 / 2)])
+    assert entry["per_axis_interval"]["a"] == pytest.approx([2 / (2 + z2), 1.0])
+    assert entry["per_axis_interval"]["b"] == pytest.approx(entry["interval"])
     width = inf.width_metrics(s, [0.7], ["a", "b"])
     assert width == {"0.7": {"per_axis": {"a": 1.5, "b": 1.25}, "mean": 1.375}}
     json.dumps(cov), json.dumps(width)
@@ -429,14 +437,37 @@ def test_coverage_and_width_metrics_by_hand():
 
 def test_resolution_metrics_by_hand():
     s = hand_summaries()
+    s["region_ess"] = np.array([150.0, 300.0])
     out = inf.resolution_metrics(s, 200, [0.7])
     assert out["candidate_count"] == 200 and out["ess_min"] == 4.0 and out["ess_median"] == 52.0
-    assert out["ess_median_fraction"] == pytest.approx(0.26)
+    assert out["ess_median_fraction"] == pytest.approx(0.26) and out["cases"] == 2
+    assert out["region_ess_min"] == 150.0 and out["region_ess_median"] == 225.0
     assert out["attained_mass"] == {"0.7": pytest.approx(0.75)} and out["warning"] is None
+    assert out["flagged"] == {"few_effective_points": 0, "edge_mass": 0, "disagreement": 0, "any": 0}
     s["mass"] = np.array([[0.9], [0.8]])
     s["ess"] = np.array([3.0, 5.0])
     out = inf.resolution_metrics(s, 200, [0.7])
     assert "median ESS" in out["warning"] and "exceeds level 0.7" in out["warning"]
+    assert "kind to 'adaptive'" in out["warning"]
+    json.dumps(out)
+
+
+def test_resolution_flags_count_cases_and_warn():
+    s = hand_summaries()
+    s["region_ess"] = np.array([50.0, 300.0])
+    s["edge_mass"] = np.array([0.0, 0.2])
+    s["disagreement"] = np.array([1.5, np.nan])
+    out = inf.resolution_metrics(s, 200, [0.7], design="adaptive")
+    assert out["flagged"] == {"few_effective_points": 1, "edge_mass": 1, "disagreement": 1, "any": 2}
+    assert "2 of 2 cases are under-resolved" in out["warning"] and "refinement_stages" in out["warning"]
+    # An enumerated lattice is exact: few effective points there are no problem.
+    s["edge_mass"], s["disagreement"] = np.zeros(2), np.zeros(2)
+    out = inf.resolution_metrics(s, 200, [0.7], design="enumerate")
+    assert out["flagged"]["any"] == 0 and out["warning"] is None
+    out = inf.resolution_metrics(s, 200, [0.7], design="sobol")
+    assert out["flagged"]["few_effective_points"] == 1 and "1 of 2 cases" in out["warning"]
+    s["ess"] = np.array([3.0, 5.0])    # a low ESS on an enumerated lattice is exact, not under-resolved
+    assert inf.resolution_metrics(s, 200, [0.7], design="enumerate")["warning"] is None
     json.dumps(out)
 
 
