@@ -154,7 +154,7 @@ class PythonProbes:
         acc = self.accumulators[name] = [0, 0, 0, NO_MINIMUM, 0, 0]
         return acc
 
-    def phase(self, name, device=None):
+    def phase(self, name, /, device=None):
         """A new, closed phase of that name."""
         return PythonPhase(self, name, device)
 
@@ -199,7 +199,7 @@ NO_PHASE = NoPhase()
 class OffProbes:
     """Probes that record nothing (NNPD_PROBES=off)."""
 
-    def phase(self, name, device=None):
+    def phase(self, name, /, device=None):
         """The shared no-op phase."""
         return NO_PHASE
 
@@ -219,6 +219,7 @@ def decorate(phase, function):
 
     @functools.wraps(function)
     def timed(*args, **kwargs):
+        """The function, timed as one span."""
         with make(name, device):
             return function(*args, **kwargs)
     return timed
@@ -243,6 +244,7 @@ class CudaEventTimer:
         start.record(stream)
 
         def stop():
+            """Record the end event and queue the pair for snapshot()."""
             end = torch.cuda.Event(enable_timing=True)
             end.record(stream)
             self.pending.append((name, start, end))
