@@ -10,7 +10,9 @@ setup: $(VENV)/.ready
 
 # The venv sees the system's site-packages so an installed torch (a GPU box with
 # no network) is reused; torch is installed only when none can be imported.
-$(VENV)/.ready: pyproject.toml
+# The editable install builds the C extension _probes in place; without a working
+# compiler it is skipped and one line says that probes use the Python fallback.
+$(VENV)/.ready: pyproject.toml setup.py _probes.c
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
 	$(PY) -c "import numpy, pytest, hypothesis" 2>/dev/null || $(PY) -m pip install numpy pytest hypothesis
@@ -18,6 +20,7 @@ $(VENV)/.ready: pyproject.toml
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install matplotlib \
 		|| echo "matplotlib (optional) is unavailable: figure tests will be skipped"
 	$(PY) -m pip install --no-deps --no-build-isolation -e . >/dev/null
+	@$(PY) -c "import _probes" 2>/dev/null || echo "nnpd: C extension _probes not built (no working C compiler?); probes use the pure-Python fallback"
 	touch $@
 
 test: setup
@@ -30,4 +33,4 @@ bench: setup
 	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
 
 clean:
-	rm -rf $(VENV) outputs build *.egg-info .pytest_cache
+	rm -rf $(VENV) outputs build *.egg-info .pytest_cache _probes.*.so
