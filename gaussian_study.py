@@ -15,7 +15,7 @@ import inference
 import runtime
 import trainer
 from study import Figure, Metric, Product, check_selection
-from settings import SettingsError, is_integer, is_number
+from settings import SettingsError, integer, is_number, name_list, one_of
 
 TARGETS = ("ratio", "posterior", "exact")
 SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer", "region_ess",
@@ -80,12 +80,12 @@ class GaussianExperiment:
             torch.manual_seed(runtime.derived_seed(self.settings["seed"], "init", member["name"]))
             return gaussian.build_network(self.settings["model"], self.input_size())
 
-    def train(self, member, model, data, rt):
-        """Train with the bundled trainer; returns (state dict, history)."""
+    def train(self, member, model, data, rt, hooks=None):
+        """Train with the bundled trainer (hooks: saving, resuming, stopping, progress); returns (state dict, history)."""
         tensors = {name: torch.from_numpy(np.asarray(data.array(name))) for name in
                    ("train_inputs", "train_labels", "validation_inputs", "validation_labels")}
         seed = runtime.derived_seed(self.settings["seed"], "train", member["name"])
-        return trainer.train(model, tensors, self.settings["training"], rt, seed)
+        return trainer.train(model, tensors, self.settings["training"], rt, seed, hooks)
 
     def workload(self, member):
         """Training examples seen and network size: the training cost estimate."""
@@ -111,6 +111,10 @@ INFERENCE_SCHEMA = {
 }
 
 
+# Counts beyond a billion (points, cases, rows) are surely typos.
+MAX_COUNT = 10**9
+
+
 def check_value(value, rule, path):
     """Check one setting against its rule: a type, a tuple of allowed values or a sub-schema."""
     if isinstance(rule, dict):
@@ -123,11 +127,9 @@ def check_value(value, rule, path):
         for key, sub_rule in rule.items():
             check_value(value[key], sub_rule, f"{path}.{key}")
     elif isinstance(rule, tuple):
-        if value not in rule:
-            raise SettingsError(f"{path}: {value!r} is not one of {', '.join(map(repr, rule))}")
+        one_of(value, rule, path)
     elif rule is int:
-        if not is_integer(value) or value < 0:
-            raise SettingsError(f"{path}: expected a non-negative integer, got {value!r}")
+        integer(value, path, 0, MAX_COUNT)
     elif rule is float:
         if not is_number(value) or not 0 <= value < 0.5:
             raise SettingsError(f"{path}: expected a number in [0, 0.5), got {value!r}")
@@ -144,8 +146,8 @@ def check_inference_settings(settings):
     for key in ("candidate_count", "coarse_count", "refinement_stages"):
         if settings["candidates"][key] < 1:
             raise SettingsError(f"inference.candidates.{key}: must be at least 1")
-    targets = settings["targets"]
-    if not targets or len(set(targets)) != len(targets) or not set(targets) <= set(TARGETS):
+    targets = name_list(settings["targets"], "inference.targets", allow_empty=False)
+    if not set(targets) <= set(TARGETS):
         raise SettingsError(f"inference.targets: a non-empty list of distinct targets from {', '.join(TARGETS)}; "
                             f"got {targets!r}")
     levels = settings["levels"]

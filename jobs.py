@@ -14,12 +14,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 import runs
 import runtime
 import study
 from runs import LaunchError
 from settings import digest
 from store import DamagedArtifact, Store, now_iso, write_bytes_atomic, write_json_atomic
+from trainer import TrainingHooks
 
 
 @dataclass
@@ -223,7 +226,32 @@ def get_model(launch, job, data, recipe):
 def train_model(launch, job, data, key):
     """Train one model with hooks that save and resume its state in the store's scratch area."""
     model = job.experiment.build_model(job.member)
-    return job.experiment.train(job.member, model, data, launch.rt)
+    with runtime.STOP.polling():
+        return job.experiment.train(job.member, model, data, launch.rt, training_hooks(launch, job, key))
+
+
+def training_hooks(launch, job, key):
+    """Hooks that keep the model's whole training state under scratch/, report epochs and stop on SIGTERM."""
+    scratch = launch.store.scratch_file("model", key)
+
+    def load_state():
+        return torch.load(scratch, weights_only=True) if scratch.is_file() else None
+
+    def save_state(state):
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        write_bytes_atomic(scratch, buffer.getvalue())
+
+    def on_epoch(epoch, record):
+        auc = "n/a" if record["auc"] is None else f"{record['auc']:.3f}"
+        launch.log(f"        epoch {epoch}/{record['epochs']}: loss {record['train_loss']:.4f}, validation BCE "
+                   f"{record['bce']:.4f}, AUC {auc}, {record['seconds']:.1f} s", every_worker=True)
+
+    def on_resume(epoch, batch):
+        launch.log(f"resumed {job.run}: epoch {epoch}, after batch {batch}", every_worker=True)
+
+    return TrainingHooks(load_state=load_state, save_state=save_state, save_seconds=launch.rt.resume_seconds,
+                         stop_requested=runtime.STOP, on_epoch=on_epoch, on_resume=on_resume)
 
 
 def find_intact(store, name, key):

@@ -11,6 +11,7 @@ import platform
 import random
 import re
 import signal
+import sys
 import threading
 from dataclasses import dataclass
 from datetime import timedelta
@@ -228,12 +229,27 @@ def keep_freed_memory() -> None:
     mallopt(trim_threshold, 256 << 20)
 
 
+def set_deterministic_algorithms(flag: bool) -> None:
+    """torch.use_deterministic_algorithms(flag) without importing torch._inductor (~1 s).
+
+    That function only adds inductor's `deterministic` config to the global flag set
+    here; inductor reads it from TORCHINDUCTOR_DETERMINISTIC when first imported, so it
+    is set there (or on the config, if something imported inductor already).
+    """
+    torch.set_deterministic_debug_mode("error" if flag else "default")
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        inductor_config.deterministic = flag
+    else:
+        os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1" if flag else "0"
+
+
 def set_determinism(flag: bool) -> None:
     """Ask torch (and CUDA) for deterministic algorithms, or allow the fast ones again."""
     if flag:
         # cuBLAS reads this when its first handle is created, so it must precede CUDA work.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(flag)
+    set_deterministic_algorithms(flag)
     torch.backends.cudnn.deterministic = flag
     if flag:
         torch.backends.cudnn.benchmark = False
@@ -318,7 +334,7 @@ def stop(rt: Runtime) -> None:
     if rt.previous_torch_state:
         threads, deterministic = rt.previous_torch_state
         torch.set_num_threads(threads)
-        torch.use_deterministic_algorithms(deterministic)
+        set_deterministic_algorithms(deterministic)
         rt.previous_torch_state = ()
 
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 import runtime
 from inference import classification_metrics
-from settings import SettingsError, is_integer, is_number
+from settings import SettingsError, integer, is_integer, is_number, known_keys, number, one_of
 
 TRAINING_DEFAULTS = {
     "epochs": 2,
@@ -74,49 +74,26 @@ def loss_scale(shard_len: int, batch_len: int, world_size: int) -> float:
 # ---------------------------------------------------------------- settings
 
 
-def _positive_int(settings: dict, key: str) -> None:
-    """Require settings[key] to be an integer >= 1."""
-    value = settings[key]
-    if not is_integer(value) or value < 1:
-        raise SettingsError(f"training.{key}: expected an integer >= 1; got {value!r}")
-
-
-def _check_objective(settings: dict) -> None:
-    """Require a known objective and a finite balance weight >= 0."""
-    if settings["objective"] not in OBJECTIVES:
-        raise SettingsError(f"training.objective: {settings['objective']!r} is not valid; use \"bce\" or \"balanced\"")
-    weight = settings["balance_weight"]
-    if not is_number(weight) or not 0 <= weight < math.inf:
-        raise SettingsError(f"training.balance_weight: expected a finite number >= 0 (e.g. 100); got {weight!r}")
-
-
-def check_training_settings(training_settings: dict | None) -> dict:
+def check_training_settings(training_settings: dict) -> dict:
     """Validate the `training` settings and return them with defaults filled in."""
-    given = dict(training_settings or {})
-    unknown = sorted(set(given) - set(TRAINING_DEFAULTS))
-    if unknown:
-        raise SettingsError(f"training.{unknown[0]}: unknown setting; valid keys are {sorted(TRAINING_DEFAULTS)}")
-    s = {**TRAINING_DEFAULTS, **given}
-    _positive_int(s, "epochs")
-    _positive_int(s, "batch_size")
-    if s["optimizer"] not in OPTIMIZERS:
-        raise SettingsError(f"training.optimizer: {s['optimizer']!r} is not valid; use \"adam\" or \"adamw\"")
-    for key in ("learning_rate", "epsilon"):
-        if not is_number(s[key]) or not s[key] > 0 or not math.isfinite(s[key]):
-            raise SettingsError(f"training.{key}: expected a finite number > 0; got {s[key]!r}")
-    if not is_number(s["weight_decay"]) or not 0 <= s["weight_decay"] < math.inf:
-        raise SettingsError(f"training.weight_decay: expected a finite number >= 0; got {s['weight_decay']!r}")
+    known_keys(training_settings, tuple(TRAINING_DEFAULTS), "training")
+    s = {**TRAINING_DEFAULTS, **training_settings}
+    integer(s["epochs"], "training.epochs", 1, 10**6)
+    integer(s["batch_size"], "training.batch_size", 1, 10**9)
+    one_of(s["optimizer"], OPTIMIZERS, "training.optimizer")
+    # Beyond these bounds a value is surely a typo (training would only diverge).
+    number(s["learning_rate"], "training.learning_rate", 0, 10, low_open=True)
+    number(s["epsilon"], "training.epsilon", 0, 1e6, low_open=True)
+    number(s["weight_decay"], "training.weight_decay", 0, 1000)
     betas = s["betas"]
     if not isinstance(betas, (list, tuple)) or len(betas) != 2 or not all(is_number(b) and 0 <= b < 1 for b in betas):
         raise SettingsError(f"training.betas: expected two numbers in [0, 1), e.g. [0.9, 0.999]; got {betas!r}")
-    clip = s["gradient_clip"]
-    if clip is not None and (not is_number(clip) or not 0 < clip < math.inf):
-        raise SettingsError(f"training.gradient_clip: expected None or a finite number > 0; got {clip!r}")
-    if s["precision"] not in runtime.PRECISIONS:
-        raise SettingsError(f"training.precision: {s['precision']!r} is not valid; use \"off\", \"float16\" or \"bfloat16\"")
-    if s["checkpoint"] not in CHECKPOINTS:
-        raise SettingsError(f"training.checkpoint: {s['checkpoint']!r} is not valid; use \"best\" or \"last\"")
-    _check_objective(s)
+    if s["gradient_clip"] is not None:
+        number(s["gradient_clip"], "training.gradient_clip", 0, 1e6, low_open=True)
+    one_of(s["precision"], runtime.PRECISIONS, "training.precision")
+    one_of(s["checkpoint"], CHECKPOINTS, "training.checkpoint")
+    one_of(s["objective"], OBJECTIVES, "training.objective")
+    number(s["balance_weight"], "training.balance_weight", 0, 1e6)
     s["betas"] = [float(b) for b in betas]
     s["balance_weight"] = float(s["balance_weight"])
     return s

@@ -59,7 +59,7 @@ def test_adaptive_settings_are_checked_with_one_clear_line():
                                             r"raise candidate_count or lower coarse_count"):
         analysis.validate()
     analysis_for(3, {"kind": "adaptive", "candidate_count": 2048, "coarse_count": 128}).validate()
-    with pytest.raises(SettingsError, match="inference.candidates.kind: 'halton' is not one of 'sobol', 'grid', "
+    with pytest.raises(SettingsError, match="inference.candidates.kind: 'halton' is not valid; use one of 'sobol', 'grid', "
                                             "'adaptive'"):
         analysis_for(1, {"kind": "halton"}).validate()
     with pytest.raises(SettingsError, match="inference.candidates.refinement_stages: must be at least 1"):

@@ -23,7 +23,7 @@ NUMBER_BREAKERS = [math.nan, math.inf, -math.inf, 1e30, -1e30, 10**30]
 STRING_BREAKERS = ["", " ", "a/b", "../up", "x\x00y", "x" * 300, "a\nb"]
 OTHER_BREAKERS = [None, [], {}, [[]], [{}], [None], {"zzz": 1}, "text", 0.5, True, -7]
 # Settings that hold paths or free names accept some of the string breakers.
-ACCEPTS = {("output", "root"): {"a/b", "text"}, ("training", "gradient_clip"): {0.5}}
+ACCEPTS = {("output", "root"): ["a/b", "text"], ("training", "gradient_clip"): [0.5]}
 
 
 def leaves(value, path=()):

@@ -80,11 +80,11 @@ class SlopeExperiment:
                                       torch.nn.Flatten(0))
         return network
 
-    def train(self, member, model, data, rt):
+    def train(self, member, model, data, rt, hooks=None):
         """The bundled trainer."""
         tensors = {name: torch.from_numpy(np.asarray(data.array(name))) for name in
                    ("train_inputs", "train_labels", "validation_inputs", "validation_labels")}
-        return trainer.train(model, tensors, self.settings["training"], rt, self.settings["seed"])
+        return trainer.train(model, tensors, self.settings["training"], rt, self.settings["seed"], hooks)
 
     def workload(self, member):
         """Examples seen in training and the network's size."""
