@@ -3,9 +3,11 @@ import csv
 import json
 
 import pytest
+import torch
 
 import jobs
 import results
+import runtime
 from conftest import run_cli, write_settings
 
 
@@ -64,3 +66,14 @@ def test_report_before_any_analysis_is_a_clear_error(tmp_path):
     result = run_cli("report", "--settings-dir", str(settings))
     assert result.returncode == 1 and "no analysed runs" in result.stderr
     assert json.dumps(result.stderr).count("\\n") == 1
+
+
+def test_case_progress_prints_quarters_of_a_long_product(capsys):
+    launch = jobs.Launch("analyze", None, None, None, runtime.Runtime(device=torch.device("cpu")), {})
+    progress = jobs.CaseProgress(launch, "runs/x/y")
+    progress.tty, progress.QUIET_SECONDS = False, 0.0
+    for done in range(9):
+        progress("ratio", done, 8)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("ratio ")[1].split(" cases")[0] for line in lines] == ["0/8", "2/8", "4/8", "6/8", "8/8"]
+    assert "s left" in lines[2] and "s left" not in lines[-1]
