@@ -299,6 +299,19 @@ def retain_settings(ctx):
     return {"mode": settings["retain"], "cases": cases}
 
 
+def counting_cases(ctx, what, case_scores, total):
+    """case_scores that reports progress each time scoring reaches a new case."""
+    reached = [-1]
+
+    def counted(i, points):
+        if i != reached[0]:
+            reached[0] = i
+            ctx.report_progress(what, i, total)
+        return case_scores(i, points)
+
+    return counted
+
+
 def summarise_targets(ctx, writer, targets, case_scores):
     """Summaries of every case for the targets `case_scores(i, points) -> {target: scores}` gives.
 
@@ -307,6 +320,7 @@ def summarise_targets(ctx, writer, targets, case_scores):
     """
     settings = ctx.analysis_settings["inference"]
     truths, _, points, log_measure = inference_inputs(ctx)
+    case_scores = counting_cases(ctx, "+".join(targets), case_scores, truths.shape[0])
     design = candidate_design(ctx)
     levels, retain = settings["levels"], retain_settings(ctx)
     if design == "adaptive":
@@ -318,6 +332,7 @@ def summarise_targets(ctx, writer, targets, case_scores):
     else:
         metadata = summarise_cases(writer, targets, lambda i: case_scores(i, torch.cat([points, truths[i:i + 1]])),
                                    truths, points, log_measure, levels, retain)
+    ctx.report_progress("+".join(targets), truths.shape[0], truths.shape[0])
     return {**metadata, "design": design}
 
 

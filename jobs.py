@@ -308,7 +308,7 @@ def analyze_job(launch, job, data, model):
     record = {"settings": settings, "source": launch.snapshot, "model": model.key, "worker": launch.rt.rank}
     write_json_atomic(run_dir / "analysis.json", {"state": "running", **record, "time": now_iso()})
     ctx = study.Context(job.settings, settings, job.member, job.experiment, job.analysis, launch.rt,
-                        run_dir, launch.store, data, model)
+                        run_dir, launch.store, data, model, progress=CaseProgress(launch, job.run))
     values = {}
     for name in settings["metrics"]:
         values[name] = job.analysis.metrics[name].compute(ctx)
@@ -321,6 +321,41 @@ def analyze_job(launch, job, data, model):
     write_json_atomic(run_dir / "analysis.json", {"state": "complete", **record, "artifacts": keys, "time": now_iso()})
     launch.used |= set(keys)
     return values
+
+
+class CaseProgress:
+    """How far a long product is: cases done, rate and time left.
+
+    On a terminal one line updates in place (at most twice a second); otherwise a plain
+    line is printed at each quarter, so logs stay short. Products done within a couple of
+    seconds show nothing.
+    """
+
+    QUIET_SECONDS = 2.0
+
+    def __init__(self, launch, run):
+        self.launch, self.run = launch, run
+        self.started, self.shown, self.last = {}, {}, 0.0
+        self.tty = sys.stdout.isatty()
+
+    def __call__(self, what, done, total):
+        """Show that `done` of `total` cases of `what` are done."""
+        now = time.monotonic()
+        started = self.started.setdefault(what, now)
+        quarter = 4 * done // max(total, 1)
+        if (now - started < self.QUIET_SECONDS and what not in self.shown) \
+                or (self.tty and now - self.last < 0.5 and done < total) \
+                or (not self.tty and quarter <= self.shown.get(what, -1)):
+            return
+        self.shown[what], self.last = quarter, now
+        rate = done / (now - started) if now > started and done else 0.0
+        left = f", {(total - done) / rate:.0f} s left" if rate and done < total else ""
+        line = f"analyze {self.run}: {what} {done}/{total} cases, {rate:.1f} cases/s{left}"
+        if self.tty:
+            end = "\n" if done >= total else ""
+            print(f"\r[nnpd {time.strftime('%H:%M:%S')}] {line}\033[K", end=end, flush=True)
+        else:
+            self.launch.log(line, every_worker=True)
 
 
 # ---------------------------------------------------------------- figures

@@ -5,13 +5,14 @@
 `plan` (the default) only resolves and validates; `train` stops at committed weights;
 `analyze` analyses the trained models and never trains; `run` does both per job;
 `verify` recomputes every checksum in the profile's store and moves damage aside;
-`report` tabulates the analysed runs. The same command works under `torchrun`, with
+`report` tabulates the analysed runs (with --csv FILE and --plot). The same command works under `torchrun`, with
 workers taking disjoint jobs (`runtime.parallel="jobs"`) or training each model together
 (`runtime.parallel="ddp"`).
 """
 import argparse
 import contextlib
 import errno
+import io
 import json
 import shutil
 import sys
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jobs
+import results
 import runs
 import runtime
 import settings
@@ -28,9 +30,9 @@ import study
 from jobs import Job, Launch
 from runs import LaunchError
 from settings import SettingsError
-from store import ROOT_MARKER, DamagedArtifact, Store
+from store import ROOT_MARKER, DamagedArtifact, Store, write_bytes_atomic
 
-ACTIONS = ("plan", "train", "analyze", "run", "verify")
+ACTIONS = ("plan", "train", "analyze", "run", "verify", "report")
 CODE_DIR = Path(__file__).resolve().parent
 
 
@@ -153,7 +155,7 @@ def plan(profile=None, settings_dir=None):
 
 def training_identity(profile):
     """The digest that tells distinct training settings apart in history.json."""
-    return settings.digest(settings.to_jsonable(profile.training))
+    return settings.identity(profile.training)
 
 
 def latest_training(profile):
@@ -195,6 +197,10 @@ def execute(stage, profile=None, settings_dir=None):
             for warning in plan.warnings:
                 launch.log(f"warning: {warning}")
             return run_launch(launch, plan.jobs)
+    except OSError as error:
+        if disk_problem(error, root) is None:
+            raise
+        raise LaunchError(disk_problem(error, root)) from None
     finally:
         runtime.STOP.uninstall()
         runtime.stop(rt)
@@ -290,6 +296,8 @@ def finish_launch(launch, planned, trained, used):
     if launch.stage != "analyze":
         runs.clean_up(root, launch.store, set(fields["runs"]), entries)
     runs.copy_settings(root, profile)
+    if launch.stage != "train":
+        print(results.table(results.read_runs(root, fields["runs"])), flush=True)
 
 
 def verify(profile=None, settings_dir=None):
@@ -307,6 +315,29 @@ def verify(profile=None, settings_dir=None):
             "damaged_folder": {"entries": entries, "bytes": size}}
 
 
+def report(profile=None, settings_dir=None, csv_path=None, plot=False):
+    """The table of every analysed run of the profile's root; optionally its CSV and comparison figure."""
+    loaded = load(profile, settings_dir)
+    root = Path(loaded.training["output"]["root"])
+    records = results.read_runs(root)
+    if not any(record.metrics is not None for record in records):
+        raise LaunchError(f"{root}: no analysed runs yet; run `python nnpd.py run --profile {loaded.name}` first")
+    notes = []
+    if csv_path:
+        notes.append(f"{results.write_csv(records, csv_path)} rows written to {csv_path}")
+    if plot and jobs.matplotlib_missing():
+        notes.append("--plot: skipped, matplotlib is not installed (pip install matplotlib)")
+    elif plot:
+        from matplotlib.figure import Figure   # optional extra, imported only when drawing
+        figure = Figure(figsize=(13, 4 * max(1, len({r.knob for r in records if r.knob}))), layout="constrained")
+        results.draw_comparison(records, figure)
+        buffer = io.BytesIO()
+        figure.savefig(buffer, format="png", dpi=120)
+        write_bytes_atomic(root / "report" / "comparison.png", buffer.getvalue())
+        notes.append(f"figure written to {root / 'report' / 'comparison.png'}")
+    return results.table(records), notes
+
+
 # ---------------------------------------------------------------- command line
 
 def parse_arguments(argv):
@@ -315,6 +346,8 @@ def parse_arguments(argv):
     parser.add_argument("action", nargs="?", default="plan", choices=ACTIONS)
     parser.add_argument("--profile", help="profile name (default: the settings file's DEFAULT_PROFILE)")
     parser.add_argument("--settings-dir", help="directory holding settings_training.py and settings_analysis.py")
+    parser.add_argument("--csv", metavar="FILE", help="report: also write one CSV row per analysed run")
+    parser.add_argument("--plot", action="store_true", help="report: also draw the comparison figure")
     return parser.parse_args(argv)
 
 
@@ -323,9 +356,9 @@ def one_line(error):
     return " ".join(str(error).split())
 
 
-def disk_problem(error):
+def disk_problem(error, root=None):
     """A one-line explanation of a full or unwritable disk, or None for other OS errors."""
-    where = error.filename or "the output root"
+    where = error.filename or root or "the output root"
     if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return f"cannot write {where}: the disk is full (or a file size limit was reached); free space and re-run"
     if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
@@ -336,15 +369,19 @@ def disk_problem(error):
 def run_action(arguments):
     """Carry out one action; returns the exit status."""
     if arguments.action == "plan":
-        report = plan(arguments.profile, arguments.settings_dir)
-        print(json.dumps(report, indent=2))
-        if report["errors"]:
-            print(f"nnpd: settings error: {one_line(report['errors'][0])}", file=sys.stderr)
-        return 2 if report["errors"] else 0
+        planned = plan(arguments.profile, arguments.settings_dir)
+        print(json.dumps(planned, indent=2))
+        if planned["errors"]:
+            print(f"nnpd: settings error: {one_line(planned['errors'][0])}", file=sys.stderr)
+        return 2 if planned["errors"] else 0
+    if arguments.action == "report":
+        text, notes = report(arguments.profile, arguments.settings_dir, arguments.csv, arguments.plot)
+        print("\n".join([text, *notes]))
+        return 0
     if arguments.action == "verify":
-        report = verify(arguments.profile, arguments.settings_dir)
-        print(json.dumps(report, indent=2))
-        return 1 if report["damaged"] else 0
+        checked = verify(arguments.profile, arguments.settings_dir)
+        print(json.dumps(checked, indent=2))
+        return 1 if checked["damaged"] else 0
     execute(arguments.action, arguments.profile, arguments.settings_dir)
     return 0
 

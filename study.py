@@ -157,6 +157,7 @@ class Context:
     data: object                  # the training-data artifact
     model_artifact: object
     used: dict = field(default_factory=dict)   # name -> Artifact this run used
+    progress: object = None                    # progress(what, done, total) prints how far a product is
     _model: object = None
     _problem: object = None
     _prior: object = None
@@ -183,6 +184,11 @@ class Context:
             model.load_state_dict(self.model_artifact.state_dict())
             self._model = model.to(self.runtime.device).eval()
         return self._model
+
+    def report_progress(self, what, done, total):
+        """Tell the launch how many of a long product's cases are done (shown as progress)."""
+        if self.progress is not None:
+            self.progress(what, done, total)
 
     def generator(self, *labels):
         """A named random stream derived from the settings' seed and the labels."""

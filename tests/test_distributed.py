@@ -52,11 +52,17 @@ def cache_entries(root):
 
 def test_two_jobs_workers_take_disjoint_jobs_and_share_products(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out")
+    outputs = []
     for stage in ("train", "analyze"):             # the stages launched separately
         launched = torchrun(stage, "--settings-dir", str(settings))
         assert launched.returncode == 0, launched.stdout + launched.stderr
+        outputs.append(launched.stdout)
     runs = run_folders(tmp_path / "out")
     assert len(runs) == 4
+    # Every worker logs its own jobs, with its rank; training shows its epochs.
+    for run in runs:
+        assert str(run.relative_to(tmp_path / "out")) in outputs[0] and "epoch 2/2" in outputs[0]
+    assert "rank 0]" in outputs[0] and "rank 1]" in outputs[0], outputs[0]
     # Each job was done by exactly one worker (its folder names it), and both workers had work.
     for record in ("status.json", "analysis.json"):
         workers = [json.loads((run / record).read_text())["worker"] for run in runs]
@@ -72,6 +78,7 @@ def test_two_jobs_workers_take_disjoint_jobs_and_share_products(tmp_path):
     second = torchrun("run", "--settings-dir", str(settings))
     assert second.returncode == 0, second.stdout + second.stderr
     assert cache_entries(tmp_path / "out") == entries              # nothing retrained or rebuilt
+    assert second.stdout.count(": reused") == 8 and "epoch" not in second.stdout   # data and model, 4 jobs
 
 
 def test_ddp_run_trains_together_and_analyses_on_rank_zero(tmp_path):

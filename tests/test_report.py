@@ -1,0 +1,79 @@
+"""The results reader and `nnpd.py report`: table, CSV and comparison figure of an output root."""
+import csv
+import json
+
+import pytest
+import torch
+
+import jobs
+import results
+import runtime
+from conftest import run_cli, write_settings
+
+
+def test_lookup_follows_keys_that_hold_dots_and_flatten_names_every_scalar():
+    metrics = {"coverage": {"0.68": {"joint": 0.7, "interval": [0.6, 0.8]}, "0.95": {"joint": 0.9}}}
+    assert results.lookup(metrics, "coverage.0.68.joint") == 0.7
+    assert results.lookup(metrics, "coverage.0.95.joint") == 0.9
+    assert results.lookup(metrics, "coverage.0.5.joint", "absent") == "absent"
+    assert results.flatten(metrics) == {"coverage.0.68.joint": 0.7, "coverage.0.68.interval.0": 0.6,
+                                        "coverage.0.68.interval.1": 0.8, "coverage.0.95.joint": 0.9}
+
+
+@pytest.fixture(scope="module")
+def swept_root(tmp_path_factory):
+    """A smoke root with two configurations (the baseline and one more learning rate), analysed."""
+    tmp = tmp_path_factory.mktemp("report")
+    settings = write_settings(tmp / "s", tmp / "out",
+                              training='settings["training"]["learning_rate"] = Choice([1e-3, 3e-3])\n')
+    result = run_cli("run", "--settings-dir", str(settings))
+    assert result.returncode == 0, result.stderr
+    return tmp, settings, result.stdout
+
+
+def test_run_ends_with_the_table_of_its_runs(swept_root):
+    _, _, stdout = swept_root
+    assert "configuration" in stdout and "training.learning_rate=0.003" in stdout
+
+
+def test_report_writes_one_csv_row_per_run_with_the_swept_value(swept_root):
+    tmp, settings, _ = swept_root
+    result = run_cli("report", "--settings-dir", str(settings), "--csv", str(tmp / "r.csv"))
+    assert result.returncode == 0, result.stderr
+    for prior in ("uniform", "normal", "exponential", "grid"):
+        assert result.stdout.count(f" {prior} ") == 2, result.stdout     # both configurations name every prior
+    with open(tmp / "r.csv", newline="") as handle:
+        rows = list(csv.DictReader(handle))
+    assert len(rows) == 8
+    assert sorted({row["value"] for row in rows}) == ["", "0.003"]
+    assert {row["knob"] for row in rows} == {"baseline", "training.learning_rate"}
+    assert all(0 <= float(row["coverage.0.68.joint"]) <= 1 and row["coverage.0.68.interval.0"] for row in rows)
+
+
+def test_report_plot_draws_the_comparison_or_says_it_is_skipped(swept_root):
+    tmp, settings, _ = swept_root
+    result = run_cli("report", "--settings-dir", str(settings), "--plot")
+    assert result.returncode == 0, result.stderr
+    figure = tmp / "out" / "report" / "comparison.png"
+    if jobs.matplotlib_missing():
+        assert "skipped" in result.stdout and not figure.exists()
+    else:
+        assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_before_any_analysis_is_a_clear_error(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out")
+    result = run_cli("report", "--settings-dir", str(settings))
+    assert result.returncode == 1 and "no analysed runs" in result.stderr
+    assert json.dumps(result.stderr).count("\\n") == 1
+
+
+def test_case_progress_prints_quarters_of_a_long_product(capsys):
+    launch = jobs.Launch("analyze", None, None, None, runtime.Runtime(device=torch.device("cpu")), {})
+    progress = jobs.CaseProgress(launch, "runs/x/y")
+    progress.tty, progress.QUIET_SECONDS = False, 0.0
+    for done in range(9):
+        progress("ratio", done, 8)
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("ratio ")[1].split(" cases")[0] for line in lines] == ["0/8", "2/8", "4/8", "6/8", "8/8"]
+    assert "s left" in lines[2] and "s left" not in lines[-1]
