@@ -59,7 +59,7 @@ def test_quick_profile_trains_both_priors_and_analyses_them(trained):
     for run in runs:
         assert json.loads((run / "analysis.json").read_text())["state"] == "complete"
         metrics = json.loads((run / "metrics.json").read_text())
-        assert set(metrics) == {"classification", "coverage", "agreement"}
+        assert set(metrics) == {"classification", "coverage", "width", "bias", "agreement"}
         assert metrics["classification"]["auc"] > 0.7
         # The learned posterior's mean is far closer to the exact one than the prior width (3.2).
         assert metrics["agreement"]["posterior_mean_abs_error"] < 0.2
@@ -69,9 +69,15 @@ def test_quick_profile_trains_both_priors_and_analyses_them(trained):
             error = math.sqrt(nominal * (1 - nominal) / cases)
             # The exact posterior is calibrated by construction (truths drawn from the prior).
             assert abs(level["exact"] - nominal) < 4 * error, level
-            assert abs(level["learned"] - nominal) < 0.1, level
-            low, high = level["exact_interval"]
-            assert low <= level["exact"] <= high
+            assert abs(level["joint"] - nominal) < 0.1, level
+            low, high = level["interval"]
+            assert low <= level["joint"] <= high
+        # Learned regions are about as wide as exact ones, and wider at the higher level.
+        widths = metrics["width"]
+        assert widths["0.68"]["mean"] < widths["0.95"]["mean"]
+        assert all(abs(w["mean"] / w["exact_mean"] - 1) < 0.2 for w in widths.values()), widths
+        # Posterior means scatter about the truth by about the posterior's spread (θ's sd is ~1/√8).
+        assert 0.2 < metrics["bias"]["exact_rmse"] < 0.5 and metrics["bias"]["rmse"] < 1.3 * metrics["bias"]["exact_rmse"]
 
 
 def test_a_second_run_recomputes_nothing(trained, tmp_path):

@@ -250,14 +250,13 @@ def grid_posteriors(ctx):
 
 # ---------------------------------------------------------------- analysis: metrics
 
-def covered(masses, truth_cells, level):
-    """Per case: whether the truth's grid cell lies in the highest-density region of `level` mass."""
+def highest_density(masses, level):
+    """Per case, the grid cells of the highest-density region holding `level` of the mass (booleans)."""
     order = torch.argsort(masses, 1, descending=True)
     sorted_masses = torch.gather(masses, 1, order)
     # A cell is inside when the mass of the cells denser than it is still short of the level.
     inside_sorted = (torch.cumsum(sorted_masses, 1) - sorted_masses) < level
-    inside = torch.zeros_like(inside_sorted).scatter(1, order, inside_sorted)
-    return inside[torch.arange(len(masses)), truth_cells]
+    return torch.zeros_like(inside_sorted).scatter(1, order, inside_sorted)
 
 
 def truth_cells(ctx, theta):
@@ -268,18 +267,44 @@ def truth_cells(ctx, theta):
 
 
 def metric_coverage(ctx):
-    """Per level: how often the truth lies in the learned and in the exact highest-density interval."""
+    """Per level: how often the truth lies in the learned ("joint") and the exact highest-density region."""
     learned, exact = grid_posteriors(ctx)
     theta = torch.from_numpy(ctx.require("cases").array("theta"))
-    cells = truth_cells(ctx, theta)
+    cells, cases = truth_cells(ctx, theta), torch.arange(len(theta))
     report = {}
     for level in ctx.analysis_settings["inference"]["levels"]:
         entry = {"nominal": level, "cases": len(theta)}
-        for name, masses in (("learned", learned), ("exact", exact)):
-            hits = covered(masses, cells, level)
+        # "joint" and "interval" are the names `nnpd.py report` reads (as for the bundled study).
+        for name, interval, masses in (("joint", "interval", learned), ("exact", "exact_interval", exact)):
+            hits = highest_density(masses, level)[cases, cells]
             entry[name] = float(hits.double().mean())
-            entry[f"{name}_interval"] = inference.wilson_interval(int(hits.sum()), len(theta))
+            entry[interval] = inference.wilson_interval(int(hits.sum()), len(theta))
         report[inference.level_key(level)] = entry
+    return report
+
+
+def metric_width(ctx):
+    """Per level: the mean length in θ of the learned and of the exact highest-density regions."""
+    learned, exact = grid_posteriors(ctx)
+    grid = theta_grid(ctx)
+    cell = float(grid[1] - grid[0])
+    report = {}
+    for level in ctx.analysis_settings["inference"]["levels"]:
+        report[inference.level_key(level)] = {
+            "mean": float(highest_density(learned, level).sum(1).double().mean()) * cell,
+            "exact_mean": float(highest_density(exact, level).sum(1).double().mean()) * cell}
+    return report
+
+
+def metric_bias(ctx):
+    """Error of the posterior mean of θ against the truth: learned and exact, signed and RMSE."""
+    learned, exact = grid_posteriors(ctx)
+    grid, theta = theta_grid(ctx), torch.from_numpy(ctx.require("cases").array("theta"))
+    report = {"cases": len(theta)}
+    for prefix, masses in (("", learned), ("exact_", exact)):
+        error = masses @ grid - theta
+        report[f"{prefix}signed"] = float(error.mean())
+        report[f"{prefix}rmse"] = float(error.square().mean().sqrt())
     return report
 
 
@@ -322,7 +347,7 @@ def draw_posteriors(ctx, figure):
 # ---------------------------------------------------------------- the analysis
 
 class DecayAnalysis:
-    """Analysis side: three products (cases, learned and exact scores), three metrics, one figure."""
+    """Analysis side: three products (cases, learned and exact scores), five metrics, one figure."""
 
     SOURCES = ()      # besides each build function and the module-level helpers it calls
 
@@ -338,6 +363,8 @@ class DecayAnalysis:
     metrics = {
         "classification": Metric(metric_classification),
         "coverage": Metric(metric_coverage, needs=("cases", "learned", "exact")),
+        "width": Metric(metric_width, needs=("learned", "exact")),
+        "bias": Metric(metric_bias, needs=("cases", "learned", "exact")),
         "agreement": Metric(metric_agreement, needs=("learned", "exact")),
     }
     plots = {"posteriors": Figure(draw_posteriors)}
