@@ -16,10 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO
-
-# What a copy of the repository leaves out: what .gitignore ignores, and the git folder.
-LEFT_OUT = shutil.ignore_patterns(".git", ".venv", "outputs", "__pycache__", "*.pyc", "*.egg-info", "build",
-                                  ".pytest_cache", ".hypothesis", "*.so")
+from test_docs import repository_copy
 
 
 def clean_environment():
@@ -48,8 +45,7 @@ def make_environment(venv):
 def installed(tmp_path_factory):
     """(venv folder, its site-packages) with nnpd installed from a copy of the repository."""
     work = tmp_path_factory.mktemp("install")
-    copy = work / "nnpd-copy"
-    shutil.copytree(REPO, copy, ignore=LEFT_OUT)
+    copy = repository_copy(work / "nnpd-copy")
     venv = work / "venv"
     purelib = make_environment(venv)
     result = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--no-deps", "--no-build-isolation",
@@ -122,3 +118,18 @@ def test_installed_script_runs_smoke_from_an_empty_directory(installed, tmp_path
     report = json.loads(again.stdout)
     assert report["settings_dir"] == str(root)
     assert report["configurations"][0]["jobs"][0]["workload"]["training_examples"] == 1024 * 3
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_installs_torch_alone_from_the_given_index(tmp_path):
+    def set_up_commands(*variables):
+        """The commands `make` would run to set up a virtual environment at tmp_path (none is run)."""
+        result = subprocess.run(["make", "-n", "-B", f"{tmp_path}/.ready", f"VENV={tmp_path}", *variables],
+                                cwd=REPO, capture_output=True, text=True, check=True)
+        return result.stdout.splitlines()
+
+    index = "file:///a/torch/wheel/index"
+    torch_line = next(line for line in set_up_commands(f"TORCH_INDEX_URL={index}") if "torch==" in line)
+    assert f'pip install --index-url "{index}" "torch==' in torch_line
+    assert all(index not in line for line in set_up_commands(f"TORCH_INDEX_URL={index}") if "torch==" not in line)
+    assert all("--index-url" not in line for line in set_up_commands())
