@@ -88,6 +88,14 @@ def test_the_paths_the_documents_name_exist():
             assert (REPO / path).exists(), f"{document.name} names {path}"
 
 
+def test_clusters_shows_the_tested_several_nodes_command():
+    def several_nodes(document):
+        return [line for line in document.read_text().splitlines() if line.startswith("torchrun --nnodes")]
+
+    # tests/test_distributed.py runs the README's line on the loopback interface
+    assert several_nodes(REPO / "docs" / "clusters.md") == several_nodes(REPO / "README.md") != []
+
+
 # ---------------------------------------------------------------- docs/clusters.md's promises
 
 def free_port():
