@@ -14,6 +14,7 @@ import contextlib
 import errno
 import io
 import json
+import os
 import shutil
 import sys
 import time
@@ -402,6 +403,9 @@ def main(argv=None):
         if disk_problem(error) is None:
             raise
         print(f"nnpd: error: {disk_problem(error)}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:                     # `nnpd plan | head`: the reader left
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except KeyboardInterrupt as error:
         print(f"nnpd: {one_line(error) or 'interrupted'}; everything committed so far is kept, and the same "

@@ -7,6 +7,7 @@ What the README calls "latest settings win" is implemented by `record_launch` an
 """
 import contextlib
 import hashlib
+import importlib.metadata
 import io
 import json
 import os
@@ -22,7 +23,7 @@ from store import ROOT_MARKER, now_iso, record_checksum, write_bytes_atomic, wri
 
 HISTORY_SLOTS = 3
 ANALYSIS_FILES = ("analysis.json", "metrics.json", "metrics", "plots", "timings.json")
-NNPD_ENTRIES = ("cache", "runs", "locks", "source", "damaged", "history.json", "timings.json", "report",
+NNPD_ENTRIES = ("cache", "scratch", "runs", "locks", "source", "damaged", "history.json", "timings.json", "report",
                 "settings_training.py", "settings_analysis.py", ROOT_MARKER)
 LEASE, WORKERS = "launch", "workers"          # lock names of the root's lease
 SNAPSHOT = re.compile(r"[0-9a-f]{16}\.zip")
@@ -158,6 +159,10 @@ def tidy_root(root, store):
     for path in _children(root / "source"):
         if path.name.startswith(".") and ".tmp-" in path.name:
             path.unlink(missing_ok=True)
+    for states in _children(root / "scratch"):
+        for state in _children(states):
+            if (root / "cache" / states.name / state.stem / "artifact.json").is_file():
+                state.unlink()                           # its artifact was committed after all
     for marks in _children(root / "locks"):
         if marks.name.startswith("launch-") and marks.is_dir():
             shutil.rmtree(marks, ignore_errors=True)     # marker folders of launches that died
@@ -249,9 +254,22 @@ def is_own_run(root, path):
 
 # ---------------------------------------------------------------- source snapshot and settings copies
 
+def code_files(code_dir):
+    """nnpd's own modules: those of the source tree, or of the installed package (not all of site-packages)."""
+    code_dir = Path(code_dir)
+    if (code_dir / "pyproject.toml").is_file():
+        return sorted(code_dir.glob("*.py"))
+    try:
+        installed = importlib.metadata.files("nnpd") or []
+    except importlib.metadata.PackageNotFoundError:
+        installed = []
+    found = sorted(code_dir / path.name for path in installed if path.suffix == ".py" and len(path.parts) == 1)
+    return found or sorted(code_dir.glob("*.py"))
+
+
 def source_snapshot(code_dir, training_path, analysis_path):
     """A deterministic zip of the code and the settings files, and its content hash."""
-    files = sorted(Path(code_dir).glob("*.py")) + [training_path, analysis_path]
+    files = code_files(code_dir) + [training_path, analysis_path]
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", zipfile.ZIP_DEFLATED) as archive:
         for index, path in enumerate(files):

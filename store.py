@@ -656,7 +656,7 @@ class Restored:
 
 # What restore needs of an experiment class: it instantiates only classes that have all of these.
 EXPERIMENT_METHODS = ("members", "problem", "prior", "data_recipe", "sample_data", "model_recipe",
-                      "build_model", "train", "validate", "workload", "describe")
+                      "build_model", "train", "validate", "workload", "describe", "input_size")
 ROOT_MARKER = ".nnpd-root"
 
 

@@ -42,13 +42,15 @@ class Figure:
                                   # of the Contexts of a configuration's cohort
 
 
-# What an analysis class supplies (an experiment's methods are store.EXPERIMENT_METHODS, which restore checks).
-ANALYSIS_MEMBERS = ("products", "metrics", "plots", "cohort_plots", "validate", "workload")
+# What an analysis class supplies (an experiment's methods are store.EXPERIMENT_METHODS, which restore checks),
+# and the attributes naming the code that shapes their artifacts.
+ANALYSIS_MEMBERS = ("products", "metrics", "plots", "cohort_plots", "validate", "workload", "SOURCES")
+EXPERIMENT_SOURCES = ("DATA_SOURCES", "MODEL_SOURCES")
 
 
 def load_class(spec, setting):
     """Import the experiment or analysis class named by a "module:Class" setting, checking its contract."""
-    members = EXPERIMENT_METHODS if setting == "experiment" else ANALYSIS_MEMBERS
+    members = EXPERIMENT_METHODS + EXPERIMENT_SOURCES if setting == "experiment" else ANALYSIS_MEMBERS
     try:
         cls = import_class(spec, ())
     except ImportError as error:

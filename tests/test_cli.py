@@ -110,21 +110,29 @@ def test_posterior_of_a_grid_prior_on_continuous_candidates_is_refused_at_plan_t
 
 def test_a_run_killed_mid_training_loses_nothing_committed(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out",
-                              training='settings["data"]["train"] = 40_000\nsettings["training"]["epochs"] = 3\n')
+                              training='settings["data"]["train"] = 40_000\nsettings["training"]["epochs"] = 3\n'
+                                       'settings["runtime"]["resume_seconds"] = 0.1\n')
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     process = subprocess.Popen([sys.executable, str(REPO / "nnpd.py"), "train", "--settings-dir", str(settings)],
                                env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     models = tmp_path / "out" / "cache" / "model"
+    states = tmp_path / "out" / "scratch" / "model"
+
+    def second_model_in_progress():
+        """A model is committed and another one's training state is saved: the kill lands mid-build."""
+        committed = {path.parent.name for path in models.glob("[0-9a-f]*/artifact.json")}
+        return committed and any(state.stem not in committed for state in states.glob("*.pt"))
+
     deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not list(models.glob("*/artifact.json")):
-        time.sleep(0.05)
-    os.kill(process.pid, signal.SIGKILL)           # somewhere in the second model's training
+    while time.monotonic() < deadline and not second_model_in_progress():
+        time.sleep(0.01)
+    os.kill(process.pid, signal.SIGKILL)
     process.wait()
-    first = {p: p.stat().st_mtime_ns for p in models.glob("*/artifact.json")}
+    first = {p: p.stat().st_mtime_ns for p in models.glob("[0-9a-f]*/artifact.json")}
     assert len(first) >= 1
     result = run_cli("train", "--settings-dir", str(settings))
     assert result.returncode == 0, result.stderr
-    after = {p: p.stat().st_mtime_ns for p in models.glob("*/artifact.json")}
+    after = {p: p.stat().st_mtime_ns for p in models.glob("[0-9a-f]*/artifact.json")}
     assert len(after) == 4 and all(after[p] == stamp for p, stamp in first.items())   # kept, not retrained
     verified = run_cli("verify", "--settings-dir", str(settings))
     assert verified.returncode == 0 and json.loads(verified.stdout)["damaged"] == []

@@ -5,7 +5,6 @@ import shlex
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -148,12 +147,10 @@ def test_a_rank_that_raises_mid_training_ends_the_launch_promptly(tmp_path):
         text = text.replace('"parallel": "jobs"', '"parallel": "ddp"').replace('"timeout_minutes": 5',
                                                                              '"timeout_minutes": 10')
         (settings / name).write_text(text.replace('"noise": 0.3}', '"noise": 0.3, "poison": True}'))
-    started = time.monotonic()
-    failed = torchrun("train", "--settings-dir", str(settings))
-    elapsed = time.monotonic() - started
+    # A rank left waiting would hang until the 10-minute group timeout, far past this 240 s guard.
+    failed = torchrun("train", "--settings-dir", str(settings), timeout=240)
     assert failed.returncode != 0
     assert "non-finite" in failed.stdout + failed.stderr                # the original error is visible
-    assert elapsed < 90, f"took {elapsed:.0f} s: a rank was left waiting"   # far below the 10-minute timeout
     assert [name for name, _ in cache_entries(tmp_path / "out")].count("model") == 0
     text = (settings / "settings_training.py").read_text()
     (settings / "settings_training.py").write_text(text.replace(', "poison": True', ""))

@@ -172,7 +172,9 @@ def test_workers_stop_when_the_agent_dies_and_a_relaunch_completes(tmp_path):
     wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state")
     process.kill()                                         # the agent alone, in the middle of training
     process.wait()
-    wait_for(lambda: not any(alive(pid) for pid in workers), "the orphaned workers to stop", seconds=20)
+    # Each worker notices within its watch interval (2 s) and stops within its grace (10 s).
+    wait_for(lambda: not any(alive(pid) for pid in workers), "the orphaned workers to stop", seconds=30)
+    settings = settings_for(tmp_path)                      # a shorter training for the relaunch
     again = finish(command(settings, workers=2))
     assert again.returncode == 0, again.stdout + again.stderr
     assert not list((tmp_path / "out" / "locks").glob("launch-*"))

@@ -1,0 +1,85 @@
+"""The code's shape: imports go one way, the framework never imports the bundled study, functions stay short."""
+import ast
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+MODULES = {path.stem: path for path in REPO.glob("*.py") if path.stem != "setup"}
+STUDY = {"gaussian", "gaussian_study", "gaussian_figures"}          # the bundled study's own modules
+MAY_IMPORT_THE_STUDY = STUDY | {"settings_training", "settings_analysis"}
+MAX_FUNCTION_LINES = 45
+
+
+def imported(path):
+    """Project modules a file imports anywhere (inside functions too)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module.split(".")[0])
+    return {name for name in found if name in MODULES and name != path.stem}
+
+
+GRAPH = {name: imported(path) for name, path in MODULES.items()}
+
+
+def cycle_from(start):
+    """An import cycle through start, as a list of modules, or None."""
+    pending = [(start, [start])]
+    seen = set()
+    while pending:
+        name, path = pending.pop()
+        for child in GRAPH[name]:
+            if child == start:
+                return path + [start]
+            if child not in seen:
+                seen.add(child)
+                pending.append((child, path + [child]))
+    return None
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_no_module_is_part_of_an_import_cycle(module):
+    assert cycle_from(module) is None
+
+
+def test_the_store_imports_nothing_from_the_project_and_restore_stays_there():
+    assert GRAPH["store"] == set()
+    assert "restore" in {node.name for node in ast.parse(MODULES["store"].read_text()).body
+                         if isinstance(node, ast.FunctionDef)}
+
+
+def test_only_the_study_and_the_settings_files_import_the_bundled_study():
+    importers = {name for name, imports in GRAPH.items() if imports & STUDY}
+    assert importers <= MAY_IMPORT_THE_STUDY, importers - MAY_IMPORT_THE_STUDY
+    assert "gaussian" in GRAPH["gaussian_study"] and {"runs", "jobs"} <= GRAPH["nnpd"]   # the scan sees imports
+
+
+def test_the_scan_counts_imports_inside_functions(tmp_path):
+    module = tmp_path / "sample.py"
+    module.write_text("import os\n\ndef late():\n    from store import restore\n    import runs.x\n")
+    assert imported(module) == {"store", "runs"}
+
+
+def long_functions(path):
+    """(name, lines) of the functions of a file longer than MAX_FUNCTION_LINES."""
+    return [(node.name, node.end_lineno - node.lineno + 1) for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES]
+
+
+FILES = sorted(set(REPO.glob("*.py")) | set(REPO.glob("tests/*.py")) | set(REPO.glob("bench/*.py"))
+               | set(REPO.glob("examples/**/*.py")))
+
+
+@pytest.mark.parametrize("path", FILES, ids=lambda path: str(path.relative_to(REPO)))
+def test_no_function_is_longer_than_the_limit(path):
+    allowed = {"base_settings", "make_settings"} if path.name.startswith("settings_") else set()
+    assert [(name, lines) for name, lines in long_functions(path) if name not in allowed] == []
+
+
+def test_nnpd_py_stays_a_readable_command_line():
+    assert len(MODULES["nnpd"].read_text().splitlines()) < 450
