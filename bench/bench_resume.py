@@ -13,6 +13,7 @@ batch 128, Adam, 5 epochs as in the default profile (a state is saved at each ep
 """
 
 import argparse
+import io
 import os
 import subprocess
 import sys
@@ -25,19 +26,17 @@ import torch  # noqa: E402
 
 import runtime  # noqa: E402
 import trainer  # noqa: E402
+from store import write_bytes_atomic  # noqa: E402
 from bench_trainer import make_data, make_model  # noqa: E402
 
 HIDDEN = [64, 64, 64, 64]
 
 
-def save_atomically(state: dict, path: str) -> None:
-    """Write to a temporary file, fsync it, then rename it over `path`."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "wb") as handle:
-        torch.save(state, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+def save_atomically(state, path):
+    """torch.save the state through the store's atomic write (temporary file, fsync, rename), as nnpd does."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_bytes_atomic(path, buffer.getvalue())
 
 
 class FileSaver:

@@ -10,6 +10,7 @@ import torch
 
 import runtime
 import trainer
+from store import write_bytes_atomic
 
 CPU = runtime.Runtime(device=torch.device("cpu"))
 SEED = 11
@@ -36,13 +37,10 @@ def make_model(seed=0, hidden=16):
 
 
 def save_atomically(state, path):
-    """Write to a temporary file, fsync, then rename over the target, as a caller should."""
-    temporary = f"{path}.tmp"
-    with open(temporary, "wb") as handle:
-        torch.save(state, handle)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    """torch.save the state through the store's atomic write (temporary file, fsync, rename), as nnpd does."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    write_bytes_atomic(path, buffer.getvalue())
 
 
 def load_if_present(path):
