@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+import probes
 import runtime
 from inference import classification_metrics
 from settings import SettingsError, integer, is_integer, is_number, known_keys, number, one_of
@@ -37,6 +38,9 @@ TRAINING_DEFAULTS = {
 OPTIMIZERS = ("adam", "adamw")
 CHECKPOINTS = ("best", "last")
 OBJECTIVES = ("bce", "balanced")
+# The phases of one training step (_step) and of DDP's gradient all-reduce within its backward pass.
+STEP_PHASES = ("train.forward", "train.loss", "train.backward", "train.optimizer")
+COMMUNICATE = "train.communicate"
 VALIDATION_CHUNK = 65536  # rows per validation forward, bounding memory on large sets
 # Written into every saved state; a state of another format is ignored, never misread.
 STATE_FORMAT = "nnpd-training-state-1"
@@ -491,9 +495,10 @@ class _HookRunner:
 
     def _save(self, state: TrainingState) -> None:
         """Save the whole state (a collective under DDP; rank 0 writes)."""
-        saved = _saved_state(state, self.rt, self.identity)
-        if saved is not None:
-            self.hooks.save_state(saved)
+        with probes.phase("train.save"):
+            saved = _saved_state(state, self.rt, self.identity)
+            if saved is not None:
+                self.hooks.save_state(saved)
         self.last_save = time.monotonic()
 
     def _stop(self, state: TrainingState) -> None:
@@ -662,26 +667,31 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, setti
 
 
 def _step(state: TrainingState, net, params, shard: tuple, batch_len: int, index: int, settings, rt) -> None:
-    """One optimizer step on this rank's shard of a global batch; records its loss and gradient norm."""
+    """One optimizer step on this rank's shard of a global batch; records its loss and gradient norm.
+
+    Its parts are timed as the phases train.forward, train.loss, train.backward (with DDP's
+    gradient communication inside) and train.optimizer (clipping included).
+    """
     xb, yb = shard
-    with _autocast(rt.device, settings["precision"]):
+    device = rt.device
+    with probes.phase("train.forward", device=device), _autocast(device, settings["precision"]):
         logits = net(xb).reshape(-1)
-    loss, record = batch_loss(logits.float(), yb, batch_len, settings, rt)
-    state.optimizer.zero_grad(set_to_none=True)
+    with probes.phase("train.loss", device=device):
+        loss, record = batch_loss(logits.float(), yb, batch_len, settings, rt)
     scaled, clip = state.scaler.is_enabled(), settings["gradient_clip"]
-    if scaled:
-        state.scaler.scale(loss).backward()
-    else:
-        loss.backward()
-    if clip is not None:
+    with probes.phase("train.backward", device=device):
+        state.optimizer.zero_grad(set_to_none=True)
+        (state.scaler.scale(loss) if scaled else loss).backward()
+    with probes.phase("train.optimizer", device=device):
+        if clip is not None:
+            if scaled:
+                state.scaler.unscale_(state.optimizer)
+            state.norms[index] = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         if scaled:
-            state.scaler.unscale_(state.optimizer)
-        state.norms[index] = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-    if scaled:
-        state.scaler.step(state.optimizer)
-        state.scaler.update()
-    else:
-        state.optimizer.step()
+            state.scaler.step(state.optimizer)
+            state.scaler.update()
+        else:
+            state.optimizer.step()
     state.batch_losses[index] = record
 
 
@@ -721,7 +731,8 @@ def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, s
     history = state.history
     train_loss = total.item() / history["rows_per_epoch"]
     history["train_loss"].append(train_loss)
-    metrics = _shared_validation(state.model, *validation, settings["precision"], rt)
+    with probes.phase("train.validation", device=rt.device):
+        metrics = _shared_validation(state.model, *validation, settings["precision"], rt)
     history["validation"].append(metrics)
     last = state.epoch + 1 == settings["epochs"]
     if (settings["checkpoint"] == "best" and metrics["bce"] < state.best_bce) or (
@@ -745,6 +756,43 @@ def _train_epochs(state: TrainingState, net, tensors: tuple, settings: dict, rt,
         metrics = _close_epoch(state, batch_losses, norms, (vx, vy), settings, rt)
         record = {**metrics, "seconds": time.monotonic() - began, "epochs": settings["epochs"]}
         runner.epoch_done(state, stop, record)
+
+
+def timed_allreduce(rt: runtime.Runtime):
+    """A DDP communication hook doing DDP's own averaging all-reduce, timed as the phase train.communicate.
+
+    A span runs from the hook's call (the bucket's gradients are ready) to the all-reduce's
+    completion, which may come in another thread (Gloo): its wall time then counts, its CPU
+    time not. With NNPD_PROBES_CUDA=1 on CUDA its device time is taken on a stream of its
+    own that waits for the gradients, then for the all-reduce, so the compute stream waits
+    for nothing more than it would. A bucket posted while another's span is still open
+    counts as nested (no time), so large models with several buckets are undercounted.
+    """
+    device, world = rt.device, rt.world_size
+    events = probes.DEVICE_TIMER is not None and device.type == "cuda"
+    timing = torch.cuda.Stream(device) if events else None
+
+    def hook(_, bucket):
+        """Average one bucket's gradients over the workers, timing the all-reduce."""
+        tensor = bucket.buffer().div_(world)   # what DDP's built-in hook divides before summing
+        if timing is None:
+            span = probes.phase(COMMUNICATE)
+            span.__enter__()
+        else:
+            timing.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(timing):
+                span = probes.phase(COMMUNICATE, device=device)
+                span.__enter__()
+        future = dist.all_reduce(tensor, async_op=True).get_future()
+
+        def close(done):
+            """End the span when the all-reduce is done; DDP reads the averaged bucket."""
+            if timing is not None:   # the callback's current stream has waited for the all-reduce
+                timing.wait_stream(torch.cuda.current_stream(device))
+            span.__exit__(None, None, None)
+            return done.value()[0]
+        return future.then(close)
+    return hook
 
 
 def _new_history(settings: dict, rows: int, rt: runtime.Runtime) -> dict:
@@ -773,6 +821,17 @@ def _new_state(model, settings: dict, rt: runtime.Runtime, seed: int, rows: int)
     )
 
 
+def _wrapped(model: torch.nn.Module, rt: runtime.Runtime):
+    """The network the steps call: the model itself, or under DDP its wrapper (with a timed all-reduce)."""
+    if not rt.ddp:
+        return model
+    device = rt.device
+    net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if probes.MODE != "off":
+        net.register_comm_hook(None, timed_allreduce(rt))
+    return net
+
+
 def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runtime.Runtime, seed: int,
           hooks: TrainingHooks | None = None):
     """Train a logit-returning classifier; returns (CPU state dict, history).
@@ -786,20 +845,17 @@ def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runti
     device = rt.device
     runtime.check_precision(settings["precision"], device)
     _check_data(data)
-    tensors = tuple(data[f"{part}_{kind}"].to(device=device, dtype=torch.float32)
-                    for part in ("train", "validation") for kind in ("inputs", "labels"))
-    model = model.to(device)
-    model.train()
-    net = model
-    if rt.ddp:
-        net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    rows = int(tensors[0].shape[0])
-    state = _new_state(model, settings, rt, seed, rows)
-    keeps_state = hooks is not None and (hooks.load_state is not None or hooks.saving)
-    identity = _identity(settings, seed, rt, tensors) if keeps_state else None
-    runner = _HookRunner(hooks, rt, identity, len(epoch_batches(rows, settings["batch_size"])))
+    with probes.phase("train.setup"):   # a process's first optimizer imports torch._dynamo (about 1 s)
+        tensors = tuple(data[f"{part}_{kind}"].to(device=device, dtype=torch.float32)
+                        for part in ("train", "validation") for kind in ("inputs", "labels"))
+        model = model.to(device)
+        model.train()
+        net = _wrapped(model, rt)
+        rows = int(tensors[0].shape[0])
+        state = _new_state(model, settings, rt, seed, rows)
+        keeps_state = hooks is not None and (hooks.load_state is not None or hooks.saving)
+        identity = _identity(settings, seed, rt, tensors) if keeps_state else None
+        runner = _HookRunner(hooks, rt, identity, len(epoch_batches(rows, settings["batch_size"])))
     # Dropout draws from torch's global stream: seed it per rank from the job's seed so the
     # same recipe gives the same weights whatever ran before in this process.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
