@@ -1,4 +1,5 @@
 """Timings of launches: timings.json per run and per launch, the table, the advice, NNPD_PROBES."""
+import inspect
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import pytest
 import torch
 
 import nnpd
+import study
 import timings
 from conftest import REPO, run_cli, write_settings
 from test_distributed import torchrun
@@ -181,3 +183,40 @@ def test_the_timed_allreduce_trains_bitwise_like_ddps_own(tmp_path):
         assert timed[objective]["history"]["train_loss"] == untimed[objective]["history"]["train_loss"]
         for name, tensor in untimed[objective]["weights"].items():
             assert torch.equal(timed[objective]["weights"][name], tensor), (objective, name)
+
+
+def test_jobs_mode_workers_time_their_own_jobs(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out")
+    done = torchrun("train", "--settings-dir", str(settings))
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = run_timings(tmp_path / "out")
+    assert len(records) == run_count(tmp_path / "out") == 4
+    workers = {tuple(record["training"]["workers"]) for record in records.values()}
+    assert workers == {("0",), ("1",)}                  # each run is timed by the one worker that did it
+    launch = json.loads((tmp_path / "out" / "timings.json").read_text())
+    assert set(launch["workers"]) == {"0", "1"} and len(launch["jobs"]) == 4
+    for rank, worker in launch["workers"].items():
+        assert worker["phases"]["train.forward"]["count"] > 0, rank
+    assert "train.communicate" not in done.stdout         # no DDP, no all-reduce
+
+
+# ---------------------------------------------------------------- a lighter launch path
+
+@pytest.mark.parametrize("name", ["gaussian_study:GaussianExperiment", "gaussian_study:GaussianAnalysis",
+                                  "toy_study:SlopeExperiment", "jobs:Launch", "store:Store",
+                                  "timings:LaunchTimer", "trainer:TrainingHooks"])
+def test_source_text_is_inspects_text(name):
+    module, _, attribute = name.partition(":")
+    cls = getattr(__import__(module), attribute)
+    assert study.source_text(cls) == inspect.getsource(cls)
+
+
+def test_source_text_falls_back_when_the_class_line_is_ambiguous(tmp_path, monkeypatch):
+    source = ("class Twice:\n    def one(self):\n        return 1\n\n\n"
+              "if True:\n    class Twice:\n        def two(self):\n            return 2\n")
+    (tmp_path / "twice_module.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import twice_module
+    path = inspect.getsourcefile(twice_module.Twice)
+    assert study.class_block(twice_module.Twice, path, source.splitlines(True)) is None   # methods lie elsewhere
+    assert study.source_text(twice_module.Twice) == inspect.getsource(twice_module.Twice)
