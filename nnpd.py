@@ -192,7 +192,7 @@ def plan_advice(profile, made):
 
 def training_identity(profile):
     """The digest that tells distinct training settings apart in history.json."""
-    return settings.digest(settings.to_jsonable(profile.training))
+    return settings.identity(profile.training)
 
 
 def latest_training(profile):
@@ -234,6 +234,10 @@ def execute(stage, profile=None, settings_dir=None):
             for warning in plan.warnings:
                 launch.log(f"warning: {warning}")
             return run_launch(launch, plan.jobs)
+    except OSError as error:
+        if disk_problem(error, root) is None:
+            raise
+        raise LaunchError(disk_problem(error, root)) from None
     finally:
         runtime.STOP.uninstall()
         runtime.stop(rt)
@@ -396,9 +400,9 @@ def one_line(error):
     return " ".join(str(error).split())
 
 
-def disk_problem(error):
+def disk_problem(error, root=None):
     """A one-line explanation of a full or unwritable disk, or None for other OS errors."""
-    where = error.filename or "the output root"
+    where = error.filename or root or "the output root"
     if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
         return f"cannot write {where}: the disk is full (or a file size limit was reached); free space and re-run"
     if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):

@@ -26,6 +26,7 @@ NNPD_ENTRIES = ("cache", "runs", "locks", "source", "damaged", "history.json", "
                 "settings_training.py", "settings_analysis.py", ROOT_MARKER)
 LEASE, WORKERS = "launch", "workers"          # lock names of the root's lease
 SNAPSHOT = re.compile(r"[0-9a-f]{16}\.zip")
+VARIANT = re.compile(r".+-[0-9a-f]{10}")       # a configuration folder's name ends with its digest
 
 
 class LaunchError(RuntimeError):
@@ -79,7 +80,19 @@ def claim_root(root, create):
                           f"earlier nnpd release: create the marker with `touch {marker}`)")
     if not create:
         raise LaunchError(f"{root}: nothing trained yet; run train first")
-    write_json_atomic(marker, {"created": now_iso(), "by": "nnpd"})
+    if root.is_dir():
+        write_json_atomic(marker, {"created": now_iso(), "by": "nnpd"})
+        return
+    # A new root appears at once with its marker, so a launch starting beside this one
+    # never sees it half made.
+    root.parent.mkdir(parents=True, exist_ok=True)
+    building = root.with_name(f".{root.name}.tmp-{os.getpid()}-{time.time_ns():x}")
+    write_json_atomic(building / ROOT_MARKER, {"created": now_iso(), "by": "nnpd"})
+    try:
+        os.rename(building, root)
+    except OSError:
+        shutil.rmtree(building, ignore_errors=True)
+        claim_root(root, create)             # someone else made it meanwhile: check theirs
 
 
 def refuse_links(root):
@@ -195,8 +208,12 @@ def trained_keys(run_dir):
     """(data key, model key) of a run whose status and artifacts agree that it is trained, else None."""
     status = read_json(run_dir / "status.json", {})
     used = read_json(run_dir / "artifacts.json", {})
+    record = read_json(run_dir / "run.json", {})
     model, data = status.get("model"), status.get("data")
-    if status.get("state") != "trained" or not model or Path(str(used.get("model"))).name != model \
+    if record and record.get("checksum") != record_checksum(record):
+        warn(f"{run_dir / 'run.json'} does not match its checksum; writing it again")
+        return None
+    if not record or status.get("state") != "trained" or not model or Path(str(used.get("model"))).name != model \
             or Path(str(used.get("training-data"))).name != data:
         return None
     return data, model
@@ -264,13 +281,13 @@ def copy_settings(root, profile):
 # ---------------------------------------------------------------- history: latest settings win
 
 def read_history(root):
-    """history.json, or one rebuilt from the run folders when it is missing its structure."""
-    history = read_json(root / "history.json", {})
-    entries = history.get("trainings")
+    """history.json's entries (none yet when it is missing), rebuilt from the run folders when damaged."""
+    if not (root / "history.json").exists():
+        return []
+    entries = read_json(root / "history.json", {}).get("trainings")
     if isinstance(entries, list) and all(_sound_entry(entry) for entry in entries):
         return entries
-    if (root / "history.json").exists():
-        warn(f"{root / 'history.json'} is not nnpd's history; rebuilding it from the run folders")
+    warn(f"{root / 'history.json'} is not nnpd's history; rebuilding it from the run folders")
     return _rebuilt_history(root)
 
 
@@ -331,7 +348,7 @@ def clean_up(root, store, runs, entries):
                 else:
                     warn(f"left alone: {run} (not a run folder nnpd made)")
         rest = [path for path in _children(variant) if path.name != "plots"]
-        if not rest:
+        if not rest and VARIANT.fullmatch(variant.name):
             if (variant / "plots").exists():
                 discard(variant / "plots")   # a configuration no longer trained, with its cohort figures
             variant.rmdir()
@@ -344,7 +361,7 @@ def clean_up(root, store, runs, entries):
 
 def latest_training_digest(root):
     """The digest of the output root's latest training, or None."""
-    entries = read_history(root) if (root / "history.json").exists() else []
+    entries = read_history(root)
     return entries[0]["digest"] if entries else None
 
 

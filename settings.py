@@ -316,10 +316,18 @@ def _with_value(settings, path, value):
     return changed
 
 
+def identity(settings):
+    """The digest of what settings compute: everything but where the results are written.
+
+    An output root can be moved or copied; its run folders keep their names.
+    """
+    return digest({key: value for key, value in to_jsonable(settings).items() if key != "output"})
+
+
 def _configuration(settings, knob, value, variant):
     """Build a Configuration with its digest."""
     return Configuration(settings=settings, knob=knob, value=value,
-                         variant=variant, digest=digest(settings))
+                         variant=variant, digest=identity(settings))
 
 
 def expand(settings):

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 
 from settings import (
     LAUNCH_INVARIANT, Choice, Configuration, Profile, SettingsError, canonical_json,
-    check_structure, digest, expand, load_profile, resolve, to_jsonable,
+    check_structure, digest, expand, identity, load_profile, resolve, to_jsonable,
 )
 
 
@@ -157,7 +157,7 @@ def test_two_choices_of_three_give_five():
     assert configs[4].settings["training"] == {"lr": 0.001, "epochs": 2}
     for c in configs:
         assert isinstance(c, Configuration)
-        assert c.digest == digest(c.settings)
+        assert c.digest == identity(c.settings) == identity({**c.settings, "output": {"root": "elsewhere"}})
     assert [c.name.rsplit("-", 1)[0] for c in configs] == [
         "baseline", "problem_dimension=2", "problem_dimension=3", "training_lr=0.01", "training_lr=0.001"]
     assert all(c.name.endswith(f"-{c.digest[:10]}") for c in configs)
