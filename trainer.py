@@ -774,7 +774,9 @@ def timed_allreduce(rt: runtime.Runtime):
 
     def hook(_, bucket):
         """Average one bucket's gradients over the workers, timing the all-reduce."""
-        tensor = bucket.buffer().div_(world)   # what DDP's built-in hook divides before summing
+        # DDP's own averaging multiplies each gradient by 1/world as it fills the bucket (not
+        # a division: with 3 workers the two differ in the last bit).
+        tensor = bucket.buffer().mul_(1.0 / world)
         if timing is None:
             span = probes.phase(COMMUNICATE)
             span.__enter__()

@@ -164,13 +164,16 @@ def test_ddp_launch_writes_both_workers_phases_with_communication(tmp_path):
     assert len(advice) == 1 and "of each training step" in advice[0]
 
 
-def ddp_worker_result(tmp_path, probes_mode):
-    """Weights and histories of the DDP test worker's two trainings, with the probes on or off."""
+def ddp_worker_result(tmp_path, probes_mode, workers=3):
+    """Weights and histories of the DDP test worker's two trainings, with the probes on or off.
+
+    Three workers: DDP scales each gradient by 1/3, which unlike 1/2 is not exact in floating point.
+    """
     output = tmp_path / f"{probes_mode}.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "NNPD_PROBES": probes_mode}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
                str(REPO / "tests" / "ddp_train_worker.py"), str(output), "train", "41", "40", "2", "cpu"]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
