@@ -296,8 +296,8 @@ def run_launch(launch, planned):
     if failures:
         raise LaunchError(f"{len(failures)} job(s) failed; first: {failures[0]}")
     launch.log(f"{launch.stage} done: results in {root / 'runs'}")
-    return {"stage": launch.stage, "profile": profile.name, "root": str(root), "runs": sorted(job.run for job in planned),
-            "advice": timed and timed["advice"]}
+    return {"stage": launch.stage, "profile": profile.name, "root": str(root),
+            "runs": sorted(job.run for job in planned), "advice": timed and timed["advice"]}
 
 
 def do_job(launch, job, trained=None):

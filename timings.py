@@ -153,10 +153,18 @@ def run_sections(old, parts, info):
         workers = {str(rank): part[stage] for rank, (part, _) in parts.items() if stage in part}
         new = {**info, "workers": workers} if workers else None
         stale = any(stage in redone for _, redone in parts.values()) or (stage == "analysis" and retrained)
-        chosen = new if stale or not isinstance(old.get(stage), dict) else old[stage]
+        chosen = new if stale or not sound_section(old.get(stage)) else old[stage]
         if chosen is not None:
             sections[stage] = chosen
     return sections
+
+
+def sound_section(section):
+    """Whether a section read back from a run's timings.json has the shape this module writes."""
+    workers = section.get("workers") if isinstance(section, dict) else None
+    return isinstance(workers, dict) and all(
+        isinstance(part, dict) and isinstance(part.get("wall_s"), (int, float)) and isinstance(part.get("phases"), dict)
+        for part in workers.values())
 
 
 def job_record(sections, device_type):
@@ -196,9 +204,11 @@ def table_lines(record, where):
     head = (f"timings: {len(record['workers'])} worker(s), {record['wall_s']:.1f} s wall, probes "
             f"{record['probes']}; every phase in {where}")
     if not phases:
-        return [head, "  no phases recorded (NNPD_PROBES=off): only job sizes were measured"]
+        why = "probes were off (NNPD_PROBES=off)" if record["probes"] == "off" else "no phase was timed"
+        return [head, f"  {why}: only the jobs' wall times were measured"]
     device = any("device_s" in phase for phase in phases.values())
-    lines = [head, f"  {'phase':28s} {'total':>9s} {'share':>6s} {'count':>8s}" + (f" {'device':>9s}" if device else "")]
+    columns = f"  {'phase':28s} {'total':>9s} {'share':>6s} {'count':>8s}"
+    lines = [head, columns + (f" {'device':>9s}" if device else "")]
     ranked = sorted(phases.items(), key=lambda item: -item[1]["total_s"])
     for name, phase in ranked[:TABLE_ROWS]:
         row = f"  {name:28s} {phase['total_s']:8.2f}s {phase['total_s'] / wall:6.1%} {phase['count']:8d}"
@@ -279,7 +289,8 @@ def plan_advice(root, costs, runtime_settings):
     if not record:
         line = advise(parallel, 1, list(costs.values()), "not measured yet")
         return f"estimated from the workload (no timings in {root} yet): {line}"
-    measured = {run: job.get("size_s") for run, job in record.get("jobs", {}).items() if isinstance(job, dict)}
+    jobs = record.get("jobs") if isinstance(record.get("jobs"), dict) else {}
+    measured = {run: job.get("size_s") for run, job in jobs.items() if isinstance(job, dict)}
     known = all(isinstance(measured.get(run), (int, float)) for run in costs)
     sizes = [measured[run] for run in costs] if known else list(costs.values())
     world = record.get("world_size", 1) if isinstance(record.get("world_size"), int) else 1

@@ -125,7 +125,7 @@ def test_probes_off_launch_works_and_records_no_phases(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["uniform"]\n')
     done = run_cli("train", "--settings-dir", str(settings), env={"NNPD_PROBES": "off"})
     assert done.returncode == 0, done.stderr
-    assert "no phases recorded (NNPD_PROBES=off)" in done.stdout and "\nadvice: " in done.stdout
+    assert "probes were off (NNPD_PROBES=off)" in done.stdout and "\nadvice: " in done.stdout
     (record,) = run_timings(tmp_path / "out").values()
     assert record["training"]["probes"] == "off" and record["training"]["workers"]["0"]["phases"] == {}
     assert record["training"]["workers"]["0"]["wall_s"] > 0
@@ -144,8 +144,8 @@ def test_a_bad_probes_switch_is_one_line_and_exit_two(tmp_path, name, value):
 
 
 def test_ddp_launch_writes_both_workers_phases_with_communication(tmp_path):
-    settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["runtime"]["parallel"] = "ddp"\n'
-                                                                           'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
+    ddp = 'settings["runtime"]["parallel"] = "ddp"\nsettings["cohort"]["priors"] = ["uniform", "grid"]\n'
+    settings = write_settings(tmp_path / "s", tmp_path / "out", training=ddp)
     done = torchrun("run", "--settings-dir", str(settings))
     assert done.returncode == 0, done.stdout + done.stderr
     records = run_timings(tmp_path / "out")
