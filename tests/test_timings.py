@@ -70,15 +70,20 @@ def test_communication_share_needs_device_time_on_cuda():
 
 
 def test_run_sections_keep_the_work_of_earlier_launches():
-    old = {"training": {"launch": "old"}, "analysis": {"launch": "old"}}
+    worked = {"0": {"wall_s": 9.0, "phases": {"train.forward": {"count": 1, "total_s": 8.0}}}}
+    old = {"training": {"launch": "old", "workers": worked}, "analysis": {"launch": "old", "workers": worked}}
     part = {"training": {"wall_s": 1.0, "phases": {}}, "analysis": {"wall_s": 2.0, "phases": {}}}
     reused = timings.run_sections(old, {0: (part, set())}, {"launch": "new"})
     assert reused == old                                  # nothing redone: the old sections stay
     analysed = timings.run_sections(old, {0: (part, {"analysis"})}, {"launch": "new"})
-    assert analysed["training"] == {"launch": "old"} and analysed["analysis"]["launch"] == "new"
+    assert analysed["training"] == old["training"] and analysed["analysis"]["launch"] == "new"
     retrained = timings.run_sections(old, {0: ({"training": part["training"]}, {"training"})}, {"launch": "new"})
     assert set(retrained) == {"training"} and retrained["training"]["launch"] == "new"   # old analysis dropped
     assert timings.run_sections({}, {0: (part, set())}, {"launch": "new"})["analysis"]["workers"]["0"]["wall_s"] == 2.0
+    damaged = {"training": {"launch": "old", "workers": {"0": {"wall_s": "9"}}}}
+    assert timings.run_sections(damaged, {0: (part, set())}, {"launch": "new"})["training"]["launch"] == "new"
+    assert timings.job_record(old, "cpu") == {"size_s": 18.0, "steps": {"step_s": 8.0, "communicate_s": 0.0,
+                                                                         "clock": "host", "device_type": "cpu"}}
 
 
 # ---------------------------------------------------------------- real launches
@@ -176,7 +181,7 @@ def ddp_worker_result(tmp_path, probes_mode, workers=3):
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={workers}",
                str(REPO / "tests" / "ddp_train_worker.py"), str(output), "train", "41", "40", "2", "cpu"]
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[:3000]
     return torch.load(output)["result"]
 
 
