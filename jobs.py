@@ -64,10 +64,9 @@ class Launch:
     timer: object = None                        # this worker's timings.LaunchTimer (made with the launch)
 
     def __post_init__(self):
-        """Start this worker's timings of the launch; the store's lookups and commits are timed too."""
+        """Start this worker's timings of the launch."""
         if self.timer is None:
             self.timer = timings.LaunchTimer(self.rt)
-        self.store.phase = probes.phase
 
     @property
     def owner(self):

@@ -249,6 +249,7 @@ def open_launch(launch):
     if PROBES_PROBLEM:
         raise SettingsError(PROBES_PROBLEM)
     rt, minutes = launch.rt, launch.rt.timeout_minutes
+    launch.store.phase = probes.phase    # the store's lookups and commits are timed too
     with contextlib.ExitStack() as held:
         snapshot = None
         if rt.is_main:
