@@ -15,6 +15,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.optim.adam import adam as adam_update
+from torch.optim.adamw import adamw as adamw_update
 
 import probes
 import runtime
@@ -178,7 +180,7 @@ class TrainingState:
     """All mutable training state of one rank in one place: saved and resumed as a whole."""
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: object   # a FunctionalAdam, or torch.optim's Adam/AdamW under float16's gradient scaler
     scaler: torch.amp.GradScaler
     generator: torch.Generator
     epoch: int = 0
@@ -239,8 +241,62 @@ def _fast_flag(device: torch.device) -> dict:
     return {"fused": True} if device.type in ("cpu", "cuda") else {"foreach": True}
 
 
-def make_optimizer(params, settings: dict, device: torch.device) -> torch.optim.Optimizer:
-    """Adam or AdamW with the settings' hyper-parameters."""
+class FunctionalAdam:
+    """Adam or AdamW as torch.optim's functional update, without a torch.optim.Optimizer.
+
+    The same tensors reach the same fused (or foreach) kernels as torch.optim.Adam(fused=True)
+    .step(), so the weights are bitwise the same; but no torch.optim.Optimizer is built, which
+    imports torch._dynamo (about 1 s of every training process, seen as the phase
+    train.setup). Its state_dict keeps torch.optim's per-parameter state, so saved training
+    states load either way.
+    """
+
+    def __init__(self, params, settings: dict, device: torch.device):
+        self.params = list(params)
+        self.update = adam_update if settings["optimizer"] == "adam" else adamw_update
+        beta1, beta2 = settings["betas"]
+        self.hyper = {"lr": settings["learning_rate"], "beta1": beta1, "beta2": beta2, "eps": settings["epsilon"],
+                      "weight_decay": settings["weight_decay"], "amsgrad": False, "maximize": False}
+        self.flags = _fast_flag(device)
+        self.param_groups = [{"params": self.params}]   # what clipping and the state checks read
+        self.state = [self._fresh_state(p) for p in self.params]
+
+    def _fresh_state(self, p) -> dict:
+        """Zero moments; as in torch.optim, the fused kernels keep the step count on the device."""
+        fused = self.flags.get("fused", False)
+        step = torch.zeros((), dtype=torch.float32, device=p.device) if fused else torch.tensor(0.0)
+        return {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients (always to None)."""
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One Adam step over the parameters that have a gradient."""
+        live = [(p, s) for p, s in zip(self.params, self.state) if p.grad is not None]
+        self.update([p for p, _ in live], [p.grad for p, _ in live], [s["exp_avg"] for _, s in live],
+                    [s["exp_avg_sq"] for _, s in live], [], [s["step"] for _, s in live],
+                    **self.flags, **self.hyper)
+
+    def state_dict(self) -> dict:
+        """torch.optim's layout: each parameter's state by index, and one parameter group."""
+        group = {**self.hyper, "params": list(range(len(self.params)))}
+        return {"state": {i: dict(s) for i, s in enumerate(self.state)}, "param_groups": [group]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore moments and step counts saved by state_dict (or by torch.optim's Adam)."""
+        for i, own in enumerate(self.state):
+            for name, value in state["state"].get(i, {}).items():
+                own[name].copy_(value)
+
+
+def make_optimizer(params, settings: dict, device: torch.device, scaled: bool = False):
+    """Adam or AdamW with the settings' hyper-parameters (torch.optim's only under a gradient scaler)."""
+    if not scaled:      # float16's GradScaler drives torch.optim's fused step itself
+        return FunctionalAdam(params, settings, device)
     cls = torch.optim.Adam if settings["optimizer"] == "adam" else torch.optim.AdamW
     return cls(
         params,
@@ -815,7 +871,8 @@ def _new_state(model, settings: dict, rt: runtime.Runtime, seed: int, rows: int)
     device = rt.device
     return TrainingState(
         model=model,
-        optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad], settings, device),
+        optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad], settings, device,
+                                 scaled=settings["precision"] == "float16"),
         scaler=torch.amp.GradScaler(device.type, enabled=settings["precision"] == "float16"),
         generator=runtime.seeded_generator(seed, "permutation"),
         device=device,
@@ -847,7 +904,7 @@ def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runti
     device = rt.device
     runtime.check_precision(settings["precision"], device)
     _check_data(data)
-    with probes.phase("train.setup"):   # a process's first optimizer imports torch._dynamo (about 1 s)
+    with probes.phase("train.setup"):
         tensors = tuple(data[f"{part}_{kind}"].to(device=device, dtype=torch.float32)
                         for part in ("train", "validation") for kind in ("inputs", "labels"))
         model = model.to(device)
