@@ -11,25 +11,31 @@ from conftest import REPO
 SETTINGS = {"learning_rate": 1e-3, "betas": [0.9, 0.999], "epsilon": 1e-8, "weight_decay": 0.01}
 
 
-def train_steps(make_optimizer, steps=20):
+CUDA = pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                          reason="needs a CUDA GPU (none visible)")])
+
+
+def train_steps(make_optimizer, device, steps=20):
     """Weights and optimizer state after a few steps of a tiny regression from a fixed start."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
+    model = torch.nn.Sequential(torch.nn.Linear(3, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1)).to(device)
     optimizer = make_optimizer(model.parameters())
     generator = torch.Generator().manual_seed(1)
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        model(torch.randn(16, 3, generator=generator)).pow(2).mean().backward()
+        model(torch.randn(16, 3, generator=generator).to(device)).pow(2).mean().backward()
         optimizer.step()
-    return [p.detach().clone() for p in model.parameters()], optimizer.state_dict()
+    return [p.detach().cpu() for p in model.parameters()], optimizer.state_dict()
 
 
+@pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("kind, reference", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)])
-def test_functional_adam_gives_bitwise_the_weights_of_torch_optim(kind, reference):
+def test_functional_adam_gives_bitwise_the_weights_of_torch_optim(kind, reference, device):
     settings = {**SETTINGS, "optimizer": kind}
-    ours, our_state = train_steps(lambda params: trainer.FunctionalAdam(params, settings, torch.device("cpu")))
+    ours, our_state = train_steps(lambda params: trainer.FunctionalAdam(params, settings, torch.device(device)),
+                                  device)
     theirs, their_state = train_steps(lambda params: reference(params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
-                                                                weight_decay=0.01, fused=True))
+                                                                weight_decay=0.01, fused=True), device)
     assert all(torch.equal(a, b) for a, b in zip(ours, theirs))
     assert set(our_state["state"]) == set(their_state["state"])
     for index, state in their_state["state"].items():
