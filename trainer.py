@@ -817,35 +817,59 @@ def _train_epochs(state: TrainingState, net, tensors: tuple, settings: dict, rt,
 def timed_allreduce(rt: runtime.Runtime):
     """A DDP communication hook doing DDP's own averaging all-reduce, timed as the phase train.communicate.
 
-    A span runs from the hook's call (the bucket's gradients are ready) to the all-reduce's
-    completion, which may come in another thread (Gloo): its wall time then counts, its CPU
-    time not. With NNPD_PROBES_CUDA=1 on CUDA its device time is taken on a stream of its
-    own that waits for the gradients, then for the all-reduce, so the compute stream waits
-    for nothing more than it would. A bucket posted while another's span is still open
-    counts as nested (no time), so large models with several buckets are undercounted.
+    DDP's own averaging multiplies each gradient by 1/world as it fills the bucket (not a
+    division: with 3 workers the two differ in the last bit), then sums over the workers.
     """
-    device, world = rt.device, rt.world_size
-    events = probes.DEVICE_TIMER is not None and device.type == "cuda"
-    timing = torch.cuda.Stream(device) if events else None
+    if rt.device.type == "cuda":
+        return _nccl_timed_allreduce(rt.device, rt.world_size)
+    return _gloo_timed_allreduce(rt.world_size)
+
+
+def _gloo_timed_allreduce(world: int):
+    """The CPU (Gloo) hook: each bucket's all-reduce is waited for inside the hook.
+
+    No Python then runs in Gloo's own threads: a Python callback there (what Future.then
+    would run) can abort the process when it exits meanwhile. The price, for models of
+    several buckets only (the bundled ones have one), is the all-reduce's overlap with the
+    rest of the backward pass.
+    """
 
     def hook(_, bucket):
         """Average one bucket's gradients over the workers, timing the all-reduce."""
-        # DDP's own averaging multiplies each gradient by 1/world as it fills the bucket (not
-        # a division: with 3 workers the two differ in the last bit).
         tensor = bucket.buffer().mul_(1.0 / world)
-        if timing is None:
-            span = probes.phase(COMMUNICATE)
-            span.__enter__()
-        else:
+        with probes.phase(COMMUNICATE):
+            dist.all_reduce(tensor)
+        done = torch.futures.Future()
+        done.set_result(tensor)
+        return done
+    return hook
+
+
+def _nccl_timed_allreduce(device: torch.device, world: int):
+    """The CUDA (NCCL) hook: a span from the hook's call to the all-reduce's completion callback.
+
+    NCCL completes the future as it enqueues the work, so the callback runs at once in this
+    thread and the host span is short. With NNPD_PROBES_CUDA=1 the device time is taken on a
+    stream of its own that waits for the gradients, then (in the callback, whose current
+    stream has waited for the all-reduce) for the all-reduce, so the compute stream waits
+    for nothing more than it would. A bucket posted while another's span is still open
+    counts as nested (no time).
+    """
+    timing = torch.cuda.Stream(device) if probes.DEVICE_TIMER is not None else None
+
+    def hook(_, bucket):
+        """Average one bucket's gradients over the workers, timing the all-reduce."""
+        tensor = bucket.buffer().mul_(1.0 / world)
+        if timing is not None:
             timing.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(timing):
-                span = probes.phase(COMMUNICATE, device=device)
-                span.__enter__()
+        with torch.cuda.stream(timing) if timing is not None else contextlib.nullcontext():
+            span = probes.phase(COMMUNICATE, device=device)
+            span.__enter__()
         future = dist.all_reduce(tensor, async_op=True).get_future()
 
         def close(done):
-            """End the span when the all-reduce is done; DDP reads the averaged bucket."""
-            if timing is not None:   # the callback's current stream has waited for the all-reduce
+            """End the span once the all-reduce is done; DDP reads the averaged bucket."""
+            if timing is not None:
                 timing.wait_stream(torch.cuda.current_stream(device))
             span.__exit__(None, None, None)
             return done.value()[0]
