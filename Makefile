@@ -3,6 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
+# The wheel index torch alone is installed from (e.g. one of a CUDA version); empty: pip's
+# own index, where PIP_INDEX_URL / PIP_EXTRA_INDEX_URL in the environment are honoured.
+TORCH_INDEX_URL ?=
 
 .PHONY: setup test smoke bench clean
 
@@ -14,7 +17,7 @@ setup: $(VENV)/.ready
 # compiler it is skipped and one line says that probes use the Python fallback.
 $(VENV)/.ready: pyproject.toml setup.py _probes.c
 	$(PYTHON) -m venv --system-site-packages $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH)"
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)") "$(TORCH)"
 	$(PY) -c "import numpy, pytest, hypothesis" 2>/dev/null || $(PY) -m pip install numpy pytest hypothesis
 	$(PY) -c "import setuptools" 2>/dev/null || $(PY) -m pip install setuptools
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install matplotlib \

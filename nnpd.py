@@ -454,7 +454,7 @@ def main(argv=None):
     except KeyboardInterrupt as error:
         print(f"nnpd: {one_line(error) or 'interrupted'}; everything committed so far is kept, and the same "
               "command resumes", file=sys.stderr)
-        return 143 if "SIGTERM" in str(error) else 130
+        return 143 if runtime.STOP.requested == "SIGTERM" else 130
 
 
 if __name__ == "__main__":

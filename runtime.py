@@ -135,6 +135,7 @@ class StopRequest:
 
     def install(self):
         """Handle SIGTERM and SIGINT (only possible in the main thread; elsewhere nothing changes)."""
+        self.requested = None
         if threading.current_thread() is not threading.main_thread():
             return
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -279,15 +280,25 @@ def _create_group(rt: Runtime, environ) -> None:
     if missing:
         raise SettingsError(f"WORLD_SIZE={rt.world_size} but {', '.join(missing)} not set; launch with torchrun")
     backend = "nccl" if rt.device.type == "cuda" else "gloo"
-    # env:// reads MASTER_ADDR/MASTER_PORT and uses torchrun's agent store when it offers one.
-    dist.init_process_group(
-        backend=backend,
-        init_method="env://",
-        rank=rt.rank,
-        world_size=rt.world_size,
-        timeout=timedelta(minutes=rt.timeout_minutes),
-    )
+    timeout = timedelta(minutes=rt.timeout_minutes)
+    dist.init_process_group(backend=backend, rank=rt.rank, world_size=rt.world_size, timeout=timeout,
+                            **_rendezvous(environ, rt.world_size, timeout))
     rt.owns_group = True
+
+
+def _rendezvous(environ, world_size, timeout) -> dict:
+    """How workers meet: torchrun's agent store, with keys of their own per restart, else env://.
+
+    The agent's store outlives a worker group, so after an elastic restart (torchrun
+    --max-restarts) a new worker could read the address a dead one left there; a prefix
+    per restart keeps every group's keys apart.
+    """
+    if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {"init_method": "env://"}
+    client = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size, is_master=False,
+                           timeout=timeout)
+    restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"nnpd/restart-{restart}", client)}
 
 
 def start(runtime_settings: dict | None, environ=None) -> Runtime:

@@ -1,6 +1,7 @@
 """Real torchrun launches of nnpd on CPU with Gloo: jobs mode, DDP, two nodes, failures."""
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -93,19 +94,44 @@ def test_ddp_run_trains_together_and_analyses_on_rank_zero(tmp_path):
     assert result.stdout.count("analyze ") >= 2 and "rank 1" not in result.stdout
 
 
+def readme_two_node_command():
+    """The README's several-nodes torchrun line, as tokens."""
+    lines = [line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("torchrun --nnodes")]
+    assert len(lines) == 1, "the README shows one several-nodes command"
+    return shlex.split(lines[0])
+
+
+def on_loopback(command, port, settings, rendezvous_id):
+    """A README torchrun command made to run here: one worker per node, 127.0.0.1, test settings."""
+    substitutes = {"torchrun": [sys.executable, "-m", "torch.distributed.run"], "nnpd.py": [str(REPO / "nnpd.py")]}
+    result = []
+    for token in command:
+        if token.startswith("--nproc_per_node="):
+            token = "--nproc_per_node=1"
+        elif token.startswith("--rdzv-endpoint="):
+            token = f"--rdzv-endpoint=127.0.0.1:{port}"
+        elif token.startswith("--rdzv-id="):
+            token = f"--rdzv-id={rendezvous_id}"
+        result += substitutes.get(token, [token])
+    profile = result.index("--profile")
+    return result[:profile] + ["--settings-dir", str(settings)] + result[profile + 2:]
+
+
+def test_the_readme_two_node_command_uses_a_c10d_rendezvous():
+    command = readme_two_node_command()
+    assert "--standalone" not in command and "--nnodes=2" in command and "--rdzv-backend=c10d" in command
+    assert any(token.startswith("--rdzv-endpoint=") for token in command)
+
+
 @pytest.mark.parametrize("parallel", ["jobs", "ddp"])
 def test_two_nodes_on_loopback(tmp_path, parallel):
+    """The README's several-nodes command, run as two agents on this machine."""
     settings = write_settings(tmp_path / "s", tmp_path / "out",
                               training=f'settings["runtime"]["parallel"] = "{parallel}"\n'
                                        'settings["cohort"]["priors"] = ["uniform", "normal"]\n')
-    port = free_port()
-    nodes = []
-    for node in range(2):
-        command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=1",
-                   "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=nnpd-{parallel}",
-                   str(REPO / "nnpd.py"), "run", "--settings-dir", str(settings)]
-        nodes.append(subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                      env=clean_environment(), cwd=REPO))
+    command = on_loopback(readme_two_node_command(), free_port(), settings, f"nnpd-{parallel}")
+    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              env=clean_environment(), cwd=REPO) for _ in range(2)]
     outputs = [node.communicate(timeout=TIMEOUT)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
     runs = run_folders(tmp_path / "out")

@@ -1,0 +1,208 @@
+"""The documentation runs: every block of the README and docs/ marked `# runs on CPU`, the
+paths they mention, the Slurm script of docs/clusters.md and a scheduler's preemption.
+
+A block is a fenced ```sh or ```python block whose first line is `# runs on CPU`. The
+blocks of one document run in order, in one fresh copy of the repository, as a reader
+would type them there; each must exit with status 0.
+"""
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, write_settings
+
+MARKER = "# runs on CPU"
+BLOCK = re.compile(r"^```(sh|python)\n(.*?)^```", re.MULTILINE | re.DOTALL)
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# What a copy of the repository leaves out: what .gitignore ignores, and the git folder.
+LEFT_OUT = shutil.ignore_patterns(".git", ".venv", "outputs", "__pycache__", "*.pyc", "*.egg-info", "build",
+                                  ".pytest_cache", ".hypothesis", "*.so")
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")
+TIMEOUT = 600
+
+
+def runnable_blocks(document):
+    """(language, code) of every block of a document marked as runnable on CPU, in order."""
+    return [(language, code) for language, code in BLOCK.findall(document.read_text())
+            if code.startswith(MARKER + "\n")]
+
+
+def repository_copy(target):
+    """A copy of the repository's files at `target` (no git folder, virtual environment or outputs)."""
+    shutil.copytree(REPO, target, ignore=LEFT_OUT)
+    return target
+
+
+def stand_ins(folder):
+    """A folder of commands as the documents name them: `python` and `torchrun` of this interpreter."""
+    folder.mkdir()
+    # Scripts, not links: a virtual environment's interpreter must be started by its own path.
+    for name, arguments in (("python", ""), ("torchrun", " -m torch.distributed.run")):
+        (folder / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{arguments} "$@"\n')
+        (folder / name).chmod(0o755)
+    return folder
+
+
+def reader_environment(code_dir, commands, extra=None):
+    """The environment of a reader at `code_dir`: CPU only, the stand-in commands first on PATH."""
+    environment = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    environment.update(PATH=f"{commands}{os.pathsep}{environment.get('PATH', '')}", PYTHONPATH=str(code_dir),
+                       CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    return {**environment, **(extra or {})}
+
+
+@pytest.mark.parametrize("name", [path.name for path in DOCUMENTS if runnable_blocks(path)])
+@pytest.mark.slow
+def test_the_documented_commands_run(name, tmp_path):
+    document = next(path for path in DOCUMENTS if path.name == name)
+    copy = repository_copy(tmp_path / "nnpd")
+    environment = reader_environment(copy, stand_ins(tmp_path / "bin"))
+    for language, code in runnable_blocks(document):
+        command = ["bash", "-euo", "pipefail", "-c", code] if language == "sh" else [sys.executable, "-c", code]
+        result = subprocess.run(command, cwd=copy, env=environment, capture_output=True, text=True, timeout=TIMEOUT)
+        assert result.returncode == 0, f"{name}, block:\n{code}\n--- output:\n{result.stdout}\n{result.stderr}"
+
+
+def test_every_document_has_blocks_that_run():
+    for document in [REPO / "README.md", REPO / "docs" / "storage.md", REPO / "docs" / "results.md",
+                     REPO / "docs" / "extending.md", REPO / "docs" / "devices.md"]:
+        assert runnable_blocks(document), document.name
+
+
+def test_the_paths_the_documents_name_exist():
+    mentioned = re.compile(r"(?<![\w/.<-])((?:docs|examples|bench|tests)/[\w.-]+(?:/[\w.-]+)*\.(?:md|py|sh|sbatch))")
+    for document in DOCUMENTS:
+        text = document.read_text()
+        links = re.findall(r"\]\(([^)#]+)\)", text)
+        for target in links:
+            assert (document.parent / target).exists(), f"{document.name} links to {target}"
+        for path in mentioned.findall(text):
+            assert (REPO / path).exists(), f"{document.name} names {path}"
+
+
+def test_clusters_shows_the_tested_several_nodes_command():
+    def several_nodes(document):
+        return [line for line in document.read_text().splitlines() if line.startswith("torchrun --nnodes")]
+
+    # tests/test_distributed.py runs the README's line on the loopback interface
+    assert several_nodes(REPO / "docs" / "clusters.md") == several_nodes(REPO / "README.md") != []
+
+
+# ---------------------------------------------------------------- docs/clusters.md's promises
+
+def free_port():
+    """A TCP port on the loopback interface that nobody listens on now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def slurm_stand_ins(folder):
+    """`srun` (starts its command once per node, here) and `scontrol show hostnames` (127.0.0.1 per node)."""
+    folder.mkdir()
+    (folder / "srun").write_text(
+        '#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\npids=()\n'
+        'for node in $(seq "$SLURM_JOB_NUM_NODES"); do "$@" & pids+=($!); done\n'
+        'status=0\nfor pid in "${pids[@]}"; do wait "$pid" || status=1; done\nexit $status\n')
+    (folder / "scontrol").write_text(
+        '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] || exit 2\n'
+        'for node in $(seq "$SLURM_JOB_NUM_NODES"); do echo 127.0.0.1; done\n')
+    for name in ("srun", "scontrol"):
+        (folder / name).chmod(0o755)
+    return folder
+
+
+@pytest.mark.slow
+def test_the_slurm_script_runs_a_two_node_launch(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out")
+    slurm = {"SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "4242",
+             "SLURM_SUBMIT_DIR": str(REPO), "NNPD_RDZV_PORT": str(free_port()), "NNPD_WORKERS_PER_NODE": "1",
+             "PYTHON": sys.executable}
+    environment = reader_environment(REPO, slurm_stand_ins(tmp_path / "bin"), slurm)
+    job = subprocess.Popen(["bash", str(REPO / "examples" / "slurm.sbatch"), "run", "--settings-dir", str(settings)],
+                           cwd=tmp_path, env=environment, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           start_new_session=True)
+    try:
+        output = job.communicate(timeout=TIMEOUT)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)        # the script, the srun stand-in and both torchrun agents
+        raise
+    assert job.returncode == 0, output
+    assert "2 nodes x 1 workers, rendezvous 127.0.0.1:" in output
+    analysed = list((tmp_path / "out" / "runs").glob("*/*/metrics.json"))
+    assert len(analysed) == 4
+
+
+def toy_settings(tmp_path, **training):
+    """The toy study's settings writing to tmp_path/out, with training sizes replaced (e.g. train=20000)."""
+    folder = tmp_path / "s"
+    folder.mkdir()
+    for name in ("settings_training.py", "settings_analysis.py"):
+        text = (REPO / "tests" / "toy_settings" / name).read_text().replace("OUTPUT_ROOT", str(tmp_path / "out"))
+        text = text.replace('"train": 2048', f'"train": {training.get("train", 2048)}')
+        (folder / name).write_text(text.replace('"epochs": 6', f'"epochs": {training.get("epochs", 6)}'))
+    return folder
+
+
+def toy_environment():
+    """The environment of a launch of the toy study (its module lives in tests/)."""
+    environment = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    return {**environment, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]), "OMP_NUM_THREADS": "1"}
+
+
+def wait_for_saved_state(root, process, seconds=300):
+    """Wait until a training state is saved under the root's scratch/ (or the process ended)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and process.poll() is None:
+        if list((root / "scratch" / "model").glob("*.pt")):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def children(pid):
+    """Process ids of a process's children (Linux /proc; none elsewhere)."""
+    return [int(child) for path in Path(f"/proc/{pid}/task").glob("*/children") for child in path.read_text().split()]
+
+
+def finish(agent, seconds=TIMEOUT):
+    """The output of a torchrun agent once it ends; past `seconds`, it and its workers are killed."""
+    try:
+        return agent.communicate(timeout=seconds)[0]
+    except subprocess.TimeoutExpired:
+        for pid in children(agent.pid) + [agent.pid]:
+            os.kill(pid, signal.SIGKILL)
+        agent.communicate()
+        raise
+
+
+def train_command(*launcher, settings):
+    """`nnpd.py train` of the given settings, after an optional launcher (torchrun and its options)."""
+    return [sys.executable, *launcher, str(REPO / "nnpd.py"), "train", "--settings-dir", str(settings)]
+
+
+@pytest.mark.slow
+def test_a_preempted_torchrun_launch_resumes(tmp_path):
+    """SIGTERM to the torchrun agent, as a scheduler sends it: the workers save, stop, and a re-run resumes."""
+    settings = toy_settings(tmp_path, train=20000, epochs=40)
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    agent = subprocess.Popen(train_command(*launcher, settings=settings), env=toy_environment(), text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    saved = wait_for_saved_state(tmp_path / "out", agent)
+    agent.send_signal(signal.SIGTERM)
+    output = finish(agent)
+    assert saved, "no training state was saved:\n" + output
+    assert agent.returncode != 0 and "training stopped on request" in output, output
+    again = subprocess.run(train_command(settings=settings), env=toy_environment(), capture_output=True, text=True,
+                           timeout=TIMEOUT)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed runs/" in again.stdout
+    assert len(list((tmp_path / "out" / "cache" / "model").glob("*/artifact.json"))) == 3

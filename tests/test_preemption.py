@@ -1,0 +1,194 @@
+"""Nothing trained is lost: resume inside a model after SIGKILL or SIGTERM, elastic restarts,
+workers that stop with their launcher, and models of every backend kept.
+
+Each test interrupts a real launch at a point it can observe (the first saved training
+state appearing in the store's scratch area), then checks that the final weights are
+bitwise those of an uninterrupted launch with the same settings in another output root.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO, run_cli, write_settings
+from test_distributed import clean_environment, free_port
+
+TRAINING = ('settings["data"]["train"] = 24_000\n'
+            'settings["training"]["epochs"] = 3\n'
+            'settings["training"]["batch_size"] = 64\n'
+            'settings["cohort"]["priors"] = ["uniform"]\n'
+            'settings["runtime"]["resume_seconds"] = 0.2\n')
+DDP = 'settings["runtime"]["parallel"] = "ddp"\n'
+
+
+def settings_for(folder, extra=""):
+    """Tiny settings (one prior) that train long enough to be interrupted."""
+    return write_settings(folder / "s", folder / "out", training=TRAINING + extra)
+
+
+def command(settings, action="train", workers=1, restarts=0):
+    """The nnpd command line, under torchrun when several workers are asked for."""
+    if workers == 1:
+        return [sys.executable, str(REPO / "nnpd.py"), action, "--settings-dir", str(settings)]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={workers}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={restarts}",
+            str(REPO / "nnpd.py"), action, "--settings-dir", str(settings)]
+
+
+def start(arguments):
+    """Start a launch in a session of its own (so its whole process group can be killed)."""
+    return subprocess.Popen(arguments, env=clean_environment(), cwd=REPO, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def finish(arguments):
+    """Run a launch to its end; returns the completed process."""
+    return subprocess.run(arguments, env=clean_environment(), cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def wait_for(condition, what, seconds=300):
+    """Poll until condition() holds (a deadline only guards against hanging)."""
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, f"gave up waiting for {what}"
+        time.sleep(0.02)
+
+
+def saved_states(root):
+    """Training states saved in the store's scratch area."""
+    return list(Path(root, "scratch", "model").glob("*.pt"))
+
+
+def weights(root):
+    """{model key: state dict} of every committed model."""
+    return {path.parent.name: torch.load(path, weights_only=True) for path in Path(root).glob("cache/model/*/weights.pt")}
+
+
+def assert_bitwise_equal(ours, reference):
+    """Same models, every tensor bitwise equal."""
+    assert ours.keys() == reference.keys() and ours
+    for key in ours:
+        assert all(torch.equal(ours[key][name], reference[key][name]) for name in reference[key]), key
+
+
+def worker_pids(agent):
+    """{rank: pid} of the processes torchrun's agent started."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            environment = (entry / "environ").read_bytes().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        rank = [item[5:] for item in environment if item.startswith(b"RANK=")]
+        if parent == agent and rank:
+            found[int(rank[0])] = int(entry.name)
+    return found
+
+
+def alive(pid):
+    """Whether a process exists and is not a zombie."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted single-process and 2-rank DDP trainings of the same settings."""
+    found = {}
+    for name, extra, workers in (("single", "", 1), ("ddp", DDP, 2)):
+        folder = tmp_path_factory.mktemp(name)
+        done = finish(command(settings_for(folder, extra), workers=workers))
+        assert done.returncode == 0, done.stdout + done.stderr
+        found[name] = weights(folder / "out")
+    return found
+
+
+def test_sigkill_mid_training_then_the_same_command_resumes_bitwise(tmp_path, reference):
+    settings = settings_for(tmp_path)
+    process = start(command(settings))
+    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state")
+    process.kill()
+    process.wait()
+    assert not weights(tmp_path / "out")                   # killed inside the model
+    again = finish(command(settings))
+    assert again.returncode == 0, again.stderr
+    assert "resumed" in again.stdout and not saved_states(tmp_path / "out")
+    assert_bitwise_equal(weights(tmp_path / "out"), reference["single"])
+
+
+def test_sigterm_saves_and_exits_with_one_line_then_resumes_bitwise(tmp_path, reference):
+    settings = settings_for(tmp_path)
+    process = start(command(settings))
+    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state")
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "same command" in lines[0] and "Traceback" not in stderr, stderr
+    again = finish(command(settings))
+    assert again.returncode == 0 and "resumed" in again.stdout, again.stderr
+    assert_bitwise_equal(weights(tmp_path / "out"), reference["single"])
+
+
+def test_a_killed_ddp_launch_resumes_bitwise(tmp_path, reference):
+    settings = settings_for(tmp_path, DDP)
+    process = start(command(settings, workers=2))
+    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state")
+    os.killpg(process.pid, signal.SIGKILL)                 # the agent and both workers
+    process.wait()
+    again = finish(command(settings, workers=2))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "resumed" in again.stdout
+    assert_bitwise_equal(weights(tmp_path / "out"), reference["ddp"])
+
+
+def test_an_elastic_restart_after_a_killed_rank_resumes_bitwise(tmp_path, reference):
+    settings = settings_for(tmp_path, DDP)
+    process = start(command(settings, workers=2, restarts=1))
+    wait_for(lambda: saved_states(tmp_path / "out") and 1 in worker_pids(process.pid), "a saved state")
+    os.kill(worker_pids(process.pid)[1], signal.SIGKILL)
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stdout + stderr
+    assert "resumed" in stdout
+    assert_bitwise_equal(weights(tmp_path / "out"), reference["ddp"])
+
+
+def test_workers_stop_when_the_agent_dies_and_a_relaunch_completes(tmp_path):
+    settings = settings_for(tmp_path, 'settings["training"]["epochs"] = 500\n')   # minutes of training
+    process = start(command(settings, workers=2))
+    wait_for(lambda: len(worker_pids(process.pid)) == 2, "two workers")
+    workers = list(worker_pids(process.pid).values())
+    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state")
+    process.kill()                                         # the agent alone, in the middle of training
+    process.wait()
+    wait_for(lambda: not any(alive(pid) for pid in workers), "the orphaned workers to stop", seconds=20)
+    again = finish(command(settings, workers=2))
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert not list((tmp_path / "out" / "locks").glob("launch-*"))
+
+
+def test_switching_backends_keeps_the_models_of_both(tmp_path):
+    settings = write_settings(tmp_path / "s", tmp_path / "out",
+                              training=DDP + 'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
+    for workers in (2, 1):
+        done = finish(command(settings, workers=workers))
+        assert done.returncode == 0, done.stdout + done.stderr
+    models = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("cache/model/*/weights.pt")}
+    assert len(models) == 4                                # two priors, two backends (world size 2 and 1)
+    third = finish(command(settings, workers=2))
+    assert third.returncode == 0, third.stdout + third.stderr
+    assert third.stdout.count("reused") >= 2 and "epoch" not in third.stdout
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("cache/model/*/weights.pt")} == models
+    history = json.loads((tmp_path / "out" / "history.json").read_text())["trainings"]
+    assert len(history) == 1 and len(history[0]["backends"]) == 2
