@@ -16,9 +16,11 @@ from pathlib import Path
 
 import torch
 
+import probes
 import runs
 import runtime
 import study
+import timings
 from runs import LaunchError
 from settings import digest
 from store import DamagedArtifact, Store, now_iso, write_bytes_atomic, write_json_atomic
@@ -59,6 +61,12 @@ class Launch:
     id: str = ""
     waits: int = 0
     used: set = field(default_factory=set)      # keys of every artifact this worker's jobs used
+    timer: object = None                        # this worker's timings.LaunchTimer (made with the launch)
+
+    def __post_init__(self):
+        """Start this worker's timings of the launch."""
+        if self.timer is None:
+            self.timer = timings.LaunchTimer(self.rt)
 
     @property
     def owner(self):
@@ -88,6 +96,11 @@ class Launch:
         self.waits += 1
         name = f"{self.waits}-{step}"
         (self.marks / f"{name}-{self.rt.rank}").touch()
+        with probes.phase("launch.wait"):
+            self.wait_for_marks(name, step)
+
+    def wait_for_marks(self, name, step):
+        """Wait until every worker has touched the mark `name`, or one stopped answering."""
         while True:
             missing = [rank for rank in range(self.rt.world_size) if not (self.marks / f"{name}-{rank}").exists()]
             if not missing:
@@ -150,7 +163,8 @@ def model_recipe(job, data_key, identity):
 
 def write_data(job, writer):
     """Build the training-data artifact."""
-    arrays = job.experiment.sample_data(job.member)
+    with probes.phase("data.sample"):
+        arrays = job.experiment.sample_data(job.member)
     for name, array in arrays.items():
         writer.array(name, array)
     return {"rows": {name: int(array.shape[0]) for name, array in arrays.items() if name.endswith("_labels")}}
@@ -166,13 +180,20 @@ def write_model(writer, state, history):
 # ---------------------------------------------------------------- training
 
 def train_job(launch, job):
-    """Get or sample the data, then get or train the model; status becomes `trained`."""
+    """Get or sample the data, then get or train the model; status becomes `trained` (timed as a stage)."""
+    with launch.timer.stage("training"):
+        return get_trained(launch, job)
+
+
+def get_trained(launch, job):
+    """The job's data and model, reused or made now."""
     store, rt, run_dir = launch.store, launch.rt, launch.root / job.run
     recipe_of_data = data_recipe(job)
     data_key = store.key("training-data", recipe_of_data)
     recipe = model_recipe(job, data_key, launch.identity)
     current = launch.owner and runs.trained_keys(run_dir) == (data_key, store.key("model", recipe))
     if launch.owner and not current:
+        launch.timer.did_work("training")
         runs.start_run(launch.root, job.run, run_record(launch, job), rt.rank)
     data = find_intact(store, "training-data", data_key)
     if data is None:
@@ -295,7 +316,13 @@ def describe_backend(identity):
 # ---------------------------------------------------------------- analysis
 
 def analyze_job(launch, job, data, model):
-    """Compute the selected metrics of one trained model, building products lazily."""
+    """Compute the selected metrics of one trained model, building products lazily (timed as a stage)."""
+    with launch.timer.stage("analysis"):
+        return analyze_model(launch, job, data, model)
+
+
+def analyze_model(launch, job, data, model):
+    """The metrics of one trained model, reused when its model, code and settings are unchanged."""
     run_dir = launch.root / job.run
     settings = job.analysis.settings
     done = runs.read_json(run_dir / "analysis.json", {})
@@ -304,6 +331,7 @@ def analyze_job(launch, job, data, model):
             and done.get("settings") == settings and set(metrics) == set(settings["metrics"])):
         launch.used |= set(done.get("artifacts", []))
         return metrics                   # same model, code and settings: nothing to do
+    launch.timer.did_work("analysis")
     runs.clear_analysis(run_dir)
     record = {"settings": settings, "source": launch.snapshot, "model": model.key, "worker": launch.rt.rank}
     write_json_atomic(run_dir / "analysis.json", {"state": "running", **record, "time": now_iso()})
@@ -311,7 +339,8 @@ def analyze_job(launch, job, data, model):
                         run_dir, launch.store, data, model, progress=CaseProgress(launch, job.run))
     values = {}
     for name in settings["metrics"]:
-        values[name] = job.analysis.metrics[name].compute(ctx)
+        with probes.phase(f"metric.{name}"):
+            values[name] = job.analysis.metrics[name].compute(ctx)
         write_json_atomic(run_dir / "metrics" / f"{name}.json", values[name])
     write_json_atomic(run_dir / "metrics.json", values)
     draw_figures(job.analysis.plots, settings["plots"], ctx, run_dir / "plots", settings["plotting"])
@@ -377,11 +406,12 @@ def draw_figures(figures, selected, target, folder, plotting):
 
     fmt, dpi = plotting.get("format", "png"), plotting.get("dpi", 120)
     for name in selected:
-        figure = Figure(figsize=(12, 7), layout="constrained")
-        figures[name].draw(target, figure)
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format=fmt, dpi=dpi)
-        write_bytes_atomic(folder / f"{name}.{fmt}", buffer.getvalue())
+        with probes.phase(f"figure.{name}"):
+            figure = Figure(figsize=(12, 7), layout="constrained")
+            figures[name].draw(target, figure)
+            buffer = io.BytesIO()
+            figure.savefig(buffer, format=fmt, dpi=dpi)
+            write_bytes_atomic(folder / f"{name}.{fmt}", buffer.getvalue())
 
 
 def cohort_figures(launch, jobs, trained):

@@ -22,16 +22,45 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import jobs
-import results
-import runs
-import runtime
-import settings
-import study
-from jobs import Job, Launch
-from runs import LaunchError
-from settings import SettingsError
-from store import ROOT_MARKER, DamagedArtifact, Store, write_bytes_atomic
+PROBES_SWITCHES = ("NNPD_PROBES", "NNPD_PROBES_CUDA")
+
+
+def import_probes():
+    """The probes module, and what is wrong with NNPD_PROBES or NNPD_PROBES_CUDA as one line (else None).
+
+    probes raises ProbesError when imported with a bad value; it is then imported
+    switched off, so that every module still imports and `main` says what to fix.
+    """
+    try:
+        import probes
+        return probes, None
+    except RuntimeError as error:
+        if type(error).__name__ != "ProbesError":
+            raise
+        problem = " ".join(str(error).split())
+    saved = {name: os.environ.pop(name) for name in PROBES_SWITCHES if name in os.environ}
+    os.environ["NNPD_PROBES"] = "off"
+    try:
+        import probes
+    finally:
+        os.environ.pop("NNPD_PROBES")
+        os.environ.update(saved)
+    return probes, problem
+
+
+probes, PROBES_PROBLEM = import_probes()   # before every module that imports probes
+
+import jobs  # noqa: E402
+import results  # noqa: E402
+import runs  # noqa: E402
+import runtime  # noqa: E402
+import settings  # noqa: E402
+import study  # noqa: E402
+import timings  # noqa: E402
+from jobs import Job, Launch  # noqa: E402
+from runs import LaunchError  # noqa: E402
+from settings import SettingsError  # noqa: E402
+from store import ROOT_MARKER, DamagedArtifact, Store, write_bytes_atomic  # noqa: E402
 
 ACTIONS = ("plan", "train", "analyze", "run", "verify", "report")
 CODE_DIR = Path(__file__).resolve().parent
@@ -149,7 +178,14 @@ def plan_report(profile, plan):
 def plan(profile=None, settings_dir=None):
     """Resolve and validate every configuration and member; compute and write nothing."""
     loaded = load(profile, settings_dir)
-    return plan_report(loaded, make_plan(loaded))
+    made = make_plan(loaded)
+    return {**plan_report(loaded, made), "advice": plan_advice(loaded, made)}
+
+
+def plan_advice(profile, made):
+    """Which runtime.parallel suits the planned jobs: from the root's timings.json, else estimated."""
+    costs = {job.run: jobs.job_cost(job) for job in made.jobs}
+    return timings.plan_advice(profile.training["output"]["root"], costs, profile.training.get("runtime"))
 
 
 # ---------------------------------------------------------------- the launch
@@ -210,16 +246,20 @@ def execute(stage, profile=None, settings_dir=None):
 @contextlib.contextmanager
 def open_launch(launch):
     """Rank 0 claims the root, holds its lease and tidies it; then every worker joins the launch."""
+    if PROBES_PROBLEM:
+        raise SettingsError(PROBES_PROBLEM)
     rt, minutes = launch.rt, launch.rt.timeout_minutes
+    launch.store.phase = probes.phase    # the store's lookups and commits are timed too
     with contextlib.ExitStack() as held:
         snapshot = None
         if rt.is_main:
-            runs.claim_root(launch.root, create=launch.stage != "analyze")
-            held.enter_context(runs.take_lease(launch.store, minutes))
-            runs.wait_for_leftovers(launch.store, minutes)
-            runs.refuse_links(launch.root)
-            runs.tidy_root(launch.root, launch.store)
-            snapshot = runs.write_snapshot(launch.root, CODE_DIR, launch.profile)
+            with probes.phase("launch.open"):
+                runs.claim_root(launch.root, create=launch.stage != "analyze")
+                held.enter_context(runs.take_lease(launch.store, minutes))
+                runs.wait_for_leftovers(launch.store, minutes)
+                runs.refuse_links(launch.root)
+                runs.tidy_root(launch.root, launch.store)
+                snapshot = runs.write_snapshot(launch.root, CODE_DIR, launch.profile)
         launch.snapshot, launch.id = runtime.broadcast_object(rt, (snapshot, f"{time.time_ns():x}"))
         held.enter_context(runs.join_launch(launch.store, minutes))
         if rt.distributed:
@@ -236,17 +276,20 @@ def run_launch(launch, planned):
         trained = {job.run: jobs.trained_artifacts(launch, job) for job in planned}
     launch.log(f"{launch.stage} {profile.name}: {len(planned)} jobs, device {rt.device}, {rt.world_size} worker(s), "
                f"parallel={rt.parallel}, output {root}")
-    failures = []
+    failures, timed = [], None
     for job in jobs.claim_jobs(launch, planned):
-        failure = do_job(launch, job, trained.get(job.run))
+        with launch.timer.job(launch, job):
+            failure = do_job(launch, job, trained.get(job.run))
         if failure:
             failures.append(failure)
             print(f"[nnpd rank {rt.rank}] {failure}", file=sys.stderr, flush=True)
     launch.wait_for_workers("jobs-done")
-    gathered = runtime.all_gather_object(rt, (failures, sorted(launch.used)))
-    failures = [failure for part, _ in gathered for failure in part]
+    gathered = runtime.all_gather_object(rt, (failures, sorted(launch.used), launch.timer.worker_record()))
+    failures = [failure for part, _, _ in gathered for failure in part]
     if rt.is_main and not failures:
-        finish_launch(launch, planned, trained, {key for _, used in gathered for key in used})
+        with probes.phase("launch.finish"):
+            finish_launch(launch, planned, trained, {key for _, used, _ in gathered for key in used})
+        timed = launch.timer.report(launch, [record for _, _, record in gathered])
     launch.wait_for_workers("finished")
     runtime.barrier(rt)   # everyone is past the marks: rank 0 removes them
     if rt.is_main and rt.distributed:
@@ -254,7 +297,8 @@ def run_launch(launch, planned):
     if failures:
         raise LaunchError(f"{len(failures)} job(s) failed; first: {failures[0]}")
     launch.log(f"{launch.stage} done: results in {root / 'runs'}")
-    return {"stage": launch.stage, "profile": profile.name, "root": str(root), "runs": sorted(job.run for job in planned)}
+    return {"stage": launch.stage, "profile": profile.name, "root": str(root),
+            "runs": sorted(job.run for job in planned), "advice": timed and timed["advice"]}
 
 
 def do_job(launch, job, trained=None):
@@ -391,6 +435,9 @@ def main(argv=None):
     """Run the command line; returns the exit status."""
     arguments = parse_arguments(sys.argv[1:] if argv is None else argv)
     warnings.formatwarning = lambda message, *_, **__: f"nnpd: warning: {one_line(message)}\n"
+    if PROBES_PROBLEM:
+        print(f"nnpd: settings error: {PROBES_PROBLEM}", file=sys.stderr)
+        return 2
     try:
         return run_action(arguments)
     except SettingsError as error:

@@ -415,14 +415,24 @@ def _damaged_error(path, reason):
 
 # ---------------------------------------------------------------- store
 
-class Store:
-    """Content-addressed artifacts under one output root (nothing is created until a write)."""
+def untimed(name):
+    """The default timing of a Store: none (a context manager that does nothing)."""
+    return contextlib.nullcontext()
 
-    def __init__(self, root):
+
+class Store:
+    """Content-addressed artifacts under one output root (nothing is created until a write).
+
+    `phase(name)` returns a context manager timing the store's lookups ("store.verify")
+    and commits ("store.commit"); a launch passes its probes, the default times nothing.
+    """
+
+    def __init__(self, root, phase=untimed):
         self.root = Path(root)
         self.cache = self.root / "cache"
         self.locks = self.root / "locks"
         self.damaged = self.root / "damaged"
+        self.phase = phase
 
     def __repr__(self):
         return f"Store({str(self.root)!r})"
@@ -468,7 +478,8 @@ class Store:
     def find(self, name, key):
         """Return the committed artifact for key, None if absent; DamagedArtifact if damaged."""
         path = self._dir(name, key)
-        art, reason = _open(path)
+        with self.phase("store.verify"):
+            art, reason = _open(path)
         if reason:
             raise _damaged_error(path, reason)
         return art
@@ -476,7 +487,8 @@ class Store:
     def artifact_at(self, path):
         """Open a committed artifact from its directory path."""
         path = Path(path)
-        art, reason = _open(path)
+        with self.phase("store.verify"):
+            art, reason = _open(path)
         if reason:
             raise _damaged_error(path, reason)
         if art is None:
@@ -487,7 +499,8 @@ class Store:
         """Return the artifact for (name, recipe), building it once under its lock if needed."""
         key = self.key(name, recipe)
         path = self._dir(name, key)
-        art, reason = _open(path)
+        with self.phase("store.verify"):
+            art, reason = _open(path)
         if art is not None:
             return art  # cache hit: no lock
         if build is None:
@@ -540,17 +553,23 @@ class Store:
             if produced is not None and not isinstance(produced, dict):
                 raise TypeError(f"build for artifact {name!r} must return a metadata dict or None, got {type(produced).__name__}")
             meta = {**(metadata or {}), **(produced or {})}
-            manifest = {"schema": SCHEMA, "name": name, "key": key, "created": now_iso(),
-                        "metadata": meta, "recipe": recipe, "files": writer.finish()}
-            _write_synced(tmp / MANIFEST, _pretty_json(manifest, f"manifest of {name!r}").encode("utf-8"))
-            _fsync_dir(tmp)
-            final = parent / key
-            os.rename(tmp, final)
+            with self.phase("store.commit"):
+                final, manifest = self._commit(name, key, recipe, writer, meta, tmp)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        _fsync_dir(parent)
         return Artifact(final, manifest)
+
+    def _commit(self, name, key, recipe, writer, meta, tmp):
+        """Checksum and sync the built files, write the manifest last, rename into place; (path, manifest)."""
+        manifest = {"schema": SCHEMA, "name": name, "key": key, "created": now_iso(),
+                    "metadata": meta, "recipe": recipe, "files": writer.finish()}
+        _write_synced(tmp / MANIFEST, _pretty_json(manifest, f"manifest of {name!r}").encode("utf-8"))
+        _fsync_dir(tmp)
+        final = tmp.parent / key
+        os.rename(tmp, final)
+        _fsync_dir(tmp.parent)
+        return final, manifest
 
     def entries(self):
         """Yield (name, key, path) for every committed entry: temp dirs, links and foreign names excluded."""
@@ -567,7 +586,8 @@ class Store:
         checked, damaged = 0, []
         for name, key, path in list(self.entries()):
             checked += 1
-            _, reason = _open(path, deep=True)
+            with self.phase("store.verify"):
+                _, reason = _open(path, deep=True)
             if reason:
                 damaged.append(str(path))
                 if repair:

@@ -15,7 +15,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.optim.adam import adam as adam_update
+from torch.optim.adamw import adamw as adamw_update
 
+import probes
 import runtime
 from inference import classification_metrics
 from settings import SettingsError, integer, is_integer, is_number, known_keys, number, one_of
@@ -37,6 +40,9 @@ TRAINING_DEFAULTS = {
 OPTIMIZERS = ("adam", "adamw")
 CHECKPOINTS = ("best", "last")
 OBJECTIVES = ("bce", "balanced")
+# The phases of one training step (_step) and of DDP's gradient all-reduce within its backward pass.
+STEP_PHASES = ("train.forward", "train.loss", "train.backward", "train.optimizer")
+COMMUNICATE = "train.communicate"
 VALIDATION_CHUNK = 65536  # rows per validation forward, bounding memory on large sets
 # Written into every saved state; a state of another format is ignored, never misread.
 STATE_FORMAT = "nnpd-training-state-1"
@@ -174,7 +180,7 @@ class TrainingState:
     """All mutable training state of one rank in one place: saved and resumed as a whole."""
 
     model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
+    optimizer: object   # a FunctionalAdam, or torch.optim's Adam/AdamW under float16's gradient scaler
     scaler: torch.amp.GradScaler
     generator: torch.Generator
     epoch: int = 0
@@ -235,8 +241,62 @@ def _fast_flag(device: torch.device) -> dict:
     return {"fused": True} if device.type in ("cpu", "cuda") else {"foreach": True}
 
 
-def make_optimizer(params, settings: dict, device: torch.device) -> torch.optim.Optimizer:
-    """Adam or AdamW with the settings' hyper-parameters."""
+class FunctionalAdam:
+    """Adam or AdamW as torch.optim's functional update, without a torch.optim.Optimizer.
+
+    The same tensors reach the same fused (or foreach) kernels as torch.optim.Adam(fused=True)
+    .step(), so the weights are bitwise the same; but no torch.optim.Optimizer is built, which
+    imports torch._dynamo (about 1 s of every training process, seen as the phase
+    train.setup). Its state_dict keeps torch.optim's per-parameter state, so saved training
+    states load either way.
+    """
+
+    def __init__(self, params, settings: dict, device: torch.device):
+        self.params = list(params)
+        self.update = adam_update if settings["optimizer"] == "adam" else adamw_update
+        beta1, beta2 = settings["betas"]
+        self.hyper = {"lr": settings["learning_rate"], "beta1": beta1, "beta2": beta2, "eps": settings["epsilon"],
+                      "weight_decay": settings["weight_decay"], "amsgrad": False, "maximize": False}
+        self.flags = _fast_flag(device)
+        self.param_groups = [{"params": self.params}]   # what clipping and the state checks read
+        self.state = [self._fresh_state(p) for p in self.params]
+
+    def _fresh_state(self, p) -> dict:
+        """Zero moments; as in torch.optim, the fused kernels keep the step count on the device."""
+        fused = self.flags.get("fused", False)
+        step = torch.zeros((), dtype=torch.float32, device=p.device) if fused else torch.tensor(0.0)
+        return {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop the gradients (always to None)."""
+        for p in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One Adam step over the parameters that have a gradient."""
+        live = [(p, s) for p, s in zip(self.params, self.state) if p.grad is not None]
+        self.update([p for p, _ in live], [p.grad for p, _ in live], [s["exp_avg"] for _, s in live],
+                    [s["exp_avg_sq"] for _, s in live], [], [s["step"] for _, s in live],
+                    **self.flags, **self.hyper)
+
+    def state_dict(self) -> dict:
+        """torch.optim's layout: each parameter's state by index, and one parameter group."""
+        group = {**self.hyper, "params": list(range(len(self.params)))}
+        return {"state": {i: dict(s) for i, s in enumerate(self.state)}, "param_groups": [group]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore moments and step counts saved by state_dict (or by torch.optim's Adam)."""
+        for i, own in enumerate(self.state):
+            for name, value in state["state"].get(i, {}).items():
+                own[name].copy_(value)
+
+
+def make_optimizer(params, settings: dict, device: torch.device, scaled: bool = False):
+    """Adam or AdamW with the settings' hyper-parameters (torch.optim's only under a gradient scaler)."""
+    if not scaled:      # float16's GradScaler drives torch.optim's fused step itself
+        return FunctionalAdam(params, settings, device)
     cls = torch.optim.Adam if settings["optimizer"] == "adam" else torch.optim.AdamW
     return cls(
         params,
@@ -491,9 +551,10 @@ class _HookRunner:
 
     def _save(self, state: TrainingState) -> None:
         """Save the whole state (a collective under DDP; rank 0 writes)."""
-        saved = _saved_state(state, self.rt, self.identity)
-        if saved is not None:
-            self.hooks.save_state(saved)
+        with probes.phase("train.save"):
+            saved = _saved_state(state, self.rt, self.identity)
+            if saved is not None:
+                self.hooks.save_state(saved)
         self.last_save = time.monotonic()
 
     def _stop(self, state: TrainingState) -> None:
@@ -662,26 +723,31 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, setti
 
 
 def _step(state: TrainingState, net, params, shard: tuple, batch_len: int, index: int, settings, rt) -> None:
-    """One optimizer step on this rank's shard of a global batch; records its loss and gradient norm."""
+    """One optimizer step on this rank's shard of a global batch; records its loss and gradient norm.
+
+    Its parts are timed as the phases train.forward, train.loss, train.backward (with DDP's
+    gradient communication inside) and train.optimizer (clipping included).
+    """
     xb, yb = shard
-    with _autocast(rt.device, settings["precision"]):
+    device = rt.device
+    with probes.phase("train.forward", device=device), _autocast(device, settings["precision"]):
         logits = net(xb).reshape(-1)
-    loss, record = batch_loss(logits.float(), yb, batch_len, settings, rt)
-    state.optimizer.zero_grad(set_to_none=True)
+    with probes.phase("train.loss", device=device):
+        loss, record = batch_loss(logits.float(), yb, batch_len, settings, rt)
     scaled, clip = state.scaler.is_enabled(), settings["gradient_clip"]
-    if scaled:
-        state.scaler.scale(loss).backward()
-    else:
-        loss.backward()
-    if clip is not None:
+    with probes.phase("train.backward", device=device):
+        state.optimizer.zero_grad(set_to_none=True)
+        (state.scaler.scale(loss) if scaled else loss).backward()
+    with probes.phase("train.optimizer", device=device):
+        if clip is not None:
+            if scaled:
+                state.scaler.unscale_(state.optimizer)
+            state.norms[index] = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
         if scaled:
-            state.scaler.unscale_(state.optimizer)
-        state.norms[index] = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
-    if scaled:
-        state.scaler.step(state.optimizer)
-        state.scaler.update()
-    else:
-        state.optimizer.step()
+            state.scaler.step(state.optimizer)
+            state.scaler.update()
+        else:
+            state.optimizer.step()
     state.batch_losses[index] = record
 
 
@@ -721,7 +787,8 @@ def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, s
     history = state.history
     train_loss = total.item() / history["rows_per_epoch"]
     history["train_loss"].append(train_loss)
-    metrics = _shared_validation(state.model, *validation, settings["precision"], rt)
+    with probes.phase("train.validation", device=rt.device):
+        metrics = _shared_validation(state.model, *validation, settings["precision"], rt)
     history["validation"].append(metrics)
     last = state.epoch + 1 == settings["epochs"]
     if (settings["checkpoint"] == "best" and metrics["bce"] < state.best_bce) or (
@@ -747,6 +814,69 @@ def _train_epochs(state: TrainingState, net, tensors: tuple, settings: dict, rt,
         runner.epoch_done(state, stop, record)
 
 
+def timed_allreduce(rt: runtime.Runtime):
+    """A DDP communication hook doing DDP's own averaging all-reduce, timed as the phase train.communicate.
+
+    DDP's own averaging multiplies each gradient by 1/world as it fills the bucket (not a
+    division: with 3 workers the two differ in the last bit), then sums over the workers.
+    """
+    if rt.device.type == "cuda":
+        return _nccl_timed_allreduce(rt.device, rt.world_size)
+    return _gloo_timed_allreduce(rt.world_size)
+
+
+def _gloo_timed_allreduce(world: int):
+    """The CPU (Gloo) hook: each bucket's all-reduce is waited for inside the hook.
+
+    No Python then runs in Gloo's own threads: a Python callback there (what Future.then
+    would run) can abort the process when it exits meanwhile. The price, for models of
+    several buckets only (the bundled ones have one), is the all-reduce's overlap with the
+    rest of the backward pass.
+    """
+
+    def hook(_, bucket):
+        """Average one bucket's gradients over the workers, timing the all-reduce."""
+        tensor = bucket.buffer().mul_(1.0 / world)
+        with probes.phase(COMMUNICATE):
+            dist.all_reduce(tensor)
+        done = torch.futures.Future()
+        done.set_result(tensor)
+        return done
+    return hook
+
+
+def _nccl_timed_allreduce(device: torch.device, world: int):
+    """The CUDA (NCCL) hook: a span from the hook's call to the all-reduce's completion callback.
+
+    NCCL completes the future as it enqueues the work, so the callback runs at once in this
+    thread and the host span is short. With NNPD_PROBES_CUDA=1 the device time is taken on a
+    stream of its own that waits for the gradients, then (in the callback, whose current
+    stream has waited for the all-reduce) for the all-reduce, so the compute stream waits
+    for nothing more than it would. A bucket posted while another's span is still open
+    counts as nested (no time).
+    """
+    timing = torch.cuda.Stream(device) if probes.DEVICE_TIMER is not None else None
+
+    def hook(_, bucket):
+        """Average one bucket's gradients over the workers, timing the all-reduce."""
+        tensor = bucket.buffer().mul_(1.0 / world)
+        if timing is not None:
+            timing.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(timing) if timing is not None else contextlib.nullcontext():
+            span = probes.phase(COMMUNICATE, device=device)
+            span.__enter__()
+        future = dist.all_reduce(tensor, async_op=True).get_future()
+
+        def close(done):
+            """End the span once the all-reduce is done; DDP reads the averaged bucket."""
+            if timing is not None:
+                timing.wait_stream(torch.cuda.current_stream(device))
+            span.__exit__(None, None, None)
+            return done.value()[0]
+        return future.then(close)
+    return hook
+
+
 def _new_history(settings: dict, rows: int, rt: runtime.Runtime) -> dict:
     """The history of a training that has not started."""
     return {
@@ -765,12 +895,24 @@ def _new_state(model, settings: dict, rt: runtime.Runtime, seed: int, rows: int)
     device = rt.device
     return TrainingState(
         model=model,
-        optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad], settings, device),
+        optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad], settings, device,
+                                 scaled=settings["precision"] == "float16"),
         scaler=torch.amp.GradScaler(device.type, enabled=settings["precision"] == "float16"),
         generator=runtime.seeded_generator(seed, "permutation"),
         device=device,
         history=_new_history(settings, rows, rt),
     )
+
+
+def _wrapped(model: torch.nn.Module, rt: runtime.Runtime):
+    """The network the steps call: the model itself, or under DDP its wrapper (with a timed all-reduce)."""
+    if not rt.ddp:
+        return model
+    device = rt.device
+    net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    if probes.MODE != "off":
+        net.register_comm_hook(None, timed_allreduce(rt))
+    return net
 
 
 def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runtime.Runtime, seed: int,
@@ -786,20 +928,17 @@ def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runti
     device = rt.device
     runtime.check_precision(settings["precision"], device)
     _check_data(data)
-    tensors = tuple(data[f"{part}_{kind}"].to(device=device, dtype=torch.float32)
-                    for part in ("train", "validation") for kind in ("inputs", "labels"))
-    model = model.to(device)
-    model.train()
-    net = model
-    if rt.ddp:
-        net = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None
-        )
-    rows = int(tensors[0].shape[0])
-    state = _new_state(model, settings, rt, seed, rows)
-    keeps_state = hooks is not None and (hooks.load_state is not None or hooks.saving)
-    identity = _identity(settings, seed, rt, tensors) if keeps_state else None
-    runner = _HookRunner(hooks, rt, identity, len(epoch_batches(rows, settings["batch_size"])))
+    with probes.phase("train.setup"):
+        tensors = tuple(data[f"{part}_{kind}"].to(device=device, dtype=torch.float32)
+                        for part in ("train", "validation") for kind in ("inputs", "labels"))
+        model = model.to(device)
+        model.train()
+        net = _wrapped(model, rt)
+        rows = int(tensors[0].shape[0])
+        state = _new_state(model, settings, rt, seed, rows)
+        keeps_state = hooks is not None and (hooks.load_state is not None or hooks.saving)
+        identity = _identity(settings, seed, rt, tensors) if keeps_state else None
+        runner = _HookRunner(hooks, rt, identity, len(epoch_batches(rows, settings["batch_size"])))
     # Dropout draws from torch's global stream: seed it per rank from the job's seed so the
     # same recipe gives the same weights whatever ran before in this process.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

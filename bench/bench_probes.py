@@ -6,10 +6,14 @@ each counts. Target: the C pair at most half the Python one. For context it also
 what the pair's two thread-CPU-clock reads cost alone (a system call each), and the
 no-op probes of NNPD_PROBES=off.
 
-Second half (--train): the wall time of whole `python nnpd.py train` processes training
-one default-size model, with probes on against NNPD_PROBES=off.
+Second half (skipped with --pairs-only): the wall time of whole `python nnpd.py train`
+processes training one default-size model, with probes on against NNPD_PROBES=off,
+alternated. Target: at most 2% more with probes on. The difference of walls is within
+this machine's noise, so it also prints the spans the launch closed times the cost of a
+pair measured above: the probes' own cost.
 """
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -52,7 +56,7 @@ def pair_costs(number, rounds):
 
 
 def report_pair_costs(number, rounds):
-    """Print the per-pair costs and the C/Python ratio against its target."""
+    """Print the per-pair costs and the C/Python ratio against its target; returns the costs."""
     best = pair_costs(number, rounds)
     print(f"enter/exit pair, best of {rounds} alternating rounds of {number:,}:")
     for name in best:
@@ -61,16 +65,13 @@ def report_pair_costs(number, rounds):
         print(f"  {label:55s} {best[name]:7.0f} ns")
     if "C" not in best:
         print("C extension _probes not built (run `make setup` with a C compiler): no C/Python ratio")
-        return
+        return best
     ratio = best["C"] / best["python"]
     print(f"C / Python: {ratio:.2f} (target <= 0.5) {'OK' if ratio <= 0.5 else 'ABOVE TARGET'}")
     print(f"without the two CPU-clock reads: C {best['C'] - best['clock']:.0f} ns, "
           f"Python {best['python'] - best['clock']:.0f} ns")
+    return best
 
-
-# ---- SECOND HALF: to be finished by the lead once the probes are wired into the phases ----
-# Until nnpd.py, trainer.py, ... open probes.phase(...) around their work, both launches
-# below do the same work and the ratio only shows noise (and the import of probes.py).
 
 def one_model_settings(directory, output_root):
     """A settings directory for the default profile cut to one model (dimension 1, uniform)."""
@@ -89,30 +90,45 @@ def one_model_settings(directory, output_root):
 
 
 def timed_train(work, label, probes_mode):
-    """Seconds of one whole `nnpd.py train --profile default` process into a fresh output root."""
-    settings = one_model_settings(work / f"settings-{label}", work / f"out-{label}")
+    """Seconds of one whole `nnpd.py train --profile default` process into a fresh output root, and its root."""
+    root = work / f"out-{label}"
+    settings = one_model_settings(work / f"settings-{label}", root)
     environment = {**os.environ, "NNPD_PROBES": probes_mode}
     began = time.perf_counter()
     subprocess.run([sys.executable, str(REPO / "nnpd.py"), "train", "--profile", "default",
                     "--settings-dir", str(settings)], cwd=work, env=environment, check=True, capture_output=True)
-    return time.perf_counter() - began
+    return time.perf_counter() - began, root
 
 
-def train_wall_with_probes_on_and_off(repeats):
+def spans_of(root):
+    """How many spans the launch's probes closed (nested ones included), from its timings.json."""
+    record = json.loads((root / "timings.json").read_text())
+    return sum(phase["count"] + phase["nested"] for worker in record["workers"].values()
+               for phase in worker["phases"].values())
+
+
+def train_wall_with_probes_on_and_off(repeats, pair_ns):
     """Print the wall of a one-model default-size train with probes on against NNPD_PROBES=off."""
     on_mode = probes.probes_mode({})  # native when built, else python
-    times = {on_mode: [], "off": []}
+    times, spans = {on_mode: [], "off": []}, 0
     with tempfile.TemporaryDirectory() as work:
         timed_train(Path(work), "warm-up", "off")  # untimed: the first process pays for cold caches
         for round_number in range(repeats):
             for mode in times:
-                times[mode].append(timed_train(Path(work), f"{mode}-{round_number}", mode))
+                wall, root = timed_train(Path(work), f"{mode}-{round_number}", mode)
+                times[mode].append(wall)
+                spans = spans_of(root) if mode != "off" else spans
     print(f"one-model default-size train, whole process, {repeats} alternating rounds:")
     for mode, label in ((on_mode, f"probes on ({on_mode})"), ("off", "NNPD_PROBES=off")):
         print(f"  {label:20s} best {min(times[mode]):.2f} s  median {statistics.median(times[mode]):.2f} s  "
               f"{[round(t, 2) for t in times[mode]]}")
-    print(f"  on / off: best {min(times[on_mode]) / min(times['off']):.3f}  "
-          f"median {statistics.median(times[on_mode]) / statistics.median(times['off']):.3f}")
+    on, off = statistics.median(times[on_mode]), statistics.median(times["off"])
+    print(f"  on / off: best {min(times[on_mode]) / min(times['off']):.3f}  median {on / off:.3f} "
+          f"(target <= 1.02) {'OK' if on / off <= 1.02 else 'ABOVE TARGET (or noise: rerun)'}")
+    if pair_ns is not None:
+        cost = spans * pair_ns / 1e9
+        print(f"  {spans:,} spans x {pair_ns:.0f} ns per pair = {cost:.3f} s, {cost / off:.2%} of the off wall "
+              "(the probes' own cost, less noisy than the difference of walls)")
 
 
 def main():
@@ -120,12 +136,13 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--number", type=int, default=50_000, help="pairs per round")
     parser.add_argument("--rounds", type=int, default=7, help="alternating rounds per implementation")
-    parser.add_argument("--train", action="store_true", help="also time whole train processes, probes on and off")
+    parser.add_argument("--pairs-only", action="store_true", help="skip the whole train processes")
     parser.add_argument("--train-repeats", type=int, default=3)
     args = parser.parse_args()
-    report_pair_costs(args.number, args.rounds)
-    if args.train:
-        train_wall_with_probes_on_and_off(args.train_repeats)
+    best = report_pair_costs(args.number, args.rounds)
+    if not args.pairs_only:
+        on_mode = probes.probes_mode({})
+        train_wall_with_probes_on_and_off(args.train_repeats, best.get("C" if on_mode == "native" else on_mode))
 
 
 if __name__ == "__main__":
