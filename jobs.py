@@ -71,7 +71,7 @@ class Launch:
     @property
     def owner(self):
         """Whether this worker writes the folders of the jobs it runs (in ddp only rank 0)."""
-        return self.rt.is_main or not self.rt.ddp
+        return self.rt.leads_training
 
     def log(self, message, every_worker=False):
         """Progress: launch-wide lines from rank 0; job lines from every worker in jobs mode, with its rank."""

@@ -22,45 +22,18 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-PROBES_SWITCHES = ("NNPD_PROBES", "NNPD_PROBES_CUDA")
-
-
-def import_probes():
-    """The probes module, and what is wrong with NNPD_PROBES or NNPD_PROBES_CUDA as one line (else None).
-
-    probes raises ProbesError when imported with a bad value; it is then imported
-    switched off, so that every module still imports and `main` says what to fix.
-    """
-    try:
-        import probes
-        return probes, None
-    except RuntimeError as error:
-        if type(error).__name__ != "ProbesError":
-            raise
-        problem = " ".join(str(error).split())
-    saved = {name: os.environ.pop(name) for name in PROBES_SWITCHES if name in os.environ}
-    os.environ["NNPD_PROBES"] = "off"
-    try:
-        import probes
-    finally:
-        os.environ.pop("NNPD_PROBES")
-        os.environ.update(saved)
-    return probes, problem
-
-
-probes, PROBES_PROBLEM = import_probes()   # before every module that imports probes
-
-import jobs  # noqa: E402
-import results  # noqa: E402
-import runs  # noqa: E402
-import runtime  # noqa: E402
-import settings  # noqa: E402
-import study  # noqa: E402
-import timings  # noqa: E402
-from jobs import Job, Launch  # noqa: E402
-from runs import LaunchError  # noqa: E402
-from settings import SettingsError  # noqa: E402
-from store import ROOT_MARKER, DamagedArtifact, Store, write_bytes_atomic  # noqa: E402
+import jobs
+import probes
+import results
+import runs
+import runtime
+import settings
+import study
+import timings
+from jobs import Job, Launch
+from runs import LaunchError
+from settings import SettingsError
+from store import ROOT_MARKER, DamagedArtifact, Store, write_bytes_atomic
 
 ACTIONS = ("plan", "train", "analyze", "run", "verify", "report")
 CODE_DIR = Path(__file__).resolve().parent
@@ -246,8 +219,8 @@ def execute(stage, profile=None, settings_dir=None):
 @contextlib.contextmanager
 def open_launch(launch):
     """Rank 0 claims the root, holds its lease and tidies it; then every worker joins the launch."""
-    if PROBES_PROBLEM:
-        raise SettingsError(PROBES_PROBLEM)
+    if probes.PROBLEM:
+        raise SettingsError(probes.PROBLEM)
     rt, minutes = launch.rt, launch.rt.timeout_minutes
     launch.store.phase = probes.phase    # the store's lookups and commits are timed too
     with contextlib.ExitStack() as held:
@@ -435,8 +408,8 @@ def main(argv=None):
     """Run the command line; returns the exit status."""
     arguments = parse_arguments(sys.argv[1:] if argv is None else argv)
     warnings.formatwarning = lambda message, *_, **__: f"nnpd: warning: {one_line(message)}\n"
-    if PROBES_PROBLEM:
-        print(f"nnpd: settings error: {PROBES_PROBLEM}", file=sys.stderr)
+    if probes.PROBLEM:
+        print(f"nnpd: settings error: {probes.PROBLEM}", file=sys.stderr)
         return 2
     try:
         return run_action(arguments)

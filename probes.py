@@ -22,6 +22,8 @@ by PythonProbes, its pure-Python twin with the same output. NNPD_PROBES chooses:
     python   the pure-Python fallback
     off      no-op probes: phase() does nothing, snapshot() is {}
     (unset)  native when built, else python
+A value that cannot be honoured leaves the probes off and is kept in PROBLEM as one line
+with its fix; `probes.check()` raises it as ProbesError, as nnpd's command line does.
 
 CUDA device time: with NNPD_PROBES_CUDA=1, `probes.phase(name, device=d)` with d a CUDA
 device also records a pair of CUDA events on d's current stream around the span, and
@@ -311,9 +313,27 @@ def make_probes(mode, device_timer=None):
     return maker(decorate=decorate, device_timer=device_timer)
 
 
-MODE = probes_mode()
+def configured(environ=os.environ):
+    """(mode, device timer, problem): what the switches ask for, or probes off and what is wrong with them.
+
+    A bad switch does not fail the import, so that every module using probes still imports
+    (a model restores anywhere); `check()` raises it, and the command line does so first.
+    """
+    try:
+        mode = probes_mode(environ)
+        return mode, CudaEventTimer() if mode != "off" and cuda_events_enabled(environ) else None, None
+    except ProbesError as error:
+        return "off", None, " ".join(str(error).split())
+
+
+def check():
+    """Raise ProbesError when NNPD_PROBES or NNPD_PROBES_CUDA was set to something impossible."""
+    if PROBLEM:
+        raise ProbesError(PROBLEM)
+
+
+MODE, DEVICE_TIMER, PROBLEM = configured()
 NATIVE = MODE == "native"
-DEVICE_TIMER = CudaEventTimer() if MODE != "off" and cuda_events_enabled() else None
 PROBES = make_probes(MODE, DEVICE_TIMER)
 phase = PROBES.phase
 

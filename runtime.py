@@ -208,6 +208,11 @@ class Runtime:
         return self.parallel == "ddp" and self.world_size > 1
 
     @property
+    def leads_training(self) -> bool:
+        """True on the worker that saves, reports and commits what it trains: each one in jobs mode, rank 0 in DDP."""
+        return self.is_main or not self.ddp
+
+    @property
     def train_world_size(self) -> int:
         """Number of workers that train one model together (1 in jobs mode)."""
         return self.world_size if self.ddp else 1

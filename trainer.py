@@ -354,7 +354,7 @@ def _saved_state(state: TrainingState, rt: runtime.Runtime, identity: dict) -> d
     own = {"rng": _global_rng(rt.device), "batch_losses": _cpu_copy(state.batch_losses)}
     # A collective: every rank gets here at the same step, so one file restores every rank.
     ranks = runtime.all_gather_object(rt, own) if rt.ddp else [own]
-    if not rt.is_main:
+    if not rt.leads_training:
         return None
     shared = state.state_dict()
     del shared["batch_losses"]
@@ -540,8 +540,8 @@ class _HookRunner:
         self.last_save = time.monotonic()
 
     def _save_due(self) -> bool:
-        """True on rank 0 when the periodic save interval has passed."""
-        return self.saving and self.rt.is_main and time.monotonic() - self.last_save >= self.hooks.save_seconds
+        """True on the worker that writes the state (rank 0 in DDP) when the save interval has passed."""
+        return self.saving and self.rt.leads_training and time.monotonic() - self.last_save >= self.hooks.save_seconds
 
     def progress(self, state: TrainingState) -> tuple[int, int]:
         """(epoch from 1, batches of it trained); an epoch boundary reads as the end of the epoch before."""
@@ -584,7 +584,7 @@ class _HookRunner:
         """Save at the epoch end, report the epoch (rank 0), then stop when asked."""
         if self.saving:
             self._save(state)
-        if self.hooks is not None and self.hooks.on_epoch is not None and self.rt.is_main:
+        if self.hooks is not None and self.hooks.on_epoch is not None and self.rt.leads_training:
             self.hooks.on_epoch(state.epoch, record)
         if stop:
             self._stop(state)
@@ -614,12 +614,12 @@ class _HookRunner:
             return
         problem = _first_problem(reports)
         if problem is None:
-            if self.hooks.on_resume is not None and self.rt.is_main:
+            if self.hooks.on_resume is not None and self.rt.leads_training:
                 self.hooks.on_resume(*self.progress(state))
             return
         state.load_state_dict(fresh[0])
         _set_global_rng(fresh[1], self.rt.device)
-        if self.rt.is_main:
+        if self.rt.leads_training:
             warnings.warn(f"ignoring the saved training state ({problem}); training starts from the beginning",
                           stacklevel=3)
 
@@ -717,7 +717,7 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, setti
     if settings["objective"] == "balanced":
         surrogate, penalty = _balance_terms(logits, labels, settings["balance_weight"], rt)
         loss = loss + surrogate
-        if rt.is_main:
+        if rt.leads_training:   # the penalty is counted once, not once per DDP rank
             record = record + batch_len * penalty.detach()
     return loss, record
 

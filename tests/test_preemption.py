@@ -52,10 +52,16 @@ def finish(arguments):
     return subprocess.run(arguments, env=clean_environment(), cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
-def wait_for(condition, what, seconds=300):
-    """Poll until condition() holds (a deadline only guards against hanging)."""
+def wait_for(condition, what, seconds=300, process=None):
+    """Poll until condition() holds; fail at once, with its output, if the launch ended first.
+
+    The deadline only guards against hanging.
+    """
     deadline = time.monotonic() + seconds
     while not condition():
+        if process is not None and process.poll() is not None:
+            stdout, stderr = process.communicate()
+            pytest.fail(f"the launch ended (exit {process.returncode}) before {what}:\n{stdout}\n{stderr}")
         assert time.monotonic() < deadline, f"gave up waiting for {what}"
         time.sleep(0.02)
 
@@ -117,7 +123,7 @@ def reference(tmp_path_factory):
 def test_sigkill_mid_training_then_the_same_command_resumes_bitwise(tmp_path, reference):
     settings = settings_for(tmp_path)
     process = start(command(settings))
-    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state")
+    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state", process=process)
     process.kill()
     process.wait()
     assert not weights(tmp_path / "out")                   # killed inside the model
@@ -130,7 +136,7 @@ def test_sigkill_mid_training_then_the_same_command_resumes_bitwise(tmp_path, re
 def test_sigterm_saves_and_exits_with_one_line_then_resumes_bitwise(tmp_path, reference):
     settings = settings_for(tmp_path)
     process = start(command(settings))
-    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state")
+    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state", process=process)
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 143
@@ -144,7 +150,7 @@ def test_sigterm_saves_and_exits_with_one_line_then_resumes_bitwise(tmp_path, re
 def test_a_killed_ddp_launch_resumes_bitwise(tmp_path, reference):
     settings = settings_for(tmp_path, DDP)
     process = start(command(settings, workers=2))
-    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state")
+    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state", process=process)
     os.killpg(process.pid, signal.SIGKILL)                 # the agent and both workers
     process.wait()
     again = finish(command(settings, workers=2))
@@ -156,7 +162,8 @@ def test_a_killed_ddp_launch_resumes_bitwise(tmp_path, reference):
 def test_an_elastic_restart_after_a_killed_rank_resumes_bitwise(tmp_path, reference):
     settings = settings_for(tmp_path, DDP)
     process = start(command(settings, workers=2, restarts=1))
-    wait_for(lambda: saved_states(tmp_path / "out") and 1 in worker_pids(process.pid), "a saved state")
+    wait_for(lambda: saved_states(tmp_path / "out") and 1 in worker_pids(process.pid), "a saved state",
+             process=process)
     os.kill(worker_pids(process.pid)[1], signal.SIGKILL)
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stdout + stderr
@@ -165,16 +172,18 @@ def test_an_elastic_restart_after_a_killed_rank_resumes_bitwise(tmp_path, refere
 
 
 def test_workers_stop_when_the_agent_dies_and_a_relaunch_completes(tmp_path):
-    settings = settings_for(tmp_path, 'settings["training"]["epochs"] = 500\n')   # minutes of training
+    two_models = 'settings["cohort"]["priors"] = ["uniform", "grid"]\n'
+    settings = settings_for(tmp_path, two_models + 'settings["training"]["epochs"] = 500\n')   # minutes
     process = start(command(settings, workers=2))
-    wait_for(lambda: len(worker_pids(process.pid)) == 2, "two workers")
+    wait_for(lambda: len(worker_pids(process.pid)) == 2, "two workers", process=process)
     workers = list(worker_pids(process.pid).values())
-    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state")
+    # In jobs mode each worker trains a model of its own and saves its state.
+    wait_for(lambda: len(saved_states(tmp_path / "out")) == 2, "both workers' saved states", process=process)
     process.kill()                                         # the agent alone, in the middle of training
     process.wait()
     # Each worker notices within its watch interval (2 s) and stops within its grace (10 s).
     wait_for(lambda: not any(alive(pid) for pid in workers), "the orphaned workers to stop", seconds=30)
-    settings = settings_for(tmp_path)                      # a shorter training for the relaunch
+    settings = settings_for(tmp_path, two_models)          # a shorter training for the relaunch
     again = finish(command(settings, workers=2))
     assert again.returncode == 0, again.stdout + again.stderr
     assert not list((tmp_path / "out" / "locks").glob("launch-*"))

@@ -107,7 +107,8 @@ def test_without_a_compiler_the_install_succeeds_says_so_in_one_line_and_falls_b
 
 def test_native_without_the_extension_is_a_clear_one_line_error(without_compiler):
     target, _ = without_compiler
-    done = run_probes_script(target, "import probes", NNPD_PROBES="native")
+    done = run_probes_script(target, "import probes\nprint(probes.MODE)\nprobes.check()", NNPD_PROBES="native")
+    assert done.stdout.split() == ["off"]                  # the import itself succeeds, probes off
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("probes.ProbesError: NNPD_PROBES=native") and "make setup" in last
@@ -118,7 +119,7 @@ def test_native_without_the_extension_is_a_clear_one_line_error(without_compiler
                                             ("yes", "NNPD_PROBES_CUDA='yes' is not valid")])
 def test_invalid_switches_are_clear_errors(installed, value, message):
     name = "NNPD_PROBES" if value == "fast" else "NNPD_PROBES_CUDA"
-    done = run_probes_script(installed, "import probes", **{name: value})
+    done = run_probes_script(installed, "import probes\nprobes.check()", **{name: value})
     assert done.returncode != 0 and message in done.stderr.strip().splitlines()[-1]
 
 
