@@ -62,6 +62,8 @@ def test_two_jobs_workers_take_disjoint_jobs_and_share_products(tmp_path):
     for run in runs:
         assert str(run.relative_to(tmp_path / "out")) in outputs[0] and "epoch 2/2" in outputs[0]
     assert "rank 0]" in outputs[0] and "rank 1]" in outputs[0], outputs[0]
+    for rank in (0, 1):   # each worker reports the epochs of the models it trains
+        assert any(f"rank {rank}]" in line and "epoch 2/2" in line for line in outputs[0].splitlines()), outputs[0]
     # Each job was done by exactly one worker (its folder names it), and both workers had work.
     for record in ("status.json", "analysis.json"):
         workers = [json.loads((run / record).read_text())["worker"] for run in runs]
