@@ -464,11 +464,34 @@ def bayes_optimal_logit(problem, prior, inputs, draws=20_000, seed=0):
     d = problem.dimension
     x, theta = inputs[:, :d], inputs[:, d:]
     points, log_weights = _prior_points(prior, draws, seed)
-    evidence = []
-    for chunk in torch.split(x, 64):  # bounds memory at 64 x draws x d
-        log_lik = problem.log_likelihood(chunk[:, None, :], points[None, :, :])
-        evidence.append(torch.logsumexp(log_lik + log_weights, dim=1))
-    return problem.log_likelihood(x, theta) - torch.cat(evidence)
+    return problem.log_likelihood(x, theta) - log_evidence(problem, x, points, log_weights)
+
+
+def log_evidence(problem, x, points, log_weights, rows=64):
+    """log Σ_k w_k p(x | θ_k) for every row of x (n, d), over weighted points θ_k.
+
+    The Gaussian log-likelihood is a quadratic in x, so each block of rows is two matrix
+    products into one buffer, reduced in place: the loop allocates nothing large. (Fresh
+    rows x points temporaries on every block let glibc's heap grow by gigabytes, depending
+    on where the address layout put it.)
+    """
+    means, stds = problem.means_and_stds(points)
+    usable = (stds > 0).all(-1)
+    precision = torch.where(stds > 0, stds, torch.ones_like(stds)).reciprocal().square()
+    # log p(x|θ) = -½ x²·a + x·b + c with a = 1/σ², b = μ/σ², c = Σ(-½ μ²/σ² - log σ) - d·log √(2π)
+    offset = (-0.5 * means.square() * precision + 0.5 * precision.log()).sum(-1) - problem.dimension * _HALF_LOG_2PI
+    offset = torch.where(usable, offset + log_weights, torch.full_like(offset, -math.inf))
+    quadratic, linear = -0.5 * precision.T, (means * precision).T
+    buffer = torch.empty(min(rows, len(x)), len(points), dtype=torch.float64)
+    evidence = torch.empty(len(x), dtype=torch.float64)
+    for start in range(0, len(x), rows):
+        chunk = x[start:start + rows]
+        block = buffer[:len(chunk)]
+        torch.mm(chunk.square(), quadratic, out=block)
+        block.addmm_(chunk, linear).add_(offset)
+        peak = block.amax(1, keepdim=True).clamp_(min=torch.finfo(torch.float64).min)   # all -inf stays finite
+        evidence[start:start + rows] = block.sub_(peak).exp_().sum(1).log_().add_(peak.squeeze(1))
+    return evidence
 
 
 # ---------------------------------------------------------------- networks
