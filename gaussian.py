@@ -475,9 +475,15 @@ def log_evidence(problem, x, points, log_weights, rows=64):
     rows x points temporaries on every block let glibc's heap grow by gigabytes, depending
     on where the address layout put it.)
     """
+    x = torch.as_tensor(x, dtype=torch.float64)
+    if len(points) == 0:
+        return torch.full((len(x),), -math.inf, dtype=torch.float64)
     means, stds = problem.means_and_stds(points)
     usable = (stds > 0).all(-1)
     precision = torch.where(stds > 0, stds, torch.ones_like(stds)).reciprocal().square()
+    # Centred, so that the expanded quadratic does not cancel large terms when |μ| >> σ.
+    centre = means.mean(0)
+    x, means = x - centre, means - centre
     # log p(x|θ) = -½ x²·a + x·b + c with a = 1/σ², b = μ/σ², c = Σ(-½ μ²/σ² - log σ) - d·log √(2π)
     offset = (-0.5 * means.square() * precision + 0.5 * precision.log()).sum(-1) - problem.dimension * _HALF_LOG_2PI
     offset = torch.where(usable, offset + log_weights, torch.full_like(offset, -math.inf))

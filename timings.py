@@ -118,7 +118,8 @@ class LaunchTimer:
             else [(self.sections, self.redone)]
         ranks = range(len(parts)) if self.rt.ddp else [self.rt.rank]
         sections = run_sections(old, dict(zip(ranks, parts)), self.info(launch))
-        if launch.owner and sections and sections != old:   # a reusing launch rewrites nothing
+        # A reusing launch rewrites nothing (unless the file went, with an analysis that failed).
+        if launch.owner and sections and (sections != old or not (run_dir / FILE).exists()):
             write_json_atomic(run_dir / FILE, sections)
         if launch.owner:
             self.jobs[job.run] = job_record(sections, self.rt.device.type)
@@ -163,8 +164,17 @@ def sound_section(section):
     """Whether a section read back from a run's timings.json has the shape this module writes."""
     workers = section.get("workers") if isinstance(section, dict) else None
     return isinstance(workers, dict) and all(
-        isinstance(part, dict) and isinstance(part.get("wall_s"), (int, float)) and isinstance(part.get("phases"), dict)
+        isinstance(part, dict) and isinstance(part.get("wall_s"), (int, float)) and sound_phases(part.get("phases"))
         for part in workers.values())
+
+
+def sound_phases(phases):
+    """Whether phases read back map names to records of numbers, as probes.snapshot() makes them."""
+    return isinstance(phases, dict) and all(
+        isinstance(record, dict) and isinstance(record.get("count"), int)
+        and isinstance(record.get("total_s"), (int, float))
+        and all(value is None or isinstance(value, (int, float)) for value in record.values())
+        for record in phases.values())
 
 
 def job_record(sections, device_type):
@@ -224,11 +234,13 @@ def table_lines(record, where):
 
 def communication_share(steps):
     """DDP communication's share of the training steps, or why it is unknown (a str)."""
-    if not isinstance(steps, dict) or not steps.get("step_s", 0) > 0:
+    numbers = isinstance(steps, dict) and all(isinstance(steps.get(key), (int, float))
+                                              for key in ("step_s", "communicate_s"))
+    if not numbers or not steps["step_s"] > 0:
         return "no training step was timed (models reused, or NNPD_PROBES=off)"
     if steps.get("device_type") == "cuda" and steps.get("clock") != "device":
         return "on CUDA the host clock misses the device's work; set NNPD_PROBES_CUDA=1 to measure it"
-    return min(steps.get("communicate_s", 0.0) / steps["step_s"], 1.0)
+    return min(steps["communicate_s"] / steps["step_s"], 1.0)
 
 
 def busy_share(sizes, workers):

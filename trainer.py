@@ -283,7 +283,9 @@ class FunctionalAdam:
 
     def state_dict(self) -> dict:
         """torch.optim's layout: each parameter's state by index, and one parameter group."""
-        group = {**self.hyper, "params": list(range(len(self.params)))}
+        hyper = {name: value for name, value in self.hyper.items() if name not in ("beta1", "beta2")}
+        group = {**hyper, "betas": (self.hyper["beta1"], self.hyper["beta2"]), **self.flags,
+                 "params": list(range(len(self.params)))}
         return {"state": {i: dict(s) for i, s in enumerate(self.state)}, "param_groups": [group]}
 
     def load_state_dict(self, state: dict) -> None:

@@ -374,6 +374,29 @@ def test_bayes_optimal_logit_normalises_over_an_exact_lattice_prior():
     assert ratio.mean().item() == pytest.approx(1.0, abs=0.1)
 
 
+def direct_log_evidence(problem, x, points, log_weights):
+    """log Σ w p(x|θ) straight from the likelihood, row by row (the reference for log_evidence)."""
+    return torch.stack([torch.logsumexp(problem.log_likelihood(row, points) + log_weights, 0) for row in x])
+
+
+@pytest.mark.parametrize("centre, spread", [(5.0, (0.2, 4.0)), (1e4, (0.01, 0.02))])
+def test_log_evidence_matches_the_likelihood_also_far_from_zero(centre, spread):
+    problem = GaussianProblem.from_settings(problem_settings(dimension=2, infer=["mean:*", "std:*"]))
+    generator = torch.Generator().manual_seed(3)
+    means = centre + torch.rand(300, 2, generator=generator, dtype=torch.float64)
+    stds = spread[0] + (spread[1] - spread[0]) * torch.rand(300, 2, generator=generator, dtype=torch.float64)
+    stds[7, 1] = 0.0                                             # an unusable point has no weight
+    points = torch.cat([means, stds], 1)
+    x = means[:130] + 2 * stds[:130] * torch.randn(130, 2, generator=generator, dtype=torch.float64)
+    log_weights = torch.full((300,), -math.log(300), dtype=torch.float64)
+    ours = gaussian.log_evidence(problem, x.float().double(), points, log_weights, rows=16)
+    reference = direct_log_evidence(problem, x.float().double(), points, log_weights)
+    assert torch.allclose(ours, reference, rtol=0, atol=1e-9)
+    assert torch.equal(gaussian.log_evidence(problem, x.float(), points, log_weights), ours)   # float32 x accepted
+    nothing = gaussian.log_evidence(problem, x[:3], points[:0], log_weights[:0])
+    assert nothing.tolist() == [-math.inf] * 3
+
+
 # ---------------------------------------------------------------- networks
 
 def model(**changes):

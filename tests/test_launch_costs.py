@@ -73,3 +73,24 @@ def test_a_training_launch_imports_neither_dynamo_nor_inductor(study_dir):
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-3:] == ["0", "False", "False"]
+
+
+@pytest.mark.parametrize("kind, reference", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)])
+def test_torch_optim_continues_bitwise_from_a_state_functional_adam_saved(kind, reference):
+    settings = {**SETTINGS, "optimizer": kind}
+    both = []
+    for second in ("ours", "theirs"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 1)
+        ours = trainer.FunctionalAdam(model.parameters(), settings, torch.device("cpu"))
+        model(torch.ones(2, 3)).sum().backward()
+        ours.step()
+        if second == "theirs":
+            theirs = reference(model.parameters(), lr=1.0, fused=True)   # hyper-parameters come from the state
+            theirs.load_state_dict(ours.state_dict())
+            ours = theirs
+        ours.zero_grad()
+        model(torch.full((2, 3), 2.0)).sum().backward()
+        ours.step()
+        both.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*both))

@@ -67,6 +67,8 @@ def test_communication_share_needs_device_time_on_cuda():
     assert "NNPD_PROBES_CUDA=1" in timings.communication_share({**cpu, "device_type": "cuda"})
     assert timings.communication_share({**cpu, "device_type": "cuda", "clock": "device"}) == 0.25
     assert isinstance(timings.communication_share(None), str)
+    for broken in ({**cpu, "step_s": None}, {**cpu, "step_s": "2"}, {**cpu, "communicate_s": []}):
+        assert isinstance(timings.communication_share(broken), str)    # a damaged record is "unknown"
 
 
 def test_run_sections_keep_the_work_of_earlier_launches():
@@ -80,8 +82,12 @@ def test_run_sections_keep_the_work_of_earlier_launches():
     retrained = timings.run_sections(old, {0: ({"training": part["training"]}, {"training"})}, {"launch": "new"})
     assert set(retrained) == {"training"} and retrained["training"]["launch"] == "new"   # old analysis dropped
     assert timings.run_sections({}, {0: (part, set())}, {"launch": "new"})["analysis"]["workers"]["0"]["wall_s"] == 2.0
-    damaged = {"training": {"launch": "old", "workers": {"0": {"wall_s": "9"}}}}
-    assert timings.run_sections(damaged, {0: (part, set())}, {"launch": "new"})["training"]["launch"] == "new"
+    for phases in ({}, {"train.forward": "8"}, {"train.forward": {"count": 1, "total_s": None}},
+                   {"train.forward": {"count": 1, "total_s": 8.0, "cpu_s": "x"}}):
+        damaged = {"training": {"launch": "old", "workers": {"0": {"wall_s": "9" if not phases else 9.0,
+                                                                   "phases": phases}}}}
+        kept = timings.run_sections(damaged, {0: (part, set())}, {"launch": "new"})
+        assert kept["training"]["launch"] == "new", phases      # a section of the wrong shape is replaced
     assert timings.job_record(old, "cpu") == {"size_s": 18.0, "steps": {"step_s": 8.0, "communicate_s": 0.0,
                                                                          "clock": "host", "device_type": "cpu"}}
 
