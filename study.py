@@ -164,8 +164,10 @@ def class_block(cls, path, lines):
     if len(starts) != 1:
         return None
     start = starts[0]
-    before = lines[start - 1].strip() if start else ""
-    if before and not before.startswith("#"):       # a decorator, or the line is not a statement's start
+    # The nearest line above that is neither blank nor a comment: a decorator, or a statement
+    # the class line continues, makes the block unsure.
+    above = [line.strip() for line in lines[:start] if line.strip() and not line.strip().startswith("#")]
+    if above and (above[-1].startswith("@") or above[-1].endswith(("\\", ",", "(", "[", "{"))):
         return None
     block = inspect.getblock(lines[start:])
     codes = [inspect.unwrap(f).__code__ for f in vars(cls).values() if inspect.isfunction(f)]

@@ -234,3 +234,12 @@ def test_source_text_falls_back_when_the_class_line_is_ambiguous(tmp_path, monke
     path = inspect.getsourcefile(twice_module.Twice)
     assert study.class_block(twice_module.Twice, path, source.splitlines(True)) is None   # methods lie elsewhere
     assert study.source_text(twice_module.Twice) == inspect.getsource(twice_module.Twice)
+
+
+def test_source_text_keeps_a_decorator_parted_from_its_class_by_a_blank_line(tmp_path, monkeypatch):
+    source = "def mark(cls):\n    return cls\n\n\n@mark\n\n# a comment\nclass Spaced:\n    def one(self):\n        return 1\n"
+    (tmp_path / "spaced_module.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import spaced_module
+    text = study.source_text(spaced_module.Spaced)
+    assert text == inspect.getsource(spaced_module.Spaced) and text.startswith("@mark")
