@@ -70,7 +70,7 @@ class Launch:
 
     @property
     def owner(self):
-        """Whether this worker writes the folders of the jobs it runs (in ddp only rank 0)."""
+        """Whether this worker writes the folders of the jobs it runs (the one that leads their training)."""
         return self.rt.leads_training
 
     def log(self, message, every_worker=False):

@@ -115,14 +115,15 @@ class TrainingHooks:
     Epochs are numbered from 1; `batch` counts the batches of that epoch already trained.
     - load_state() -> dict | None: a state `save_state` received earlier (called on every rank).
     - save_state(state): persist `state`, a dict of CPU tensors and plain values that
-      torch.save and torch.load(weights_only=True) round-trip (rank 0 only; write atomically).
+      torch.save and torch.load(weights_only=True) round-trip (under DDP rank 0 only; write
+      atomically).
     - save_seconds: seconds between periodic saves; a state is also saved at each epoch end.
       0 saves nothing; math.inf saves at epoch ends only.
     - stop_requested() -> bool: polled after every step; True on any rank stops every rank
       at the same step, saves (when saving) and raises Preempted.
-    - on_epoch(epoch, record): rank 0, after each epoch; record holds train_loss, bce,
+    - on_epoch(epoch, record): after each epoch (under DDP rank 0 only); record holds train_loss, bce,
       accuracy, auc, seconds (the epoch's wall time) and epochs (the total).
-    - on_resume(epoch, batch): rank 0, when training continues from a loaded state.
+    - on_resume(epoch, batch): when training continues from a loaded state (under DDP rank 0 only).
     Under DDP every rank passes hooks with the same fields set: they decide which
     collectives run.
     """
@@ -352,7 +353,10 @@ def _set_global_rng(streams: dict, device: torch.device) -> None:
 
 
 def _saved_state(state: TrainingState, rt: runtime.Runtime, identity: dict) -> dict | None:
-    """One file's worth of state on rank 0 (None elsewhere): shared parts once, every rank's own parts."""
+    """One file's worth of state on the worker that writes it (None on the other DDP ranks).
+
+    The shared parts once, and every rank's own parts.
+    """
     own = {"rng": _global_rng(rt.device), "batch_losses": _cpu_copy(state.batch_losses)}
     # A collective: every rank gets here at the same step, so one file restores every rank.
     ranks = runtime.all_gather_object(rt, own) if rt.ddp else [own]
@@ -552,7 +556,7 @@ class _HookRunner:
         return state.epoch + 1, state.position
 
     def _save(self, state: TrainingState) -> None:
-        """Save the whole state (a collective under DDP; rank 0 writes)."""
+        """Save the whole state (a collective under DDP, where rank 0 writes)."""
         with probes.phase("train.save"):
             saved = _saved_state(state, self.rt, self.identity)
             if saved is not None:
@@ -583,7 +587,7 @@ class _HookRunner:
         return self.exchange is not None and self.exchange.agree_at_epoch_end(self.stop_seen)
 
     def epoch_done(self, state: TrainingState, stop: bool, record: dict) -> None:
-        """Save at the epoch end, report the epoch (rank 0), then stop when asked."""
+        """Save at the epoch end, report the epoch (under DDP from rank 0), then stop when asked."""
         if self.saving:
             self._save(state)
         if self.hooks is not None and self.hooks.on_epoch is not None and self.rt.leads_training:
@@ -708,7 +712,7 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, setti
     """This rank's loss to back-propagate for its shard of a global batch, and the shard's record.
 
     The record sums to the global batch's objective times its rows over ranks: the shard's
-    BCE sum, plus (rank 0) the balancing regulariser times the batch's rows.
+    BCE sum, plus (under DDP on rank 0 only) the balancing regulariser times the batch's rows.
     """
     shard_len = labels.shape[0]
     loss_sum = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
@@ -797,7 +801,7 @@ def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, s
         settings["checkpoint"] == "last" and last
     ):
         state.best_bce = metrics["bce"]
-        state.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in state.model.state_dict().items()}
+        state.best_weights = _cpu_copy(state.model.state_dict())
         history["selected_epoch"] = state.epoch + 1
     state.epoch += 1
     state.position = 0
