@@ -133,7 +133,10 @@ def keep_watch(launch, interval=2.0, grace=10.0):
     def watch():
         orphaned_at = None
         while True:
-            heartbeat.touch()
+            try:
+                heartbeat.touch()
+            except FileNotFoundError:
+                return               # rank 0 removed the launch's marks: the launch is over
             if orphaned_at is None and os.getppid() != parent:
                 orphaned_at = time.monotonic()
                 print(f"[nnpd rank {launch.rt.rank}] the launcher died; stopping", file=sys.stderr, flush=True)
@@ -253,15 +256,17 @@ def train_model(launch, job, data, key):
 
 def training_hooks(launch, job, key):
     """Hooks that keep the model's whole training state under scratch/, report epochs and stop on SIGTERM."""
-    scratch = launch.store.scratch_file("model", key)
+    store = launch.store
 
     def load_state():
-        return torch.load(scratch, weights_only=True) if scratch.is_file() else None
+        # A damaged state raises here; the trainer warns and starts afresh (its next save replaces it).
+        payload = store.load_scratch("model", key)
+        return None if payload is None else torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
 
     def save_state(state):
         buffer = io.BytesIO()
         torch.save(state, buffer)
-        write_bytes_atomic(scratch, buffer.getvalue())
+        store.save_scratch("model", key, buffer.getvalue())
 
     def on_epoch(epoch, record):
         auc = "n/a" if record["auc"] is None else f"{record['auc']:.3f}"
@@ -326,15 +331,18 @@ def analyze_model(launch, job, data, model):
     run_dir = launch.root / job.run
     settings = job.analysis.settings
     done = runs.read_json(run_dir / "analysis.json", {})
-    metrics = runs.read_json(run_dir / "metrics.json", {}) if done.get("state") == "complete" else {}
-    if (done.get("model") == model.key and done.get("source") == launch.snapshot
-            and done.get("settings") == settings and set(metrics) == set(settings["metrics"])):
-        launch.used |= set(done.get("artifacts", []))
-        return metrics                   # same model, code and settings: nothing to do
+    if done.get("state") == "complete":
+        problem = runs.analysis_problem(launch.store, run_dir)
+        same = (done.get("model"), done.get("source"), done.get("settings")) == (model.key, launch.snapshot, settings)
+        if problem is None and same:
+            launch.used |= set(done["artifacts"])
+            return runs.read_json(run_dir / "metrics.json", {})   # same model, code and settings, all intact
+        if problem is not None:
+            runs.warn(f"{run_dir}: its analysis cannot be reused ({problem}); analysing it again")
     launch.timer.did_work("analysis")
     runs.clear_analysis(run_dir)
     record = {"settings": settings, "source": launch.snapshot, "model": model.key, "worker": launch.rt.rank}
-    write_json_atomic(run_dir / "analysis.json", {"state": "running", **record, "time": now_iso()})
+    runs.write_record(run_dir / "analysis.json", {"state": "running", **record, "time": now_iso()})
     ctx = study.Context(job.settings, settings, job.member, job.experiment, job.analysis, launch.rt,
                         run_dir, launch.store, data, model, progress=CaseProgress(launch, job.run))
     values = {}
@@ -347,7 +355,8 @@ def analyze_model(launch, job, data, model):
     used = {"training-data": data, "model": model, **ctx.used}
     runs.write_artifacts(launch.root, run_dir, used)
     keys = sorted(artifact.key for artifact in used.values())
-    write_json_atomic(run_dir / "analysis.json", {"state": "complete", **record, "artifacts": keys, "time": now_iso()})
+    runs.write_record(run_dir / "analysis.json", {"state": "complete", **record, "artifacts": keys,
+                                                  "metrics": digest(values), "time": now_iso()})
     launch.used |= set(keys)
     return values
 

@@ -33,7 +33,7 @@ import timings
 from jobs import Job, Launch
 from runs import LaunchError
 from settings import SettingsError
-from store import ROOT_MARKER, DamagedArtifact, Store, write_bytes_atomic
+from store import DISK_FULL, ROOT_MARKER, DamagedArtifact, Store, disk_full_line, write_bytes_atomic
 
 ACTIONS = ("plan", "train", "analyze", "run", "verify", "report")
 CODE_DIR = Path(__file__).resolve().parent
@@ -152,6 +152,7 @@ def plan(profile=None, settings_dir=None):
     """Resolve and validate every configuration and member; compute and write nothing."""
     loaded = load(profile, settings_dir)
     made = make_plan(loaded)
+    made.errors.extend(runs.root_errors(Path(loaded.training["output"]["root"])))
     return {**plan_report(loaded, made), "advice": plan_advice(loaded, made)}
 
 
@@ -203,7 +204,7 @@ def execute(stage, profile=None, settings_dir=None):
     runtime.STOP.install()
     try:
         launch = Launch(stage, loaded, root, Store(root), rt, runtime.backend_identity(rt))
-        with open_launch(launch):
+        with open_launch(launch, [job.run for job in plan.jobs]):
             for warning in plan.warnings:
                 launch.log(f"warning: {warning}")
             return run_launch(launch, plan.jobs)
@@ -217,8 +218,8 @@ def execute(stage, profile=None, settings_dir=None):
 
 
 @contextlib.contextmanager
-def open_launch(launch):
-    """Rank 0 claims the root, holds its lease and tidies it; then every worker joins the launch."""
+def open_launch(launch, planned_runs=()):
+    """Rank 0 claims, leases and tidies the root, making room for the planned run folders; then every worker joins."""
     if probes.PROBLEM:
         raise SettingsError(probes.PROBLEM)
     rt, minutes = launch.rt, launch.rt.timeout_minutes
@@ -228,10 +229,11 @@ def open_launch(launch):
         if rt.is_main:
             with probes.phase("launch.open"):
                 runs.claim_root(launch.root, create=launch.stage != "analyze")
+                runs.refuse_unsafe_places(launch.root)      # before the lease, whose lock file is the first write
                 held.enter_context(runs.take_lease(launch.store, minutes))
                 runs.wait_for_leftovers(launch.store, minutes)
-                runs.refuse_links(launch.root)
                 runs.tidy_root(launch.root, launch.store)
+                runs.clear_run_places(launch.root, launch.store, planned_runs, repair=launch.stage != "analyze")
                 snapshot = runs.write_snapshot(launch.root, CODE_DIR, launch.profile)
         launch.snapshot, launch.id = runtime.broadcast_object(rt, (snapshot, f"{time.time_ns():x}"))
         held.enter_context(runs.join_launch(launch.store, minutes))
@@ -310,6 +312,8 @@ def finish_launch(launch, planned, trained, used):
     fields = {"digest": training_identity(profile), "profile": profile.name, "runs": sorted(job.run for job in planned),
               "source": launch.snapshot, "settings": settings.to_jsonable(profile.training)}
     backend = {"digest": settings.digest(launch.identity), "identity": launch.identity}
+    # A training launch keeps the analyses still valid for its models, so it keeps what they refer to.
+    used = used | runs.referenced_keys(root, fields["runs"])
     entries = runs.record_launch(root, fields, backend, used, replace=launch.stage != "analyze")
     if launch.stage != "analyze":
         runs.clean_up(root, launch.store, set(fields["runs"]), entries)
@@ -322,8 +326,10 @@ def verify(profile=None, settings_dir=None):
     """Recompute every checksum in the profile's store, move damaged entries aside and report."""
     loaded = load(profile, settings_dir)
     root = Path(loaded.training["output"]["root"])
-    if not (root / "cache").is_dir():
+    # A folder nnpd does not own is refused before anything is written there (locks/, damaged/).
+    if not runs.owns_root(root) or not (root / "cache").is_dir():
         raise LaunchError(f"{root}: no store to verify; run `python nnpd.py train --profile {loaded.name}` first")
+    runs.refuse_unsafe_places(root)
     store = Store(root)
     with runs.take_lease(store, settings.check_runtime(loaded.training["runtime"])["timeout_minutes"]):
         checked, damaged = store.verify(repair=True)
@@ -377,8 +383,8 @@ def one_line(error):
 def disk_problem(error, root=None):
     """A one-line explanation of a full or unwritable disk, or None for other OS errors."""
     where = error.filename or root or "the output root"
-    if error.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-        return f"cannot write {where}: the disk is full (or a file size limit was reached); free space and re-run"
+    if error.errno in DISK_FULL:
+        return disk_full_line(where)
     if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         return f"cannot write {where}: it is not writable ({error.strerror}); fix the permissions or output.root"
     return None
@@ -412,7 +418,13 @@ def main(argv=None):
         print(f"nnpd: settings error: {probes.PROBLEM}", file=sys.stderr)
         return 2
     try:
-        return run_action(arguments)
+        status = run_action(arguments)
+        sys.stdout.flush()      # here, not at exit, so that a reader who left is noticed below
+        return status
+    except BrokenPipeError:     # `nnpd plan | head`: the reader left; before OSError, of which it is one
+        # What is still buffered goes nowhere, so the flush at exit cannot fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except SettingsError as error:
         print(f"nnpd: settings error: {one_line(error)}", file=sys.stderr)
         return 2
@@ -424,12 +436,10 @@ def main(argv=None):
             raise
         print(f"nnpd: error: {disk_problem(error)}", file=sys.stderr)
         return 1
-    except BrokenPipeError:                     # `nnpd plan | head`: the reader left
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
     except KeyboardInterrupt as error:
-        print(f"nnpd: {one_line(error) or 'interrupted'}; everything committed so far is kept, and the same "
-              "command resumes", file=sys.stderr)
+        message = one_line(error) or "interrupted"
+        then = "" if "same command" in message else "; everything committed so far is kept, and the same command resumes"
+        print(f"nnpd: {message}{then}", file=sys.stderr)
         return 143 if runtime.STOP.requested == "SIGTERM" else 130
 
 

@@ -15,6 +15,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import store
+
 # The table's columns: heading and the metric path (levels are keys such as "0.68").
 COLUMNS = (("cov68", "coverage.0.68.joint"), ("cov95", "coverage.0.95.joint"),
            ("width68", "width.0.68.mean"), ("bias rmse", "bias.rmse"), ("test AUC", "classification.auc"))
@@ -65,13 +67,31 @@ def read_runs(root, runs=None):
         run = _read(folder / "run.json")
         if not run:
             continue
-        analysis = _read(folder / "analysis.json").get("state", "none")
+        analysis, metrics = analysis_and_metrics(root, folder)
         records.append(RunRecord(
             run=str(folder.relative_to(root)), configuration=run.get("configuration", folder.parent.name),
             knob=run.get("knob"), value=run.get("value"), member=run.get("member") or {},
             settings=run.get("settings") or {}, status=_read(folder / "status.json").get("state", "none"),
-            analysis=analysis, metrics=_read(folder / "metrics.json") if analysis == "complete" else None))
+            analysis=analysis, metrics=metrics))
     return records
+
+
+def analysis_and_metrics(root, folder):
+    """A run's analysis state and its metrics (None unless complete and intact).
+
+    A complete analysis whose records disagree with their checksums, or whose products are
+    gone from the store, reads as "damaged": the next `run` or `analyze` redoes it.
+    """
+    analysis = _read(folder / "analysis.json")
+    state = analysis.get("state", "none")
+    if state != "complete":
+        return state, None
+    metrics = _read(folder / "metrics.json")
+    references = _read(folder / "artifacts.json").values()
+    if (analysis.get("checksum") != store.record_checksum(analysis) or store.digest(metrics) != analysis.get("metrics")
+            or not all((Path(root) / str(path) / store.MANIFEST).is_file() for path in references)):
+        return "damaged", None
+    return state, metrics
 
 
 def lookup(mapping, path, default=None):

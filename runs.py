@@ -19,19 +19,17 @@ import traceback
 import zipfile
 from pathlib import Path
 
-from store import ROOT_MARKER, now_iso, record_checksum, write_bytes_atomic, write_json_atomic
+from store import (ATOMIC_LEFTOVER, ROOT_MARKER, DamagedArtifact, LaunchError, digest, now_iso, own_folder,
+                   record_checksum, refuse_link, write_bytes_atomic, write_json_atomic)
 
 HISTORY_SLOTS = 3
 ANALYSIS_FILES = ("analysis.json", "metrics.json", "metrics", "plots", "timings.json")
 NNPD_ENTRIES = ("cache", "scratch", "runs", "locks", "source", "damaged", "history.json", "timings.json", "report",
                 "settings_training.py", "settings_analysis.py", ROOT_MARKER)
+OWN_FOLDERS = ("cache", "scratch", "runs", "locks", "source", "damaged", "report")
 LEASE, WORKERS = "launch", "workers"          # lock names of the root's lease
 SNAPSHOT = re.compile(r"[0-9a-f]{16}\.zip")
 VARIANT = re.compile(r".+-[0-9a-f]{10}")       # a configuration folder's name ends with its digest
-
-
-class LaunchError(RuntimeError):
-    """A launch cannot go on for a reason the user can fix; the message says how."""
 
 
 def warn(message):
@@ -69,16 +67,36 @@ def refuse_wrong_root(root):
         raise LaunchError(f"output.root {str(root)!r} exists and is not a folder; choose a folder of its own")
 
 
-def claim_root(root, create):
-    """Check that nnpd owns the output root, creating it (with its marker) when `create` and it is new."""
+def owns_root(root):
+    """Whether the output root carries nnpd's marker; a wrong root, or a non-empty folder without it, is refused.
+
+    Writes nothing, so `plan` and `verify` check a root as a launch does.
+    """
     refuse_wrong_root(root)
     marker = root / ROOT_MARKER
     if marker.is_file() and not marker.is_symlink():
-        return
+        return True
     if root.is_dir() and any(root.iterdir()):
         raise LaunchError(f"output.root {str(root)!r} is a folder nnpd did not create (no {ROOT_MARKER} "
                           f"marker) and is not empty; choose a new or empty folder (an output root of an "
                           f"earlier nnpd release: create the marker with `touch {marker}`)")
+    return False
+
+
+def root_errors(root):
+    """What a launch would refuse about the output root (for `plan`), found without writing anything."""
+    try:
+        owns_root(root)
+    except LaunchError as error:
+        return [str(error)]
+    return []
+
+
+def claim_root(root, create):
+    """Check that nnpd owns the output root, creating it (with its marker) when `create` and it is new."""
+    if owns_root(root):
+        return
+    marker = root / ROOT_MARKER
     if not create:
         raise LaunchError(f"{root}: nothing trained yet; run train first")
     if root.is_dir():
@@ -97,15 +115,23 @@ def claim_root(root, create):
 
 
 def refuse_links(root):
-    """Refuse symbolic links where nnpd writes or deletes: the root's own folders, runs and cache entries."""
+    """Refuse symbolic links where nnpd reads, writes or deletes: its own entries and two levels below its folders."""
     places = [root / name for name in NNPD_ENTRIES]
-    for folder in ("runs", "cache"):
+    for folder in ("runs", "cache", "scratch", "locks", "damaged"):
         for entry in _children(root / folder):
             places += [entry] + _children(entry)
     for place in places:
-        if place.is_symlink():
-            raise LaunchError(f"{place} is a symbolic link; nnpd never follows links inside its output root "
-                              f"(they could lead outside it); remove the link")
+        refuse_link(place)
+
+
+def refuse_unsafe_places(root):
+    """Before anything is written: refuse links (refuse_links) and files where nnpd keeps its folders."""
+    refuse_links(root)
+    for folder in OWN_FOLDERS:
+        own_folder(root / folder)
+    for folder in ("cache", "scratch", "damaged"):     # their entries are folders too
+        for entry in _children(root / folder):
+            own_folder(entry)
 
 
 def _children(folder):
@@ -166,9 +192,55 @@ def tidy_root(root, store):
     for marks in _children(root / "locks"):
         if marks.name.startswith("launch-") and marks.is_dir():
             shutil.rmtree(marks, ignore_errors=True)     # marker folders of launches that died
+    for folder in _atomic_write_folders(root):
+        for path in _children(folder):
+            if ATOMIC_LEFTOVER.fullmatch(path.name) and path.is_file() and not path.is_symlink() \
+                    and not _writer_alive(path.name):
+                path.unlink(missing_ok=True)             # the temporary file of a write that was killed
+
+
+def _writer_alive(leftover):
+    """Whether the process a temporary file's name holds still runs here (`report` writes without the lease)."""
+    pid = int(leftover.rsplit("-", 2)[1])
+    if pid in (0, os.getpid()):
+        return False                                     # 0 would signal our whole process group
+    try:
+        os.kill(pid, 0)
+    except (ProcessLookupError, OverflowError):
+        return False
+    except PermissionError:
+        return True                                      # it runs, as another user
+    return True
+
+
+def _atomic_write_folders(root):
+    """The folders outside cache/ and source/ that nnpd writes files into through write_bytes_atomic."""
+    folders = [root, root / "report"] + _children(root / "scratch")
+    for variant in _children(root / "runs"):
+        folders.append(variant)
+        for run in _children(variant):              # run folders and the cohort's plots/
+            folders += [run, run / "metrics", run / "plots"]
+    return folders
 
 
 # ---------------------------------------------------------------- run folders
+
+def clear_run_places(root, store, runs, repair):
+    """Make room for the planned run folders: a file where one (or its configuration folder) belongs.
+
+    Such a place is nnpd's own, so when `repair` (train, run) the file is moved to damaged/
+    and the run is redone; analyze, which cannot redo a training, refuses it in one line.
+    """
+    for run in runs:
+        for place in (root / Path(run).parent, root / run):
+            if place.is_dir() or not os.path.lexists(place) or place.is_symlink():
+                continue                               # a link was refused before (refuse_links)
+            if not repair:
+                raise LaunchError(f"{place} is a file where the run folder of {run} belongs; "
+                                  f"run train to make the run folder again")
+            store.move_aside(place, "records", "a file stands where a run folder belongs",
+                             then="the run is redone", name=str(place.relative_to(root)).replace("/", "__"))
+
 
 def discard(path):
     """Delete a folder so that a crash half-way never leaves it looking valid: rename, then remove."""
@@ -197,11 +269,16 @@ def clear_analysis(run_dir):
             path.unlink()
 
 
+def write_record(path, record):
+    """Atomically write one of nnpd's JSON records (run.json, analysis.json) with its checksum."""
+    record = {key: value for key, value in record.items() if key != "checksum"}
+    write_json_atomic(path, {**record, "checksum": record_checksum(record)})
+
+
 def start_run(root, run, record, worker):
     """Create the run folder with run.json (with its checksum) and a `running` status; clear old analysis."""
     run_dir = root / run
-    record = {"id": run, **record, "started": now_iso()}
-    write_json_atomic(run_dir / "run.json", {**record, "checksum": record_checksum(record)})
+    write_record(run_dir / "run.json", {"id": run, **record, "started": now_iso()})
     clear_analysis(run_dir)
     plots = run_dir.parent / "plots"
     if plots.exists():
@@ -230,6 +307,56 @@ def write_artifacts(root, run_dir, used):
                       {name: str(Path(artifact.path).relative_to(root)) for name, artifact in used.items()})
 
 
+def referenced_artifacts(run_dir):
+    """(name, key) of every artifact a run folder's artifacts.json refers to, by the run's own names."""
+    references = read_json(run_dir / "artifacts.json", {})
+    return {used: (Path(str(path)).parent.name, Path(str(path)).name) for used, path in references.items()}
+
+
+def referenced_keys(root, runs):
+    """Keys of every artifact the given run folders refer to: clean-up must keep them."""
+    return {key for run in runs for _, key in referenced_artifacts(root / run).values()}
+
+
+def missing_references(store, run_dir):
+    """What a run folder refers to that is not committed intact in the store, as `cache/<name>/<key>` lines."""
+    missing = []
+    for name, key in referenced_artifacts(run_dir).values():
+        try:
+            found = store.find(name, key)
+        except (DamagedArtifact, ValueError):
+            found = None
+        if found is None:
+            missing.append(f"cache/{name}/{key}")
+    return missing
+
+
+def analysis_problem(store, run_dir):
+    """Why a run's analysis is not complete and intact (None when it is): its records, metrics and products.
+
+    An analysis counts as complete only while analysis.json is sound, metrics.json is what
+    it wrote, and every artifact artifacts.json names is committed and intact.
+    """
+    done = read_json(run_dir / "analysis.json", {})
+    if done.get("state") != "complete":
+        return f"its state is {done.get('state', 'none')}"
+    if done.get("checksum") != record_checksum(done):
+        return "analysis.json does not match its checksum"
+    metrics = read_json(run_dir / "metrics.json", {})
+    if digest(metrics) != done.get("metrics"):
+        return "metrics.json is not what the analysis wrote"
+    for name, value in metrics.items():
+        path = run_dir / "metrics" / f"{name}.json"
+        if not path.is_file() or read_json(path) != value:
+            return f"metrics/{name}.json is not what the analysis wrote"
+    if sorted(key for _, key in referenced_artifacts(run_dir).values()) != sorted(done.get("artifacts", [])):
+        return "artifacts.json disagrees with analysis.json"
+    missing = missing_references(store, run_dir)
+    if missing:
+        return f"{missing[0]} is missing or damaged"
+    return None
+
+
 def fail_job(run_dir, stage, error):
     """Record a failed job's traceback in its status (training) or analysis.json."""
     text = "".join(traceback.format_exception(error))
@@ -237,8 +364,8 @@ def fail_job(run_dir, stage, error):
         write_status(run_dir, "failed", error=str(error), traceback=text)
     else:
         previous = read_json(run_dir / "analysis.json", {})
-        write_json_atomic(run_dir / "analysis.json", {**previous, "state": "failed", "error": str(error),
-                                                      "traceback": text, "time": now_iso()})
+        write_record(run_dir / "analysis.json", {**previous, "state": "failed", "error": str(error),
+                                                 "traceback": text, "time": now_iso()})
 
 
 def is_own_run(root, path):
@@ -387,26 +514,41 @@ def latest_training_digest(root):
 # ---------------------------------------------------------------- verify: the root's own records
 
 RUN_RECORDS = ("run.json", "status.json", "artifacts.json", "analysis.json", "metrics.json")
+CHECKSUMMED = ("run.json", "analysis.json")
 
 
 def record_problem(path):
-    """Why a JSON record of nnpd's is damaged, or None when it reads as an object (run.json: with its checksum)."""
+    """Why a JSON record of nnpd's is damaged, or None when it reads as an object that agrees with its checksum.
+
+    run.json and analysis.json carry their own checksum; metrics.json must be what its
+    analysis.json says was written.
+    """
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
         return f"unreadable ({type(error).__name__})"
     if not isinstance(value, dict):
         return "not a JSON object"
-    if path.name == "run.json" and value.get("checksum") != record_checksum(value):
+    if path.name in CHECKSUMMED and value.get("checksum") != record_checksum(value):
         return "its checksum does not match"
+    if path.name == "metrics.json":
+        written = read_json(path.parent / "analysis.json", {}).get("metrics")
+        if written is not None and digest(value) != written:
+            return "it is not what its analysis wrote"
     return None
 
 
 def verify_records(root, store):
-    """Check the run folders' JSON records and history.json; move damaged ones aside; return their paths."""
+    """Check the run folders' JSON records, what they refer to, and history.json; return what is damaged.
+
+    Damaged records are moved aside; an artifact a run refers to that is missing from the
+    store (pruned, or moved aside as damaged) is reported, and the next launch rebuilds it.
+    """
     damaged = []
-    records = [root / "history.json"] + [run / name for variant in _children(root / "runs")
-                                         for run in _children(variant) for name in RUN_RECORDS]
+    folders = [run for variant in _children(root / "runs") for run in _children(variant)
+               if run.name != "plots" and run.is_dir()]
+    # metrics.json is judged by its analysis.json, so it goes first: a damaged analysis.json leaves with it.
+    records = [root / "history.json"] + [run / name for run in folders for name in reversed(RUN_RECORDS)]
     for path in records:
         if path.is_file() and not path.is_symlink():
             problem = record_problem(path)
@@ -414,4 +556,7 @@ def verify_records(root, store):
                 damaged.append(str(path))
                 name = str(path.relative_to(root)).replace("/", "__")
                 store.move_aside(path, "records", problem, then="the next launch redoes that step", name=name)
+    for run in folders:
+        damaged += [f"{run / 'artifacts.json'}: {missing} is missing (the next launch rebuilds it)"
+                    for missing in missing_references(store, run)]
     return damaged

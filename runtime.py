@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import gc
 import hashlib
 import json
 import os
@@ -13,6 +14,8 @@ import re
 import signal
 import sys
 import threading
+import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -21,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from settings import DEVICE_FORMS, SettingsError, check_runtime
+from store import LaunchError
 
 PRECISIONS = ("off", "float16", "bfloat16")
 _INDEXED_CUDA = re.compile(r"cuda:(\d+)")
@@ -54,8 +58,13 @@ def _cuda_unavailable(spec: str) -> SettingsError:
 
 
 def _worker_gpu(spec: str, local_rank: int) -> torch.device:
-    """The GPU a worker uses: its local rank selects one of the visible GPUs."""
+    """The GPU a worker uses: its local rank selects one of the visible GPUs.
+
+    A scheduler that binds one GPU to each task shows every worker just its own, as cuda:0.
+    """
     count = torch.cuda.device_count()
+    if count == 1:
+        return torch.device("cuda", 0)
     if local_rank >= count:
         raise SettingsError(
             f"runtime.device: {spec!r} with local rank {local_rank} but only {count} GPU(s) are visible; "
@@ -104,11 +113,16 @@ def check_precision(precision: str, device) -> torch.dtype | None:
             f"training.precision: \"float16\" needs a CUDA device but runtime.device resolved to {device.type}; "
             "use \"bfloat16\" or \"off\""
         )
-    if precision == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        raise SettingsError(
-            f"training.precision: \"bfloat16\" is not supported by {torch.cuda.get_device_name(device)}; "
-            "use \"float16\" or \"off\""
-        )
+    if precision == "bfloat16" and device.type == "cuda":
+        # torch.cuda.is_bf16_supported() also accepts GPUs that only emulate bfloat16 (compute
+        # capability below 8: V100, T4) and asks the current device, not this worker's.
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 8:
+            raise SettingsError(
+                f"training.precision: \"bfloat16\" needs a GPU of compute capability 8.0 or newer; "
+                f"{torch.cuda.get_device_name(device)} ({device}) has {major}.{minor} and only emulates it; "
+                "use \"float16\" or \"off\""
+            )
     return {"off": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[precision]
 
 
@@ -125,17 +139,25 @@ class StopRequest:
 
     Cluster schedulers send SIGTERM before preempting a job. A trainer that polls
     `requested` finishes its step and saves its state; anywhere else the signal interrupts
-    at once. A second signal always interrupts at once.
+    at once. A later signal interrupts at once too, except a repeat of the request: one
+    arriving within REPEAT_SECONDS of the first, or while training is still stopping (saving
+    its state). Slurm signals every process of a step and torchrun passes the signal on
+    again, so each worker gets SIGTERM twice, a fraction of a millisecond apart, and srun
+    sends it once more when the first node's launcher exits. A second Ctrl-C (SIGINT after
+    SIGINT) always interrupts.
     """
+
+    REPEAT_SECONDS = 2.0
 
     def __init__(self):
         self.requested = None
+        self.requested_at = None
         self.polled = False
         self.previous = {}
 
     def install(self):
         """Handle SIGTERM and SIGINT (only possible in the main thread; elsewhere nothing changes)."""
-        self.requested = None
+        self.requested = self.requested_at = None
         if threading.current_thread() is not threading.main_thread():
             return
         for signum in (signal.SIGTERM, signal.SIGINT):
@@ -149,10 +171,15 @@ class StopRequest:
 
     def handle(self, signum, frame):
         """The signal handler."""
-        first = self.requested is None
-        self.requested = signal.Signals(signum).name
-        if not (self.polled and first):
-            raise Interrupted(f"stopped by {self.requested}")
+        name = signal.Signals(signum).name
+        if self.requested is not None:
+            repeated = self.polled or time.monotonic() - self.requested_at < self.REPEAT_SECONDS
+            if repeated and not (name == self.requested == "SIGINT"):
+                return                       # the same request delivered twice
+            raise Interrupted(f"stopped by {name}")
+        self.requested, self.requested_at = name, time.monotonic()
+        if not self.polled:
+            raise Interrupted(f"stopped by {name}")
 
     @contextlib.contextmanager
     def polling(self):
@@ -190,7 +217,13 @@ class Runtime:
     timeout_minutes: float = 60
     resume_seconds: float = 60
     owns_group: bool = False
-    previous_torch_state: tuple = ()   # (threads, deterministic) to put back on stop
+    previous_torch_state: tuple = ()   # what start changed (torch_state()), put back by stop
+
+    def __post_init__(self):
+        """Give a CUDA device its index: barriers, DDP and NCCL need to know which GPU."""
+        self.device = torch.device(self.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
 
     @property
     def is_main(self) -> bool:
@@ -250,11 +283,20 @@ def set_deterministic_algorithms(flag: bool) -> None:
         os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1" if flag else "0"
 
 
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")   # the workspace settings cuBLAS documents as deterministic
+
+
 def set_determinism(flag: bool) -> None:
     """Ask torch (and CUDA) for deterministic algorithms, or allow the fast ones again."""
     if flag:
         # cuBLAS reads this when its first handle is created, so it must precede CUDA work.
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        # Another value makes deterministic training fail at its first matrix product.
+        found = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+        if found not in (None, *DETERMINISTIC_CUBLAS):
+            warnings.warn(f"CUBLAS_WORKSPACE_CONFIG={found!r} is not one of cuBLAS's deterministic settings "
+                          f"({', '.join(DETERMINISTIC_CUBLAS)}); runtime.deterministic is on, so this launch uses "
+                          f"{DETERMINISTIC_CUBLAS[0]}", stacklevel=2)
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = found if found in DETERMINISTIC_CUBLAS else DETERMINISTIC_CUBLAS[0]
     set_deterministic_algorithms(flag)
     torch.backends.cudnn.deterministic = flag
     if flag:
@@ -280,15 +322,38 @@ def seed_everything(seed: int) -> None:
 
 
 def _create_group(rt: Runtime, environ) -> None:
-    """Create the default process group from torchrun's environment (Gloo on CPU, NCCL on CUDA)."""
+    """Create the default process group from torchrun's environment (see group_backend, group_timeout)."""
     missing = [name for name in ("MASTER_ADDR", "MASTER_PORT") if not environ.get(name)]
     if missing:
         raise SettingsError(f"WORLD_SIZE={rt.world_size} but {', '.join(missing)} not set; launch with torchrun")
-    backend = "nccl" if rt.device.type == "cuda" else "gloo"
-    timeout = timedelta(minutes=rt.timeout_minutes)
+    backend, timeout = group_backend(rt), group_timeout(rt)
+    # NCCL given its GPU at once: a wrong mapping fails here, not at the first collective.
+    device = {"device_id": rt.device} if backend == "nccl" else {}
+    # This module's functions bind `group=group.WORLD` as default arguments when it is first
+    # imported (DDP imports it, through torch._dynamo); imported once the group exists, they
+    # would keep the group alive past destroy_process_group (see stop).
+    from torch.distributed.nn import functional  # noqa: F401
     dist.init_process_group(backend=backend, rank=rt.rank, world_size=rt.world_size, timeout=timeout,
-                            **_rendezvous(environ, rt.world_size, timeout))
+                            **device, **_rendezvous(environ, rt.world_size, timeout))
     rt.owns_group = True
+
+
+def group_backend(rt: Runtime) -> str:
+    """NCCL where workers train one model together on GPUs, else Gloo.
+
+    In jobs mode the group carries only small object collectives; on Gloo a wait that runs
+    out ends in nnpd's one line, where NCCL's watchdog would abort the process.
+    """
+    return "nccl" if rt.device.type == "cuda" and rt.ddp else "gloo"
+
+
+def group_timeout(rt: Runtime) -> timedelta:
+    """How long a collective waits: twice runtime.timeout_minutes, and a minute.
+
+    Before its first broadcast rank 0 may wait up to runtime.timeout_minutes for the root's
+    lease and as long again for an earlier launch's workers; the others wait in that broadcast.
+    """
+    return timedelta(minutes=2 * rt.timeout_minutes + 1)
 
 
 def _rendezvous(environ, world_size, timeout) -> dict:
@@ -326,7 +391,7 @@ def start(runtime_settings: dict | None, environ=None) -> Runtime:
         timeout_minutes=settings["timeout_minutes"],
         resume_seconds=settings["resume_seconds"],
     )
-    rt.previous_torch_state = (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled())
+    rt.previous_torch_state = torch_state()
     torch.set_num_threads(rt.cpu_threads)
     set_determinism(rt.deterministic)
     keep_freed_memory()
@@ -342,16 +407,43 @@ def stop(rt: Runtime) -> None:
     """Destroy the process group this runtime created and put torch's settings back.
 
     Safe to call twice or after an error; a Python caller of a launch gets its own
-    thread count and determinism flag back.
+    thread count, determinism and cuDNN flags and environment back.
     """
     if rt.owns_group and dist.is_initialized():
+        # The group and its Gloo threads must end here, not at interpreter exit, where a Gloo
+        # thread that frees a tensor cannot take the GIL and aborts the process ("terminate
+        # called without an active exception"). So nothing may still hold the group: a DDP
+        # wrapper's reducer does, and the first wrapper of a process sits in a reference cycle
+        # (left by torch._dynamo's import inside DDP.__init__), collected here. A failed
+        # training lets go of its wrapper (trainer.train); see also _create_group.
+        gc.collect()
         dist.destroy_process_group()
     rt.owns_group = False
     if rt.previous_torch_state:
-        threads, deterministic = rt.previous_torch_state
-        torch.set_num_threads(threads)
-        set_deterministic_algorithms(deterministic)
+        put_back_torch_state(rt.previous_torch_state)
         rt.previous_torch_state = ()
+
+
+SET_ENVIRONMENT = ("CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_DETERMINISTIC")   # what set_determinism may set
+
+
+def torch_state() -> tuple:
+    """What start changes: threads, the determinism flag, cuDNN's flags and the environment it sets."""
+    return (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
+            torch.backends.cudnn.benchmark, {name: os.environ.get(name) for name in SET_ENVIRONMENT})
+
+
+def put_back_torch_state(state: tuple) -> None:
+    """Restore what torch_state() recorded."""
+    threads, deterministic, cudnn_deterministic, cudnn_benchmark, environment = state
+    torch.set_num_threads(threads)
+    set_deterministic_algorithms(deterministic)
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = cudnn_deterministic, cudnn_benchmark
+    for name, value in environment.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def backend_identity(rt: Runtime) -> dict:
@@ -371,14 +463,40 @@ def backend_identity(rt: Runtime) -> dict:
     }
 
 
+@contextlib.contextmanager
+def _collective(rt: Runtime, what: str):
+    """Run one collective; a worker that died or cannot be reached ends the launch with one line.
+
+    Gloo and NCCL report a vanished peer as a RuntimeError (DistBackendError and
+    DistNetworkError are ones) with a multi-line C++ message.
+    """
+    try:
+        yield
+    except LaunchError:
+        raise
+    except RuntimeError as error:
+        raise LaunchError(lost_worker(rt, what, error)) from error
+
+
+def lost_worker(rt: Runtime, what: str, error: BaseException) -> str:
+    """The one line for a collective that failed because another worker is gone."""
+    others = [rank for rank in range(rt.world_size) if rank != rt.rank]
+    who = f"worker {others[0]}" if len(others) == 1 else "another worker"
+    # "[.../pair.cc:553] Connection closed by peer [addr]:port. This is typically ..." -> its first sentence
+    text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(error).split())).split(". ")[0] or type(error).__name__
+    return (f"{who} stopped or cannot be reached (worker {rt.rank}: {what} failed: {text}); "
+            "the launch ends; the same command resumes")
+
+
 def barrier(rt: Runtime) -> None:
     """Wait for every worker (no-op in a single process)."""
     if not rt.distributed:
         return
-    if rt.device.type == "cuda":
-        dist.barrier(device_ids=[rt.device.index])
-    else:
-        dist.barrier()
+    with _collective(rt, "barrier"):
+        if dist.get_backend() == "nccl":
+            dist.barrier(device_ids=[rt.device.index])
+        else:
+            dist.barrier()
 
 
 def broadcast_object(rt: Runtime, obj, src: int = 0):
@@ -386,14 +504,16 @@ def broadcast_object(rt: Runtime, obj, src: int = 0):
     if not rt.distributed:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, src=src, device=rt.device if rt.device.type == "cuda" else None)
+    with _collective(rt, "broadcast"):
+        dist.broadcast_object_list(box, src=src, device=rt.device if dist.get_backend() == "nccl" else None)
     return box[0]
 
 
 def all_reduce_sum(rt: Runtime, tensor: torch.Tensor) -> torch.Tensor:
     """Sum a tensor over workers in place and return it."""
     if rt.distributed:
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+        with _collective(rt, "all_reduce"):
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
 
 
@@ -402,5 +522,6 @@ def all_gather_object(rt: Runtime, obj) -> list:
     if not rt.distributed:
         return [obj]
     gathered = [None] * rt.world_size
-    dist.all_gather_object(gathered, obj)
+    with _collective(rt, "all_gather"):
+        dist.all_gather_object(gathered, obj)
     return gathered

@@ -15,7 +15,9 @@ import itertools
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -441,7 +443,7 @@ def check_runtime(runtime_settings):
 
 
 def check_output_root(output):
-    """The `output` section: a plain path for the output root (whether it may be used is checked at launch)."""
+    """The `output` section's root with a leading `~` expanded (whether it may be used is checked at launch)."""
     known_keys(output, ("root",), "output")
     root = require(output, "root", "output")
     if not isinstance(root, str) or not root.strip():
@@ -449,6 +451,11 @@ def check_output_root(output):
     if root != root.strip() or not root.isprintable() or len(root) > 1024:
         raise SettingsError(f"output.root: {root!r} has surrounding spaces, control characters or is too long; "
                             "write a plain path")
+    # As a shell would: "~/x" is in the home folder, never a folder named "~" here.
+    root = os.path.expanduser(root)
+    if root.startswith("~"):
+        raise SettingsError(f"output.root: {root!r} starts with '~' but names no home folder here; "
+                            "write the full path")
     if ".." in Path(root).parts:
         raise SettingsError(f"output.root: {root!r} climbs out with '..'; write the path without '..'")
     if any(len(part.encode("utf-8")) > 255 for part in Path(root).parts):
@@ -477,8 +484,12 @@ def check_analysis_framework(analysis):
 
 
 def check_framework(profile):
-    """Every framework section of a loaded profile; per-configuration values are checked per configuration."""
-    check_output_root(profile.training["output"])
+    """Every framework section of a loaded profile; per-configuration values are checked per configuration.
+
+    output.root is replaced by its checked form (`~` expanded), which every command then uses.
+    """
+    root = check_output_root(profile.training["output"])
+    profile.training["output"] = {**profile.training["output"], "root": root}
     check_runtime(profile.training["runtime"])
     check_analysis_framework(profile.analysis)
     for configuration in profile.configurations:
@@ -503,12 +514,12 @@ def _load_module(path):
     sys.dont_write_bytecode = True  # also for anything the settings file imports
     sys.modules[name] = module  # dataclasses and pickling look modules up here
     try:
-        with _no_exit():
+        with _no_exit() as pressed:
             code = compile(path.read_text(encoding="utf-8"), str(path), "exec")
             exec(code, module.__dict__)
-    except (Exception, SystemExit) as error:
-        raise SettingsError(f"{path}: could not be executed: "
-                            f"{type(error).__name__}: {error}; fix the file") from None
+    except BaseException as error:
+        _reraise_ctrl_c(error, pressed)
+        raise SettingsError(f"{path}: could not be executed: {_described(error)}; fix the file") from None
     finally:
         sys.modules.pop(name, None)
         sys.dont_write_bytecode = writes_bytecode
@@ -522,12 +533,52 @@ def _refuse_exit(status=0):
 
 @contextlib.contextmanager
 def _no_exit():
-    """Run settings code with os._exit turned into an exception (sys.exit already is one)."""
+    """Run settings code with os._exit turned into an exception (sys.exit already is one).
+
+    Yields a list that records every real Ctrl-C (SIGINT) meanwhile, so that a settings
+    file raising KeyboardInterrupt itself is told apart from a user who stops nnpd.
+    """
     hard_exit, os._exit = os._exit, _refuse_exit
+    pressed = []
+    previous = _note_ctrl_c(pressed)
     try:
-        yield
+        yield pressed
     finally:
         os._exit = hard_exit
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+
+
+def _note_ctrl_c(pressed):
+    """Handle SIGINT as before, noting it in `pressed`; returns the handler to put back, None if none was changed.
+
+    Off the main thread no signal reaches Python code, and a handler set by C code cannot be
+    put back, so then nothing changes.
+    """
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous is None:
+        return None
+
+    def noted(signum, frame):
+        pressed.append(signum)
+        if callable(previous):
+            previous(signum, frame)
+        elif previous != signal.SIG_IGN:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, noted)
+    return previous
+
+
+def _reraise_ctrl_c(error, pressed):
+    """Let a real Ctrl-C stop nnpd as usual; any other exception of settings code is a settings error."""
+    if isinstance(error, KeyboardInterrupt) and pressed:
+        raise error
+
+
+def _described(error):
+    """An exception of settings code as 'Type: message' (just the type when it has no message)."""
+    return f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
 
 
 def _attribute(module, path, attribute):
@@ -550,13 +601,13 @@ def _make(module, path, profile):
     """Call make_settings(profile), turning its failures into SettingsError."""
     make_settings = _attribute(module, path, "make_settings")
     try:
-        with _no_exit():
+        with _no_exit() as pressed:
             settings = make_settings(profile)
     except SettingsError as error:
         raise SettingsError(f"{path.name} [{profile}]: {error}") from None
-    except (Exception, SystemExit) as error:
-        raise SettingsError(f"{path.name} [{profile}]: make_settings failed: "
-                            f"{type(error).__name__}: {error}") from None
+    except BaseException as error:
+        _reraise_ctrl_c(error, pressed)
+        raise SettingsError(f"{path.name} [{profile}]: make_settings failed: {_described(error)}") from None
     if not isinstance(settings, dict):
         raise SettingsError(f"{path.name} [{profile}]: make_settings returned "
                             f"{type(settings).__name__}; it must return a dict")

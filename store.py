@@ -12,15 +12,18 @@ manifest last and commits with one atomic rename. Readers take no lock.
 """
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import importlib
+import io
 import json
 import os
 import re
 import secrets
 import shutil
 import sys
+import time
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
@@ -30,6 +33,7 @@ import numpy as np
 SCHEMA = 1
 MANIFEST = "artifact.json"
 TMP_PREFIX = ".tmp-"
+SCRATCH_MAGIC = b"nnpd training state 1\n"   # heads a saved state: then a JSON line with key and checksum
 _CHUNK = 4 << 20  # large reads keep deep verification near raw hashlib speed
 
 
@@ -39,6 +43,45 @@ class DamagedArtifact(OSError):
 
 class MissingArtifact(LookupError):
     """Nothing is committed under the requested key (or file)."""
+
+
+class LaunchError(RuntimeError):
+    """A launch cannot go on for a reason the user can fix; the message says how."""
+
+
+# ---------------------------------------------------------------- a full disk, links, odd files
+
+# What a write into a full disk (or past a quota or a file size limit) fails with.
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+
+
+def disk_full_line(where):
+    """The one line that says a write into `where` found the disk full."""
+    return f"cannot write {where}: the disk is full (or a file size limit was reached); free space and re-run"
+
+
+def _disk_full(error, where):
+    """A LaunchError with the disk-full line when `error` is a full disk's, else None."""
+    if isinstance(error, OSError) and error.errno in DISK_FULL:
+        return LaunchError(disk_full_line(error.filename or where))
+    return None
+
+
+def refuse_link(path):
+    """Refuse a symbolic link where nnpd reads, writes or deletes inside its output root."""
+    if os.path.islink(path):
+        raise LaunchError(f"{path} is a symbolic link; nnpd never follows links inside its output root "
+                          f"(they could lead outside it); remove the link")
+    return path
+
+
+def own_folder(path):
+    """One of nnpd's folders: refused when it is a link, or a file where the folder belongs."""
+    refuse_link(path)
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise LaunchError(f"{path} is a file where nnpd keeps a folder of its own; move the file elsewhere "
+                          f"or delete it")
+    return path
 
 
 # ---------------------------------------------------------------- JSON helpers
@@ -59,6 +102,11 @@ def sha256_text(text):
 def digest(value):
     """Return the SHA-256 hex digest of canonical_json(value)."""
     return sha256_text(canonical_json(value))
+
+
+def record_checksum(record):
+    """The checksum of a JSON record (a manifest, run.json) over everything but its own checksum field."""
+    return digest({key: value for key, value in record.items() if key != "checksum"})
 
 
 def _pretty_json(value, what):
@@ -104,9 +152,24 @@ def write_json_atomic(path, value):
     write_bytes_atomic(path, _pretty_json(value, str(path)).encode("utf-8"))
 
 
+# The temporary file of write_bytes_atomic: a killed write leaves it behind (the next launch removes it).
+ATOMIC_LEFTOVER = re.compile(r"\..+\.tmp-[0-9]+-[0-9a-f]{8}")
+
+
 def write_bytes_atomic(path, data):
-    """Write bytes to path via a synced, uniquely named temp file and an atomic replace."""
+    """Write bytes to path via a synced, uniquely named temp file and an atomic replace; a full disk is a LaunchError."""
     path = Path(path)
+    try:
+        _replace_atomically(path, data)
+    except OSError as error:
+        full = _disk_full(error, path)
+        if full is None:
+            raise
+        raise full from error
+
+
+def _replace_atomically(path, data):
+    """Write bytes to a new temporary file beside path, sync it and rename it over path."""
     _makedirs_durable(path.parent)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
     try:
@@ -171,6 +234,7 @@ def now_iso():
 # ---------------------------------------------------------------- directory helpers
 
 KEY = re.compile(r"[0-9a-f]{64}")
+MISPLACED = "a file stands where the artifact's folder belongs"
 
 
 def _listdir(path):
@@ -242,7 +306,7 @@ class Writer:
         _check_dtype(value.dtype, name)
         path = self._register(_file_name(name, ".npy"))
         with open(path, "xb") as f:
-            np.lib.format.write_array(f, value, allow_pickle=False)
+            np.lib.format.write_array(_Stream(f), value, allow_pickle=False)
         return path
 
     def allocate(self, name, shape, dtype):
@@ -270,8 +334,11 @@ class Writer:
         if bad:
             raise ValueError(f"weights must map str names to tensors; bad entries: {bad[:5]}")
         path = self._register("weights.pt")
+        # Into memory first: torch.save writing short says only "unexpected pos"; Python's write names a full disk.
+        buffer = io.BytesIO()
+        torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, buffer)
         with open(path, "xb") as f:
-            torch.save({k: v.detach().cpu() for k, v in state_dict.items()}, f)
+            f.write(buffer.getbuffer())
         return path
 
     def finish(self):
@@ -298,6 +365,17 @@ class Writer:
                 entry["shape"], entry["dtype"] = _npy_header(path)
             table[fname] = entry
         return table
+
+
+class _Stream:
+    """A file that numpy writes as a plain stream, through Python's write.
+
+    numpy writes real files with tofile, whose short write on a full disk raises an
+    OSError without errno ("N requested and M written"); Python's write keeps the errno.
+    """
+
+    def __init__(self, file):
+        self.write = file.write
 
 
 def _check_dtype(dtype, name):
@@ -352,19 +430,42 @@ class Artifact:
         return not self.problems(deep)
 
 
+# Files this process has hashed and found equal to their manifest, with what stat said of them
+# then. A launch opens the same artifact many times; one hash is enough unless the file has
+# changed since, and any write changes its ctime, whatever a tool does to keep the rest.
+_HASHED = {}
+# File times tick coarsely (a few milliseconds): a file changed within the same tick as the
+# stat that vouched for it would keep its ctime, so only files settled for longer are remembered.
+_SETTLED_NS = 2_000_000_000
+
+
 def _problems(path, files_manifest, deep):
-    """List what is wrong with the files of a manifest: missing, resized or (deep) altered."""
+    """List what is wrong with the files of a manifest: missing, resized or (deep) altered.
+
+    deep=False checks sizes only, deep=True hashes every file, deep="once" hashes a file
+    unless this process already found it intact and it has not changed since.
+    """
     out = []
     for fname, info in files_manifest["files"].items():
         fpath = os.path.join(path, fname)
         try:
-            size = os.stat(fpath).st_size
+            stat = os.stat(fpath)
         except OSError:
             out.append(f"{fname}: missing")
             continue
-        if size != info["size"]:
-            out.append(f"{fname}: size {size} != {info['size']}")
-        elif deep and _sha256_file(fpath)[1] != info["sha256"]:
+        if stat.st_size != info["size"]:
+            out.append(f"{fname}: size {stat.st_size} != {info['size']}")
+            continue
+        if not deep:
+            continue
+        seen = (stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, info["sha256"])
+        if deep == "once" and _HASHED.get(fpath) == seen:
+            continue
+        if _sha256_file(fpath)[1] == info["sha256"]:
+            if time.time_ns() - stat.st_ctime_ns > _SETTLED_NS:
+                _HASHED[fpath] = seen
+        else:
+            _HASHED.pop(fpath, None)
             out.append(f"{fname}: checksum mismatch")
     return out
 
@@ -382,14 +483,21 @@ def _read_manifest(path):
         return None, "manifest has no files table"
     if manifest.get("schema") != SCHEMA:
         return None, f"unknown manifest schema {manifest.get('schema')!r}"
+    if "checksum" in manifest and manifest["checksum"] != record_checksum(manifest):
+        return None, "manifest altered (its checksum does not match)"
     return manifest, None
 
 
-def _open(path, deep=False):
-    """Return (Artifact, None), (None, reason) when damaged, or (None, None) when absent."""
-    # Lean cache-hit path: read the manifest, then one stat per file.
+def _open(path, deep="once"):
+    """Return (Artifact, None), (None, reason) when damaged, or (None, None) when absent.
+
+    Every file is checked against its checksum (see _problems for `deep`), so what a launch
+    or restore reads is what was committed.
+    """
     if os.path.islink(path):
         return None, "it is a symbolic link; nnpd never follows links in its store"
+    if os.path.exists(path) and not os.path.isdir(path):
+        return None, MISPLACED
     try:
         manifest, reason = _read_manifest(path)
     except FileNotFoundError:
@@ -451,8 +559,9 @@ class Store:
     def lock(self, lock_name, blocking=True, shared=False):
         """Hold a flock on locks/<lock_name>.lock (exclusive, or shared); yields False if busy and not blocking."""
         check_name(lock_name, "lock name")
-        _makedirs_durable(self.locks)
-        fd = os.open(self.locks / f"{lock_name}.lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        # Checked before anything is created: a linked locks/ would put lock files outside the root.
+        _makedirs_durable(own_folder(self.locks))
+        fd = os.open(refuse_link(self.locks / f"{lock_name}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             try:
                 fcntl.flock(fd, (fcntl.LOCK_SH if shared else fcntl.LOCK_EX) | (0 if blocking else fcntl.LOCK_NB))
@@ -467,8 +576,40 @@ class Store:
             os.close(fd)
 
     def scratch_file(self, name, key):
-        """Where an unfinished build of (name, key) keeps its state between processes (training resumes)."""
-        return self.root / "scratch" / check_name(name, "artifact name") / f"{check_name(key, 'artifact key')}.pt"
+        """Where an unfinished build of (name, key) keeps its state between processes (training resumes).
+
+        A link on the way is refused: the state is read, replaced and deleted there.
+        """
+        folder = own_folder(own_folder(self.root / "scratch") / check_name(name, "artifact name"))
+        return refuse_link(folder / f"{check_name(key, 'artifact key')}.pt")
+
+    def save_scratch(self, name, key, payload):
+        """Keep an unfinished build's state (bytes) under scratch/, headed by its key and checksum."""
+        header = canonical_json({"name": name, "key": key, "size": len(payload),
+                                 "sha256": hashlib.sha256(payload).hexdigest()})
+        write_bytes_atomic(self.scratch_file(name, key), SCRATCH_MAGIC + header.encode() + b"\n" + payload)
+
+    def load_scratch(self, name, key):
+        """The bytes save_scratch kept for (name, key), or None; DamagedArtifact when damaged or another key's."""
+        path = self.scratch_file(name, key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        header, _, payload = data[len(SCRATCH_MAGIC):].partition(b"\n")
+        try:
+            header = json.loads(header) if data.startswith(SCRATCH_MAGIC) else None
+        except ValueError:
+            header = None
+        if not isinstance(header, dict):
+            problem = "it is not a state nnpd saved (damaged, or written by an earlier release)"
+        elif (header.get("name"), header.get("key")) != (name, key):
+            problem = f"it belongs to {header.get('name')!r} {str(header.get('key'))[:12]}…, not this build"
+        elif header.get("size") != len(payload) or header.get("sha256") != hashlib.sha256(payload).hexdigest():
+            problem = "its checksum does not match (damaged)"
+        else:
+            return payload
+        raise DamagedArtifact(f"{path}: {problem}")
 
     def drop_scratch(self, name, key):
         """Forget the saved state of a build once its artifact is committed."""
@@ -519,7 +660,9 @@ class Store:
     def move_aside(self, path, group, reason, then="rebuilding", name=None):
         """Move a damaged file or entry to damaged/<group>/<name>-<time> (never deleted) and warn."""
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S.%fZ")
-        target = self.damaged / check_name(group, "group") / f"{name or os.path.basename(path)}-{stamp}"
+        # A linked damaged/ (or group folder) would carry the entry out of the root: refused first.
+        folder = own_folder(own_folder(self.damaged) / check_name(group, "group"))
+        target = folder / f"{name or os.path.basename(path)}-{stamp}"
         _makedirs_durable(target.parent)
         os.rename(path, target)
         _fsync_dir(os.path.dirname(path))
@@ -543,11 +686,11 @@ class Store:
 
     def _build(self, name, key, recipe, build, metadata):
         """Run build in a temp sibling dir and commit it atomically (caller holds the lock)."""
-        parent = self.cache / name
-        _makedirs_durable(parent)
+        parent = own_folder(own_folder(self.cache) / name)
         tmp = parent / f"{TMP_PREFIX}{key}-{os.getpid()}-{secrets.token_hex(6)}"
-        os.mkdir(tmp)
         try:
+            _makedirs_durable(parent)
+            os.mkdir(tmp)
             writer = Writer(tmp)
             produced = build(writer)
             if produced is not None and not isinstance(produced, dict):
@@ -555,8 +698,11 @@ class Store:
             meta = {**(metadata or {}), **(produced or {})}
             with self.phase("store.commit"):
                 final, manifest = self._commit(name, key, recipe, writer, meta, tmp)
-        except BaseException:
+        except BaseException as error:
             shutil.rmtree(tmp, ignore_errors=True)
+            full = _disk_full(error, parent / key)
+            if full is not None:
+                raise full from error
             raise
         return Artifact(final, manifest)
 
@@ -564,6 +710,7 @@ class Store:
         """Checksum and sync the built files, write the manifest last, rename into place; (path, manifest)."""
         manifest = {"schema": SCHEMA, "name": name, "key": key, "created": now_iso(),
                     "metadata": meta, "recipe": recipe, "files": writer.finish()}
+        manifest["checksum"] = record_checksum(manifest)
         _write_synced(tmp / MANIFEST, _pretty_json(manifest, f"manifest of {name!r}").encode("utf-8"))
         _fsync_dir(tmp)
         final = tmp.parent / key
@@ -581,10 +728,31 @@ class Store:
                 if KEY.fullmatch(key) and _real_dir(ndir / key):
                     yield name, key, ndir / key
 
+    def misplaced(self):
+        """Yield (name, key, path) for every file (not a link) that stands where an entry's folder belongs."""
+        for name in _listdir(self.cache):
+            ndir = self.cache / name
+            if _is_safe(name) and _real_dir(ndir):
+                for key in _listdir(ndir):
+                    if KEY.fullmatch(key) and not os.path.isdir(ndir / key) and not os.path.islink(ndir / key):
+                        yield name, key, ndir / key
+
+    def move_misplaced(self, then):
+        """Move aside every file standing where an entry's folder belongs (`then` says what follows); their paths."""
+        moved = []
+        for name, key, path in list(self.misplaced()):
+            with self.lock(f"{name}-{key}"):
+                self.move_aside(path, name, MISPLACED, then=then)
+            moved.append(str(path))
+        return moved
+
     def verify(self, repair=False):
-        """Deep-check every committed artifact; return (checked, damaged paths), moving damaged ones aside when repairing."""
+        """Deep-check every committed artifact; return (checked, damaged paths), moving damaged ones aside when repairing.
+
+        A file standing where an entry's folder belongs is damage too.
+        """
         checked, damaged = 0, []
-        for name, key, path in list(self.entries()):
+        for name, key, path in list(self.entries()) + list(self.misplaced()):
             checked += 1
             with self.phase("store.verify"):
                 _, reason = _open(path, deep=True)
@@ -607,6 +775,8 @@ class Store:
     def tidy(self, keep_locks=(), keep_damaged=3):
         """Remove leftovers of killed processes: temp builds, prune renames, unused lock files, old damaged entries.
 
+        A file standing where an entry's folder belongs is moved aside, so the entry is rebuilt.
+
         Call it only while no other process uses this output root (a launch holds the root's lease);
         a lock file may be removed only when nobody can be waiting on it.
         """
@@ -615,6 +785,7 @@ class Store:
                 for entry in _listdir(self.cache / name):
                     if entry.startswith(TMP_PREFIX):
                         shutil.rmtree(self.cache / name / entry, ignore_errors=True)
+        self.move_misplaced(then="the launch that needs it rebuilds it")
         for entry in _listdir(self.locks):
             if entry.endswith(".lock") and entry[:-len(".lock")] not in keep_locks:
                 with contextlib.suppress(FileNotFoundError, IsADirectoryError):
@@ -649,7 +820,7 @@ class Store:
 class Restored:
     """A finished run reopened: settings, member, history, model and artifacts."""
 
-    def __init__(self, run_dir, run, model, history, artifacts):
+    def __init__(self, run_dir, run, model, history, artifacts, missing=()):
         self.run_dir = run_dir
         self.run = run
         self.settings = run["settings"]
@@ -657,6 +828,7 @@ class Restored:
         self.model = model
         self.history = history
         self.artifacts = artifacts
+        self.missing = list(missing)     # artifacts the run refers to that the store lacks or found damaged
 
     def array(self, artifact, name, mmap=False):
         """An array of one of the run's artifacts."""
@@ -669,15 +841,49 @@ class Restored:
 
     @property
     def metrics(self):
-        """The run's metrics, or None unless its analysis completed."""
-        analysis = self.json("analysis") or {}
-        return self.json("metrics") if analysis.get("state") == "complete" else None
+        """The run's metrics, or None unless its analysis is complete and intact."""
+        analysis, metrics = self.json("analysis") or {}, self.json("metrics")
+        complete = (analysis.get("state") == "complete" and analysis.get("checksum") == record_checksum(analysis)
+                    and metrics is not None and digest(metrics) == analysis.get("metrics") and not self.missing)
+        return metrics if complete else None
 
 
 # What restore needs of an experiment class: it instantiates only classes that have all of these.
 EXPERIMENT_METHODS = ("members", "problem", "prior", "data_recipe", "sample_data", "model_recipe",
                       "build_model", "train", "validate", "workload", "describe", "input_size")
 ROOT_MARKER = ".nnpd-root"
+
+
+def _module_source(module_name):
+    """The source file that importing `module_name` would run, found without running anything, or None."""
+    from importlib.machinery import PathFinder
+
+    spec, path = None, sys.path
+    for depth in range(len(module_name.split("."))):
+        spec = PathFinder.find_spec(".".join(module_name.split(".")[:depth + 1]), path)
+        if spec is None:
+            return None
+        path = spec.submodule_search_locations
+    return spec.origin if spec.origin and spec.origin.endswith(".py") else None
+
+
+def check_defines_class(spec):
+    """Refuse a "module:Class" whose module does not define that class at its top level, judged from its source.
+
+    What a run folder names is checked this way before it is imported, so a name such as
+    "setup:setup" never runs the module it names.
+    """
+    import ast
+
+    module_name, _, class_name = spec.partition(":") if isinstance(spec, str) else ("", "", "")
+    if not module_name or module_name in sys.modules:
+        return          # a malformed name is import_class's to refuse; an imported module runs nothing again
+    origin = _module_source(module_name)
+    if origin is None:
+        raise ImportError(f"no Python source for module {module_name!r} on the import path")
+    tree = ast.parse(Path(origin).read_bytes(), origin)
+    if not any(isinstance(node, ast.ClassDef) and node.name == class_name for node in tree.body):
+        raise ValueError(f"{origin} does not define a class {class_name!r} (checked before importing it)")
 
 
 def import_class(spec, methods=()):
@@ -699,11 +905,6 @@ def import_class(spec, methods=()):
     if missing:
         raise ValueError(f"{spec!r} is not an nnpd experiment or analysis class: it lacks {', '.join(missing)}")
     return cls
-
-
-def record_checksum(record):
-    """The checksum of a JSON record (a run.json) over everything but its own checksum field."""
-    return digest({key: value for key, value in record.items() if key != "checksum"})
 
 
 def find_root(run_dir):
@@ -746,18 +947,28 @@ def restore(run_dir, device="cpu", experiment=None):
     run = _read_run_record(run_dir)
     root = find_root(run_dir)
     references = json.loads((run_dir / "artifacts.json").read_text())
-    artifacts = {}
+    artifacts, missing, store = {}, [], Store(root)
     for name, relative in references.items():
         path = (root / relative).resolve()
-        if root.resolve() not in path.parents or not (path / MANIFEST).is_file():
-            raise FileNotFoundError(f"{run_dir}: artifact {relative} is missing from the output root {root}")
-        artifacts[name] = Store(root).artifact_at(path)
+        try:
+            if root.resolve() not in path.parents:
+                raise MissingArtifact(f"{relative} lies outside the output root")
+            artifacts[name] = store.artifact_at(path)        # every file checked against its checksum
+        except (MissingArtifact, DamagedArtifact) as error:
+            if name in ("model", "training-data"):
+                raise FileNotFoundError(f"{run_dir}: artifact {relative} is missing from the output root {root} "
+                                        f"or damaged ({error}); re-run the training to rebuild it") from None
+            missing.append(name)
+    if missing:
+        warnings.warn(f"{run_dir}: its analysis products {', '.join(missing)} are missing or damaged, so its "
+                      "metrics are not available; the next `run` or `analyze` rebuilds them", stacklevel=2)
     if experiment is None:
         try:
+            check_defines_class(run["settings"]["experiment"])
             experiment = import_class(run["settings"]["experiment"], EXPERIMENT_METHODS)
-        except (ImportError, ValueError) as error:
+        except (ImportError, ValueError, SyntaxError, TypeError, AttributeError) as error:
             raise ValueError(f"{run_dir}: cannot restore its experiment: {error}; pass restore(..., experiment=Class)") from None
     model = experiment(run["settings"]).build_model(run["member"])
     model.load_state_dict(artifacts["model"].state_dict())
     model = model.to(torch.device(device)).eval()
-    return Restored(run_dir, run, model, artifacts["model"].json("history"), artifacts)
+    return Restored(run_dir, run, model, artifacts["model"].json("history"), artifacts, missing)

@@ -2,12 +2,20 @@
 import json
 import os
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
+
+import jobs
+import runtime
+from store import Store
 
 from conftest import REPO, write_settings
 
@@ -159,3 +167,20 @@ def test_a_rank_that_raises_mid_training_ends_the_launch_promptly(tmp_path):
     relaunch = torchrun("train", "--settings-dir", str(settings))
     assert relaunch.returncode == 0, relaunch.stdout + relaunch.stderr
     assert [name for name, _ in cache_entries(tmp_path / "out")].count("model") == 3
+
+
+def test_a_workers_watch_ends_quietly_once_rank_zero_removed_the_launchs_marks(tmp_path, monkeypatch):
+    """Rank 0 removes the marks folder at the end while every worker's watch may still beat in it."""
+    failures = []
+    monkeypatch.setattr(threading, "excepthook", failures.append)
+    rt = runtime.Runtime(device=torch.device("cpu"), rank=1, world_size=2)
+    launch = jobs.Launch("train", None, tmp_path, Store(tmp_path), rt, {}, id="ended")
+    launch.marks.mkdir(parents=True)
+    jobs.keep_watch(launch, interval=0.01)
+    time.sleep(0.05)
+    assert (launch.marks / "alive-1").exists()
+    shutil.rmtree(launch.marks)
+    deadline = time.monotonic() + 5
+    while any(thread.name == "nnpd-watch" for thread in threading.enumerate()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert failures == [] and not any(thread.name == "nnpd-watch" for thread in threading.enumerate())

@@ -1,9 +1,13 @@
 """Device choice, launch environment, precision, determinism, identity and process-group rules."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
+from datetime import timedelta
+import warnings
 from pathlib import Path
 
 import pytest
@@ -103,8 +107,56 @@ def test_cuda_rows_on_a_gpu_machine():
     assert runtime.resolve_device(f"cuda:{count - 1}") == torch.device("cuda", count - 1)
     with pytest.raises(SettingsError, match="out of range"):
         runtime.resolve_device(f"cuda:{count}")
-    with pytest.raises(SettingsError, match="one worker per visible GPU"):
-        runtime.resolve_device("cuda", local_rank=count, world_size=count + 1)
+    if count > 1:
+        with pytest.raises(SettingsError, match="one worker per visible GPU"):
+            runtime.resolve_device("cuda", local_rank=count, world_size=count + 1)
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Make torch report `count` visible GPUs of a compute capability, and note which device is asked."""
+    asked = []
+
+    def fake(count=1, capability=(7, 0), name="Tesla V100-SXM2-16GB"):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        return asked
+    return fake
+
+
+def test_bfloat16_is_refused_on_a_gpu_that_only_emulates_it_judged_on_the_workers_own_gpu(fake_gpus):
+    asked = fake_gpus(count=2, capability=(7, 0))
+    with pytest.raises(SettingsError, match=r"compute capability 8.0 .*V100.*cuda:1.* has 7.0"):
+        runtime.check_precision("bfloat16", torch.device("cuda", 1))
+    assert asked == [torch.device("cuda", 1)]               # the worker's GPU, not the current one
+    fake_gpus(count=2, capability=(8, 0), name="NVIDIA A100")
+    assert runtime.check_precision("bfloat16", torch.device("cuda", 1)) is torch.bfloat16
+
+
+def test_a_worker_that_sees_one_gpu_uses_it_whatever_its_local_rank(fake_gpus):
+    fake_gpus(count=1)
+    assert runtime.resolve_device("cuda", local_rank=3, world_size=4) == torch.device("cuda", 0)
+    fake_gpus(count=2)
+    with pytest.raises(SettingsError, match="local rank 3 but only 2 GPU"):
+        runtime.resolve_device("cuda", local_rank=3, world_size=4)
+
+
+@pytest.mark.parametrize("site, used", [(":0:0", ":4096:8"), (":16:8", ":16:8"), (None, ":4096:8")])
+def test_a_non_deterministic_cublas_workspace_is_overridden_at_start_in_one_warning(monkeypatch, site, used):
+    if site is None:
+        monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    else:
+        monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", site)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rt = runtime.start({"device": "cpu", "deterministic": True})
+    inside = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    runtime.stop(rt)
+    assert inside == used and os.environ.get("CUBLAS_WORKSPACE_CONFIG") == site   # stop puts the site's back
+    messages = [str(w.message) for w in caught if "CUBLAS_WORKSPACE_CONFIG" in str(w.message)]
+    assert len(messages) == (site == ":0:0") and all("\n" not in m for m in messages)
 
 
 # ---------------------------------------------------------------- precision
@@ -231,3 +283,73 @@ def test_nesting_inside_an_active_process_group_is_refused():
     assert done.returncode == 0, done.stderr[-2000:]
     assert "REFUSED: a launch cannot be started inside an active process group" in done.stdout
     assert "STILL_INITIALIZED: True" in done.stdout
+
+
+# ---------------------------------------------------------------- stop requests
+
+@pytest.fixture
+def stop_request():
+    """A StopRequest handling this process's SIGTERM and SIGINT, uninstalled afterwards."""
+    request = runtime.StopRequest()
+    request.install()
+    yield request
+    request.uninstall()
+
+
+def test_a_sigterm_delivered_twice_is_one_request_that_training_saves_on(stop_request):
+    """Slurm and torchrun both pass SIGTERM on: the worker must still stop at its next step and save."""
+    with stop_request.polling():
+        signal.raise_signal(signal.SIGTERM)
+        signal.raise_signal(signal.SIGTERM)              # the second copy, a moment later
+        assert stop_request() and stop_request.requested == "SIGTERM"
+        time.sleep(0.01)
+    signal.raise_signal(signal.SIGTERM)                  # still within the window, training done: one request
+    assert stop_request.requested == "SIGTERM"
+
+
+def test_a_later_signal_and_a_second_ctrl_c_interrupt_at_once(stop_request, monkeypatch):
+    with stop_request.polling():
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(runtime.Interrupted, match="SIGINT"):
+            signal.raise_signal(signal.SIGINT)           # a second Ctrl-C: the user means it
+    monkeypatch.setattr(runtime.StopRequest, "REPEAT_SECONDS", 0.05)
+    time.sleep(0.1)
+    with pytest.raises(runtime.Interrupted, match="SIGTERM"):
+        signal.raise_signal(signal.SIGTERM)              # outside training, past the window
+
+
+def test_a_first_signal_outside_training_interrupts_at_once(stop_request):
+    with pytest.raises(runtime.Interrupted, match="SIGTERM"):
+        signal.raise_signal(signal.SIGTERM)
+    signal.raise_signal(signal.SIGTERM)                  # its repeat does not interrupt the clean-up
+
+
+def test_an_index_less_cuda_device_gets_the_current_gpus_index(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
+    assert runtime.Runtime(device=torch.device("cuda")).device == torch.device("cuda", 2)
+    assert runtime.Runtime(device="cpu").device == torch.device("cpu")
+
+
+def test_stop_puts_back_cudnn_flags_and_the_environment_start_set(monkeypatch):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    rt = runtime.start({"device": "cpu", "deterministic": True})
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    runtime.stop(rt)
+    assert not torch.backends.cudnn.deterministic and torch.backends.cudnn.benchmark
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and "TORCHINDUCTOR_DETERMINISTIC" not in os.environ
+
+
+@pytest.mark.parametrize("device, parallel, world, backend", [
+    ("cpu", "ddp", 2, "gloo"), ("cuda:0", "ddp", 2, "nccl"), ("cuda:0", "jobs", 2, "gloo"), ("cuda:0", "ddp", 1, "gloo")])
+def test_only_collective_training_on_gpus_uses_nccl(device, parallel, world, backend):
+    """Jobs mode exchanges only small objects: on Gloo a wait that runs out ends in nnpd's line."""
+    rt = runtime.Runtime(device=torch.device(device), parallel=parallel, world_size=world)
+    assert runtime.group_backend(rt) == backend
+
+
+def test_the_group_outwaits_rank_zeros_waits_for_the_lease_and_leftovers():
+    rt = runtime.Runtime(device=torch.device("cpu"), timeout_minutes=5)
+    assert runtime.group_timeout(rt) > timedelta(minutes=2 * 5)          # lease, then leftovers, then the broadcast

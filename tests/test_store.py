@@ -2,10 +2,12 @@
 
 import hashlib
 import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -152,17 +154,68 @@ def test_nan_in_recipe_and_canonical_json():
 
 # ---------------------------------------------------------------- damage
 
-def test_same_size_byte_flip_found_only_by_deep_check(tmp_path):
+def test_same_size_byte_flip_is_found_by_every_read(tmp_path):
     s = Store(tmp_path)
     art = s.get("data", {"k": 1}, build_xy)
+    assert s.find("data", art.key).path == art.path          # read once: found intact
     f = art.path / "x.npy"
     raw = bytearray(f.read_bytes())
     raw[-1] ^= 0xFF
     f.write_bytes(raw)
-    assert s.get("data", {"k": 1}).path == art.path  # fast check passes
-    assert art.verify() is True
+    assert art.verify() is True                               # the size check alone passes
     assert art.verify(deep=True) is False
+    for read in (lambda: s.find("data", art.key), lambda: s.get("data", {"k": 1}), lambda: s.artifact_at(art.path)):
+        with pytest.raises(DamagedArtifact, match="checksum mismatch"):
+            read()
     assert s.verify() == (1, [str(art.path)])
+    with pytest.warns(UserWarning, match="damaged"):
+        again = s.get("data", {"k": 1}, build_xy)             # moved aside and rebuilt
+    assert again.verify(deep=True) and list((tmp_path / "damaged" / "data").iterdir())
+
+
+def test_a_file_read_before_and_changed_later_is_hashed_again(tmp_path, monkeypatch):
+    s = Store(tmp_path)
+    art = s.get("data", {"k": 3}, build_xy)
+    monkeypatch.setattr(store, "_SETTLED_NS", 0)              # remember even a file written just now
+    assert s.find("data", art.key) is not None and str(art.path / "x.npy") in store._HASHED
+    time.sleep(0.02)                                          # past the file-time tick
+    with open(art.path / "x.npy", "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(DamagedArtifact, match="checksum mismatch"):
+        s.find("data", art.key)
+
+
+def test_an_altered_manifest_is_damage(tmp_path):
+    s = Store(tmp_path)
+    art = s.get("data", {"k": 4}, build_xy, metadata={"rows": 10})
+    manifest = (art.path / "artifact.json").read_text()
+    (art.path / "artifact.json").write_text(manifest.replace('"rows": 10', '"rows": 90'))   # same size, valid JSON
+    with pytest.raises(DamagedArtifact, match="manifest altered"):
+        s.find("data", art.key)
+
+
+def test_training_states_carry_their_key_and_checksum(tmp_path):
+    s = Store(tmp_path)
+    key, other = "a" * 64, "b" * 64
+    assert s.load_scratch("model", key) is None
+    s.save_scratch("model", key, b"state bytes")
+    assert s.load_scratch("model", key) == b"state bytes"
+    path = s.scratch_file("model", key)
+    raw = bytearray(path.read_bytes())
+    raw[-3] ^= 0x01                                           # one flipped bit in the state
+    path.write_bytes(raw)
+    with pytest.raises(DamagedArtifact, match="checksum"):
+        s.load_scratch("model", key)
+    s.save_scratch("model", other, b"another model's state")
+    os.replace(s.scratch_file("model", other), path)           # a valid state, of another model
+    with pytest.raises(DamagedArtifact, match="belongs to"):
+        s.load_scratch("model", key)
+    path.write_bytes(b"PK\x03\x04 a plain torch.save file")   # what an earlier release saved
+    with pytest.raises(DamagedArtifact, match="not a state nnpd saved"):
+        s.load_scratch("model", key)
 
 
 def test_truncation_found_by_fast_check_moved_aside_and_rebuilt(tmp_path):
