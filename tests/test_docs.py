@@ -106,15 +106,17 @@ def free_port():
 
 
 def slurm_stand_ins(folder):
-    """`srun` (starts its command once per node, here) and `scontrol show hostnames` (127.0.0.1 per node)."""
+    """`srun` (starts its command once per node, here) and `scontrol` (nodes node1.., each at NodeAddr 127.0.0.1)."""
     folder.mkdir()
     (folder / "srun").write_text(
         '#!/bin/bash\nwhile [[ $1 == --* ]]; do shift; done\npids=()\n'
         'for node in $(seq "$SLURM_JOB_NUM_NODES"); do "$@" & pids+=($!); done\n'
         'status=0\nfor pid in "${pids[@]}"; do wait "$pid" || status=1; done\nexit $status\n')
     (folder / "scontrol").write_text(
-        '#!/bin/bash\n[ "$1 $2" = "show hostnames" ] || exit 2\n'
-        'for node in $(seq "$SLURM_JOB_NUM_NODES"); do echo 127.0.0.1; done\n')
+        '#!/bin/bash\ncase "$1 $2" in\n'
+        '"show hostnames") for node in $(seq "$SLURM_JOB_NUM_NODES"); do echo "node$node"; done ;;\n'
+        '"show node") echo "NodeName=$3 Arch=x86_64"; echo "   NodeAddr=127.0.0.1 NodeHostName=$3" ;;\n'
+        '*) exit 2 ;;\nesac\n')
     for name in ("srun", "scontrol"):
         (folder / name).chmod(0o755)
     return folder
