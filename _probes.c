@@ -256,7 +256,8 @@ phase_enter(Phase *self, PyObject *Py_UNUSED(ignored))
     Py_INCREF(stack);
     self->stack = stack;
     self->thread = PyThreadState_Get();
-    if (self->device != NULL && self->owner->device_timer != NULL) {
+    /* a nested span of the same name adds no time, device time included */
+    if (self->device != NULL && self->owner->device_timer != NULL && !self->nested) {
         PyObject *stop = PyObject_CallFunctionObjArgs(self->owner->device_timer, self->acc->name,
                                                       self->device, NULL);
         if (stop == NULL) {

@@ -93,8 +93,8 @@ class PythonPhase:
                 break
         stack.append(self)
         self.stack, self.thread = stack, get_ident()
-        if self.device is not None and self.owner.device_timer is not None:
-            self.device_stop = self.owner.device_timer(self.name, self.device)
+        if self.device is not None and self.owner.device_timer is not None and not self.nested:
+            self.device_stop = self.owner.device_timer(self.name, self.device)   # nested: no time twice
         if not self.nested:
             self.wall_start = perf_counter_ns()
             self.cpu_start = thread_time_ns()

@@ -1,7 +1,9 @@
 """Ensemble-score evaluation rate against a plain batched forward pass of the same rows.
 
 Both evaluate the default study's network (mlp [64]*4, input width 2) on
-candidates × observations rows, side by side in one run, alternating.
+candidates × observations rows, side by side in one run, alternating. Here the rows are
+built on the device; bench_analysis_path.py measures the analysis as a study runs it
+(inputs on the host, a copy to the device and back per block).
 """
 import argparse
 import sys
@@ -60,6 +62,9 @@ def main():
     paired = sorted(p / e for e, p in zip(timings["ensemble_scores"], timings["plain forward"]))
     print(f"ratio ensemble_scores / plain forward: best-of {rates['ensemble_scores'] / rates['plain forward']:.2f}, "
           f"median of pairs {paired[len(paired) // 2]:.2f} (target >= 0.9)")
+    # One line for bench/gpu_checks.sh's summary table.
+    print(f"figure: ensemble_scores {rates['ensemble_scores'] / 1e6:.3g} M/s, plain forward "
+          f"{rates['plain forward'] / 1e6:.3g} M/s, ratio {rates['ensemble_scores'] / rates['plain forward']:.2f}")
 
 
 if __name__ == "__main__":

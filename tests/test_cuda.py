@@ -20,6 +20,15 @@ def precision_supported(precision):
     return precision != "bfloat16" or torch.cuda.is_bf16_supported()
 
 
+def assert_same_state(on_cpu, on_gpu):
+    """A state dict restored on the CPU is bitwise the one on the GPU, float32 master weights included."""
+    assert on_cpu.keys() == on_gpu.keys()
+    for name, tensor in on_gpu.items():
+        assert tensor.is_cuda and on_cpu[name].device.type == "cpu"
+        assert on_cpu[name].dtype == tensor.dtype == torch.float32, name   # autocast never lowers the weights
+        assert torch.equal(on_cpu[name], tensor.cpu()), name
+
+
 @pytest.mark.parametrize("precision", ["off", "float16", "bfloat16"])
 def test_single_gpu_run_and_restore_on_cuda_and_cpu(tmp_path, precision):
     if not precision_supported(precision):
@@ -37,6 +46,7 @@ def test_single_gpu_run_and_restore_on_cuda_and_cpu(tmp_path, precision):
         assert json.loads((run / "analysis.json").read_text())["state"] == "complete"
         on_gpu, on_cpu = restore(run, device="cuda"), restore(run, device="cpu")
         assert next(on_gpu.model.parameters()).is_cuda and not next(on_cpu.model.parameters()).is_cuda
+        assert_same_state(on_cpu.model.state_dict(), on_gpu.model.state_dict())
         inputs = torch.from_numpy(on_cpu.array("training-data", "test_inputs"))
         with torch.no_grad():
             gpu = on_gpu.model(inputs.cuda()).cpu().numpy()

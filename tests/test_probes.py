@@ -333,6 +333,21 @@ def test_the_device_hook_brackets_spans_given_a_device(make):
         p.phase("x", devices="cpu")
 
 
+def test_a_nested_span_of_the_same_name_is_not_timed_on_the_device_twice(make):
+    calls = []
+
+    def device_timer(name, device):
+        calls.append(("start", name))
+        return lambda: calls.append(("stop", name))
+
+    p = make(device_timer=device_timer)
+    with p.phase("step", device="gpu0"):
+        with p.phase("step", device="gpu0"):         # recursion or nesting: one span of device time
+            pass
+    assert calls == [("start", "step"), ("stop", "step")]
+    assert p.snapshot()["step"]["nested"] == 1
+
+
 def test_the_cuda_timer_ignores_devices_that_are_not_cuda():
     timer = probes.CudaEventTimer()
     assert timer("step", torch.device("cpu")) is None and timer("step", "cpu") is None
