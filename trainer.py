@@ -7,8 +7,10 @@ import contextlib
 import hashlib
 import math
 import time
+import traceback
 import uuid
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -455,7 +457,9 @@ def _one_line(error: Exception) -> str:
 # ---------------------------------------------------------------- hooks at agreed steps
 
 
-_side_group = None  # (default group, its Gloo side group) under NCCL
+# Weak references to (default group, its Gloo side group) under NCCL: c10d holds both until
+# destroy_process_group, which must end them (see runtime.stop).
+_side_group = (lambda: None, lambda: None)
 
 
 def _flag_group(rt: runtime.Runtime):
@@ -467,10 +471,11 @@ def _flag_group(rt: runtime.Runtime):
     global _side_group
     if rt.device.type != "cuda":
         return None
-    world = dist.group.WORLD
-    if _side_group is None or _side_group[0] is not world:
-        _side_group = (world, dist.new_group(backend="gloo"))
-    return _side_group[1]
+    world, side = dist.group.WORLD, _side_group[1]()
+    if side is None or _side_group[0]() is not world:
+        side = dist.new_group(backend="gloo")
+        _side_group = (weakref.ref(world), weakref.ref(side))
+    return side
 
 
 FLAG_EXCHANGE_SECONDS = 0.1  # DDP: about this much training time between stop/save flag exchanges
@@ -928,6 +933,32 @@ def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runti
     `hooks` (optional, see TrainingHooks) resume a saved state, save the state, stop on
     request by raising Preempted, and report progress; without them nothing is saved or polled.
     """
+    try:
+        return _train(model, data, training_settings, rt, seed, hooks)
+    except BaseException as error:
+        if rt.ddp:
+            _release_frames(error)
+        raise
+
+
+def _release_frames(error: BaseException) -> None:
+    """Clear the locals of the finished frames in a failed DDP training's tracebacks.
+
+    They hold the DDP wrapper, whose reducer holds the process group, for as long as the
+    exception lives: past runtime.stop, which must destroy the group (see there). The
+    tracebacks keep their lines.
+    """
+    pending, seen = [error], set()
+    while pending:
+        error = pending.pop()
+        if error is not None and id(error) not in seen:
+            seen.add(id(error))
+            traceback.clear_frames(error.__traceback__)
+            pending += [error.__cause__, error.__context__]
+
+
+def _train(model, data: dict, training_settings: dict, rt: runtime.Runtime, seed: int, hooks):
+    """train's body: the DDP wrapper lives in this frame and those below it."""
     settings = check_training_settings(training_settings)
     if hooks is not None:
         hooks.check()
@@ -935,15 +966,16 @@ def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runti
     runtime.check_precision(settings["precision"], device)
     _check_data(data)
     with probes.phase("train.setup"):
-        tensors = tuple(data[f"{part}_{kind}"].to(device=device, dtype=torch.float32)
-                        for part in ("train", "validation") for kind in ("inputs", "labels"))
+        given = tuple(data[f"{part}_{kind}"] for part in ("train", "validation") for kind in ("inputs", "labels"))
+        tensors = tuple(tensor.to(device=device, dtype=torch.float32) for tensor in given)
         model = model.to(device)
         model.train()
         net = _wrapped(model, rt)
         rows = int(tensors[0].shape[0])
         state = _new_state(model, settings, rt, seed, rows)
         keeps_state = hooks is not None and (hooks.load_state is not None or hooks.saving)
-        identity = _identity(settings, seed, rt, tensors) if keeps_state else None
+        # Hashed as given (on the host, as the store loads it), not copied back from the GPU.
+        identity = _identity(settings, seed, rt, given) if keeps_state else None
         runner = _HookRunner(hooks, rt, identity, len(epoch_batches(rows, settings["batch_size"])))
     # Dropout draws from torch's global stream: seed it per rank from the job's seed so the
     # same recipe gives the same weights whatever ran before in this process.

@@ -163,6 +163,31 @@ def main() -> None:
         runtime.barrier(rt)
     finally:
         runtime.stop(rt)
+        check_group_ended(rt)
+
+
+def gloo_threads() -> list:
+    """Names of this process's Gloo threads (none where /proc is missing)."""
+    names = []
+    for task in os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as handle:
+                names.append(handle.read().strip())
+        except OSError:   # the thread ended meanwhile
+            continue
+    return sorted(name for name in names if "gloo" in name)
+
+
+def check_group_ended(rt) -> None:
+    """Fail the launch when runtime.stop left Gloo threads running.
+
+    Left to interpreter exit, such a thread aborts the process if it frees a tensor then
+    ("terminate called without an active exception"), which happens only now and then;
+    threads left running are seen every time.
+    """
+    left = gloo_threads()
+    if left:
+        raise RuntimeError(f"rank {rt.rank}: the process group's Gloo threads outlived runtime.stop: {left}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 import time
+import traceback
+import weakref
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,38 @@ def test_a_rank_failing_mid_training_ends_the_launch_quickly(tmp_path):
     assert done.returncode != 0
     assert "injected failure on rank 1" in done.stdout + done.stderr
     assert not output.exists()
+    # Both ranks' groups ended in runtime.stop on the way out (the worker checks it).
+    assert "outlived runtime.stop" not in done.stdout + done.stderr
+
+
+def test_a_failed_trainings_frames_let_go_of_what_they_held():
+    """A failed DDP training's traceback keeps its frames, and in them the DDP wrapper whose
+    reducer holds the process group; the trainer clears them, the lines stay printable."""
+
+    class Held:
+        """Stands for the DDP wrapper."""
+
+    def step(net):
+        """Fails as a collective with a lost peer does."""
+        raise RuntimeError("connection closed by peer")
+
+    def train(net):
+        """Holds `net` in its frame and re-raises as nnpd's launch does."""
+        try:
+            step(net)
+        except RuntimeError as error:
+            raise ValueError("training failed") from error
+
+    held = Held()
+    alive = weakref.ref(held)
+    with pytest.raises(ValueError) as caught:
+        train(held)
+    del held
+    assert alive() is not None                      # the frames of both tracebacks hold it
+    trainer._release_frames(caught.value)
+    assert alive() is None
+    printed = "".join(traceback.format_exception(caught.value))
+    assert "connection closed by peer" in printed and "in step" in printed and "in train" in printed
 
 
 # ---------------------------------------------------------------- stop together, resume bitwise
