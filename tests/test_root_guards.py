@@ -3,9 +3,7 @@ folders nnpd does not own left alone by verify and plan, leftovers of killed wri
 a full disk named in one line, and `~` in output.root."""
 import json
 import os
-import resource
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -14,7 +12,7 @@ import pytest
 
 from conftest import REPO, run_cli, write_settings
 from runs import source_snapshot
-from test_root import one_error_line
+from test_root import limit_file_size, one_error_line
 
 
 def tree(folder):
@@ -188,14 +186,6 @@ def test_a_file_in_place_of_a_cache_entry_is_found_by_verify_and_rebuilt_by_a_la
 
 
 # ---------------------------------------------------------------- a full disk
-
-def limit_file_size(size):
-    """For a child process: files may not grow past `size` bytes (EFBIG instead of SIGXFSZ)."""
-    def apply():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-    return apply
-
 
 def file_limit_above_the_snapshot(settings):
     """A file size limit that the source snapshot (the launch's largest small file) stays under."""
