@@ -11,6 +11,7 @@ Usage: ddp_train_worker.py OUTPUT_FILE MODE ROWS BATCH EPOCHS DEVICE [ARGUMENT..
 """
 
 import os
+import time
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -185,7 +186,9 @@ def check_group_ended(rt) -> None:
     ("terminate called without an active exception"), which happens only now and then;
     threads left running are seen every time.
     """
-    left = gloo_threads()
+    deadline = time.monotonic() + 5      # a thread of a destroyed group may take a moment to end
+    while (left := gloo_threads()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     if left:
         raise RuntimeError(f"rank {rt.rank}: the process group's Gloo threads outlived runtime.stop: {left}")
 
