@@ -15,6 +15,9 @@ setup: $(VENV)/.ready
 # no network) is reused; torch is installed only when none can be imported.
 # The editable install builds the C extension _probes in place; without a working
 # compiler it is skipped and one line says that probes use the Python fallback.
+# `. .venv/bin/activate` puts `python` and `torchrun` of the venv first on PATH, as the
+# documents assume: a torch installed outside the venv has its torchrun outside it, so the
+# venv then gets a torchrun of its own that runs torch.distributed.run with the venv's python.
 $(VENV)/.ready: pyproject.toml setup.py _probes.c
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)") "$(TORCH)"
@@ -24,6 +27,8 @@ $(VENV)/.ready: pyproject.toml setup.py _probes.c
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install matplotlib \
 		|| echo "matplotlib (optional) is unavailable: figure tests will be skipped"
 	$(PY) -m pip install --no-deps --no-build-isolation -e . >/dev/null
+	@test -x $(VENV)/bin/torchrun || { printf '#!/bin/sh\nexec "%s" -m torch.distributed.run "$$@"\n' \
+		"$(abspath $(PY))" >$(VENV)/bin/torchrun && chmod +x $(VENV)/bin/torchrun; }
 	@$(PY) -c "import _probes" 2>/dev/null || echo "nnpd: C extension _probes not built (no working C compiler?); probes use the pure-Python fallback"
 	touch $@
 

@@ -2,7 +2,7 @@
 highest-density (HLD) summaries and the bias/coverage/width/resolution metrics.
 
 Generic on purpose: it works on boxes (low/high tensors), lattice steps and callables,
-and knows nothing about the Gaussian study (the README's study section describes it).
+and knows no study: the study kit (nre_analysis.py) calls it.
 """
 
 import math
@@ -367,6 +367,13 @@ def _check_scores(scores, truth_scores):
                          "check the network output or the likelihood for that case")
 
 
+def _mass_above(sorted_scores, cumulative, values, side):
+    """Per case, the normalised mass of the candidates denser than its value ("left") or as dense ("right")."""
+    count = torch.searchsorted(-sorted_scores, -values[:, None], side=side)
+    mass = torch.gather(cumulative, 1, (count - 1).clamp(min=0))[:, 0]
+    return torch.where(count[:, 0] > 0, mass, torch.zeros_like(mass))
+
+
 def _summarise_block(scores, log_measure, points, truth_scores, levels):
     """HLD summary of a block of cases (see hld_summaries)."""
     n, count = scores.shape
@@ -391,6 +398,11 @@ def _summarise_block(scores, log_measure, points, truth_scores, levels):
     widest = last[:, int(np.argmax(levels))][:, None]
     region_ess = (torch.gather(running, 1, widest) ** 2
                   / torch.gather(torch.cumsum(sorted_q * sorted_q, dim=1), 1, widest))[:, 0]
+    # The truth's credibility: the mass of the candidates denser than the truth. The truth is
+    # in the region of level α exactly when its credibility is below α (as `covered` says).
+    # With its ties (such as its own lattice point) the mass reaches credibility_upper.
+    credibility = _mass_above(sorted_scores, cumulative, truth_scores, "left")
+    credibility_upper = _mass_above(sorted_scores, cumulative, truth_scores, "right")
     lower = torch.empty(n, len(levels), points.shape[1], dtype=torch.float64)
     upper = torch.empty_like(lower)
     for j in range(points.shape[1]):
@@ -401,6 +413,7 @@ def _summarise_block(scores, log_measure, points, truth_scores, levels):
         "lower": lower, "upper": upper, "mass": mass, "threshold": threshold,
         "covered": truth_scores[:, None] >= threshold,
         "mode": points[order[:, 0]], "ess": ess, "log_normalizer": log_normalizer, "region_ess": region_ess,
+        "credibility": credibility, "credibility_upper": credibility_upper,
     }
 
 
@@ -411,7 +424,9 @@ def hld_summaries(scores, log_measure, points, truth_scores, levels):
     region at level α is {score >= t} for the highest t whose region holds mass >= α,
     i.e. the smallest such region, with all ties at t included. Returns lower/upper
     (n, L, p) projected bounds, mass/threshold/covered (n, L), mode (n, p), ess (n,),
-    log_normalizer (n,) and region_ess (n,), the Kish ESS of the widest level's region.
+    log_normalizer (n,), region_ess (n,), the Kish ESS of the widest level's region,
+    credibility (n,), the mass of the candidates denser than the truth, and
+    credibility_upper (n,), the mass of those at least as dense (ties with the truth included).
     """
     scores = torch.as_tensor(scores, dtype=torch.float64).cpu()
     if scores.dim() != 2:
@@ -869,15 +884,38 @@ def wilson_interval(successes, trials, z=1.959963984540054):
     return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
+def randomised_inside(credibility, credibility_upper, level):
+    """Per case, the probability that the randomised HPD region of `level` holds the truth.
+
+    The truth's credibility is spread uniformly over [credibility, credibility_upper] (the
+    mass denser than the truth, and that mass with the truth's ties added): a truth on the
+    region's boundary level set is inside with probability (α − mass strictly above) / (mass
+    at that level). Without ties it is 1 below α and 0 from α on, as `covered`. For the exact
+    likelihood the mean over cases is nominal on a lattice too, where the smallest region
+    reaching α holds more than α.
+    """
+    low = np.asarray(credibility, dtype=np.float64)
+    high = np.maximum(np.asarray(credibility_upper, dtype=np.float64), low)
+    tie = high - low
+    spread = np.divide(level - low, tie, out=np.zeros_like(low), where=tie > 0)
+    return np.where(tie > 0, np.clip(spread, 0.0, 1.0), (low < level).astype(np.float64))
+
+
 def coverage_metrics(summaries, truths, levels, names):
     """Per level: the fraction of truths inside the projected bounds per axis (and their mean) and
-    inside the joint region, with the case count and 95% Wilson intervals of each fraction."""
+    inside the joint region, with the case count and 95% Wilson intervals of each fraction; and
+    `lattice`, the randomised joint coverage (see randomised_inside), nominal for an exact
+    likelihood on lattice priors too, with `lattice_interval` (Wilson, as if of `cases` draws).
+    Without the credibility fields `lattice` is `joint`."""
     truths = np.asarray(truths, dtype=np.float64)
     cases = int(truths.shape[0])
+    randomised = "credibility" in summaries and "credibility_upper" in summaries
     result = {}
     for i, level in enumerate(_check_levels(levels)):
         inside = (summaries["lower"][:, i] <= truths) & (truths <= summaries["upper"][:, i])
         covered = np.asarray(summaries["covered"][:, i])
+        lattice = (randomised_inside(summaries["credibility"], summaries["credibility_upper"], level)
+                   if randomised else covered.astype(np.float64))
         result[level_key(level)] = {
             "nominal": float(level), "cases": cases,
             "per_axis": {name: _mean(inside[:, j]) for j, name in enumerate(names)},
@@ -885,6 +923,7 @@ def coverage_metrics(summaries, truths, levels, names):
                                   for j, name in enumerate(names)},
             "mean": _mean(inside.mean(axis=1)) if inside.size else None,
             "joint": _mean(covered), "interval": wilson_interval(int(covered.sum()), cases),
+            "lattice": _mean(lattice), "lattice_interval": wilson_interval(float(lattice.sum()), cases),
         }
     return result
 

@@ -153,14 +153,14 @@ def keep_watch(launch, interval=2.0, grace=10.0):
 def data_recipe(job):
     """The training data's recipe: no backend identity, so CPU and CUDA share data."""
     return {"experiment": job.experiment.data_recipe(job.member),
-            "source": study.source_fingerprint(type(job.experiment), *job.experiment.DATA_SOURCES),
+            "source": study.source_fingerprint(*study.experiment_sources(job.experiment, "DATA_SOURCES")),
             "versions": study.library_versions()}
 
 
 def model_recipe(job, data_key, identity):
     """The model's recipe: settings, data, source, versions and backend identity."""
     return {"experiment": job.experiment.model_recipe(job.member), "data": data_key, "backend": identity,
-            "source": study.source_fingerprint(type(job.experiment), *job.experiment.MODEL_SOURCES),
+            "source": study.source_fingerprint(*study.experiment_sources(job.experiment, "MODEL_SOURCES")),
             "versions": study.library_versions()}
 
 
@@ -218,7 +218,8 @@ def run_record(launch, job):
     return {"configuration": job.configuration.name, "variant": job.configuration.variant,
             "knob": job.configuration.knob, "value": job.configuration.value, "member": job.member,
             "settings": job.settings, "backend": launch.identity, "versions": study.library_versions(),
-            "source": launch.snapshot, "description": job.experiment.describe(job.member)}
+            "source": launch.snapshot, "description": job.experiment.describe(job.member),
+            "study_path": study.module_folder(type(job.experiment))}
 
 
 def get_model(launch, job, data, recipe):
@@ -348,7 +349,7 @@ def analyze_model(launch, job, data, model):
     values = {}
     for name in settings["metrics"]:
         with probes.phase(f"metric.{name}"):
-            values[name] = job.analysis.metrics[name].compute(ctx)
+            values[name] = study.metric_value(name, job.analysis.metrics[name].compute(ctx))
         write_json_atomic(run_dir / "metrics" / f"{name}.json", values[name])
     write_json_atomic(run_dir / "metrics.json", values)
     draw_figures(job.analysis.plots, settings["plots"], ctx, run_dir / "plots", settings["plotting"])

@@ -1,6 +1,7 @@
 """nnpd: command line and orchestration of neural-ratio-estimation studies.
 
     python nnpd.py [plan|train|analyze|run|verify|report] [--profile NAME] [--settings-dir DIR]
+    python nnpd.py infer RUN --observations FILE.npy [--samples N] [--plot]   (see infer.py)
 
 `plan` (the default) only resolves and validates; `train` stops at committed weights;
 `analyze` analyses the trained models and never trains; `run` does both per job;
@@ -12,7 +13,6 @@ workers taking disjoint jobs (`runtime.parallel="jobs"`) or training each model 
 import argparse
 import contextlib
 import errno
-import io
 import json
 import os
 import shutil
@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+import infer
 import jobs
 import probes
 import results
@@ -35,7 +36,7 @@ from runs import LaunchError
 from settings import SettingsError
 from store import DISK_FULL, ROOT_MARKER, DamagedArtifact, Store, disk_full_line, write_bytes_atomic
 
-ACTIONS = ("plan", "train", "analyze", "run", "verify", "report")
+ACTIONS = ("plan", "train", "analyze", "run", "verify", "report", "infer")
 CODE_DIR = Path(__file__).resolve().parent
 
 
@@ -56,14 +57,12 @@ def load(profile=None, settings_dir=None):
 
 def configuration_jobs(configuration, analysis_settings):
     """Validate one configuration and list its jobs."""
-    experiment = study.load_class(configuration.settings["experiment"], "experiment")(configuration.settings)
-    experiment.validate()
-    analysis = study.load_class(analysis_settings["analysis"], "analysis")(analysis_settings, experiment)
-    study.check_graph(analysis.products, analysis.metrics, list(analysis_settings["metrics"]))
-    analysis.validate()
+    experiment, analysis = study.load_study(configuration.settings, analysis_settings)
     members = experiment.members()
     for index, member in enumerate(members):
         settings.safe_name(member.get("name") if isinstance(member, dict) else None, f"cohort member {index}")
+    if members:
+        study.check_logit_shape(experiment, members[0], configuration.settings["experiment"])
     return [Job(configuration, member, experiment, analysis, analysis.workload(member)) for member in members]
 
 
@@ -73,8 +72,7 @@ def workload_errors(job, limits):
               ("candidate_points", "max_candidate_points"))
     return [f"configuration {job.configuration.name} member {job.member['name']}: the analysis needs "
             f"{job.analysis_workload[need]:.3g} {need.replace('_', ' ')}, over verification.{limit}="
-            f"{limits[limit]:.3g}; reduce inference.truths, inference.candidates or "
-            f"inference.observations in settings_analysis.py, or raise the limit"
+            f"{limits[limit]:.3g}; {job.analysis.WORKLOAD_ADVICE} in settings_analysis.py, or raise the limit"
             for need, limit in checks if job.analysis_workload[need] > limits[limit]]
 
 
@@ -319,7 +317,7 @@ def finish_launch(launch, planned, trained, used):
         runs.clean_up(root, launch.store, set(fields["runs"]), entries)
     runs.copy_settings(root, profile)
     if launch.stage != "train":
-        print(results.table(results.read_runs(root, fields["runs"])), flush=True)
+        print(results.table(results.read_runs(root, fields["runs"]), study.report_layout(profile.analysis)[0]), flush=True)
 
 
 def verify(profile=None, settings_dir=None):
@@ -352,14 +350,13 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
     if plot and jobs.matplotlib_missing():
         notes.append("--plot: skipped, matplotlib is not installed (pip install matplotlib)")
     elif plot:
-        from matplotlib.figure import Figure   # optional extra, imported only when drawing
-        figure = Figure(figsize=(13, 4 * max(1, len({r.knob for r in records if r.knob}))), layout="constrained")
-        results.draw_comparison(records, figure)
-        buffer = io.BytesIO()
-        figure.savefig(buffer, format="png", dpi=120)
-        write_bytes_atomic(root / "report" / "comparison.png", buffer.getvalue())
-        notes.append(f"figure written to {root / 'report' / 'comparison.png'}")
-    return results.table(records), notes
+        png = results.comparison_png(records, study.report_layout(loaded.analysis)[1],
+                                     f"Analysed runs of profile {loaded.name} ({root})")
+        if png is not None:
+            write_bytes_atomic(root / "report" / "comparison.png", png)
+        notes.append(f"figure written to {root / 'report' / 'comparison.png'}" if png is not None else
+                     "--plot: nothing to draw (no analysed run has a metric of the figure); no figure written")
+    return results.table(records, study.report_layout(loaded.analysis)[0]), notes
 
 
 # ---------------------------------------------------------------- command line
@@ -372,6 +369,7 @@ def parse_arguments(argv):
     parser.add_argument("--settings-dir", help="directory holding settings_training.py and settings_analysis.py")
     parser.add_argument("--csv", metavar="FILE", help="report: also write one CSV row per analysed run")
     parser.add_argument("--plot", action="store_true", help="report: also draw the comparison figure")
+    infer.add_arguments(parser)
     return parser.parse_args(argv)
 
 
@@ -402,6 +400,8 @@ def run_action(arguments):
         text, notes = report(arguments.profile, arguments.settings_dir, arguments.csv, arguments.plot)
         print("\n".join([text, *notes]))
         return 0
+    if arguments.action == "infer":
+        return infer.command(arguments)
     if arguments.action == "verify":
         checked = verify(arguments.profile, arguments.settings_dir)
         print(json.dumps(checked, indent=2))

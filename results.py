@@ -7,7 +7,8 @@
 
 A record is one run folder: its configuration (baseline, or the knob it changes and the
 value), its cohort member, the resolved training settings, the training and analysis
-states, and the metrics of its complete analysis (None otherwise).
+states, the metrics of its complete analysis (None otherwise) and its model's training
+history. `comparison_figure` draws what `report --plot` writes.
 """
 import csv
 import io
@@ -17,12 +18,6 @@ from pathlib import Path
 
 import store
 
-# The table's columns: heading and the metric path (levels are keys such as "0.68").
-COLUMNS = (("cov68", "coverage.0.68.joint"), ("cov95", "coverage.0.95.joint"),
-           ("width68", "width.0.68.mean"), ("bias rmse", "bias.rmse"), ("test AUC", "classification.auc"))
-# The comparison figure's panels.
-FIGURE_METRICS = (("joint 68% coverage", "coverage.0.68"), ("68% width", "width.0.68.mean"),
-                  ("bias RMSE", "bias.rmse"))
 
 
 @dataclass
@@ -37,11 +32,17 @@ class RunRecord:
     status: str
     analysis: str
     metrics: dict | None
+    history: dict | None = None     # the trained model's history (history.json of its model artifact)
 
     @property
     def prior(self):
         """The member's prior (or its name, for experiments whose members have no prior)."""
         return self.member.get("prior", self.member.get("name"))
+
+    @property
+    def replica(self):
+        """The member's replica (None for members without one)."""
+        return self.member.get("replica")
 
     @property
     def swept(self):
@@ -72,8 +73,22 @@ def read_runs(root, runs=None):
             run=str(folder.relative_to(root)), configuration=run.get("configuration", folder.parent.name),
             knob=run.get("knob"), value=run.get("value"), member=run.get("member") or {},
             settings=run.get("settings") or {}, status=_read(folder / "status.json").get("state", "none"),
-            analysis=analysis, metrics=metrics))
+            analysis=analysis, metrics=metrics, history=model_history(root, folder)))
     return records
+
+
+def model_history(root, folder):
+    """The training history of a run's model (None when the run records no model artifact)."""
+    model = _read(folder / "artifacts.json").get("model")
+    return (_read(Path(root) / str(model) / "history.json") or None) if model else None
+
+
+def training_columns(history):
+    """selected_epoch and final_validation_loss (the last epoch's validation BCE) of a history."""
+    history = history or {}
+    validation = history.get("validation") or [{}]
+    final = validation[-1].get("bce") if isinstance(validation[-1], dict) else None
+    return {"selected_epoch": history.get("selected_epoch"), "final_validation_loss": final}
 
 
 def analysis_and_metrics(root, folder):
@@ -120,16 +135,32 @@ def flatten(value, prefix=""):
     return flat
 
 
+def swept_knobs(records):
+    """The knobs the records' configurations change, sorted."""
+    return sorted({record.knob for record in records if record.knob is not None})
+
+
+def setting_text(value):
+    """A setting's value in a CSV cell: strings as they are, anything else as JSON."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 def rows(records):
-    """One flat dict per analysed run: run, prior, member, knob, value, then every scalar metric."""
+    """One flat dict per analysed run: its identity, every swept knob's value, its training, every scalar metric.
+
+    knob and value name what the configuration changes ("baseline" and "" for the baseline);
+    a column per swept knob holds that knob's value in every row, the baseline's included.
+    """
+    records = [record for record in records if record.metrics is not None]
+    knobs = swept_knobs(records)
     found = []
     for record in records:
-        if record.metrics is None:
-            continue
         found.append({"run": record.run, "configuration": record.configuration, "prior": record.prior,
-                      "member": record.member.get("name"), "knob": record.knob or "baseline",
-                      "value": json.dumps(record.value) if record.knob else "",
-                      **flatten(record.metrics)})
+                      "member": record.member.get("name"), "replica": record.replica,
+                      "knob": record.knob or "baseline",
+                      "value": setting_text(record.value) if record.knob else "",
+                      **{knob: setting_text(swept_value(record, knob)) for knob in knobs},
+                      **training_columns(record.history), **flatten(record.metrics)})
     return found
 
 
@@ -157,12 +188,16 @@ def _cell(metrics, path):
     return f"{value:.3f}"
 
 
-def table(records):
-    """A compact text table of the analysed runs: configuration, prior and the headline metrics."""
-    lines = [["configuration", "prior", *(heading for heading, _ in COLUMNS)]]
+def table(records, columns=()):
+    """A compact text table of the analysed runs: configuration, prior and the study's headline metrics.
+
+    `columns` are (heading, metric path) pairs, the analysis class's REPORT_COLUMNS (levels
+    are keys such as "0.68").
+    """
+    lines = [["configuration", "prior", *(heading for heading, _ in columns)]]
     for record in records:
         if record.metrics is not None:
-            lines.append([record.swept, str(record.prior), *(_cell(record.metrics, path) for _, path in COLUMNS)])
+            lines.append([record.swept, str(record.prior), *(_cell(record.metrics, path) for _, path in columns)])
     if len(lines) == 1:
         return "no analysed runs yet"
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
@@ -179,51 +214,192 @@ def knob_value(settings, knob):
     return node
 
 
+def swept_value(record, knob):
+    """A record's value of a swept knob: the one its configuration sets, else its settings' (the baseline's)."""
+    return record.value if record.knob == knob else knob_value(record.settings, knob)
+
+
+def _number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def panel_point(metrics, path):
+    """(value, Wilson interval or None, nominal level or None) of a figure panel's metric, or None if undefined.
+
+    A path to a coverage level (a dict with `joint`) gives its joint coverage, its interval and its nominal level.
+    """
+    value = lookup(metrics, path)
+    interval = nominal = None
+    if isinstance(value, dict):
+        value, interval, nominal = value.get("joint"), value.get("interval"), value.get("nominal")
+    if not _number(value):
+        return None
+    if not (isinstance(interval, list) and len(interval) == 2 and all(map(_number, interval))):
+        interval = None
+    return value, interval, nominal if _number(nominal) else None
+
+
 def series(records, knob, path):
-    """{prior: [(value, metric, interval or None)]} along one knob, the baseline included, in run order."""
+    """{member: (prior, replica, [(knob value, metric, interval or None)])} along one knob, the baseline included."""
     found = {}
     for record in records:
-        if record.metrics is None or record.knob not in (None, knob):
-            continue
-        value = record.value if record.knob == knob else knob_value(record.settings, knob)
-        metric = lookup(record.metrics, path + ".joint" if path.startswith("coverage") else path)
-        interval = lookup(record.metrics, path + ".interval") if path.startswith("coverage") else None
-        if isinstance(metric, (int, float)):
-            found.setdefault(record.prior, []).append((value, metric, interval))
+        point = None if record.metrics is None else panel_point(record.metrics, path)
+        if point is not None and record.knob in (None, knob):
+            name = str(record.member.get("name", record.prior))
+            points = found.setdefault(name, (record.prior, record.replica, []))[2]
+            points.append((swept_value(record, knob), *point[:2]))
     return found
 
 
-def positions(points):
-    """x positions of a series' values: the values themselves when numeric, else category indices."""
-    values = [point[0] for point in points]
-    if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
-        return values, None
-    labels = list(dict.fromkeys(json.dumps(v) for v in values))
-    return [labels.index(json.dumps(v)) for v in values], labels
+def knob_axis(records, knob):
+    """(x position of a knob value, tick positions, tick labels): numeric values as they are, others as categories."""
+    values = [swept_value(record, knob) for record in records if record.knob in (None, knob)]
+    if all(_number(value) for value in values):
+        ticks = sorted(set(values))
+        return (lambda value: value), ticks, [setting_text(tick) for tick in ticks]
+    labels = list(dict.fromkeys(setting_text(value) for value in values))
+    return (lambda value: labels.index(setting_text(value))), list(range(len(labels))), labels
 
 
-def draw_comparison(records, figure):
-    """One row of panels per swept knob: each headline metric against the knob's value, a line per prior."""
-    knobs = sorted({record.knob for record in records if record.knob is not None})
-    axes = figure.subplots(max(1, len(knobs)), len(FIGURE_METRICS), squeeze=False)
-    for row, knob in enumerate(knobs):
-        for column, (title, path) in enumerate(FIGURE_METRICS):
-            ax = axes[row][column]
-            for prior, points in series(records, knob, path).items():
-                x, labels = positions(points)
-                order = sorted(range(len(x)), key=x.__getitem__)
-                x, points = [x[i] for i in order], [points[i] for i in order]
-                line, = ax.plot(x, [p[1] for p in points], marker="o", label=str(prior))
-                bands = [p[2] for p in points]
-                if all(isinstance(band, list) and len(band) == 2 for band in bands):
-                    ax.fill_between(x, [b[0] for b in bands], [b[1] for b in bands], color=line.get_color(),
-                                    alpha=0.15)
-                if labels:
-                    ax.set_xticks(range(len(labels)), labels)
-            if path.startswith("coverage."):
-                ax.axhline(float(path.split(".", 1)[1]), color="grey", linestyle=":", linewidth=1)  # nominal
-            ax.set_xlabel(knob)
-            ax.set_title(title)
-    if axes[0][0].get_legend_handles_labels()[0]:
-        axes[0][0].legend()
-    return len(knobs)
+MARKERS = ("o", "s", "^", "D", "v", "P")
+LINESTYLES = ("-", "--", "-.", ":")
+
+
+def member_style(priors, prior, replica):
+    """Colour by prior; marker and line style by replica."""
+    k = replica if isinstance(replica, int) else 0
+    return f"C{priors.index(str(prior)) % 10}", MARKERS[k % len(MARKERS)], LINESTYLES[k % len(LINESTYLES)]
+
+
+def nominal_lines(ax, records, path):
+    """A dotted line at each nominal level the panel's metric has (coverage levels)."""
+    points = [panel_point(record.metrics, path) for record in records]
+    for nominal in sorted({point[2] for point in points if point and point[2] is not None}):
+        ax.axhline(nominal, color="grey", linestyle=":", linewidth=1, label=f"nominal level {nominal:g}")
+
+
+def error_bars(point, interval):
+    """matplotlib's yerr of one point with its interval (None without)."""
+    return None if interval is None else [[max(0.0, point - interval[0])], [max(0.0, interval[1] - point)]]
+
+
+def wilson_entry(ax):
+    """A legend entry saying what the error bars are."""
+    ax.errorbar([float("nan")], [float("nan")], yerr=[[0.0], [0.0]], color="grey", capsize=3, linestyle="none",
+                label="bars: 95% Wilson interval")
+
+
+def draw_knob_panel(ax, records, knob, panel, priors):
+    """One metric against one knob's value: a line per member, Wilson intervals as bars, the baseline marked."""
+    title, path = panel
+    position, ticks, labels = knob_axis(records, knob)
+    found = series(records, knob, path)
+    spacing = min([b - a for a, b in zip(ticks, ticks[1:])] or [1.0])
+    wilson = False
+    for k, (name, (prior, replica, points)) in enumerate(found.items()):
+        shift = (k - (len(found) - 1) / 2) * 0.2 * spacing / len(found)     # members side by side at each value
+        points = sorted(points, key=lambda point: position(point[0]))
+        x = [position(point[0]) + shift for point in points]
+        colour, marker, style = member_style(priors, prior, replica)
+        ax.plot(x, [point[1] for point in points], marker=marker, linestyle=style, color=colour, label=name)
+        for x_k, (_, value, interval) in zip(x, points):
+            if interval is not None:
+                ax.errorbar([x_k], [value], yerr=error_bars(value, interval), color=colour, capsize=3, linewidth=1)
+                wilson = True
+    baseline = [knob_value(record.settings, knob) for record in records if record.knob is None]
+    if baseline:
+        ax.axvline(position(baseline[0]), color="black", linestyle=(0, (1, 3)), linewidth=1,
+                   label=f"baseline: {knob} = {setting_text(baseline[0])}")
+    nominal_lines(ax, records, path)
+    if len(ticks) <= 12:
+        ax.set_xticks(ticks, labels)
+    if wilson:
+        wilson_entry(ax)
+    ax.set(title=f"{title} against {knob}", xlabel=knob, ylabel=title)
+
+
+def draw_prior_panel(ax, records, panel, priors):
+    """One metric per prior, side by side: a point per member, with its Wilson interval where it has one."""
+    title, path = panel
+    wilson = False
+    for i, prior in enumerate(priors):
+        members = [record for record in records if str(record.prior) == prior]
+        for k, record in enumerate(members):
+            point = panel_point(record.metrics, path)
+            if point is None:
+                continue
+            value, interval, _ = point
+            colour, marker, _ = member_style(priors, prior, record.replica)
+            ax.errorbar([i + (k - (len(members) - 1) / 2) * 0.5 / len(members)], [value],
+                        yerr=error_bars(value, interval),
+                        fmt=marker, color=colour, capsize=4, label=str(record.member.get("name", prior)))
+            wilson |= interval is not None
+    nominal_lines(ax, records, path)
+    ax.set_xticks(range(len(priors)), priors)
+    ax.set_xlim(-0.5, len(priors) - 0.5)
+    if wilson:
+        wilson_entry(ax)
+    ax.set(title=f"{title} per prior", xlabel="prior", ylabel=title)
+
+
+def row_legend(row):
+    """One legend for a row of panels, right of its last panel: every line and marker of the row, once."""
+    entries = {}
+    for ax in row:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    if entries:
+        row[-1].legend(entries.values(), entries.keys(), loc="upper left", bbox_to_anchor=(1.02, 1), fontsize="small")
+
+
+def drawable_panels(records, panels):
+    """The panels some analysed record has a value for."""
+    return [panel for panel in panels
+            if any(record.metrics is not None and panel_point(record.metrics, panel[1]) for record in records)]
+
+
+def draw_comparison(records, figure, panels):
+    """The comparison figure's panels; returns how many panels a row has (0: nothing to draw).
+
+    `panels` are (title, metric path) pairs, the analysis class's FIGURE_METRICS. With swept knobs,
+    one row per knob: each metric against the knob's value, a line per member, the baseline included.
+    Without, one row: each metric per prior, side by side.
+    """
+    records = [record for record in records if record.metrics is not None]
+    panels = drawable_panels(records, panels)
+    if not panels:
+        return 0
+    knobs = swept_knobs(records)
+    priors = list(dict.fromkeys(str(record.prior) for record in records))
+    axes = figure.subplots(max(1, len(knobs)), len(panels), squeeze=False)
+    for row, knob in zip(axes, knobs or [None]):
+        for ax, panel in zip(row, panels):
+            if knob is None:
+                draw_prior_panel(ax, records, panel, priors)
+            else:
+                draw_knob_panel(ax, records, knob, panel, priors)
+        row_legend(row)
+    return len(panels)
+
+
+def comparison_figure(records, panels, title):
+    """`report --plot`'s figure (a matplotlib Figure, titled), or None when there is nothing to draw."""
+    count = len(drawable_panels(records, panels))
+    if not count:
+        return None
+    from matplotlib.figure import Figure   # optional extra, imported only when drawing
+    rows = max(1, len(swept_knobs([record for record in records if record.metrics is not None])))
+    figure = Figure(figsize=(4.2 * count + 2.2, 3.6 * rows + 0.6), layout="constrained")
+    draw_comparison(records, figure, panels)
+    figure.suptitle(title)
+    return figure
+
+
+def comparison_png(records, panels, title, dpi=120):
+    """The comparison figure as PNG bytes, or None when there is nothing to draw."""
+    figure = comparison_figure(records, panels, title)
+    if figure is None:
+        return None
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=dpi)
+    return buffer.getvalue()

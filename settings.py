@@ -3,9 +3,8 @@ identity digests, and the checks of every section the framework itself reads.
 
 The framework's sections (`output`, `seed`, `runtime`, `verification`, `plotting`, and the
 `metrics`/`plots`/`cohort_plots` lists) are checked here; the bundled trainer checks
-`training` (trainer.py) and an experiment checks its own sections (for the bundled study:
-gaussian.py and gaussian_study.py), all with the helpers below, so each section's rules
-stand in one place.
+`training` (trainer.py) and a study checks its own sections (its `validate()`), all with
+the helpers below, so each section's rules stand in one place.
 """
 
 import contextlib
@@ -105,14 +104,10 @@ def name_list(value, path, allow_empty=True):
     return value
 
 
-TRAINING_SECTIONS = (
-    "experiment", "output", "seed", "problem", "cohort",
-    "priors", "data", "model", "training", "runtime",
-)
-ANALYSIS_SECTIONS = (
-    "analysis", "inference", "verification", "metrics",
-    "plots", "cohort_plots", "plotting",
-)
+# The framework's own sections; a study's sections beside them are the study's to check
+# (study.check_study_sections and the study's validate()).
+TRAINING_SECTIONS = ("experiment", "output", "seed", "runtime")
+ANALYSIS_SECTIONS = ("analysis", "verification", "metrics", "plots", "cohort_plots", "plotting")
 LAUNCH_INVARIANT = ("experiment", "output", "runtime")
 TRAINING_FILE = "settings_training.py"
 ANALYSIS_FILE = "settings_analysis.py"
@@ -367,17 +362,11 @@ def _first_choice_path(value, path=""):
 
 
 def check_sections(settings, required, where):
-    """Exactly the required top-level sections, listing missing and unknown ones."""
+    """Every framework section is present (the study checks its own sections)."""
     missing = [name for name in required if name not in settings]
-    unknown = [str(name) for name in settings if name not in required]
-    if missing or unknown:
-        parts = []
-        if missing:
-            parts.append("missing sections: " + ", ".join(missing))
-        if unknown:
-            parts.append("unknown sections: " + ", ".join(unknown))
-        raise SettingsError(f"{where}: " + "; ".join(parts) +
-                            "; the sections must be exactly: " + ", ".join(required))
+    if missing:
+        raise SettingsError(f"{where}: missing sections: {', '.join(missing)}; nnpd needs the sections "
+                            f"{', '.join(required)} beside the study's own")
 
 
 def check_class_ref(settings, section, where):
@@ -621,6 +610,9 @@ def load_profile(settings_dir, profile=None, training_dir=None):
     the copy of the latest training's file in the output root).
     """
     settings_dir = Path(settings_dir).absolute()
+    # A study module beside its settings files is importable without PYTHONPATH.
+    if str(settings_dir) not in sys.path:
+        sys.path.append(str(settings_dir))
     training_path = Path(training_dir or settings_dir).absolute() / TRAINING_FILE
     analysis_path = settings_dir / ANALYSIS_FILE
     training_module = _load_module(training_path)

@@ -7,7 +7,7 @@ product and model already in the store is reused.
 PROFILES = ("smoke", "default", "paper")
 
 METRICS = ["classification", "bias", "coverage", "width", "resolution", "posterior",
-           "exact_reference", "pairwise", "reweighting", "normalization"]
+           "exact_reference", "expected_coverage", "pairwise", "reweighting", "normalization"]
 
 
 def base_settings():
@@ -46,7 +46,7 @@ def base_settings():
             "max_candidate_points": 2e6,
         },
         "metrics": list(METRICS),
-        "plots": [],            # per run: "diagnostic_cases" (needs matplotlib)
+        "plots": [],            # per run: "diagnostic_cases", "expected_coverage" (need matplotlib)
         "cohort_plots": [],     # per configuration: "priors", "training", "estimates", "bias_width"
         "plotting": {"format": "png", "dpi": 120},
     }

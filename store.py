@@ -820,8 +820,9 @@ class Store:
 class Restored:
     """A finished run reopened: settings, member, history, model and artifacts."""
 
-    def __init__(self, run_dir, run, model, history, artifacts, missing=()):
+    def __init__(self, run_dir, run, model, history, artifacts, missing=(), experiment=None):
         self.run_dir = run_dir
+        self.experiment = experiment     # the study's experiment, constructed with the run's settings
         self.run = run
         self.settings = run["settings"]
         self.member = run["member"]
@@ -829,6 +830,22 @@ class Restored:
         self.history = history
         self.artifacts = artifacts
         self.missing = list(missing)     # artifacts the run refers to that the store lacks or found damaged
+
+    def posterior(self, observations, truth=None, device=None):
+        """The posterior of the run's model for an observation (d,) or ensemble (m, d), as its analysis computed.
+
+        For studies whose experiment gives one (those on the study kit: see posterior.py);
+        it needs the run's analysis settings, so the run must have been analysed.
+        """
+        if not callable(getattr(self.experiment, "posterior", None)):
+            raise TypeError(f"{type(self.experiment).__name__} gives no posterior (studies on the study kit do)")
+        analysis = self.json("analysis") or {}
+        if not isinstance(analysis.get("settings"), dict) or analysis.get("checksum") != record_checksum(analysis):
+            raise ValueError(f"{self.run_dir}: its analysis settings are unknown (never analysed, or "
+                             "analysis.json is damaged); run `python nnpd.py analyze` first")
+        device = device or next(self.model.parameters()).device
+        return self.experiment.posterior(self.member, self.model, analysis["settings"], observations,
+                                         truth=truth, device=device)
 
     def array(self, artifact, name, mmap=False):
         """An array of one of the run's artifacts."""
@@ -963,12 +980,16 @@ def restore(run_dir, device="cpu", experiment=None):
         warnings.warn(f"{run_dir}: its analysis products {', '.join(missing)} are missing or damaged, so its "
                       "metrics are not available; the next `run` or `analyze` rebuilds them", stacklevel=2)
     if experiment is None:
+        study_path = run.get("study_path")
+        if isinstance(study_path, str) and Path(study_path).is_dir() and study_path not in sys.path:
+            sys.path.append(study_path)         # the study's folder, as the launch found it beside its settings
         try:
             check_defines_class(run["settings"]["experiment"])
             experiment = import_class(run["settings"]["experiment"], EXPERIMENT_METHODS)
         except (ImportError, ValueError, SyntaxError, TypeError, AttributeError) as error:
             raise ValueError(f"{run_dir}: cannot restore its experiment: {error}; pass restore(..., experiment=Class)") from None
-    model = experiment(run["settings"]).build_model(run["member"])
+    instance = experiment(run["settings"])
+    model = instance.build_model(run["member"])
     model.load_state_dict(artifacts["model"].state_dict())
     model = model.to(torch.device(device)).eval()
-    return Restored(run_dir, run, model, artifacts["model"].json("history"), artifacts, missing)
+    return Restored(run_dir, run, model, artifacts["model"].json("history"), artifacts, missing, instance)

@@ -3,7 +3,11 @@
 An experiment class (named by `experiment` in the training settings) supplies the
 cohort members, the training data, the network and its training. An analysis class
 (named by `analysis`) supplies named products, built lazily through the store from
-declared dependencies, and metrics computed from products.
+declared dependencies, and metrics computed from products. `Experiment` and `Analysis`
+state what each must give and default the rest; `load_study` checks a study before
+anything is computed: its sections, its members, the bundled trainer's settings when it
+trains with it, the product graph, and that its network returns one logit per row.
+The study kit (nre_study.py) is one such study, written once for any simulator.
 """
 import functools
 import hashlib
@@ -11,15 +15,18 @@ import inspect
 import linecache
 import platform
 import re
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
 import probes
 import runtime
-from settings import SettingsError
-from store import EXPERIMENT_METHODS, import_class
+import trainer
+from settings import SettingsError, require
+from store import EXPERIMENT_METHODS, LaunchError, import_class
 
 
 @dataclass(frozen=True)
@@ -45,25 +52,208 @@ class Figure:
                                   # of the Contexts of a configuration's cohort
 
 
-# What an analysis class supplies (an experiment's methods are store.EXPERIMENT_METHODS, which restore checks),
-# and the attributes naming the code that shapes their artifacts.
+class Experiment:
+    """The training side of a study: what nnpd asks of it, with defaults for what a study may leave out.
+
+    A study defines `members()`, `data_recipe(member)`, `sample_data(member)`,
+    `model_recipe(member)`, `build_model(member)` and `input_size()`; the defaults below
+    train with the bundled trainer on the `training` settings and describe nothing.
+    Members may be class or instance attributes. nnpd constructs it with one
+    configuration's resolved training settings. docs/extending.md describes each member.
+    """
+
+    DATA_SOURCES = ()          # code besides the study's own module that shapes its training data
+    MODEL_SOURCES = ()         # ... and its models
+    SECTIONS = None            # the study's own training-settings sections (None: any are allowed)
+    OPTIONAL_SECTIONS = ()
+
+    def __init__(self, settings):
+        self.settings = settings
+
+    def validate(self):
+        """Check the study's own sections; raise SettingsError naming the setting and the fix."""
+
+    def problem(self, member=None):
+        """The simulator's description, for the analysis (ctx.problem)."""
+        return None
+
+    def prior(self, member):
+        """The member's prior, for the analysis (ctx.prior)."""
+        return None
+
+    def train(self, member, model, data, rt, hooks=None):
+        """Train with the bundled trainer on the `training` settings; returns (CPU state dict, history)."""
+        seed = runtime.derived_seed(self.settings["seed"], "train", member["name"])
+        return trainer.train(model, data, self.settings["training"], rt, seed, hooks)
+
+    def workload(self, member):
+        """The training cost estimate plan shows: examples seen and the network's size."""
+        parameters = sum(p.numel() for p in self.build_model(member).parameters())
+        return {"training_examples": 0, "network_parameters": int(parameters)}
+
+    def describe(self, member):
+        """A JSON description of the member for run.json."""
+        return {}
+
+
+class Analysis:
+    """The analysis side of a study: named products, metrics and figures, with defaults.
+
+    nnpd constructs it as `Analysis(analysis_settings, experiment)`. docs/extending.md
+    describes each member; `products` and `metrics` are what a study must give.
+    """
+
+    SOURCES = ()               # code whose source enters every product's key
+    SECTIONS = None            # the study's own analysis-settings sections (None: any are allowed)
+    OPTIONAL_SECTIONS = ()
+    plots = {}
+    cohort_plots = {}
+    REPORT_COLUMNS = ()        # (heading, metric path) pairs `nnpd.py report` tabulates
+    FIGURE_METRICS = ()        # (title, metric path) panels of `report --plot`
+    WORKLOAD_ADVICE = "reduce the analysis in settings_analysis.py"
+
+    def __init__(self, settings, experiment):
+        self.settings = settings
+        self.experiment = experiment
+
+    def validate(self):
+        """Check the study's own analysis sections."""
+
+    def workload(self, member):
+        """Model evaluations, saved bytes and candidate points of one member's analysis (plan's limits)."""
+        return {"model_evaluations": 0, "saved_bytes": 0, "candidate_points": 0}
+
+
 ANALYSIS_MEMBERS = ("products", "metrics", "plots", "cohort_plots", "validate", "workload", "SOURCES")
 EXPERIMENT_SOURCES = ("DATA_SOURCES", "MODEL_SOURCES")
+TRAINING_FRAMEWORK = ("experiment", "output", "seed", "runtime")
+ANALYSIS_FRAMEWORK = ("analysis", "verification", "metrics", "plots", "cohort_plots", "plotting")
 
 
 def load_class(spec, setting):
-    """Import the experiment or analysis class named by a "module:Class" setting, checking its contract."""
-    members = EXPERIMENT_METHODS + EXPERIMENT_SOURCES if setting == "experiment" else ANALYSIS_MEMBERS
+    """Import the experiment or analysis class named by a "module:Class" setting."""
     try:
-        cls = import_class(spec, ())
+        return import_class(spec, ())
     except ImportError as error:
-        raise SettingsError(f"{setting}: cannot import module {spec.partition(':')[0]!r} ({error})") from None
+        module = spec.partition(":")[0]
+        # The folders a user put there (the settings folder among them), not the interpreter's own.
+        folders = [path for path in sys.path if path and "site-packages" not in path and "/lib/python" not in path]
+        raise SettingsError(f"{setting}: cannot import module {module!r} ({error}); nnpd looked in "
+                            f"{', '.join(folders)} and the installed packages: put {module}.py beside the "
+                            "settings files or add its folder to PYTHONPATH") from None
     except ValueError as error:
         raise SettingsError(f"{setting}: {error}") from None
-    missing = [name for name in members if not hasattr(cls, name)]
+
+
+def check_members(instance, spec, setting):
+    """Every member the contract needs, as a class or an instance attribute."""
+    members = EXPERIMENT_METHODS + EXPERIMENT_SOURCES if setting == "experiment" else ANALYSIS_MEMBERS
+    missing = [name for name in members if not hasattr(instance, name)]
     if missing:
-        raise SettingsError(f"{setting}: {spec!r} is not an nnpd {setting} class: it lacks {', '.join(missing)}")
-    return cls
+        base = "study.Experiment" if setting == "experiment" else "study.Analysis"
+        raise SettingsError(f"{setting}: {spec!r} is not an nnpd {setting} class: it lacks {', '.join(missing)} "
+                            f"(subclass {base} for defaults; see docs/extending.md)")
+
+
+def check_study_sections(settings, framework, study_class, where):
+    """The settings' sections are the framework's plus exactly the study's own, when the study names them."""
+    own = getattr(study_class, "SECTIONS", None)
+    if own is None:
+        return
+    optional = tuple(getattr(study_class, "OPTIONAL_SECTIONS", ()))
+    missing = [name for name in (*framework, *own) if name not in settings]
+    unknown = [str(name) for name in settings if name not in (*framework, *own, *optional)]
+    if missing or unknown:
+        found = ([f"missing sections: {', '.join(missing)}"] if missing else []) + \
+            ([f"unknown sections: {', '.join(unknown)}"] if unknown else [])
+        allowed = ", ".join((*framework, *own)) + (f" (optional: {', '.join(optional)})" if optional else "")
+        raise SettingsError(f"{where}: {'; '.join(found)}; {study_class.__name__} reads: {allowed}")
+
+
+def uses_bundled_trainer(experiment):
+    """Whether the experiment's train() is the default or calls the bundled trainer by name."""
+    train = getattr(type(experiment), "train", None)
+    if train is Experiment.train:
+        return True
+    if not inspect.isfunction(train):
+        return False
+    return any(train.__globals__.get(name) in (trainer, trainer.train) for name in referenced_names(train.__code__))
+
+
+def check_logit_shape(experiment, member, spec):
+    """The network returns one logit per row, (N,) or (N, 1): checked on two rows of zeros before any compute."""
+    model = experiment.build_model(member)
+    with torch.no_grad():
+        logits = model(torch.zeros(2, int(experiment.input_size())))
+    if not isinstance(logits, torch.Tensor) or tuple(logits.shape) not in ((2,), (2, 1)):
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        raise SettingsError(f"model: {spec}'s network returns {shape} for 2 input rows; a ratio estimator returns "
+                            "one logit per row, shape (N,) or (N, 1)")
+
+
+def load_study(training_settings, analysis_settings):
+    """The experiment and analysis of one configuration, constructed and checked before any compute."""
+    spec = training_settings["experiment"]
+    experiment_class = load_class(spec, "experiment")
+    check_study_sections(training_settings, TRAINING_FRAMEWORK, experiment_class, "settings_training.py")
+    experiment = experiment_class(training_settings)
+    check_members(experiment, spec, "experiment")
+    if uses_bundled_trainer(experiment):
+        trainer.check_training_settings(require(training_settings, "training", "settings_training.py"))
+    experiment.validate()
+    analysis_spec = analysis_settings["analysis"]
+    analysis_class = load_class(analysis_spec, "analysis")
+    check_study_sections(analysis_settings, ANALYSIS_FRAMEWORK, analysis_class, "settings_analysis.py")
+    analysis = analysis_class(analysis_settings, experiment)
+    check_members(analysis, analysis_spec, "analysis")
+    check_graph(analysis.products, analysis.metrics, list(analysis_settings["metrics"]))
+    analysis.validate()
+    return experiment, analysis
+
+
+def report_layout(analysis_settings):
+    """The analysis class's report columns and comparison panels (`nnpd.py report`)."""
+    analysis = load_class(analysis_settings["analysis"], "analysis")
+    return tuple(getattr(analysis, "REPORT_COLUMNS", ())), tuple(getattr(analysis, "FIGURE_METRICS", ()))
+
+
+def experiment_sources(experiment, which):
+    """What enters the data ("DATA_SOURCES") or model ("MODEL_SOURCES") key: the study's class, the whole
+    module of each of its classes (so no helper it calls is missed), and the code it names."""
+    classes = [cls for cls in type(experiment).__mro__ if cls not in (object, Experiment)]
+    modules = [sys.modules[cls.__module__] for cls in classes if cls.__module__ in sys.modules]
+    unique = list(dict.fromkeys(modules))
+    return (type(experiment), *unique, *getattr(experiment, which))
+
+
+def metric_value(name, value):
+    """A metric's computed value made JSON (see json_value); a value JSON cannot hold is refused naming the metric."""
+    try:
+        return json_value(value, f"metric {name!r}")
+    except ValueError as error:
+        raise LaunchError(f"{error}; fix the metric's compute function (its products are kept)") from None
+
+
+def module_folder(cls):
+    """The folder of the file defining a class (run.json keeps it so restore can import the study), or None."""
+    path = getattr(sys.modules.get(cls.__module__), "__file__", None)
+    return str(Path(path).resolve().parent) if path else None
+
+
+def json_value(value, where):
+    """A metric's value as JSON: numpy scalars and arrays become numbers and lists; anything else is refused."""
+    if isinstance(value, dict):
+        return {str(key): json_value(item, f"{where}.{key}") for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_value(item, f"{where}[{index}]") for index, item in enumerate(value)]
+    if isinstance(value, np.ndarray):
+        return json_value(value.tolist(), where)
+    if isinstance(value, np.generic):
+        return value.item()
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"{where} is a {type(value).__name__}, which JSON cannot hold; return numbers, strings, "
+                     "lists and dicts (a tensor: .tolist())")
 
 
 def check_selection(section, selected, known):
@@ -223,6 +413,11 @@ class Context:
             model.load_state_dict(self.model_artifact.state_dict())
             self._model = model.to(self.runtime.device).eval()
         return self._model
+
+    def posterior(self, observations, truth=None):
+        """This member's posterior for an observation, on the launch's device (studies on the study kit)."""
+        return self.experiment.posterior(self.member, self.model, self.analysis_settings, observations,
+                                         truth=truth, device=self.runtime.device)
 
     def report_progress(self, what, done, total):
         """Tell the launch how many of a long product's cases are done (shown as progress)."""

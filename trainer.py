@@ -14,6 +14,7 @@ import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -38,10 +39,13 @@ TRAINING_DEFAULTS = {
     "checkpoint": "best",
     "objective": "bce",
     "balance_weight": 100.0,
+    "selection": "bce",
 }
 OPTIMIZERS = ("adam", "adamw")
 CHECKPOINTS = ("best", "last")
 OBJECTIVES = ("bce", "balanced")
+# Which validation loss `checkpoint: "best"` minimises: the BCE, or the trained objective.
+SELECTIONS = ("bce", "objective")
 # The phases of one training step (_step) and of DDP's gradient all-reduce within its backward pass.
 STEP_PHASES = ("train.forward", "train.loss", "train.backward", "train.optimizer")
 COMMUNICATE = "train.communicate"
@@ -102,6 +106,9 @@ def check_training_settings(training_settings: dict) -> dict:
     one_of(s["checkpoint"], CHECKPOINTS, "training.checkpoint")
     one_of(s["objective"], OBJECTIVES, "training.objective")
     number(s["balance_weight"], "training.balance_weight", 0, 1e6)
+    if not isinstance(s["selection"], str) or s["selection"] not in SELECTIONS:
+        raise SettingsError(f"training.selection: {s['selection']!r} is not valid; use \"bce\" (keep the epoch of "
+                            "the lowest validation BCE) or \"objective\" (of the lowest validation objective)")
     s["betas"] = [float(b) for b in betas]
     s["balance_weight"] = float(s["balance_weight"])
     return s
@@ -124,7 +131,8 @@ class TrainingHooks:
     - stop_requested() -> bool: polled after every step; True on any rank stops every rank
       at the same step, saves (when saving) and raises Preempted.
     - on_epoch(epoch, record): after each epoch (under DDP rank 0 only); record holds train_loss, bce,
-      accuracy, auc, seconds (the epoch's wall time) and epochs (the total).
+      accuracy, auc, objective and balance (the validation objective and balance defect, see
+      validation_objective), seconds (the epoch's wall time) and epochs (the total).
     - on_resume(epoch, batch): when training continues from a loaded state (under DDP rank 0 only).
     Under DDP every rank passes hooks with the same fields set: they decide which
     collectives run.
@@ -195,6 +203,8 @@ class TrainingState:
     batch_losses: torch.Tensor | None = None
     norms: torch.Tensor | None = None
     history: dict = field(default_factory=dict)
+    # The lowest validation value so far of the selection criterion (training.selection): the
+    # BCE or the objective. Named for the BCE, which it was before the choice: saved states keep the name.
     best_bce: float = math.inf
     best_weights: dict | None = None
 
@@ -400,7 +410,9 @@ def _progress_problem(saved: dict, epochs: int, n_batches: int, world_size: int)
     if not (is_integer(epoch) and is_integer(position) and 0 <= epoch <= epochs and 0 <= position <= n_batches) \
             or (epoch == epochs and position):
         return f"its progress (epoch index {epoch}, batch {position}) does not fit {epochs} epochs of {n_batches} batches"
-    if len(shared["history"]["train_loss"]) != epoch or len(shared["history"]["validation"]) != epoch:
+    history = shared["history"]
+    if any(len(history.get(name, ())) != epoch for name in ("train_loss", "validation", "validation_objective",
+                                                             "validation_balance")):
         return "its history does not match its progress"
     ranks, ongoing = saved["ranks"], position > 0
     if len(ranks) != world_size:
@@ -638,6 +650,20 @@ class _HookRunner:
 # ---------------------------------------------------------------- the loop
 
 
+TRAINING_ARRAYS = ("train_inputs", "train_labels", "validation_inputs", "validation_labels")
+
+
+def training_tensors(data) -> dict:
+    """The four training arrays as tensors, from a dict of arrays or tensors, or the data artifact `train` receives."""
+    if callable(getattr(data, "array", None)):      # a store artifact: its arrays, checked as they are read
+        data = {name: data.array(name) for name in TRAINING_ARRAYS if f"{name}.npy" in data.files}
+    if not isinstance(data, dict):
+        raise TypeError(f"training data must be a dict of arrays or the data artifact train() receives, "
+                        f"not {type(data).__name__}")
+    return {name: value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+            for name, value in data.items() if name in TRAINING_ARRAYS}
+
+
 def _check_data(data: dict) -> None:
     """Refuse data the trainer cannot use, naming the key."""
     for key in ("train_inputs", "train_labels", "validation_inputs", "validation_labels"):
@@ -649,8 +675,33 @@ def _check_data(data: dict) -> None:
             raise ValueError(f"{part} data must be non-empty (rows, features) inputs with (rows,) labels")
 
 
+def balance_defect(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """mean σ(f) over joint rows (label 1) + mean σ(f) over product rows (label 0) − 1, on the host in float64.
+
+    Zero for a perfectly balanced classifier (the exact ratio's is, in expectation); 0 when a
+    class is absent, as for a training batch.
+    """
+    probability = torch.sigmoid(logits.detach().reshape(-1).to("cpu", torch.float64))
+    joint = labels.detach().reshape(-1).to("cpu") > 0.5
+    if bool(joint.all()) or not bool(joint.any()):
+        return 0.0
+    return (probability[joint].mean() + probability[~joint].mean() - 1).item()
+
+
+def validation_objective(bce: float, balance: float, settings: dict) -> float:
+    """The trained objective on the validation set: its BCE, plus for "balanced" λ times the squared defect.
+
+    The defect is that of the whole validation set, not a mean over batches of batch_size
+    rows: a batch's squared defect also holds the batch mean's sampling variance, which falls
+    as 1/batch_size (docs/training.md).
+    """
+    if settings["objective"] == "balanced":
+        return bce + settings["balance_weight"] * balance**2
+    return bce
+
+
 def _validate(model, inputs, labels, device, precision) -> dict:
-    """Validation metrics of the unwrapped model; a non-finite logit is an error."""
+    """Validation metrics of the unwrapped model, with its balance defect; a non-finite logit is an error."""
     was_training = model.training
     model.eval()
     with torch.no_grad(), _autocast(device, precision):
@@ -658,7 +709,7 @@ def _validate(model, inputs, labels, device, precision) -> dict:
     model.train(was_training)
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError("non-finite validation logit; the model diverged (lower training.learning_rate?)")
-    return classification_metrics(logits, labels)
+    return {**classification_metrics(logits, labels), "balance": balance_defect(logits, labels)}
 
 
 def _shared_validation(model, vx, vy, precision, rt) -> dict:
@@ -800,17 +851,22 @@ def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, s
     history["train_loss"].append(train_loss)
     with probes.phase("train.validation", device=rt.device):
         metrics = _shared_validation(state.model, *validation, settings["precision"], rt)
+    balance = metrics.pop("balance")
+    objective = validation_objective(metrics["bce"], balance, settings)
     history["validation"].append(metrics)
+    history["validation_objective"].append(objective)
+    history["validation_balance"].append(balance)
+    score = objective if settings["selection"] == "objective" else metrics["bce"]
     last = state.epoch + 1 == settings["epochs"]
-    if (settings["checkpoint"] == "best" and metrics["bce"] < state.best_bce) or (
+    if (settings["checkpoint"] == "best" and score < state.best_bce) or (
         settings["checkpoint"] == "last" and last
     ):
-        state.best_bce = metrics["bce"]
+        state.best_bce = score
         state.best_weights = _cpu_copy(state.model.state_dict())
         history["selected_epoch"] = state.epoch + 1
     state.epoch += 1
     state.position = 0
-    return {"train_loss": train_loss, **metrics}
+    return {"train_loss": train_loss, **metrics, "objective": objective, "balance": balance}
 
 
 def _train_epochs(state: TrainingState, net, tensors: tuple, settings: dict, rt, runner: _HookRunner) -> None:
@@ -893,6 +949,11 @@ def _new_history(settings: dict, rows: int, rt: runtime.Runtime) -> dict:
     return {
         "train_loss": [],
         "validation": [],
+        # Per epoch: the trained objective on the validation set (validation_objective) and the
+        # set's balance defect (balance_defect); "selection" says which loss chose selected_epoch.
+        "validation_objective": [],
+        "validation_balance": [],
+        "selection": settings["selection"],
         "rows_per_epoch": rows,
         "global_batch_size": settings["batch_size"],
         "world_size": rt.train_world_size,
@@ -926,9 +987,12 @@ def _wrapped(model: torch.nn.Module, rt: runtime.Runtime):
     return net
 
 
-def train(model: torch.nn.Module, data: dict, training_settings: dict, rt: runtime.Runtime, seed: int,
+def train(model: torch.nn.Module, data, training_settings: dict, rt: runtime.Runtime, seed: int,
           hooks: TrainingHooks | None = None):
     """Train a logit-returning classifier; returns (CPU state dict, history).
+
+    `data` is the data artifact an experiment's `train` receives, or a dict of the arrays
+    `train_inputs`, `train_labels`, `validation_inputs`, `validation_labels` (numpy or torch).
 
     `hooks` (optional, see TrainingHooks) resume a saved state, save the state, stop on
     request by raising Preempted, and report progress; without them nothing is saved or polled.
@@ -964,6 +1028,7 @@ def _train(model, data: dict, training_settings: dict, rt: runtime.Runtime, seed
         hooks.check()
     device = rt.device
     runtime.check_precision(settings["precision"], device)
+    data = training_tensors(data)
     _check_data(data)
     with probes.phase("train.setup"):
         given = tuple(data[f"{part}_{kind}"] for part in ("train", "validation") for kind in ("inputs", "labels"))

@@ -1,12 +1,12 @@
 """The analysis path's model evaluation rate against a plain forward pass on device-resident rows.
 
 bench_inference.py builds its rows on the device. A study's analysis does not: its
-observations and candidates live on the host, gaussian_study.learned_case_scores wraps
+observations and candidates live on the host, nre_analysis.learned_case_scores wraps
 the network so that inference.ensemble_scores copies every block of at most
 inference.EVAL_BLOCK_ROWS rows to the device and the logits back (a host wait per block),
 and each case is refined and summarised on the host (inference.refine_case for the
 adaptive design, inference.hld_summaries for a fixed one). This bench runs that path
-through the study's own drivers (gaussian_study.summarise_adaptive or
+through the study's own drivers (nre_analysis.summarise_adaptive or
 summarise_cases), on the network and settings of a bundled profile (mlp [64]*4, input
 width 2 at dimension 1; freshly initialised: the rate depends on shapes, not weights),
 and prints, side by side in one run and alternating:
@@ -32,8 +32,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 import gaussian  # noqa: E402
-import gaussian_study  # noqa: E402
 import inference  # noqa: E402
+import networks  # noqa: E402
+import nre_analysis  # noqa: E402
+import priors  # noqa: E402
 import runtime  # noqa: E402
 import settings  # noqa: E402
 import settings_analysis  # noqa: E402
@@ -62,7 +64,7 @@ def profile_inputs(profile, dimension, cases):
     training = settings.resolve(settings_training.make_settings(profile))
     training["problem"]["dimension"] = dimension
     problem = gaussian.GaussianProblem.from_settings(training["problem"])
-    prior = gaussian.make_prior(problem, training["priors"]["uniform"])
+    prior = priors.make_prior(problem, training["priors"]["uniform"])
     analysis = settings_analysis.make_settings(profile)["inference"]
     truths = inference.make_truths(problem.low, problem.high, problem.grid_step, analysis["truths"], 1)[:cases]
     observations = inference.make_observations(problem.simulate, truths, analysis["observations"], 2)
@@ -78,7 +80,7 @@ class AnalysisPath:
         self.device = device
         self.input_size = problem.dimension + problem.parameter_count   # observation and inferred parameters
         torch.manual_seed(0)
-        self.model = gaussian.build_network(training["model"], self.input_size).to(device).eval()
+        self.model = networks.build_network(training["model"], self.input_size).to(device).eval()
         self.targets = [t for t in ("ratio", "posterior") if t in self.settings["targets"]]
         candidates = self.settings["candidates"]
         lattice = inference.candidate_lattice(self.prior.lattice_steps, problem.parameter_count, candidates)
@@ -91,7 +93,7 @@ class AnalysisPath:
 
     def case_scores(self, evaluations):
         """The study's own case_scores of the learned targets, counting rows into evaluations[0]."""
-        return gaussian_study.learned_case_scores(self.model, self.device, self.prior, self.observations,
+        return nre_analysis.learned_case_scores(self.model, self.device, self.prior, self.observations,
                                                   self.targets, self.settings["chunk_rows"], evaluations)
 
     def run(self):
@@ -100,11 +102,11 @@ class AnalysisPath:
         scores, levels = self.case_scores(evaluations), self.settings["levels"]
         retain = {"mode": "diagnostic", "cases": 0}     # keep nothing: the bench times the work, not the store
         if self.adaptive:
-            gaussian_study.summarise_adaptive(writer, self.targets, scores, self.truths, self.design, self.box,
+            nre_analysis.summarise_adaptive(writer, self.targets, scores, self.truths, self.design, self.box,
                                               levels, retain, self.sizes, 4)
         else:
             points = self.design[0]
-            gaussian_study.summarise_cases(writer, self.targets,
+            nre_analysis.summarise_cases(writer, self.targets,
                                            lambda i: scores(i, torch.cat([points, self.truths[i:i + 1]])),
                                            self.truths, points, self.design[1], levels, retain)
         return evaluations[0]

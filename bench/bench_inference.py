@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
-import gaussian  # noqa: E402
+import networks  # noqa: E402
 import inference  # noqa: E402
 import runtime  # noqa: E402
 
@@ -38,7 +38,7 @@ def main():
     device = torch.device(arguments.device)
     runtime.start({"device": arguments.device, "cpu_threads": 1, "deterministic": False})   # as nnpd runs analyses
     torch.manual_seed(0)
-    model = gaussian.build_network({"kind": "mlp", "hidden": [64] * 4, "activation": "relu", "dropout": 0.0}, 2)
+    model = networks.build_network({"kind": "mlp", "hidden": [64] * 4, "activation": "relu", "dropout": 0.0}, 2)
     model.to(device).eval()
     observations = torch.randn(arguments.observations, 1, dtype=torch.float64, device=device) + 5
     points = torch.rand(arguments.candidates, 1, dtype=torch.float64, device=device) * 10

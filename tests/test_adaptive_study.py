@@ -11,7 +11,8 @@ import nnpd
 import settings_analysis
 import settings_training
 from conftest import write_settings
-from gaussian_study import GaussianAnalysis, GaussianExperiment, chi_square_quantile
+from gaussian_study import GaussianAnalysis, GaussianExperiment
+from nre_analysis import chi_square_quantile
 from settings import SettingsError
 from store import Store
 

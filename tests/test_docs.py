@@ -3,7 +3,10 @@ paths they mention, the Slurm script of docs/clusters.md and a scheduler's preem
 
 A block is a fenced ```sh or ```python block whose first line is `# runs on CPU`. The
 blocks of one document run in order, in one fresh copy of the repository, as a reader
-would type them there; each must exit with status 0.
+would type them there after the README's set-up: each in a fresh `bash` that has sourced
+`.venv/bin/activate` (the README's one step after `make`), so `python` and `torchrun` are
+the virtual environment's own, with nothing else added to PATH or PYTHONPATH; a python
+block is typed into that `python`. Each must exit with status 0.
 """
 import os
 import re
@@ -26,6 +29,11 @@ DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 LEFT_OUT = shutil.ignore_patterns(".git", ".venv", "outputs", "__pycache__", "*.pyc", "*.egg-info", "build",
                                   ".pytest_cache", ".hypothesis", "*.so")
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")
+# What a fresh shell does not inherit from the one running the tests: an active virtual
+# environment, startup files of non-interactive shells and interpreters.
+SHELL_VARIABLES = ("VIRTUAL_ENV", "VIRTUAL_ENV_PROMPT", "BASH_ENV", "ENV", "PYTHONHOME", "PYTHONSTARTUP")
+# The README's step after the set-up, then the strict mode the blocks are held to.
+ACTIVATE = ". .venv/bin/activate\nset -euo pipefail\n"
 TIMEOUT = 600
 
 
@@ -41,33 +49,74 @@ def repository_copy(target):
     return target
 
 
-def stand_ins(folder):
-    """A folder of commands as the documents name them: `python` and `torchrun` of this interpreter."""
-    folder.mkdir()
-    # Scripts, not links: a virtual environment's interpreter must be started by its own path.
-    for name, arguments in (("python", ""), ("torchrun", " -m torch.distributed.run")):
-        (folder / name).write_text(f'#!/bin/sh\nexec "{sys.executable}"{arguments} "$@"\n')
-        (folder / name).chmod(0o755)
-    return folder
+def set_up_environment():
+    """The virtual environment `make` set up, which the documents' reader activates: the tests' own."""
+    venv = Path(sys.prefix)
+    if sys.prefix == sys.base_prefix or not (venv / "bin" / "activate").is_file():
+        pytest.skip("the documents' commands run in the set-up's virtual environment: run the tests with its "
+                    "interpreter (make test, or .venv/bin/python -m pytest)")
+    return venv
+
+
+def reader_copy(target):
+    """A copy of the repository at `target` as a reader's checkout after `make`: with its `.venv`."""
+    copy = repository_copy(target)
+    (copy / ".venv").symlink_to(set_up_environment(), target_is_directory=True)
+    return copy
+
+
+def fresh_shell_environment():
+    """The environment of a fresh shell on this machine: no virtual environment active, its bin/
+    not on PATH, no PYTHONPATH or torchrun variables; CPU only."""
+    venv_bin = (Path(sys.prefix) / "bin").resolve()
+    path = [folder for folder in os.environ.get("PATH", "").split(os.pathsep)
+            if folder and Path(folder).resolve() != venv_bin]
+    environment = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES + SHELL_VARIABLES}
+    return {**environment, "PATH": os.pathsep.join(path), "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+
+
+def reader_command(language, code):
+    """(argv, standard input) of a block typed into an activated fresh shell, or into its `python`."""
+    if language == "sh":
+        return ["bash", "-c", ACTIVATE + code], ""
+    return ["bash", "-c", ACTIVATE + "exec python -"], code
 
 
 def reader_environment(code_dir, commands, extra=None):
-    """The environment of a reader at `code_dir`: CPU only, the stand-in commands first on PATH."""
+    """The environment of a launch of code at `code_dir`: CPU only, the given commands first on PATH."""
     environment = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
     environment.update(PATH=f"{commands}{os.pathsep}{environment.get('PATH', '')}", PYTHONPATH=str(code_dir),
                        CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     return {**environment, **(extra or {})}
 
 
+def test_activating_the_environment_gives_its_python_and_torchrun(tmp_path):
+    """After `. .venv/bin/activate` in a fresh shell, `python` and `torchrun` are the set-up's.
+
+    (The documents' blocks then run them for real; this says plainly when the set-up lacks one.)"""
+    venv = set_up_environment()
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    (checkout / ".venv").symlink_to(venv, target_is_directory=True)
+    script = ACTIVATE + 'command -v python torchrun\npython -c "import sys; print(sys.prefix)"\n'
+    result = subprocess.run(["bash", "-c", script], cwd=checkout, env=fresh_shell_environment(),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, f"`python` or `torchrun` is missing after activation:\n{result.stdout}{result.stderr}"
+    python, torchrun, prefix = result.stdout.split()
+    assert Path(python).parent == Path(torchrun).parent == venv / "bin"
+    assert Path(prefix) == venv
+
+
 @pytest.mark.parametrize("name", [path.name for path in DOCUMENTS if runnable_blocks(path)])
 @pytest.mark.slow
 def test_the_documented_commands_run(name, tmp_path):
     document = next(path for path in DOCUMENTS if path.name == name)
-    copy = repository_copy(tmp_path / "nnpd")
-    environment = reader_environment(copy, stand_ins(tmp_path / "bin"))
+    copy = reader_copy(tmp_path / "nnpd")
+    environment = fresh_shell_environment()
     for language, code in runnable_blocks(document):
-        command = ["bash", "-euo", "pipefail", "-c", code] if language == "sh" else [sys.executable, "-c", code]
-        result = subprocess.run(command, cwd=copy, env=environment, capture_output=True, text=True, timeout=TIMEOUT)
+        command, typed = reader_command(language, code)
+        result = subprocess.run(command, cwd=copy, env=environment, input=typed, capture_output=True, text=True,
+                                timeout=TIMEOUT)
         assert result.returncode == 0, f"{name}, block:\n{code}\n--- output:\n{result.stdout}\n{result.stderr}"
 
 

@@ -8,7 +8,13 @@ import pytest
 import torch
 
 import gaussian
-from gaussian import GaussianProblem, make_prior
+import networks
+import nre_analysis
+import nre_study
+import priors
+from gaussian import GaussianProblem
+from gaussian_study import GaussianExperiment
+from priors import make_prior
 from settings_training import base_settings
 from settings import SettingsError
 
@@ -132,7 +138,7 @@ def test_prior_errors_name_the_setting(prior, message):
 
 
 def test_check_settings_accepts_valid_and_names_each_bad_setting():
-    gaussian.check_settings(full_settings())  # the unused bad prior is not checked
+    GaussianExperiment(full_settings()).validate()  # the unused bad prior is not checked
     cases = [
         (("cohort", "priors"), ["uniform", "missing"], r"^cohort\.priors\[1\]: 'missing' is not defined in priors"),
         (("cohort", "priors"), [], r"^cohort\.priors: expected a non-empty list"),
@@ -151,7 +157,7 @@ def test_check_settings_accepts_valid_and_names_each_bad_setting():
         settings = full_settings()
         settings[section][key] = value
         with pytest.raises(SettingsError, match=message):
-            gaussian.check_settings(settings)
+            GaussianExperiment(settings).validate()
 
 
 # ---------------------------------------------------------------- prior normalisation
@@ -251,7 +257,7 @@ def test_sampler_moments_match_log_prob(family, override):
 
 # ---------------------------------------------------------------- log_prob support
 
-@pytest.mark.parametrize("family", gaussian.FAMILIES)
+@pytest.mark.parametrize("family", priors.FAMILIES)
 def test_log_prob_is_minus_inf_off_support(family):
     problem, prior = one_d(family)
     bad = torch.tensor([-0.1, 10.1, -1e300, float("nan"), float("inf"), -float("inf")], dtype=torch.float64)
@@ -325,7 +331,7 @@ def z_scores(problem, inputs):
 def test_balanced_pairs_joint_rows_consistent_product_rows_not():
     problem = GaussianProblem.from_settings(problem_settings(dimension=2, infer=["mean:*", "std:*"]))
     prior = make_prior(problem, {"family": "uniform"})
-    inputs, labels = gaussian.sample_pairs(problem, prior, 8000, torch.Generator().manual_seed(7))
+    inputs, labels = nre_study.sample_pairs(problem, prior, 8000, torch.Generator().manual_seed(7))
     assert inputs.shape == (8000, 6) and inputs.dtype == torch.float32
     assert labels.shape == (8000,) and labels.dtype == torch.float32
     assert labels.sum().item() == 4000 and set(labels.unique().tolist()) == {0.0, 1.0}
@@ -336,16 +342,16 @@ def test_balanced_pairs_joint_rows_consistent_product_rows_not():
     assert joint.abs().mean().item() == pytest.approx(math.sqrt(2 / math.pi), abs=0.03)
     assert product.abs().mean().item() > joint.abs().mean().item() + 0.5
     with pytest.raises(SettingsError, match="rows: expected a positive even"):
-        gaussian.sample_pairs(problem, prior, 7, torch.Generator())
+        nre_study.sample_pairs(problem, prior, 7, torch.Generator())
 
 
 def test_training_data_is_deterministic_and_splits_independent():
     problem = GaussianProblem.from_settings(problem_settings())
     prior = make_prior(problem, {"family": "normal"})
     sizes = {"train": 64, "validation": 64, "test": 64}
-    first = gaussian.sample_training_data(problem, prior, sizes, seed=11)
-    again = gaussian.sample_training_data(problem, prior, sizes, seed=11)
-    other = gaussian.sample_training_data(problem, prior, sizes, seed=12)
+    first = nre_study.sample_training_data(problem, prior, sizes, seed=11)
+    again = nre_study.sample_training_data(problem, prior, sizes, seed=11)
+    other = nre_study.sample_training_data(problem, prior, sizes, seed=12)
     assert sorted(first) == sorted(f"{s}_{k}" for s in ("train", "validation", "test")
                                    for k in ("inputs", "labels"))
     for key, array in first.items():
@@ -356,7 +362,7 @@ def test_training_data_is_deterministic_and_splits_independent():
     assert not np.array_equal(first["train_inputs"], first["validation_inputs"])
     assert not np.array_equal(first["validation_inputs"], first["test_inputs"])
     with pytest.raises(SettingsError, match=r"^data\.validation: expected a positive even"):
-        gaussian.sample_training_data(problem, prior, dict(sizes, validation=3), seed=1)
+        nre_study.sample_training_data(problem, prior, dict(sizes, validation=3), seed=1)
 
 
 def test_bayes_optimal_logit_normalises_over_an_exact_lattice_prior():
@@ -364,13 +370,13 @@ def test_bayes_optimal_logit_normalises_over_an_exact_lattice_prior():
     support = prior.support(0)
     x = torch.tensor([-2.0, 0.3, 5.0, 11.0], dtype=torch.float64)
     inputs = torch.cartesian_prod(x, support)  # every x against every lattice theta
-    logit = gaussian.bayes_optimal_logit(problem, prior, inputs).reshape(4, len(support))
+    logit = nre_analysis.bayes_optimal_logits(problem, prior, inputs).reshape(4, len(support))
     posterior = torch.exp(logit - math.log(len(support)))  # prior mass times ratio
     assert torch.allclose(posterior.sum(1), torch.ones(4, dtype=torch.float64), atol=1e-12)
     # Monte Carlo evidence (continuous prior): mean ratio over product pairs is about one.
     problem, prior = one_d("uniform")
-    inputs, labels = gaussian.sample_pairs(problem, prior, 2000, torch.Generator().manual_seed(8))
-    ratio = torch.exp(gaussian.bayes_optimal_logit(problem, prior, inputs[labels == 0], draws=4000))
+    inputs, labels = nre_study.sample_pairs(problem, prior, 2000, torch.Generator().manual_seed(8))
+    ratio = torch.exp(nre_analysis.bayes_optimal_logits(problem, prior, inputs[labels == 0], draws=4000))
     assert ratio.mean().item() == pytest.approx(1.0, abs=0.1)
 
 
@@ -412,20 +418,20 @@ def count(network):
 
 
 def test_network_shapes_and_parameter_counts():
-    mlp = gaussian.build_network(model(), 2)
+    mlp = networks.build_network(model(), 2)
     assert count(mlp) == (2 * 32 + 32) + (32 * 32 + 32) + (32 + 1)
     assert mlp(torch.randn(5, 2)).shape == (5,)
-    residual = gaussian.build_network(model(kind="residual", width=16, blocks=3), 3)
+    residual = networks.build_network(model(kind="residual", width=16, blocks=3), 3)
     assert count(residual) == (3 * 16 + 16) + 3 * 2 * (16 * 16 + 16) + (16 + 1)
     assert residual(torch.randn(4, 3)).shape == (4,)
-    assert count(gaussian.build_network(model(kind="residual", width=16, blocks=0), 3)) == 64 + 17
+    assert count(networks.build_network(model(kind="residual", width=16, blocks=0), 3)) == 64 + 17
     assert not any(isinstance(m, torch.nn.Dropout) for m in mlp.modules())
 
 
 @pytest.mark.parametrize("kind", ["mlp", "residual"])
 @pytest.mark.parametrize("name, module", [("relu", torch.nn.ReLU), ("tanh", torch.nn.Tanh), ("gelu", torch.nn.GELU)])
 def test_activations(kind, name, module):
-    network = gaussian.build_network(model(kind=kind, activation=name), 3)
+    network = networks.build_network(model(kind=kind, activation=name), 3)
     kinds = {type(m) for m in network.modules()}
     assert module in kinds and not ({torch.nn.ReLU, torch.nn.Tanh, torch.nn.GELU} - {module}) & kinds
 
@@ -433,7 +439,7 @@ def test_activations(kind, name, module):
 @pytest.mark.parametrize("kind", ["mlp", "residual"])
 def test_dropout_only_in_train_mode(kind):
     torch.manual_seed(9)
-    network = gaussian.build_network(model(kind=kind, dropout=0.5), 3)
+    network = networks.build_network(model(kind=kind, dropout=0.5), 3)
     inputs = torch.randn(16, 3)
     network.train()
     assert not torch.equal(network(inputs), network(inputs))
@@ -444,8 +450,8 @@ def test_dropout_only_in_train_mode(kind):
 def test_network_learns_the_ratio_on_tiny_data():
     problem, prior = one_d("uniform")
     torch.manual_seed(10)
-    inputs, labels = gaussian.sample_pairs(problem, prior, 1024, torch.Generator().manual_seed(10))
-    network = gaussian.build_network(model(hidden=[32, 32]), 2)
+    inputs, labels = nre_study.sample_pairs(problem, prior, 1024, torch.Generator().manual_seed(10))
+    network = networks.build_network(model(hidden=[32, 32]), 2)
     optimizer = torch.optim.Adam(network.parameters(), lr=1e-2)
     loss = torch.nn.functional.binary_cross_entropy_with_logits
     for _ in range(100):
@@ -453,9 +459,9 @@ def test_network_learns_the_ratio_on_tiny_data():
         loss(network(inputs), labels).backward()
         optimizer.step()
     network.eval()
-    held_out, held_labels = gaussian.sample_pairs(problem, prior, 1024, torch.Generator().manual_seed(11))
+    held_out, held_labels = nre_study.sample_pairs(problem, prior, 1024, torch.Generator().manual_seed(11))
     with torch.no_grad():
         learned = loss(network(held_out), held_labels).item()
-    optimal = loss(gaussian.bayes_optimal_logit(problem, prior, held_out, draws=2000).float(), held_labels).item()
+    optimal = loss(nre_analysis.bayes_optimal_logits(problem, prior, held_out, draws=2000).float(), held_labels).item()
     assert learned < math.log(2) - 0.1  # clearly better than chance
     assert learned < optimal + 0.05  # and close to the Bayes-optimal classifier

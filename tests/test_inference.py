@@ -499,3 +499,39 @@ def test_effective_sample_size():
     assert inf.effective_sample_size(torch.zeros(50)) == pytest.approx(50)
     assert inf.effective_sample_size(torch.tensor([0.0, -1e4, -1e4])) == pytest.approx(1.0)
     assert inf.effective_sample_size(torch.tensor([1e6, 1e6])) == pytest.approx(2.0)
+
+
+# ---------------------------------------------------------------- randomised (lattice) coverage
+
+def test_credibility_upper_adds_the_truths_ties():
+    # Masses ∝ e^s at scores 2, 1, 1, 0: the truth at score 1 ties two candidates.
+    scores = torch.tensor([[2.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
+    points = torch.arange(4, dtype=torch.float64)[:, None]
+    q = torch.softmax(scores[0], 0)
+    for truth, low, high in ((3.0, 0.0, 0.0), (2.0, 0.0, q[0]), (1.0, q[0], q[0] + q[1] + q[2]),
+                             (0.5, q[0] + q[1] + q[2], q[0] + q[1] + q[2]), (0.0, 1 - q[3], 1.0)):
+        s = inf.hld_summaries(scores, torch.zeros(4), points, torch.tensor([truth]), [0.5])
+        assert s["credibility"][0] == pytest.approx(float(low), abs=1e-15)
+        assert s["credibility_upper"][0] == pytest.approx(float(high), abs=1e-15)
+
+
+def test_randomised_inside_spreads_the_tie_uniformly():
+    low, high = np.array([0.1, 0.6, 0.2, 0.7, 0.5]), np.array([0.3, 0.9, 0.2, 0.7, 0.5])
+    inside = inf.randomised_inside(low, high, 0.68)
+    # Below the tie: inside; within it: (α − low) / tie; without a tie: low < α, as `covered`.
+    assert inside == pytest.approx([1.0, (0.68 - 0.6) / 0.3, 1.0, 0.0, 1.0])
+    assert inf.randomised_inside([0.68], [0.68], 0.68).tolist() == [0.0]
+
+
+def test_coverage_metrics_report_the_randomised_lattice_coverage():
+    s = hand_summaries()
+    truths = np.array([[0.5, 4.0], [3.0, 2.5]])
+    # Without credibility fields the lattice coverage is the joint coverage.
+    entry = inf.coverage_metrics(s, truths, [0.7], ["a", "b"])["0.7"]
+    assert entry["lattice"] == entry["joint"] and entry["lattice_interval"] == entry["interval"]
+    # Case 0 is covered with a tie over [0.5, 0.9]; case 1 is not, without a tie.
+    s["credibility"], s["credibility_upper"] = np.array([0.5, 0.8]), np.array([0.9, 0.8])
+    entry = inf.coverage_metrics(s, truths, [0.7], ["a", "b"])["0.7"]
+    assert entry["lattice"] == pytest.approx((0.7 - 0.5) / 0.4 / 2) and entry["joint"] == 0.5
+    assert entry["lattice_interval"] == pytest.approx(inf.wilson_interval(0.5, 2))
+    json.dumps(entry)

@@ -5,15 +5,18 @@ into a fresh virtual environment that sees the packages of the interpreter runni
 """
 import json
 import os
+import re
 import shutil
 import site
 import subprocess
 import sys
 import sysconfig
 import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from conftest import REPO
 from test_docs import repository_copy
@@ -133,3 +136,86 @@ def test_make_installs_torch_alone_from_the_given_index(tmp_path):
     assert f'pip install --index-url "{index}" "torch==' in torch_line
     assert all(index not in line for line in set_up_commands(f"TORCH_INDEX_URL={index}") if "torch==" not in line)
     assert all("--index-url" not in line for line in set_up_commands())
+
+
+# ---------------------------------------------------------------- which torch an install takes
+
+def supported_torch():
+    """(first, last) (major, minor) torch versions of the README's "Supported:" sentence."""
+    found = re.search(r"Supported:.*?torch (\d+)\.(\d+)\s+to\s+(\d+)\.(\d+)", (REPO / "README.md").read_text(), re.S)
+    assert found, 'README.md no longer says "Supported: ... torch A.B to C.D"'
+    major, minor, last_major, last_minor = map(int, found.groups())
+    return (major, minor), (last_major, last_minor)
+
+
+def declared(name):
+    """The requirement on `name` among pyproject.toml's run-time dependencies."""
+    dependencies = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    return next(requirement for requirement in map(Requirement, dependencies) if requirement.name == name)
+
+
+def test_the_declared_torch_is_the_supported_range():
+    (major, minor), (last_major, last_minor) = supported_torch()
+    specifier = declared("torch").specifier
+    pinned = re.search(r"^TORCH\s*\?=\s*torch==(\S+)", (REPO / "Makefile").read_text(), re.M)
+    supported = [f"{major}.{minor}.0", f"{last_major}.{last_minor}.0", f"{last_major}.{last_minor}.9", pinned[1]]
+    unsupported = [f"{major}.{minor - 1}.9" if minor else f"{major - 1}.99.9", f"{last_major}.{last_minor + 1}.0rc1",
+                   f"{last_major}.{last_minor + 1}.0", f"{last_major}.{last_minor + 1}.1", f"{last_major + 1}.0.0"]
+    assert [version for version in supported if not specifier.contains(version)] == [], specifier
+    assert [version for version in unsupported if specifier.contains(version, prereleases=True)] == [], specifier
+
+
+def fake_wheel(folder, name, version):
+    """An empty pure-Python wheel of `name` `version`: enough for pip to resolve with."""
+    info = f"{name}-{version}.dist-info"
+    with zipfile.ZipFile(folder / f"{name}-{version}-py3-none-any.whl", "w") as wheel:
+        wheel.writestr(f"{name}/__init__.py", "")
+        wheel.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+        wheel.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: nnpd-tests\nRoot-Is-Purelib: true\n"
+                                        "Tag: py3-none-any\n")
+        wheel.writestr(f"{info}/RECORD", "")
+
+
+def test_pip_install_picks_the_newest_supported_torch(tmp_path):
+    """`pip install .` offered torch on both sides of the README's range (offline: empty stand-in
+    wheels on a local index) resolves to the newest supported one, never a newer release."""
+    (major, minor), (last_major, last_minor) = supported_torch()
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    newest_supported = f"{last_major}.{last_minor}.1"
+    for version in (f"{major}.{minor - 1}.1" if minor else f"{major - 1}.9.1", f"{major}.{minor}.0",
+                    newest_supported, f"{last_major}.{last_minor + 1}.1", f"{last_major + 1}.0.0"):
+        fake_wheel(wheels, "torch", version)
+    for version in ("1.23.5", "2.4.0"):
+        fake_wheel(wheels, "numpy", version)
+    copy = repository_copy(tmp_path / "nnpd-copy")
+    report = tmp_path / "report.json"
+    result = subprocess.run([sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--no-index",
+                             "--find-links", str(wheels), "--no-build-isolation", "--quiet", "--report", str(report),
+                             str(copy)], capture_output=True, text=True, env=clean_environment(), cwd=tmp_path,
+                            timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    chosen = {item["metadata"]["name"]: item["metadata"]["version"] for item in json.loads(report.read_text())["install"]}
+    assert chosen["torch"] == newest_supported, chosen
+    assert chosen["numpy"] == "2.4.0", chosen
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_gives_the_environment_a_torchrun_when_torch_is_installed_outside_it(tmp_path):
+    """A venv reusing the system's torch has no torchrun of its own: the set-up writes one that runs
+    torch.distributed.run with the venv's python, so activation puts a working torchrun on PATH."""
+    printed = subprocess.run(["make", "-n", "-B", f"{tmp_path}/.ready", f"VENV={tmp_path}"], cwd=REPO,
+                             capture_output=True, text=True, check=True).stdout
+    step = next(line for line in re.sub(r"\\\n\s*", " ", printed).splitlines() if "torch.distributed.run" in line)
+    (tmp_path / "bin").mkdir()
+    python = tmp_path / "bin" / "python"                 # the venv's python, here saying what it was asked to run
+    python.write_text('#!/bin/sh\necho "$0" "$@"\n')
+    python.chmod(0o755)
+    subprocess.run(["bash", "-euc", step], cwd=REPO, check=True, timeout=60)
+    torchrun = tmp_path / "bin" / "torchrun"
+    result = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node=2", "nnpd.py", "run"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.stdout == f"{python} -m torch.distributed.run --standalone --nproc_per_node=2 nnpd.py run\n", result
+    torchrun.write_text("#!/bin/sh\n# torch's own\n")
+    subprocess.run(["bash", "-euc", step], cwd=REPO, check=True, timeout=60)
+    assert torchrun.read_text() == "#!/bin/sh\n# torch's own\n"     # an existing torchrun is left alone

@@ -7,8 +7,12 @@ import pytest
 from conftest import REPO
 
 MODULES = {path.stem: path for path in REPO.glob("*.py") if path.stem != "setup"}
-STUDY = {"gaussian", "gaussian_study", "gaussian_figures"}          # the bundled study's own modules
+STUDY = {"gaussian", "gaussian_study"}          # the bundled study's own modules
 MAY_IMPORT_THE_STUDY = STUDY | {"settings_training", "settings_analysis"}
+# The study kit, written on the framework; studies are written on it.
+KIT = {"nre_study", "nre_analysis", "nre_figures", "priors", "networks", "posterior"}
+FRAMEWORK = {"nnpd", "jobs", "runs", "store", "runtime", "trainer", "study", "settings", "results", "timings",
+             "probes", "launcher", "inference", "infer"}
 MAX_FUNCTION_LINES = 45
 
 
@@ -56,6 +60,20 @@ def test_only_the_study_and_the_settings_files_import_the_bundled_study():
     importers = {name for name, imports in GRAPH.items() if imports & STUDY}
     assert importers <= MAY_IMPORT_THE_STUDY, importers - MAY_IMPORT_THE_STUDY
     assert "gaussian" in GRAPH["gaussian_study"] and {"runs", "jobs"} <= GRAPH["nnpd"]   # the scan sees imports
+
+
+def test_the_framework_knows_no_study():
+    assert FRAMEWORK <= set(MODULES) and KIT <= set(MODULES)
+    for name in sorted(FRAMEWORK):
+        assert not GRAPH[name] & (STUDY | KIT), (name, GRAPH[name] & (STUDY | KIT))
+        assert "gaussian" not in MODULES[name].read_text().lower(), name     # nor names one
+    assert not any(GRAPH[name] & STUDY for name in KIT)                         # the kit knows no study either
+    examples = {path.stem for path in REPO.glob("examples/**/*.py")} - {"settings_training", "settings_analysis"}
+    for name in sorted(FRAMEWORK | KIT):
+        tree = ast.parse(MODULES[name].read_text())
+        names = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+        names |= {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+        assert examples and not names & examples, (name, names & examples)
 
 
 def test_the_scan_counts_imports_inside_functions(tmp_path):

@@ -60,7 +60,10 @@ def check_metrics_of_a_tiny_run(run):
     """Every metric of the smoke analysis is there, with sane values."""
     metrics = json.loads((run / "metrics.json").read_text())
     assert set(metrics) == {"classification", "bias", "coverage", "width", "resolution", "posterior",
-                            "exact_reference", "pairwise", "reweighting", "normalization"}
+                            "exact_reference", "expected_coverage", "pairwise", "reweighting", "normalization"}
+    curve = metrics["expected_coverage"]
+    assert len(curve["levels"]) == 99 and set(curve) == {"levels", "cases", "ratio", "posterior", "exact"}
+    assert curve["exact"]["coverage"][67] == metrics["exact_reference"]["coverage"]["0.68"]["joint"]
     exact = metrics["normalization"]["exact"]      # a Monte Carlo mean of 32 ratios: within 4 standard errors
     assert abs(exact["mean_ratio"] - 1.0) <= 4 * exact["standard_error"]
     weighted = metrics["reweighting"]["sliced_wasserstein"]

@@ -50,6 +50,44 @@ def test_report_writes_one_csv_row_per_run_with_the_swept_value(swept_root):
     assert all(0 <= float(row["coverage.0.68.joint"]) <= 1 and row["coverage.0.68.interval.0"] for row in rows)
 
 
+def test_csv_rows_carry_every_swept_knobs_value_the_replica_and_the_training(swept_root):
+    tmp, settings, _ = swept_root
+    result = run_cli("report", "--settings-dir", str(settings), "--csv", str(tmp / "fair.csv"))
+    assert result.returncode == 0, result.stderr
+    with open(tmp / "fair.csv", newline="") as handle:
+        reader = csv.DictReader(handle)
+        rows = list(reader)
+    columns = reader.fieldnames
+    assert columns[:10] == ["run", "configuration", "prior", "member", "replica", "knob", "value",
+                            "training.learning_rate", "selected_epoch", "final_validation_loss"]
+    for row in rows:
+        baseline = row["knob"] == "baseline"
+        assert row["training.learning_rate"] == ("0.001" if baseline else "0.003")   # the baseline's value too
+        assert row["replica"] == "0" and row["member"] == f"{row['prior']}-r0"
+        run = tmp / "out" / row["run"]
+        assert int(row["selected_epoch"]) == json.loads((run / "status.json").read_text())["selected_epoch"]
+        model = json.loads((run / "artifacts.json").read_text())["model"]
+        history = json.loads((tmp / "out" / model / "history.json").read_text())
+        assert float(row["final_validation_loss"]) == pytest.approx(history["validation"][-1]["bce"], rel=1e-12)
+
+
+def test_the_swept_comparison_labels_every_panel_line_and_marker(swept_root):
+    pytest.importorskip("matplotlib")
+    from nre_analysis import NREAnalysis
+    tmp, _, _ = swept_root
+    figure = results.comparison_figure(results.read_runs(tmp / "out"), NREAnalysis.FIGURE_METRICS, "the title")
+    assert figure.get_suptitle() == "the title"
+    knob = "training.learning_rate"
+    for axis, (title, _) in zip(figure.axes, NREAnalysis.FIGURE_METRICS, strict=True):
+        assert axis.get_title() == f"{title} against {knob}"
+        assert axis.get_xlabel() == knob and axis.get_ylabel() == title
+        assert [label.get_text() for label in axis.get_xticklabels()] == ["0.001", "0.003"]
+    legend = [text.get_text() for text in figure.axes[-1].get_legend().get_texts()]
+    members = [f"{prior}-r0" for prior in ("exponential", "grid", "normal", "uniform")]
+    assert legend[:4] == members
+    assert sorted(legend[4:]) == ["bars: 95% Wilson interval", f"baseline: {knob} = 0.001", "nominal level 0.68"]
+
+
 def test_report_plot_draws_the_comparison_or_says_it_is_skipped(swept_root):
     tmp, settings, _ = swept_root
     result = run_cli("report", "--settings-dir", str(settings), "--plot")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import gaussian
-import gaussian_study
+import nre_analysis
 import inference as inf
 import settings_analysis
 import settings_training
@@ -44,13 +44,13 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
     if candidates["kind"] == "adaptive":
         box = inf.support_box(problem.low, problem.high, [None] * p)
         sizes = inf.adaptive_sizes(p, candidates, 1)
-        gaussian_study.summarise_adaptive(writer, ["exact"], case_scores, truths, (points, log_measure), box,
+        nre_analysis.summarise_adaptive(writer, ["exact"], case_scores, truths, (points, log_measure), box,
                                           LEVELS, retain, sizes, seed)
     else:
-        gaussian_study.summarise_cases(
+        nre_analysis.summarise_cases(
             writer, ["exact"], lambda i: case_scores(i, torch.cat([points, truths[i:i + 1]])), truths, points,
             log_measure, LEVELS, retain)
-    return {field: np.load(tmp_path / name / f"exact_{field}.npy") for field in gaussian_study.SUMMARY_FIELDS}
+    return {field: np.load(tmp_path / name / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}
 
 
 @pytest.fixture

@@ -48,7 +48,7 @@ def test_load_class_names_the_setting_and_checks_the_contract():
     with pytest.raises(SettingsError, match="analysis: module 'study' has no class 'Nope'"):
         study.load_class("study:Nope", "analysis")
     with pytest.raises(SettingsError, match="experiment: 'study:Product' is not an nnpd experiment class"):
-        study.load_class("study:Product", "experiment")
+        study.check_members(study.load_class("study:Product", "experiment")(None, None), "study:Product", "experiment")
     with pytest.raises(SettingsError, match="standard-library module"):
         study.load_class("subprocess:Popen", "experiment")
 

@@ -4,6 +4,9 @@ import torch
 
 import gaussian
 import inference
+import nre_analysis
+import nre_study
+import priors
 from settings_training import make_settings
 
 
@@ -11,9 +14,9 @@ from settings_training import make_settings
 def test_exact_ratio_reweights_product_pairs_onto_joint_pairs(family):
     settings = make_settings("smoke")
     problem = gaussian.GaussianProblem.from_settings(settings["problem"])
-    prior = gaussian.make_prior(problem, settings["priors"][family])
-    inputs, labels = gaussian.sample_pairs(problem, prior, 4000, torch.Generator().manual_seed(1))
-    log_ratio = gaussian.bayes_optimal_logit(problem, prior, inputs.double(), seed=2)
+    prior = priors.make_prior(problem, settings["priors"][family])
+    inputs, labels = nre_study.sample_pairs(problem, prior, 4000, torch.Generator().manual_seed(1))
+    log_ratio = nre_analysis.bayes_optimal_logits(problem, prior, inputs.double(), seed=2)
     joint, product, weights = inputs[labels == 1], inputs[labels == 0], log_ratio[labels == 0]
     unweighted = inference.sliced_wasserstein(joint, product, None)
     reweighted = inference.sliced_wasserstein(joint, product, weights)

@@ -130,6 +130,9 @@ def test_training_settings_validation():
         ({"balance_weight": math.nan}, "training.balance_weight"),
         ({"balance_weight": "100"}, "training.balance_weight"),
         ({"balance_weight": True}, "training.balance_weight"),
+        ({"selection": "balanced"}, "training.selection"),
+        ({"selection": None}, "training.selection"),
+        ({"selection": ["bce"]}, "training.selection"),
     ]:
         with pytest.raises(SettingsError, match=key):
             trainer.check_training_settings(given)
@@ -362,6 +365,116 @@ def test_balanced_with_zero_weight_trains_exactly_like_bce():
     weighted, _ = _train({"epochs": 2, "learning_rate": 0.05, "objective": "balanced", "balance_weight": 10.0})
     assert all(torch.equal(plain[k], zero[k]) for k in plain) and plain_history == zero_history
     assert any(not torch.allclose(plain[k], weighted[k]) for k in plain)
+
+
+# ---------------------------------------------------------------- selection of the kept epoch
+
+
+def test_selection_setting_is_validated_in_one_line_naming_the_fix():
+    assert trainer.check_training_settings({"selection": "objective"})["selection"] == "objective"
+    assert trainer.check_training_settings({})["selection"] == "bce"
+    with pytest.raises(SettingsError) as refused:
+        trainer.check_training_settings({"selection": "loss"})
+    message = str(refused.value)
+    assert message.startswith("training.selection: 'loss' is not valid;") and "\n" not in message
+    assert '"bce"' in message and '"objective"' in message
+
+
+def test_the_validation_objective_and_balance_are_recorded_per_epoch():
+    data = _data()
+    weights, history = _train({"epochs": 3, "learning_rate": 0.05, "objective": "balanced", "balance_weight": 10.0,
+                               "checkpoint": "last"}, data=data)
+    assert history["selection"] == "bce"
+    assert len(history["validation_objective"]) == len(history["validation_balance"]) == 3
+    for metrics, objective, balance in zip(history["validation"], history["validation_objective"],
+                                           history["validation_balance"]):
+        assert set(metrics) == {"bce", "accuracy", "auc"}
+        assert objective == metrics["bce"] + 10.0 * balance**2
+    # The last epoch's record is the formula on the whole validation set, for the kept (last) weights.
+    model = _model()
+    model.load_state_dict(weights)
+    with torch.no_grad():
+        logits = model(data["validation_inputs"])
+    labels = data["validation_labels"]
+    want = _balanced_formula(logits.double(), labels.double(), 10.0).item()
+    assert history["validation_objective"][-1] == pytest.approx(want, rel=1e-5)
+    p = torch.sigmoid(logits.double())
+    assert history["validation_balance"][-1] == pytest.approx((p[labels > 0.5].mean() + p[labels < 0.5].mean() - 1).item(),
+                                                              abs=1e-6)
+    # Under the BCE objective the validation objective is the validation BCE.
+    _, plain = _train({"epochs": 2, "learning_rate": 0.05})
+    assert plain["validation_objective"] == [v["bce"] for v in plain["validation"]]
+
+
+def test_selection_objective_keeps_the_epoch_of_the_lowest_validation_objective():
+    # A high learning rate with a weighted balance term: here validation BCE falls to the last
+    # epoch while the validation objective is lowest at epoch 4, so the two criteria disagree.
+    settings = {"epochs": 6, "learning_rate": 0.2, "batch_size": 16, "objective": "balanced", "balance_weight": 10.0}
+    data = _data()
+    by_objective, h_objective = _train({**settings, "selection": "objective"}, data=data)
+    by_bce, h_bce = _train({**settings, "selection": "bce"}, data=data)
+    assert h_objective["train_loss"] == h_bce["train_loss"]          # the same run, another keep
+    assert h_objective["validation_objective"] == h_bce["validation_objective"]
+    objectives, bces = h_objective["validation_objective"], [v["bce"] for v in h_objective["validation"]]
+    assert h_objective["selected_epoch"] == objectives.index(min(objectives)) + 1
+    assert h_bce["selected_epoch"] == bces.index(min(bces)) + 1
+    assert h_objective["selected_epoch"] != h_bce["selected_epoch"]   # the constructed disagreement
+    assert (h_objective["selection"], h_bce["selection"]) == ("objective", "bce")
+    # The kept weights are those of that epoch: they reproduce its validation objective.
+    model = _model()
+    model.load_state_dict(by_objective)
+    with torch.no_grad():
+        logits = model(data["validation_inputs"]).double()
+    again = _balanced_formula(logits, data["validation_labels"].double(), 10.0).item()
+    assert again == pytest.approx(min(objectives), rel=1e-5)
+    assert any(not torch.equal(by_objective[k], by_bce[k]) for k in by_bce)
+
+
+def test_a_resumed_objective_selection_keeps_the_same_epoch_and_weights():
+    # Resumed after epoch 4 (the objective's best in this run), epochs 5 and 6 must not displace it.
+    import io
+
+    settings = {"epochs": 6, "learning_rate": 0.2, "batch_size": 16, "objective": "balanced", "balance_weight": 10.0,
+                "selection": "objective"}
+    states = []
+
+    def keep(state):
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        states.append(buffer.getvalue())
+
+    saving = trainer.TrainingHooks(save_state=keep, save_seconds=math.inf)   # at epoch ends only
+    reference = trainer.train(_model(), _data(), settings, CPU, 0, hooks=saving)
+    assert reference[1]["selected_epoch"] == 4 and len(states) == 6
+    resumes = []
+    resumed = trainer.train(_model(), _data(), settings, CPU, 0, hooks=trainer.TrainingHooks(
+        load_state=lambda: torch.load(io.BytesIO(states[3]), weights_only=True),
+        on_resume=lambda epoch, batch: resumes.append((epoch, batch))))
+    assert resumes == [(4, 19)]                   # 300 rows in batches of 16: 19 per epoch
+    assert resumed[1] == reference[1]
+    assert all(torch.equal(resumed[0][k], reference[0][k]) for k in reference[0])
+
+
+def test_the_model_key_differs_between_selections_and_an_absent_selection_keeps_it(tmp_path):
+    import jobs
+    import nnpd
+    from conftest import write_settings
+    from store import digest
+
+    def model_keys(patch):
+        directory = write_settings(tmp_path / f"s{len(seen)}", tmp_path / "out", training=patch)
+        plan = nnpd.make_plan(nnpd.load("smoke", directory))
+        assert not plan.errors
+        recipes = [jobs.model_recipe(job, "data-key", {"backend": "cpu"}) for job in plan.jobs]
+        seen.append(recipes)
+        return [digest({"name": "model", "recipe": recipe}) for recipe in recipes]
+
+    seen = []
+    absent = model_keys('settings["training"].pop("selection", None)\n')
+    bce = model_keys('settings["training"]["selection"] = "bce"\n')
+    objective = model_keys('settings["training"]["selection"] = "objective"\n')
+    assert all("selection" not in recipe["experiment"]["training"] for recipe in seen[0])
+    assert len(set(objective)) == len(objective) and not set(objective) & (set(bce) | set(absent))
 
 
 # ---------------------------------------------------------------- CUDA (skipped without a GPU)

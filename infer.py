@@ -1,0 +1,102 @@
+"""`python nnpd.py infer RUN --observations FILE.npy`: a trained model's posterior for your observation.
+
+Writes, beside the observations file (or into `--output`), `<stem>-<member>.posterior.json`
+(mode, mean, sd, HPD bounds per level, effective sample size), `<stem>-<member>.samples.npy`
+and with `--plot` `<stem>-<member>.corner.png`. The observations are one observation (d,)
+or an ensemble of m observations (m, d) of the same parameters; `--truth FILE.npy` (p,)
+marks known parameters on the corner plot. A bad file or shape changes nothing on disk.
+"""
+import io
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from store import restore, write_bytes_atomic
+
+DEFAULT_SAMPLES = 1000
+
+
+class InferError(ValueError):
+    """Input the infer command cannot use: the message names the file and what is expected."""
+
+
+def add_arguments(parser):
+    """The infer command's arguments, beside the command line's own."""
+    parser.add_argument("run", nargs="?", help="infer: the run folder (outputs/<profile>/runs/<configuration>/<member>)")
+    parser.add_argument("--observations", metavar="FILE.npy", help="infer: the observation (d,) or ensemble (m, d)")
+    parser.add_argument("--truth", metavar="FILE.npy", help="infer: known parameters (p,) to mark on the corner plot")
+    parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="infer: posterior samples to draw")
+    parser.add_argument("--output", metavar="DIR", help="infer: where to write (default: beside the observations)")
+
+
+def read_array(path, what):
+    """A numeric array from a .npy file, or an InferError naming the file."""
+    try:
+        array = np.load(Path(path), allow_pickle=False)
+    except (OSError, ValueError, EOFError) as error:
+        raise InferError(f"{what} {path}: not a readable .npy file of numbers ({error}); save one with numpy.save")
+    if not np.issubdtype(array.dtype, np.number):
+        raise InferError(f"{what} {path}: holds {array.dtype}, not numbers")
+    return array
+
+
+def command(arguments):
+    """The infer command: its files, or one line saying what is wrong with the input (exit status 2)."""
+    try:
+        print("\n".join(f"written: {path}" for path in infer(arguments)))
+    except InferError as error:
+        print(f"nnpd: error: {' '.join(str(error).split())}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def infer(arguments):
+    """Compute the posterior and write its files; returns the paths written."""
+    if not arguments.run or not arguments.observations:
+        raise InferError("infer needs a run folder and --observations FILE.npy")
+    if arguments.samples < 1:
+        raise InferError(f"--samples {arguments.samples}: draw at least one sample")
+    observations = read_array(arguments.observations, "--observations")
+    truth = read_array(arguments.truth, "--truth") if arguments.truth else None
+    try:
+        restored = restore(arguments.run)
+    except (OSError, ValueError) as error:
+        raise InferError(f"{arguments.run}: {error}") from None
+    try:
+        posterior = restored.posterior(observations)
+        if truth is not None and truth.shape != (len(posterior.names),):
+            raise InferError(f"--truth {arguments.truth}: shape {truth.shape}, expected ({len(posterior.names)},) "
+                             f"for {', '.join(posterior.names)}")
+        samples = posterior.sample(arguments.samples, seed=0).numpy()
+    except (ValueError, TypeError) as error:
+        raise InferError(str(error)) from None
+    figure = corner_png(posterior, samples, truth) if arguments.plot else None
+    folder = Path(arguments.output) if arguments.output else Path(arguments.observations).parent
+    stem = f"{Path(arguments.observations).stem}-{restored.member.get('name', 'run')}"
+    summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),
+               "shape": list(observations.shape), "samples": int(arguments.samples), **posterior.summary()}
+    written = [folder / f"{stem}.posterior.json", folder / f"{stem}.samples.npy"]
+    write_bytes_atomic(written[0], (json.dumps(summary, indent=2) + "\n").encode())
+    buffer = io.BytesIO()
+    np.save(buffer, samples)
+    write_bytes_atomic(written[1], buffer.getvalue())
+    if figure is not None:
+        written.append(folder / f"{stem}.corner.png")
+        write_bytes_atomic(written[-1], figure)
+    return written
+
+
+def corner_png(posterior, samples, truth):
+    """The corner plot as PNG bytes (needs matplotlib)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise InferError("--plot needs matplotlib (pip install matplotlib)") from None
+    size = max(5.0, 2.5 * len(posterior.names) + 1.5)
+    figure = Figure(figsize=(size, size), layout="constrained")
+    posterior.draw_corner(figure, samples, truth)
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", dpi=120)
+    return buffer.getvalue()

@@ -1,0 +1,130 @@
+"""The bundled ratio-estimator networks: an MLP or a residual net returning one logit per row,
+optionally behind input standardisation.
+
+With `model.standardize` on, the network sees (input − shift) / scale, where shift and scale
+are the means and standard deviations of the training inputs, fitted once before training
+(`fit_standardization`) and kept as buffers in the state dict: every later evaluation, and
+`restore`, applies the same transform.
+"""
+import torch
+
+from settings import SettingsError, integer, known_keys, number, one_of, require
+
+MODEL_KEYS = ("kind", "hidden", "activation", "dropout", "width", "blocks", "standardize")
+ACTIVATIONS = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "gelu": torch.nn.GELU}
+MAX_WIDTH = 1 << 16
+class MLP(torch.nn.Module):
+    """Linear+activation per hidden width (optional dropout), then a Linear to one logit."""
+
+    def __init__(self, input_size, hidden, activation, dropout):
+        """Stack the layers."""
+        super().__init__()
+        layers, width = [], input_size
+        for size in hidden:
+            layers += [torch.nn.Linear(width, size), ACTIVATIONS[activation]()]
+            if dropout > 0:
+                layers.append(torch.nn.Dropout(dropout))
+            width = size
+        layers.append(torch.nn.Linear(width, 1))
+        self.layers = torch.nn.Sequential(*layers)
+
+    def forward(self, inputs):
+        """One logit per row, shape (rows,)."""
+        return self.layers(inputs).squeeze(-1)
+
+
+class ResidualBlock(torch.nn.Module):
+    """act(h + Linear(dropout(act(Linear(h)))))."""
+
+    def __init__(self, width, activation, dropout):
+        """Two width-preserving Linear layers around an activation and dropout."""
+        super().__init__()
+        self.inner = torch.nn.Linear(width, width)
+        self.outer = torch.nn.Linear(width, width)
+        self.activation = ACTIVATIONS[activation]()
+        self.dropout = torch.nn.Dropout(dropout)
+
+    def forward(self, h):
+        """Apply the block."""
+        return self.activation(h + self.outer(self.dropout(self.activation(self.inner(h)))))
+
+
+class ResidualNet(torch.nn.Module):
+    """Input Linear to width (+activation), residual blocks, final Linear to one logit."""
+
+    def __init__(self, input_size, width, blocks, activation, dropout):
+        """Stack the input layer, blocks and output layer."""
+        super().__init__()
+        self.input = torch.nn.Sequential(torch.nn.Linear(input_size, width), ACTIVATIONS[activation]())
+        self.blocks = torch.nn.Sequential(*[ResidualBlock(width, activation, dropout) for _ in range(blocks)])
+        self.output = torch.nn.Linear(width, 1)
+
+    def forward(self, inputs):
+        """One logit per row, shape (rows,)."""
+        return self.output(self.blocks(self.input(inputs))).squeeze(-1)
+
+
+def check_model_settings(model, path="model"):
+    """Validate the model section (the input size is derived, never configured)."""
+    if not isinstance(model, dict):
+        raise SettingsError(f"{path}: expected a dict, got {type(model).__name__}")
+    if "input_size" in model:
+        raise SettingsError(f"{path}.input_size: the input size is derived (d + p); remove this key")
+    known_keys(model, MODEL_KEYS, path)
+    kind = one_of(require(model, "kind", path), ("mlp", "residual"), f"{path}.kind")
+    if not isinstance(model.get("standardize", False), bool):
+        raise SettingsError(f"{path}.standardize: expected True or False, got {model['standardize']!r}")
+    one_of(require(model, "activation", path), tuple(ACTIVATIONS), f"{path}.activation")
+    if not 0.0 <= number(model.get("dropout", 0.0), f"{path}.dropout", 0.0, 1.0) < 1.0:
+        raise SettingsError(f"{path}.dropout: must be in [0, 1), got {model['dropout']}")
+    if kind == "mlp":
+        hidden = require(model, "hidden", path)
+        if not isinstance(hidden, (list, tuple)) or len(hidden) > 100:
+            raise SettingsError(f"{path}.hidden: expected a list of up to 100 layer widths such as [32, 32]")
+        for i, size in enumerate(hidden):
+            integer(size, f"{path}.hidden[{i}]", 1, MAX_WIDTH)
+    else:
+        integer(require(model, "width", path), f"{path}.width", 1, MAX_WIDTH)
+        integer(require(model, "blocks", path), f"{path}.blocks", 0, 1000)
+
+
+def build_network(model_settings, input_size, standardize=True):
+    """The classifier for inputs of width input_size (= d + p); `standardize` is the default of model.standardize."""
+    check_model_settings(model_settings)
+    dropout = float(model_settings.get("dropout", 0.0))
+    activation = model_settings["activation"]
+    if model_settings["kind"] == "mlp":
+        network = MLP(input_size, list(model_settings["hidden"]), activation, dropout)
+    else:
+        network = ResidualNet(input_size, model_settings["width"], model_settings["blocks"], activation, dropout)
+    return Standardized(network, input_size) if model_settings.get("standardize", standardize) else network
+
+
+class Standardized(torch.nn.Module):
+    """A network applied to standardised inputs; the shift and scale are buffers saved with the weights."""
+
+    def __init__(self, network, input_size):
+        """Wrap `network`; the transform is the identity until fitted."""
+        super().__init__()
+        self.network = network
+        self.register_buffer("shift", torch.zeros(input_size))
+        self.register_buffer("scale", torch.ones(input_size))
+
+    def forward(self, inputs):
+        """The network's logits of (inputs − shift) / scale."""
+        return self.network((inputs - self.shift) / self.scale)
+
+
+# Columns whose spread is below this are constant: they are shifted but not divided by ~0.
+MIN_SCALE = 1e-12
+
+
+def fit_standardization(model, inputs):
+    """Set a Standardized model's shift and scale from the training inputs (rows, features); others are left alone."""
+    if not isinstance(model, Standardized):
+        return
+    inputs = torch.as_tensor(inputs, dtype=torch.float64)
+    scale = inputs.std(0) if inputs.shape[0] > 1 else torch.ones(inputs.shape[1], dtype=torch.float64)
+    with torch.no_grad():
+        model.shift.copy_(inputs.mean(0))
+        model.scale.copy_(torch.where(scale > MIN_SCALE, scale, torch.ones_like(scale)))

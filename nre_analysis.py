@@ -1,0 +1,743 @@
+"""The study kit's analysis: every product, metric and figure of a neural ratio estimator's study.
+
+`NREAnalysis` works for any experiment whose `problem()` gives the parameters' `names`,
+`low`, `high` and `grid_step`, the observation `dimension`, a batched `simulate(theta,
+generator)` and, when the exact target or the likelihood metrics are selected,
+`log_likelihood(x, theta)`; and whose `prior(member)` gives `sample`, `log_prob` and
+`lattice_steps`. Studies written on `nre_study.Study` have all of these.
+
+Products: truths shared by every prior, ensembles of observations at each truth, the
+candidate design (adaptive, Sobol or a grid), the learned and exact highest-density (HPD)
+summaries of every case, the test split's predictions and Bayes-optimal references.
+Metrics: classification, bias, coverage, width, resolution, posterior, exact_reference,
+expected_coverage, pairwise, reweighting, normalization (docs/results.md says what each holds).
+"""
+import math
+import statistics
+
+import numpy as np
+import torch
+
+import inference
+import nre_figures
+import priors
+import runtime
+import trainer
+from study import Analysis, Figure, Metric, Product, check_selection
+from settings import SettingsError, integer, is_number, name_list, one_of
+
+TARGETS = ("ratio", "posterior", "exact")
+SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer", "region_ess",
+                  "edge_mass", "disagreement", "credibility", "credibility_upper")
+# Credibility levels of the expected-coverage curve: 0.01, 0.02, ..., 0.99.
+CREDIBILITY_LEVELS = tuple(round(0.01 * k, 2) for k in range(1, 100))
+LIKELIHOOD_METRICS = ("exact_reference", "pairwise", "reweighting", "normalization")
+
+
+INFERENCE_SCHEMA = {
+    "truths": {"kind": ("grid", "sobol", "size_adaptive"), "truth_points_per_axis": int, "sobol_truths": int,
+               "max_grid_truths": int, "truth_margin_fraction": float, "align_truths_to_grid": bool,
+               "repeats": int},
+    "candidates": {"kind": inference.CANDIDATE_KINDS, "candidate_count": int, "candidate_points_per_axis": int,
+                   "native_grid_prior": bool, "max_enumerated": int, "coarse_count": int, "refinement_stages": int},
+    "observations": int, "chunk_rows": int, "diagnostic_cases": int, "retain": ("diagnostic", "full"),
+    "targets": list, "levels": list,
+}
+
+
+# Counts beyond a billion (points, cases, rows) are surely typos.
+MAX_COUNT = 10**9
+
+
+def check_value(value, rule, path):
+    """Check one setting against its rule: a type, a tuple of allowed values or a sub-schema."""
+    if isinstance(rule, dict):
+        if not isinstance(value, dict):
+            raise SettingsError(f"{path}: expected a dict with keys {', '.join(rule)}")
+        unknown = sorted(set(value) - set(rule))
+        missing = sorted(set(rule) - set(value))
+        if unknown or missing:
+            raise SettingsError(f"{path}: unknown keys {unknown} / missing keys {missing}; expected {', '.join(rule)}")
+        for key, sub_rule in rule.items():
+            check_value(value[key], sub_rule, f"{path}.{key}")
+    elif isinstance(rule, tuple):
+        one_of(value, rule, path)
+    elif rule is int:
+        integer(value, path, 0, MAX_COUNT)
+    elif rule is float:
+        if not is_number(value) or not 0 <= value < 0.5:
+            raise SettingsError(f"{path}: expected a number in [0, 0.5), got {value!r}")
+    elif not isinstance(value, rule):
+        raise SettingsError(f"{path}: expected a {rule.__name__}, got {value!r}")
+
+
+def check_inference_settings(settings):
+    """Validate the `inference` section of the analysis settings."""
+    check_value(settings, INFERENCE_SCHEMA, "inference")
+    for key in ("observations", "chunk_rows"):
+        if settings[key] < 1:
+            raise SettingsError(f"inference.{key}: must be at least 1")
+    for key in ("candidate_count", "coarse_count", "refinement_stages"):
+        if settings["candidates"][key] < 1:
+            raise SettingsError(f"inference.candidates.{key}: must be at least 1")
+    targets = name_list(settings["targets"], "inference.targets", allow_empty=False)
+    if not set(targets) <= set(TARGETS):
+        raise SettingsError(f"inference.targets: a non-empty list of distinct targets from {', '.join(TARGETS)}; "
+                            f"got {targets!r}")
+    levels = settings["levels"]
+    if not levels or any(not is_number(v) or not 0 < v < 1 for v in levels) \
+            or sorted(set(levels)) != list(levels):
+        raise SettingsError(f"inference.levels: increasing enclosed masses strictly between 0 and 1; got {levels!r}")
+
+
+def candidate_lattice(ctx):
+    """Lattice steps per coordinate of the candidates (None for continuous axes)."""
+    return inference.candidate_lattice(ctx.prior.lattice_steps, ctx.problem.parameter_count,
+                                       ctx.analysis_settings["inference"]["candidates"])
+
+
+def build_truths(ctx, writer):
+    """Truth parameter points shared by every prior."""
+    problem = ctx.problem
+    settings = ctx.analysis_settings["inference"]["truths"]
+    seed = runtime.derived_seed(ctx.settings["seed"], "truths")
+    truths = inference.make_truths(problem.low, problem.high, problem.grid_step, settings, seed)
+    writer.array("truths", truths.numpy())
+    return {"count": int(truths.shape[0])}
+
+
+def build_observations(ctx, writer):
+    """An ensemble of independent observations at every truth."""
+    truths = torch.from_numpy(ctx.require("truths").array("truths"))
+    seed = runtime.derived_seed(ctx.settings["seed"], "observations")
+    observations = inference.make_observations(
+        ctx.problem.simulate, truths, ctx.analysis_settings["inference"]["observations"], seed)
+    writer.array("observations", observations.numpy())
+    return {"shape": list(observations.shape)}
+
+
+def candidate_design(ctx):
+    """'enumerate', 'grid', 'sobol' or 'adaptive': how this member's cases are scored."""
+    problem = ctx.problem
+    return inference.candidate_design(problem.parameter_count, candidate_lattice(ctx), problem.low, problem.high,
+                                      ctx.analysis_settings["inference"]["candidates"])
+
+
+def build_candidates(ctx, writer):
+    """The shared design (the adaptive kind's coarse first pass) with its log measure."""
+    problem = ctx.problem
+    seed = runtime.derived_seed(ctx.settings["seed"], "candidates")
+    points, log_measure = inference.make_candidates(
+        problem.low, problem.high, candidate_lattice(ctx), ctx.analysis_settings["inference"]["candidates"], seed)
+    writer.array("points", points.numpy())
+    writer.array("log_measure", log_measure.numpy())
+    return {"count": int(points.shape[0]), "design": candidate_design(ctx)}
+
+
+def inference_inputs(ctx):
+    """Truths, observations, candidate points and log measure as float64 tensors."""
+    truths = torch.from_numpy(ctx.require("truths").array("truths"))
+    observations = torch.from_numpy(ctx.require("observations").array("observations"))
+    candidates = ctx.require("candidates")
+    return truths, observations, torch.from_numpy(candidates.array("points")), \
+        torch.from_numpy(candidates.array("log_measure"))
+
+
+def write_summary(outputs, writer, target, summary, start, cases):
+    """Write a block of one target's summaries into memory-mapped arrays, allocated on first use."""
+    for name in SUMMARY_FIELDS:
+        value = np.asarray(summary[name])
+        key = f"{target}_{name}"
+        if key not in outputs:
+            outputs[key] = writer.allocate(key, (cases,) + value.shape[1:], value.dtype)
+        outputs[key][start:start + value.shape[0]] = value
+
+
+def summarise_cases(writer, targets, case_scores, truths, points, log_measure, levels, retain):
+    """Score every case on the shared design in blocks and write one HLD summary per target.
+
+    `case_scores(i)` returns {target: scores over candidates followed by the truth}.
+    Scores of all cases are never held at once: blocks of cases are summarised and
+    written into memory-mapped arrays.
+    """
+    cases, candidates = truths.shape[0], points.shape[0]
+    retained = {}
+    if retain["mode"] == "full":
+        retained = {t: writer.allocate(f"{t}_scores", (cases, candidates + 1), "float64") for t in targets}
+    elif retain["cases"]:
+        retained = {t: np.zeros((min(retain["cases"], cases), candidates + 1)) for t in targets}
+    outputs = {}
+    block = max(1, min(cases, inference.SUMMARY_CELLS // max(candidates, 1)))
+    for start in range(0, cases, block):
+        stop = min(cases, start + block)
+        scores = {t: torch.empty(stop - start, candidates + 1, dtype=torch.float64) for t in targets}
+        for i in range(start, stop):
+            for target, row in case_scores(i).items():
+                scores[target][i - start] = row
+        for target in targets:
+            rows = scores[target]
+            if target in retained and start < retained[target].shape[0]:
+                keep = min(stop, retained[target].shape[0])
+                retained[target][start:keep] = rows[: keep - start].numpy()
+            summary = inference.hld_summaries(rows[:, :-1], log_measure, points, rows[:, -1], levels)
+            # A shared design has no refined box to check against.
+            summary["edge_mass"] = summary["disagreement"] = np.full(stop - start, np.nan)
+            write_summary(outputs, writer, target, summary, start, cases)
+    for target, array in retained.items():
+        if retain["mode"] != "full":
+            writer.array(f"{target}_scores", array)
+    return {"cases": cases, "candidates": candidates, "targets": list(targets)}
+
+
+def retain_case(arrays, row, result):
+    """Keep one refined case: points, log measure and scores, padded with NaN points and −inf."""
+    count = result["points"].shape[0]
+    arrays["design_points"][row] = np.nan
+    arrays["design_points"][row, :count] = result["points"].numpy()
+    arrays["design_log_measure"][row] = -np.inf
+    arrays["design_log_measure"][row, :count] = result["log_measure"].numpy()
+    for target, scores in result["scores"].items():
+        arrays[f"{target}_scores"][row] = -np.inf
+        arrays[f"{target}_scores"][row, :count] = scores[:-1].numpy()
+        arrays[f"{target}_scores"][row, -1] = float(scores[-1])
+
+
+def summarise_adaptive(writer, targets, case_scores, truths, coarse, box, levels, retain, sizes, seed):
+    """Refine every case's candidates on its own and write one HLD summary per target.
+
+    `case_scores(i, points)` returns {target: scores}; see inference.refine_case. Retained
+    cases keep their own points (design_points), log measure (probes at −inf) and scores.
+    """
+    cases, total = truths.shape[0], sizes["total"]
+    kept = cases if retain["mode"] == "full" else min(retain["cases"], cases)
+    arrays = {}
+    if kept:
+        arrays = {"design_points": writer.allocate("design_points", (kept, total, truths.shape[1]), "float64"),
+                  "design_log_measure": writer.allocate("design_log_measure", (kept, total), "float64")}
+        arrays.update({f"{t}_scores": writer.allocate(f"{t}_scores", (kept, total + 1), "float64") for t in targets})
+    outputs = {}
+    for i in range(cases):
+        result = inference.refine_case(lambda points: case_scores(i, points), *coarse, truths[i], box, levels,
+                                       sizes, seed, case=i)
+        for target in targets:
+            write_summary(outputs, writer, target, result["summaries"][target], i, cases)
+        if i < kept:
+            retain_case(arrays, i, result)
+    return {"cases": cases, "candidates": total, "targets": list(targets)}
+
+
+def retain_settings(ctx):
+    """Which scores are kept: `full` (memory-mapped) or the first `diagnostic_cases`."""
+    settings = ctx.analysis_settings["inference"]
+    cases = settings["diagnostic_cases"] if settings["retain"] == "diagnostic" else 0
+    return {"mode": settings["retain"], "cases": cases}
+
+
+def counting_cases(ctx, what, case_scores, total):
+    """case_scores that reports progress each time scoring reaches a new case."""
+    reached = [-1]
+
+    def counted(i, points):
+        if i != reached[0]:
+            reached[0] = i
+            ctx.report_progress(what, i, total)
+        return case_scores(i, points)
+
+    return counted
+
+
+def summarise_targets(ctx, writer, targets, case_scores):
+    """Summaries of every case for the targets `case_scores(i, points) -> {target: scores}` gives.
+
+    Adaptive candidates are refined per case (the shared design is their coarse pass);
+    other designs score every case on the shared design.
+    """
+    settings = ctx.analysis_settings["inference"]
+    truths, _, points, log_measure = inference_inputs(ctx)
+    case_scores = counting_cases(ctx, "+".join(targets), case_scores, truths.shape[0])
+    design = candidate_design(ctx)
+    levels, retain = settings["levels"], retain_settings(ctx)
+    if design == "adaptive":
+        sizes = inference.adaptive_sizes(ctx.problem.parameter_count, settings["candidates"], len(targets))
+        box = inference.support_box(ctx.problem.low, ctx.problem.high, candidate_lattice(ctx))
+        seed = runtime.derived_seed(ctx.settings["seed"], "refine")
+        metadata = summarise_adaptive(writer, targets, case_scores, truths, (points, log_measure), box, levels,
+                                      retain, sizes, seed)
+    else:
+        metadata = summarise_cases(writer, targets, lambda i: case_scores(i, torch.cat([points, truths[i:i + 1]])),
+                                   truths, points, log_measure, levels, retain)
+    ctx.report_progress("+".join(targets), truths.shape[0], truths.shape[0])
+    return {**metadata, "design": design}
+
+
+def learned_case_scores(model, device, prior, observations, targets, chunk_rows, evaluations):
+    """case_scores(i, points) of the learned targets: the model's ensemble score of case i's
+    observations (ratio), plus the log prior (posterior); `evaluations[0]` counts model rows."""
+    def logits(rows):
+        return model(rows.to(device)).float().cpu()
+
+    def case_scores(i, points):
+        evaluations[0] += points.shape[0] * observations.shape[1]
+        ratio = inference.ensemble_scores(logits, observations[i], points, chunk_rows)
+        scores = {"ratio": ratio}
+        if "posterior" in targets:
+            scores["posterior"] = ratio + prior.log_prob(points)
+        return {t: scores[t] for t in targets}
+
+    return case_scores
+
+
+def build_learned(ctx, writer):
+    """HLD summaries of the learned ratio and posterior targets for every case."""
+    settings = ctx.analysis_settings["inference"]
+    targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
+    observations = torch.from_numpy(ctx.require("observations").array("observations"))
+    evaluations = [0]
+    case_scores = learned_case_scores(ctx.model, ctx.runtime.device, ctx.prior, observations, targets,
+                                      settings["chunk_rows"], evaluations)
+    with torch.no_grad():
+        metadata = summarise_targets(ctx, writer, targets, case_scores)
+    return {**metadata, "model_evaluations": evaluations[0]}
+
+
+def build_exact(ctx, writer):
+    """HLD summaries of the exact Gaussian likelihood, on the same kind of candidates."""
+    observations = torch.from_numpy(ctx.require("observations").array("observations"))
+    problem, chunk_rows = ctx.problem, ctx.analysis_settings["inference"]["chunk_rows"]
+
+    def case_scores(i, points):
+        return {"exact": inference.exact_scores(problem.log_likelihood, observations[i], points, chunk_rows)}
+
+    return summarise_targets(ctx, writer, ["exact"], case_scores)
+
+
+def split_pairs(ctx):
+    """The test split's inputs and labels as tensors."""
+    return (torch.from_numpy(np.asarray(ctx.data.array("test_inputs"))),
+            torch.from_numpy(np.asarray(ctx.data.array("test_labels"))))
+
+
+def build_test_predictions(ctx, writer):
+    """The model's logits on the held-out test split."""
+    inputs, labels = split_pairs(ctx)
+    with torch.no_grad():
+        logits = torch.cat([ctx.model(chunk.to(ctx.runtime.device)).float().cpu().reshape(-1)
+                            for chunk in inputs.split(trainer.VALIDATION_CHUNK)])
+    writer.array("logits", logits.numpy())
+    writer.array("labels", labels.numpy())
+    return {"rows": int(inputs.shape[0])}
+
+
+EVIDENCE_DRAWS = 20_000   # prior points of the Monte Carlo evidence (a small lattice is enumerated instead)
+
+
+def log_evidence(log_likelihood, x, points, log_weights, rows=64):
+    """log Σ_k w_k p(x | θ_k) for every row of x (n, d), over weighted points θ_k, in blocks of rows."""
+    # Blocks of about 2^18 (row, point, coordinate) cells keep the likelihood's temporaries small.
+    rows = max(1, min(rows, 2**18 // max(1, len(points) * x.shape[1])))
+    evidence = torch.empty(len(x), dtype=torch.float64)
+    for start in range(0, len(x), rows):
+        chunk = x[start:start + rows]
+        values = log_likelihood(chunk[:, None, :], points[None, :, :]).to(torch.float64) + log_weights
+        evidence[start:start + len(chunk)] = torch.logsumexp(values, dim=1)
+    return evidence
+
+
+def bayes_optimal_logits(problem, prior, inputs, draws=EVIDENCE_DRAWS, seed=0):
+    """log p(x|θ) − log E_prior p(x|θ') for inputs [x, θ] (rows, d + p): the logit a perfect classifier returns.
+
+    A problem with its own `log_evidence(x, points, log_weights)` (an analytic shortcut) uses it.
+    """
+    inputs = torch.as_tensor(inputs).detach().cpu().to(torch.float64)
+    x, theta = inputs[:, :problem.dimension], inputs[:, problem.dimension:]
+    points, log_weights = priors.quadrature_points(prior, draws, seed)
+    if callable(getattr(problem, "log_evidence", None)):
+        evidence = problem.log_evidence(x, points, log_weights)
+    else:
+        evidence = log_evidence(problem.log_likelihood, x, points, log_weights)
+    return problem.log_likelihood(x, theta) - evidence
+
+
+def build_reference_logits(ctx, writer):
+    """Bayes-optimal logits log p(x|θ) − log p(x) of the test rows (evidence by Monte Carlo)."""
+    inputs, _ = split_pairs(ctx)
+    seed = runtime.derived_seed(ctx.settings["seed"], "evidence", ctx.member["name"])
+    logits = bayes_optimal_logits(ctx.problem, ctx.prior, inputs.double(), seed=seed)
+    writer.array("logits", logits.numpy())
+    return {"rows": int(inputs.shape[0])}
+
+
+def build_pairwise(ctx, writer):
+    """Learned and exact log-ratio differences log r(x, θ1) − log r(x, θ0) over test pairs.
+
+    Each joint test row (x, θ0) is paired with the θ of the next joint row as θ1; the
+    evidence cancels in the difference, so the exact value is a likelihood ratio.
+    """
+    inputs, labels = split_pairs(ctx)
+    joint = inputs[labels == 1]
+    d = ctx.problem.dimension
+    x, theta0 = joint[:, :d], joint[:, d:]
+    theta1 = theta0.roll(1, 0)
+    with torch.no_grad():
+        learned = [ctx.model(torch.cat([x, t], 1).to(ctx.runtime.device)).double().cpu().reshape(-1)
+                   for t in (theta1, theta0)]
+    exact = [ctx.problem.log_likelihood(x.double(), t.double()) for t in (theta1, theta0)]
+    writer.array("learned", (learned[0] - learned[1]).numpy())
+    writer.array("exact", (exact[0] - exact[1]).numpy())
+    return {"pairs": int(x.shape[0])}
+
+
+def metric_pairwise(ctx):
+    """How far the learned log-ratio differences are from the exact ones."""
+    pairs = ctx.require("pairwise")
+    learned, exact = pairs.array("learned"), pairs.array("exact")
+    error = learned - exact
+    correlation = np.corrcoef(learned, exact)[0, 1] if len(error) > 1 and learned.std() > 0 else None
+    return {"pairs": int(len(error)), "mean_error": inference.finite_or_none(error.mean()),
+            "mean_absolute_error": inference.finite_or_none(np.abs(error).mean()),
+            "rmse": inference.finite_or_none(np.sqrt((error ** 2).mean())),
+            "correlation": inference.finite_or_none(correlation) if correlation is not None else None}
+
+
+def metric_reweighting(ctx):
+    """Sliced W1 from the joint sample to the product sample reweighted by the learned ratio.
+
+    Baselines: the unweighted product sample and the one reweighted by the exact ratio.
+    """
+    inputs, labels = split_pairs(ctx)
+    learned = torch.from_numpy(ctx.require("test_predictions").array("logits")).double()
+    exact = torch.from_numpy(ctx.require("reference_logits").array("logits"))
+    joint, product = inputs[labels == 1], inputs[labels == 0]
+    seed = runtime.derived_seed(ctx.settings["seed"], "projections")
+    product_mask = labels == 0
+    return {
+        "sliced_wasserstein": {
+            "learned_weights": inference.sliced_wasserstein(joint, product, learned[product_mask], seed=seed),
+            "unweighted": inference.sliced_wasserstein(joint, product, None, seed=seed),
+            "exact_weights": inference.sliced_wasserstein(joint, product, exact[product_mask], seed=seed)},
+        "ess": {"learned_weights": inference.effective_sample_size(learned[product_mask]),
+                "exact_weights": inference.effective_sample_size(exact[product_mask]),
+                "sample": int(product_mask.sum())},
+    }
+
+
+def metric_normalization(ctx):
+    """Monte Carlo check that the mean of r(x, θ) over the prior's evidence is 1."""
+    _, labels = split_pairs(ctx)
+    product = labels == 0
+    report = {}
+    for name, logits in (("learned", ctx.require("test_predictions").array("logits")),
+                         ("exact", ctx.require("reference_logits").array("logits"))):
+        ratios = np.exp(np.asarray(logits, dtype=np.float64)[product.numpy()])
+        error = ratios.std(ddof=1) / np.sqrt(len(ratios)) if len(ratios) > 1 else None
+        report[name] = {"mean_ratio": inference.finite_or_none(ratios.mean()),
+                        "standard_error": inference.finite_or_none(error) if error is not None else None}
+    report["rows"] = int(product.sum())
+    return report
+
+
+def summary_of(artifact, target):
+    """The HLD summary arrays of one target from a learned or exact product."""
+    return {name: artifact.array(f"{target}_{name}") for name in SUMMARY_FIELDS}
+
+
+def resolution_report(ctx, artifact, target):
+    """Whether one target's candidates resolved its densities (see inference.resolution_metrics)."""
+    return inference.resolution_metrics(summary_of(artifact, target), artifact.metadata["candidates"],
+                                        ctx.analysis_settings["inference"]["levels"], artifact.metadata["design"])
+
+
+def target_report(ctx, artifact, target):
+    """Bias, coverage, width and resolution of one target's summaries."""
+    settings = ctx.analysis_settings["inference"]
+    truths = ctx.require("truths").array("truths")
+    summary = summary_of(artifact, target)
+    names = ctx.problem.names
+    return {"bias": inference.bias_metrics(summary["mode"], truths, names),
+            "coverage": inference.coverage_metrics(summary, truths, settings["levels"], names),
+            "width": inference.width_metrics(summary, settings["levels"], names),
+            "resolution": resolution_report(ctx, artifact, target)}
+
+
+def metric_classification(ctx):
+    """Held-out test BCE, accuracy and AUC."""
+    predictions = ctx.require("test_predictions")
+    return inference.classification_metrics(torch.from_numpy(predictions.array("logits")),
+                                          torch.from_numpy(predictions.array("labels")))
+
+
+def metric_bias(ctx):
+    """Error of the ratio mode against the truth."""
+    return target_report(ctx, ctx.require("learned"), "ratio")["bias"]
+
+
+def metric_coverage(ctx):
+    """Coverage of the ratio target's highest-density regions."""
+    return target_report(ctx, ctx.require("learned"), "ratio")["coverage"]
+
+
+def metric_width(ctx):
+    """Projected widths of the ratio target's highest-density regions."""
+    return target_report(ctx, ctx.require("learned"), "ratio")["width"]
+
+
+def metric_resolution(ctx):
+    """Whether the candidates resolve the ratio target's densities."""
+    return resolution_report(ctx, ctx.require("learned"), "ratio")
+
+
+def metric_posterior(ctx):
+    """Bias, coverage and width of the posterior target, or that it is off."""
+    if "posterior" not in ctx.analysis_settings["inference"]["targets"]:
+        return {"enabled": False}
+    return {"enabled": True, **target_report(ctx, ctx.require("learned"), "posterior")}
+
+
+def metric_exact_reference(ctx):
+    """The exact likelihood's report, and how far the learned modes are from its modes."""
+    exact = ctx.require("exact")
+    report = target_report(ctx, exact, "exact")
+    learned_modes = ctx.require("learned").array("ratio_mode")
+    exact_modes = exact.array("exact_mode")
+    report["mode_rmse_learned_vs_exact"] = float(np.sqrt(np.mean((learned_modes - exact_modes) ** 2)))
+    return report
+
+
+def coverage_curve(credibility, levels=CREDIBILITY_LEVELS):
+    """Per credibility level α: the share of cases whose truth credibility is below α, with Wilson bands.
+
+    A truth lies in the HPD region of level α exactly when the mass denser than it is below
+    α, so at 0.68 and 0.95 this is the joint coverage; a calibrated posterior follows the
+    diagonal. The bands hold 95% jointly over all the levels (Wilson intervals at the
+    Bonferroni z), so a calibrated curve leaves its band anywhere only one time in twenty.
+    """
+    credibility = np.asarray(credibility, dtype=np.float64)
+    inside = [int((credibility < level).sum()) for level in levels]
+    cases = int(credibility.size)
+    z = statistics.NormalDist().inv_cdf(1 - 0.025 / len(levels))
+    bands = [inference.wilson_interval(hits, cases, z) for hits in inside]
+    return {"coverage": [hits / cases if cases else None for hits in inside],
+            "lower": [band[0] if band else None for band in bands],
+            "upper": [band[1] if band else None for band in bands]}
+
+
+def metric_expected_coverage(ctx):
+    """Expected coverage over every credibility level, for every target (see coverage_curve)."""
+    targets = ctx.analysis_settings["inference"]["targets"]
+    report = {"levels": list(CREDIBILITY_LEVELS), "cases": None}
+    for target in targets:
+        artifact = ctx.require("exact" if target == "exact" else "learned")
+        credibility = artifact.array(f"{target}_credibility")
+        report["cases"] = int(credibility.size)
+        report[target] = coverage_curve(credibility)
+    return report
+
+
+MIN_EXPECTED_INSIDE = 100   # design points a fixed design should put inside a 0.95 posterior region
+
+
+def chi_square_quantile(level, dof):
+    """The `level` quantile of a chi-square with `dof` degrees of freedom (bisection on its CDF)."""
+    low, high = 0.0, 10.0 * dof + 100.0
+    shape = torch.tensor(dof / 2, dtype=torch.float64)
+    for _ in range(100):
+        middle = (low + high) / 2
+        if float(torch.special.gammainc(shape, torch.tensor(middle / 2, dtype=torch.float64))) < level:
+            low = middle
+        else:
+            high = middle
+    return (low + high) / 2
+
+
+def posterior_share(problem, lattice, observations):
+    """Expected share of a box-filling design inside a 0.95 posterior region: ellipsoid over box volume.
+
+    Needs the problem's `posterior_sds(observations)`: the posterior's sds per parameter, roughly.
+    """
+    p = problem.parameter_count
+    radius = math.sqrt(chi_square_quantile(0.95, p))
+    log_ball = p / 2 * math.log(math.pi) - math.lgamma(p / 2 + 1) + p * math.log(radius)
+    widths = [float(b - a) + (step or 0.0) for a, b, step in zip(problem.low, problem.high, lattice)]
+    sds = torch.as_tensor(problem.posterior_sds(observations), dtype=torch.float64)
+    log_share = log_ball + float(sds.log().sum()) - sum(map(math.log, widths))
+    return min(1.0, math.exp(log_share))
+
+
+class NREAnalysis(Analysis):
+    """The whole analysis of a ratio-estimator study: products, metrics and figures."""
+
+    SECTIONS = ("inference",)
+    # lat68 / lat95: the randomised coverage, nominal for the exact likelihood on lattice priors too.
+    REPORT_COLUMNS = (("cov68", "coverage.0.68.joint"), ("lat68", "coverage.0.68.lattice"),
+                      ("cov95", "coverage.0.95.joint"), ("lat95", "coverage.0.95.lattice"),
+                      ("width68", "width.0.68.mean"), ("bias rmse", "bias.rmse"), ("test AUC", "classification.auc"))
+    FIGURE_METRICS = (("joint 68% coverage", "coverage.0.68"), ("68% width", "width.0.68.mean"),
+                      ("bias RMSE", "bias.rmse"))
+    WORKLOAD_ADVICE = "reduce inference.truths, inference.candidates or inference.observations"
+
+    products = {
+        "truths": Product(build_truths, lambda ctx: {
+            "problem": ctx.experiment.problem_recipe(), "seed": ctx.settings["seed"],
+            "truths": ctx.analysis_settings["inference"]["truths"]}),
+        "observations": Product(build_observations, lambda ctx: {
+            "observations": ctx.analysis_settings["inference"]["observations"]}, needs=("truths",)),
+        "candidates": Product(build_candidates, lambda ctx: {
+            "problem": ctx.experiment.problem_recipe(), "seed": ctx.settings["seed"],
+            "candidates": ctx.analysis_settings["inference"]["candidates"], "lattice": candidate_lattice(ctx)}),
+        "learned": Product(build_learned, lambda ctx: {
+            "prior": ctx.experiment.prior_recipe(ctx.member),
+            "inference": {k: ctx.analysis_settings["inference"][k] for k in
+                          ("targets", "levels", "retain", "diagnostic_cases")}},
+            needs=("truths", "observations", "candidates"), uses_model=True),
+        "exact": Product(build_exact, lambda ctx: {
+            "inference": {k: ctx.analysis_settings["inference"][k] for k in
+                          ("levels", "retain", "diagnostic_cases")}},
+            needs=("truths", "observations", "candidates")),
+        "test_predictions": Product(build_test_predictions, lambda ctx: {"data": ctx.data.key},
+                                    uses_model=True),
+        "reference_logits": Product(build_reference_logits, lambda ctx: {
+            "data": ctx.data.key, "problem": ctx.experiment.problem_recipe(),
+            "prior": ctx.experiment.prior_recipe(ctx.member), "seed": ctx.settings["seed"],
+            "member": ctx.member["name"]}),
+        "pairwise": Product(build_pairwise, lambda ctx: {"data": ctx.data.key}, uses_model=True),
+    }
+
+    metrics = {
+        "classification": Metric(metric_classification, needs=("test_predictions",)),
+        "bias": Metric(metric_bias, needs=("learned", "truths")),
+        "coverage": Metric(metric_coverage, needs=("learned", "truths")),
+        "width": Metric(metric_width, needs=("learned",)),
+        "resolution": Metric(metric_resolution, needs=("learned",)),
+        "posterior": Metric(metric_posterior, needs=("learned", "truths")),
+        "exact_reference": Metric(metric_exact_reference, needs=("exact", "learned", "truths")),
+        "expected_coverage": Metric(metric_expected_coverage, needs=("learned",)),
+        "pairwise": Metric(metric_pairwise, needs=("pairwise",)),
+        "reweighting": Metric(metric_reweighting, needs=("test_predictions", "reference_logits")),
+        "normalization": Metric(metric_normalization, needs=("test_predictions", "reference_logits")),
+    }
+    NEEDS_RATIO = ("bias", "coverage", "width", "resolution", "exact_reference")
+
+    plots = {"diagnostic_cases": Figure(nre_figures.draw_diagnostic_cases),
+             "expected_coverage": Figure(nre_figures.draw_expected_coverage)}
+    cohort_plots = {
+        "priors": Figure(nre_figures.draw_priors),
+        "training": Figure(nre_figures.draw_training),
+        "estimates": Figure(nre_figures.draw_estimates),
+        "bias_width": Figure(nre_figures.draw_bias_width),
+    }
+
+    def __init__(self, settings, experiment):
+        self.settings = settings
+        self.experiment = experiment
+        # The problem's code (its simulator and likelihood) shapes the truths' observations
+        # and the exact target, so its sources enter every product's key.
+        self.SOURCES = (inference, priors, runtime.derived_seed) + tuple(getattr(experiment, "SCIENCE_SOURCES", ()))
+
+    def validate(self):
+        """Check the inference settings and that every selected metric can be computed."""
+        check_inference_settings(self.settings["inference"])
+        self.check_adaptive_sizes()
+        targets = self.settings["inference"]["targets"]
+        self.check_likelihood(targets)
+        for name in self.settings["metrics"]:
+            if name in self.NEEDS_RATIO and "ratio" not in targets:
+                raise SettingsError(f"metrics: {name!r} needs the 'ratio' target; add it to inference.targets "
+                                    f"or remove the metric")
+            if name == "exact_reference" and "exact" not in targets:
+                raise SettingsError("metrics: 'exact_reference' needs the 'exact' target; add it to "
+                                    "inference.targets or remove the metric")
+        lattice_priors = sorted({member["prior"] for member in self.experiment.members()
+                                 if any(step is not None for step in self.experiment.prior(member).lattice_steps)})
+        if "posterior" in targets and lattice_priors and not self.settings["inference"]["candidates"]["native_grid_prior"]:
+            raise SettingsError(f"inference.targets: the 'posterior' target of lattice priors ({', '.join(lattice_priors)}) "
+                                "has no density on continuous candidates; set inference.candidates.native_grid_prior "
+                                "to True or remove 'posterior'")
+        check_selection("plots", self.settings["plots"], self.plots)
+        check_selection("cohort_plots", self.settings["cohort_plots"], self.cohort_plots)
+        inference_settings = self.settings["inference"]
+        if "diagnostic_cases" in self.settings["plots"] and inference_settings["retain"] == "diagnostic" \
+                and inference_settings["diagnostic_cases"] == 0:
+            raise SettingsError("plots: 'diagnostic_cases' draws retained scores; set inference.diagnostic_cases "
+                                "above 0 or inference.retain to 'full'")
+
+    def check_likelihood(self, targets):
+        """The exact target and the likelihood metrics need the problem's log_likelihood."""
+        if callable(getattr(self.experiment.problem(), "log_likelihood", None)):
+            return
+        wanted = ["target 'exact'"] * ("exact" in targets) + \
+            [f"metric {name!r}" for name in self.settings["metrics"] if name in LIKELIHOOD_METRICS]
+        if wanted:
+            raise SettingsError(f"inference.targets / metrics: {', '.join(wanted)} need the exact likelihood, which "
+                                f"{type(self.experiment).__name__} does not give; define log_likelihood(x, theta) "
+                                "in the study, or remove them")
+
+    def learned_targets(self):
+        """The targets the learned product scores with the model."""
+        return [t for t in ("ratio", "posterior") if t in self.settings["inference"]["targets"]]
+
+    def design_of(self, member):
+        """The member's candidate design and its lattice steps."""
+        problem = self.experiment.problem()
+        candidates = self.settings["inference"]["candidates"]
+        lattice = inference.candidate_lattice(self.experiment.prior(member).lattice_steps, problem.parameter_count,
+                                              candidates)
+        return inference.candidate_design(problem.parameter_count, lattice, problem.low, problem.high,
+                                          candidates), lattice
+
+    def check_adaptive_sizes(self):
+        """An adaptive design must fit its passes and probes into candidate_count."""
+        candidates = self.settings["inference"]["candidates"]
+        if candidates["kind"] != "adaptive":
+            return
+        groups = [len(self.learned_targets()), int("exact" in self.settings["inference"]["targets"])]
+        try:
+            for targets in filter(None, groups):
+                inference.adaptive_sizes(self.experiment.problem().parameter_count, candidates, targets)
+        except ValueError as error:
+            raise SettingsError(f"inference.candidates: {error}") from None
+
+    def workload(self, member):
+        """Model evaluations, saved bytes and candidate points this member's analysis needs."""
+        settings = self.settings["inference"]
+        problem = self.experiment.problem()
+        p = problem.parameter_count
+        design, lattice = self.design_of(member)
+        cases = inference.truth_count(p, settings["truths"])
+        shared = inference.candidate_count_for(p, lattice, problem.low, problem.high, settings["candidates"])
+        per_case = inference.points_per_case(p, lattice, problem.low, problem.high, settings["candidates"])
+        ensemble, levels = settings["observations"], len(settings["levels"])
+        learned = self.learned_targets()
+        evaluations = cases * (per_case + 1) * ensemble if learned else 0
+        retained = cases if settings["retain"] == "full" else min(cases, settings["diagnostic_cases"])
+        targets = len(learned) + ("exact" in settings["targets"])
+        products = bool(learned) + ("exact" in settings["targets"])
+        designs = products * retained * per_case * (p + 1) if design == "adaptive" else 0
+        saved = 8 * (cases * ensemble * problem.dimension + (p + 1) * shared + designs
+                     + targets * (retained * (per_case + 1) + cases * (2 * levels * p + 3 * levels + p + 7)))
+        return {"model_evaluations": int(evaluations), "saved_bytes": int(saved), "candidate_points": int(per_case)}
+
+    def plan_warnings(self):
+        """One line per fixed candidate design predicted to under-resolve the posteriors, before any compute."""
+        candidates = self.settings["inference"]["candidates"]
+        problem = self.experiment.problem()
+        if not callable(getattr(problem, "posterior_sds", None)):
+            return []               # nothing to predict the posterior's size from
+        by_design = {}
+        for member in self.experiment.members():
+            design, lattice = self.design_of(member)
+            if design in ("sobol", "grid"):
+                by_design.setdefault((design, tuple(lattice)), []).append(member["prior"])
+        lines = []
+        for (design, lattice), prior_names in by_design.items():
+            count = inference.candidate_count_for(problem.parameter_count, list(lattice), problem.low, problem.high,
+                                                  candidates)
+            expected = count * posterior_share(problem, list(lattice), self.settings["inference"]["observations"])
+            if expected < MIN_EXPECTED_INSIDE:
+                needed = math.ceil(count * MIN_EXPECTED_INSIDE / max(expected, 1e-300))
+                knob = f"candidate_count to about {needed:,}" if design == "sobol" else "candidate_points_per_axis"
+                lines.append(
+                    f"inference.candidates: the fixed {design} design of {count} points puts about {expected:.3g} "
+                    f"inside a 0.95 posterior region of the {problem.parameter_count} parameters (priors "
+                    f"{', '.join(prior_names)}), fewer than {MIN_EXPECTED_INSIDE}, so coverage and widths describe the "
+                    f"design; set inference.candidates.kind to 'adaptive' or raise {knob}")
+        return lines

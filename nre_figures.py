@@ -1,0 +1,289 @@
+"""Figures of the study kit's analysis (optional: they need matplotlib).
+
+Cohort figures compare the members of one configuration: their priors, training
+curves and ROC, estimates against truths with highest-density bands, and bias and
+width against the true value. Run figures show the retained diagnostic cases and the
+expected coverage against credibility. Every figure is titled with its configuration
+(and member), its axes are labelled with the parameters' names, and every line and
+marker is in a legend.
+"""
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import inference
+
+MAX_AXES = 6   # parameters drawn per figure; the rest are left out
+MARKERS = ("o", "s", "^", "D", "v", "P")
+LINESTYLES = ("-", "--", "-.", ":")
+TARGET_TITLES = {"ratio": "learned ratio (flat prior)", "posterior": "learned posterior",
+                 "exact": "exact likelihood (flat prior)"}
+# Line styles of the diagnostic densities: the ratio wide and pale, so that a posterior equal to it
+# (under a uniform prior) is drawn visibly on top of it rather than hiding it.
+TARGET_STYLES = {"ratio": {"color": "tab:blue", "linestyle": "-", "linewidth": 4.0, "alpha": 0.45},
+                 "posterior": {"color": "tab:orange", "linestyle": "--", "linewidth": 1.8},
+                 "exact": {"color": "tab:green", "linestyle": ":", "linewidth": 2.2}}
+
+
+def configuration_label(ctx):
+    """'baseline' or 'knob=value': the configuration of a context's run (from its run.json)."""
+    try:
+        run = json.loads((Path(ctx.run_dir) / "run.json").read_text(encoding="utf-8"))
+    except (OSError, TypeError, ValueError):
+        return Path(str(ctx.run_dir)).parent.name
+    return "baseline" if run.get("knob") is None else f"{run['knob']}={json.dumps(run.get('value'))}"
+
+
+def member_styles(contexts):
+    """{member name: (colour, line style, marker)}: the colour by prior, line style and marker by replica."""
+    priors = list(dict.fromkeys(str(ctx.member.get("prior", ctx.member["name"])) for ctx in contexts))
+    styles = {}
+    for ctx in contexts:
+        replica = ctx.member.get("replica")
+        k = replica if isinstance(replica, int) else 0
+        colour = f"C{priors.index(str(ctx.member.get('prior', ctx.member['name']))) % 10}"
+        styles[ctx.member["name"]] = colour, LINESTYLES[k % len(LINESTYLES)], MARKERS[k % len(MARKERS)]
+    return styles
+
+
+def parameter_axes(figure, count, rows=1):
+    """A row (or rows) of subplots, one per parameter, at most MAX_AXES."""
+    count = min(count, MAX_AXES)
+    return figure.subplots(rows, count, squeeze=False)
+
+
+def prior_curve(prior, j, points=400):
+    """Values, density and whether coordinate j of a prior is a lattice (whose mass is divided by its step)."""
+    step = prior.lattice_steps[j]
+    low, high = float(prior.problem.low[j]), float(prior.problem.high[j])
+    values = prior.support(j) if step is not None else torch.linspace(low, high, points, dtype=torch.float64)
+    density = torch.exp(prior.coordinate_log_prob(j, values)).numpy()
+    return values.numpy(), density / step if step is not None else density, step is not None
+
+
+def draw_priors(contexts, figure):
+    """Each member's prior density per inferred parameter (a lattice's mass per step); the bundled families only."""
+    names = contexts[0].problem.names
+    axes = parameter_axes(figure, len(names))[0]
+    styles, drawn = member_styles(contexts), set()
+    for ctx in contexts:
+        prior_name = ctx.member.get("prior", ctx.member["name"])
+        if not hasattr(ctx.prior, "coordinate_log_prob") or prior_name in drawn:
+            continue                    # a study's own prior object has no per-coordinate density; replicas share one
+        drawn.add(prior_name)
+        colour = styles[ctx.member["name"]][0]
+        for j, axis in enumerate(axes):
+            x, y, lattice = prior_curve(ctx.prior, j)
+            if lattice:
+                axis.plot(x, y, "o", color=colour, markersize=3, label=f"{prior_name} (lattice: mass / step)")
+            else:
+                axis.plot(x, y, color=colour, label=str(prior_name))
+    for j, axis in enumerate(axes):
+        axis.set(title=f"prior of {names[j]}", xlabel=names[j], ylabel="prior density")
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize="small")
+    figure.suptitle(f"Priors of the members of configuration {configuration_label(contexts[0])}")
+
+
+def roc_curve(logits, labels):
+    """False- and true-positive rates at every distinct threshold (tied logits form one step)."""
+    order = np.argsort(-logits, kind="stable")
+    logits, labels = logits[order], labels[order]
+    ends = np.r_[np.flatnonzero(np.diff(logits)), len(logits) - 1]     # last index of each run of equal logits
+    positives, negatives = labels.sum(), len(labels) - labels.sum()
+    tpr = np.concatenate([[0.0], np.cumsum(labels)[ends] / max(positives, 1)])
+    fpr = np.concatenate([[0.0], np.cumsum(1 - labels)[ends] / max(negatives, 1)])
+    return fpr, tpr
+
+
+def draw_training(contexts, figure):
+    """Training and validation BCE per epoch with the selected epoch, and the test ROC with its AUC, per member."""
+    from matplotlib.ticker import MaxNLocator   # matplotlib is there whenever a figure is drawn
+    curves, roc = figure.subplots(1, 2)
+    styles = member_styles(contexts)
+    for ctx in contexts:
+        name = ctx.member["name"]
+        colour, style, marker = styles[name]
+        history = ctx.model_artifact.json("history")
+        epochs = np.arange(1, len(history["train_loss"]) + 1)
+        validation = [v["bce"] for v in history["validation"]]
+        curves.plot(epochs, history["train_loss"], color=colour, linestyle="-", marker=marker, label=name)
+        curves.plot(epochs, validation, color=colour, linestyle="--", marker=marker, fillstyle="none")
+        selected = history.get("selected_epoch")
+        if selected:
+            curves.plot([selected], [validation[selected - 1]], "*", color=colour, markersize=12,
+                        markeredgecolor="black")
+        predictions = ctx.require("test_predictions")
+        logits, labels = predictions.array("logits").reshape(-1), predictions.array("labels").reshape(-1)
+        auc = inference.classification_metrics(torch.from_numpy(logits), torch.from_numpy(labels))["auc"]
+        fpr, tpr = roc_curve(logits, labels)
+        roc.plot(fpr, tpr, color=colour, linestyle=style, label=f"{name} (AUC {auc:.3f})" if auc is not None else name)
+    for label, style in (("training BCE", "-"), ("validation BCE", "--")):
+        curves.plot([], [], color="grey", linestyle=style, label=label)
+    curves.plot([], [], "*", color="grey", markersize=12, markeredgecolor="black", label="selected epoch")
+    curves.xaxis.set_major_locator(MaxNLocator(integer=True))
+    curves.set(title="BCE per epoch (solid: training, dashed: validation)", xlabel="epoch", ylabel="BCE")
+    curves.legend(fontsize="small")
+    roc.plot([0, 1], [0, 1], ":", color="black", label="chance (AUC 0.5)")
+    roc.set(title="ROC on the held-out test pairs", xlabel="false-positive rate", ylabel="true-positive rate",
+            xlim=(0, 1), ylim=(0, 1.01))
+    roc.legend(fontsize="small", loc="lower right")
+    figure.suptitle(f"Training of the members of configuration {configuration_label(contexts[0])}")
+
+
+def ratio_estimates(ctx):
+    """Truths (cases, p) and the learned ratio's modes, lower and upper bounds of a context."""
+    learned = ctx.require("learned")
+    return ctx.require("truths").array("truths"), *(learned.array(f"ratio_{n}") for n in ("mode", "lower", "upper"))
+
+
+def draw_estimate(axis, ctx, j, levels, estimates):
+    """One member's ratio mode against the truth of parameter j, with its highest-density bands."""
+    name = ctx.problem.names[j]
+    truths, modes, lower, upper = estimates
+    for level in range(len(levels))[::-1]:     # widest first, the narrower on top, darker
+        axis.vlines(truths[:, j], lower[:, level, j], upper[:, level, j], linewidth=2 + 2 * (level == 0),
+                    alpha=0.8 - 0.5 * level / max(len(levels) - 1, 1),
+                    label=f"{levels[level]:g} HPD region (projected)")
+    axis.plot(truths[:, j], modes[:, j], ".", color="black", markersize=4, label="mode of the ratio")
+    span = [truths[:, j].min(), truths[:, j].max()]
+    axis.plot(span, span, ":", color="gray", label="estimate = truth")
+    axis.set_title(f"{ctx.member['name']}: {name}", fontsize="small")
+    axis.set_xlabel(f"true {name}", fontsize="small")
+    axis.set_ylabel(f"estimated {name}", fontsize="small")
+
+
+def draw_estimates(contexts, figure):
+    """Ratio mode against the truth with the highest-density bands, per member and parameter.
+
+    A row per member and a column per parameter; with one parameter, the members four to a row.
+    The figure grows taller with the rows, so that no panel is squeezed.
+    """
+    count = min(len(contexts[0].problem.names), MAX_AXES)
+    levels = contexts[0].analysis_settings["inference"]["levels"]
+    columns = min(4, len(contexts)) if count == 1 else count
+    rows = -(-len(contexts) * count // columns)
+    figure.set_size_inches(figure.get_figwidth(), max(figure.get_figheight(), 2.6 * rows))
+    axes = list(figure.subplots(rows, columns, squeeze=False).ravel())
+    for axis in axes[len(contexts) * count:]:
+        axis.remove()                   # the last row's empty places
+    for i, ctx in enumerate(contexts):
+        estimates = ratio_estimates(ctx)
+        for j in range(count):
+            draw_estimate(axes[i * count + j], ctx, j, levels, estimates)
+    axes[columns - 1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1))
+    figure.suptitle(f"Learned-ratio estimates against the truth, configuration {configuration_label(contexts[0])}")
+
+
+def draw_bias_width(contexts, figure):
+    """Mean bias and mean width of the first level against the true value, per parameter."""
+    names = contexts[0].problem.names
+    level = contexts[0].analysis_settings["inference"]["levels"][0]
+    bias_axes, width_axes = parameter_axes(figure, len(names), rows=2)
+    styles = member_styles(contexts)
+    for ctx in contexts:
+        colour, style, marker = styles[ctx.member["name"]]
+        learned = ctx.require("learned")
+        truths = ctx.require("truths").array("truths")
+        modes, lower, upper = (learned.array(f"ratio_{n}") for n in ("mode", "lower", "upper"))
+        for j, (bias_axis, width_axis) in enumerate(zip(bias_axes, width_axes)):
+            values, group = np.unique(np.round(truths[:, j], 9), return_inverse=True)
+            counts = np.bincount(group)
+            bias = np.bincount(group, weights=modes[:, j] - truths[:, j]) / counts
+            width = np.bincount(group, weights=upper[:, 0, j] - lower[:, 0, j]) / counts
+            bias_axis.plot(values, bias, marker=marker, linestyle=style, color=colour, label=ctx.member["name"])
+            width_axis.plot(values, width, marker=marker, linestyle=style, color=colour, label=ctx.member["name"])
+    for j, (bias_axis, width_axis) in enumerate(zip(bias_axes, width_axes)):
+        bias_axis.axhline(0, color="gray", linestyle=":", label="no bias")
+        bias_axis.set(title=f"bias of the ratio's mode: {names[j]}", xlabel=f"true {names[j]}",
+                      ylabel=f"mean (mode − truth) of {names[j]}")
+        width_axis.set(title=f"width of the {level:g} region: {names[j]}", xlabel=f"true {names[j]}",
+                       ylabel=f"mean projected width of {names[j]}")
+    bias_axes[-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1))
+    width_axes[-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1))
+    figure.suptitle(f"Bias and width against the true value, configuration {configuration_label(contexts[0])}")
+
+
+def case_design(artifact, candidates, case):
+    """Points (n, p) and log measure (n,) a retained case was scored on: its own when refined."""
+    if "design_points.npy" in artifact.files:
+        return artifact.array("design_points")[case], artifact.array("design_log_measure")[case]
+    return candidates.array("points"), candidates.array("log_measure")
+
+
+def case_density(artifact, target, candidates, case):
+    """(x, density) of a retained case along the first parameter, sorted along it.
+
+    With one parameter, the normalised density at each candidate (per unit measure: refined
+    designs weigh their points unequally); with more, the marginal density of the first
+    parameter, the mass of the candidates summed over bins of it (about √n bins of n candidates).
+    """
+    points, log_measure = case_design(artifact, candidates, case)
+    measured = np.isfinite(log_measure)          # refined designs also hold padding and zero-measure probes
+    scores = artifact.array(f"{target}_scores")[case, :-1][measured]
+    points, log_measure = points[measured], log_measure[measured]
+    log_mass = scores + log_measure - np.logaddexp.reduce(scores + log_measure)
+    if points.shape[1] == 1:
+        order = np.argsort(points[:, 0], kind="stable")
+        return points[order, 0], np.exp(log_mass - log_measure)[order]
+    bins = int(np.clip(np.sqrt(len(points)), 8, 60))
+    mass, edges = np.histogram(points[:, 0], bins=bins, weights=np.exp(log_mass))
+    return (edges[:-1] + edges[1:]) / 2, mass / np.diff(edges)
+
+
+def draw_diagnostic_cases(ctx, figure):
+    """Per retained case, the normalised density of every target along the first parameter, with the truth."""
+    learned = ctx.require("learned")
+    exact = ctx.require("exact") if "exact" in ctx.analysis_settings["inference"]["targets"] else None
+    candidates = ctx.require("candidates")
+    sources = [(learned, t) for t in ("ratio", "posterior") if f"{t}_scores.npy" in learned.files]
+    if exact is not None:
+        sources.append((exact, "exact"))
+    cases = min(4, learned.array(f"{sources[0][1]}_scores").shape[0]) if sources else 0
+    axes = figure.subplots(1, max(cases, 1), squeeze=False, sharey=False)[0]
+    truths = ctx.require("truths").array("truths")
+    name = ctx.problem.names[0]
+    many = len(ctx.problem.names) > 1
+    for case, axis in zip(range(cases), axes):
+        for artifact, target in sources:
+            x, density = case_density(artifact, target, candidates, case)
+            axis.plot(x, density, label=TARGET_TITLES.get(target, target), **TARGET_STYLES.get(target, {}))
+        axis.axvline(truths[case, 0], color="black", linestyle=(0, (1, 2)), linewidth=1.2,
+                     label=f"truth {name}")
+        title = f"{ctx.member['name']}, case {case}: true {name} = {truths[case, 0]:.3g}"
+        if many:                        # the truth's other coordinates, on a second line
+            others = [f"{n} = {v:.3g}" for n, v in zip(ctx.problem.names[1:4], truths[case, 1:4])]
+            title += "\n(" + ", ".join(others) + (", …" if len(ctx.problem.names) > 4 else "") + ")"
+        axis.set_title(title, fontsize="medium")
+        axis.set_xlabel(name)
+    axes[0].set_ylabel(f"{'marginal ' if many else ''}density of {name} (normalised)")
+    if cases:
+        axes[0].legend(fontsize="small")
+        title = (f"Retained cases of {ctx.member['name']}, configuration {configuration_label(ctx)}: "
+                 f"density along {name}")
+    else:
+        title = f"{ctx.member['name']}: no retained case to draw (inference.diagnostic_cases is 0)"
+    figure.suptitle(title)
+
+
+def draw_expected_coverage(ctx, figure):
+    """Per target, the share of truths inside the HPD region against its credibility level, with the diagonal."""
+    report = ctx.analysis.metrics["expected_coverage"].compute(ctx)
+    levels = np.asarray(report["levels"])
+    targets = ctx.analysis_settings["inference"]["targets"]
+    axes = figure.subplots(1, len(targets), squeeze=False, sharey=True)[0]
+    for target, axis in zip(targets, axes):
+        colour = TARGET_STYLES.get(target, {}).get("color")
+        curve = report[target]
+        axis.fill_between(levels, curve["lower"], curve["upper"], color=colour, alpha=0.25,
+                          label="95% band (all levels jointly)")
+        axis.plot(levels, curve["coverage"], color=colour, label="empirical coverage")
+        axis.plot([0, 1], [0, 1], ":", color="black", label="calibrated (diagonal)")
+        axis.set(xlim=(0, 1), ylim=(0, 1), aspect="equal", title=TARGET_TITLES.get(target, target),
+                 xlabel="credibility level of the HPD region")
+    axes[0].set_ylabel("share of truths inside the region")
+    axes[0].legend(fontsize="small", loc="upper left")
+    figure.suptitle(f"Expected coverage of {ctx.member['name']}, configuration {configuration_label(ctx)}, "
+                    f"over {report['cases']} cases (below the diagonal: overconfident)")

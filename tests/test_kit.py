@@ -1,0 +1,282 @@
+"""The study kit's contract: what a study beside its settings files may write, and what nnpd checks for it.
+
+Each test writes a small kit study module next to copies of the repository's settings
+files (patched to name it) and runs the real command line.
+"""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+
+import runtime
+import trainer
+from conftest import REPO, run_cli, write_settings
+from store import Store
+
+LINE_STUDY = '''
+import torch
+import nre_study
+
+
+def noise_scale():
+    return {noise}
+
+
+class Line(nre_study.Study):
+    """x = slope * (-1, 0, 1) + offset + noise."""
+
+    parameters = {{"slope": (-1.0, 1.0), "offset": (-1.0, 1.0)}}
+
+    def simulate(self, theta, generator):
+        noise = torch.randn(theta.shape[0], 3, generator=generator, dtype=torch.float64)
+        return theta[:, :1] * torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) + theta[:, 1:] + noise_scale() * noise
+'''
+KIT_TRAINING = """
+settings["experiment"] = "{module}:Line"
+del settings["problem"]
+settings["cohort"]["priors"] = ["uniform"]
+"""
+KIT_ANALYSIS = """
+settings["analysis"] = "nre_analysis:NREAnalysis"
+settings["inference"]["truths"]["align_truths_to_grid"] = False
+settings["inference"]["truths"]["truth_points_per_axis"] = 2
+settings["inference"]["targets"] = ["ratio"]
+settings["metrics"] = ["classification", "coverage"]
+"""
+
+
+def module_name(tmp_path):
+    """The test's own study module name (modules of one name would be cached across tests)."""
+    return f"kit_{tmp_path.name}"
+
+
+def kit_study(tmp_path, extra="", training="", analysis="", noise=0.3):
+    """A settings folder holding a kit study module; returns (folder, module name, output root)."""
+    module = module_name(tmp_path)
+    folder = write_settings(tmp_path / "settings", tmp_path / "out",
+                            KIT_TRAINING.format(module=module) + training, KIT_ANALYSIS + analysis)
+    (folder / f"{module}.py").write_text(LINE_STUDY.format(noise=noise) + textwrap.dedent(extra))
+    return folder, module, tmp_path / "out"
+
+
+def without_pythonpath():
+    """The environment with no PYTHONPATH: only the settings folder can make the study importable."""
+    return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+
+
+def run_without_pythonpath(*args):
+    """`python nnpd.py ...` from the repository root with PYTHONPATH unset."""
+    environment = without_pythonpath()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        environment.pop(name, None)
+    return subprocess.run([sys.executable, str(REPO / "nnpd.py"), *args], cwd=REPO, env=environment,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_study_beside_its_settings_runs_without_pythonpath_and_restores(tmp_path):
+    folder, module, root = kit_study(tmp_path)
+    result = run_without_pythonpath("run", "--settings-dir", str(folder))
+    assert result.returncode == 0, result.stderr
+    metrics = [json.loads(path.read_text()) for path in root.glob("runs/*/*/metrics.json")]
+    assert len(metrics) == 1 and metrics[0]["coverage"]["0.68"]["joint"] is not None
+    run_dir = next(root.glob("runs/*/*/run.json")).parent
+    # A fresh interpreter elsewhere: restore finds the study through the folder run.json keeps.
+    code = (f"import sys; sys.path.insert(0, {str(REPO)!r}); import torch; from store import restore; "
+            f"r = restore({str(run_dir)!r}); print(tuple(r.model(torch.zeros(3, 5)).shape))")
+    restored = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=without_pythonpath(),
+                              capture_output=True, text=True, timeout=300)
+    assert restored.returncode == 0, restored.stderr
+    assert restored.stdout.strip() == "(3,)"
+
+
+def test_a_missing_study_module_says_where_nnpd_looked_and_what_to_set(tmp_path):
+    folder, module, root = kit_study(tmp_path, training='settings["experiment"] = "no_such_kit_study:Line"\n')
+    result = run_cli("plan", "--settings-dir", str(folder))
+    assert result.returncode == 2
+    assert "cannot import module 'no_such_kit_study'" in result.stderr
+    assert str(folder) in result.stderr and "PYTHONPATH" in result.stderr
+    assert not root.exists()
+
+
+def test_a_training_typo_fails_plan_for_a_kit_study(tmp_path):
+    folder, _, root = kit_study(tmp_path, training='settings["training"]["learning_rat"] = 0.1\n')
+    result = run_cli("plan", "--settings-dir", str(folder))
+    assert result.returncode == 2, result.stdout
+    assert "training.learning_rat" in result.stderr
+    assert not root.exists()
+
+
+OWN_TRAINER = '''
+
+import runtime
+import study
+import trainer
+
+
+class Own(study.Experiment):
+    """The full contract, training through the bundled trainer by name."""
+
+    def members(self):
+        return [{"name": "only"}]
+
+    def input_size(self):
+        return 5
+
+    def data_recipe(self, member):
+        return {}
+
+    def sample_data(self, member):
+        return {}
+
+    def model_recipe(self, member):
+        return {}
+
+    def build_model(self, member):
+        return torch.nn.Linear(5, 1)
+
+    def train(self, member, model, data, rt, hooks=None):
+        return trainer.train(model, data, self.settings["training"], rt, 0, hooks)
+'''
+
+
+def test_a_training_typo_fails_plan_for_a_study_calling_the_bundled_trainer(tmp_path):
+    module = module_name(tmp_path)
+    folder, _, _ = kit_study(tmp_path, extra=OWN_TRAINER + "\n\nclass Nothing(study.Analysis):\n"
+                                                          "    products = {}\n    metrics = {'size': study.Metric(len)}\n",
+                             training=f'settings["training"]["learning_rat"] = 0.1\n'
+                                      f'settings["experiment"] = "{module}:Own"\n',
+                             analysis=f'settings["analysis"] = "{module}:Nothing"\nsettings["metrics"] = ["size"]\n')
+    result = run_cli("plan", "--settings-dir", str(folder))
+    assert result.returncode == 2, result.stdout
+    assert "training.learning_rat" in result.stderr
+
+
+INSTANCE_MEMBERS = '''
+
+import study
+from nre_analysis import NREAnalysis
+
+
+class PerInstance:
+    """An analysis whose members are set in __init__, not on the class."""
+
+    def __init__(self, settings, experiment):
+        kit = NREAnalysis(settings, experiment)
+        self.products, self.metrics, self.plots, self.cohort_plots = kit.products, kit.metrics, {}, {}
+        self.SOURCES, self.validate, self.workload = kit.SOURCES, kit.validate, kit.workload
+'''
+
+
+def test_analysis_members_may_be_instance_attributes(tmp_path):
+    module = module_name(tmp_path)
+    folder, _, _ = kit_study(tmp_path, extra=INSTANCE_MEMBERS, analysis=f'settings["analysis"] = "{module}:PerInstance"\n')
+    result = run_cli("plan", "--settings-dir", str(folder))
+    assert result.returncode == 0, result.stderr
+
+
+TWO_LOGITS = '''
+
+class TwoLogits(Line):
+    def build_model(self, member):
+        return torch.nn.Linear(self.input_size(), 2)
+
+
+class ColumnLogits(Line):
+    def build_model(self, member):
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(self.input_size(), 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+'''
+
+
+def test_a_network_with_two_outputs_is_refused_at_plan_naming_the_study(tmp_path):
+    module = module_name(tmp_path)
+    folder, _, root = kit_study(tmp_path, extra=TWO_LOGITS, training=f'settings["experiment"] = "{module}:TwoLogits"\n')
+    result = run_cli("plan", "--settings-dir", str(folder))
+    assert result.returncode == 2
+    assert f"{module}:TwoLogits" in result.stderr and "(2, 2)" in result.stderr and "(N, 1)" in result.stderr
+    assert not root.exists()
+
+
+def test_a_network_returning_a_column_of_logits_trains_and_is_analysed(tmp_path):
+    module = module_name(tmp_path)
+    folder, _, root = kit_study(tmp_path, extra=TWO_LOGITS, training=f'settings["experiment"] = "{module}:ColumnLogits"\n',
+                                analysis='settings["metrics"] += ["pairwise"]\n')
+    with open(folder / f"{module}.py", "a") as handle:      # pairwise needs the exact likelihood
+        handle.write("\n    def log_likelihood(self, x, theta):\n"
+                     "        mean = theta[..., :1] * torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) + theta[..., 1:]\n"
+                     "        return torch.distributions.Normal(mean, 0.3).log_prob(x).sum(-1)\n")
+    result = run_cli("run", "--settings-dir", str(folder))
+    assert result.returncode == 0, result.stderr
+    metrics = json.loads(next(root.glob("runs/*/*/metrics.json")).read_text())
+    assert metrics["pairwise"]["pairs"] == 32 and metrics["classification"]["auc"] > 0.5
+
+
+def data_source_digest(folder, module):
+    """The data key's source part of the study, computed in a fresh interpreter."""
+    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(folder)!r}]; import study, importlib; "
+            f"cls = importlib.import_module({module!r}).Line; "
+            "print(study.source_fingerprint(*study.experiment_sources(cls.__new__(cls), 'DATA_SOURCES')))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return result.stdout.strip()
+
+
+def test_editing_a_helper_the_simulator_calls_changes_the_data_key(tmp_path):
+    folder, module, _ = kit_study(tmp_path)
+    before = data_source_digest(folder, module)
+    source = folder / f"{module}.py"
+    source.write_text(source.read_text().replace("return 0.3", "return 0.4"))
+    assert data_source_digest(folder, module) != before
+
+
+METRICS = '''
+
+import numpy as np
+from nre_analysis import NREAnalysis
+from study import Metric
+
+
+class Extra(NREAnalysis):
+    metrics = {**NREAnalysis.metrics,
+               "numpy_mean": Metric(lambda ctx: {"value": np.float32(0.25), "list": np.arange(3)}),
+               "tensor": Metric(lambda ctx: {"value": torch.tensor([1.0])})}
+'''
+
+
+def test_numpy_metric_values_are_stored_and_a_tensor_fails_naming_the_metric(tmp_path):
+    module = module_name(tmp_path)
+    folder, _, root = kit_study(tmp_path, extra=METRICS,
+                                analysis=f'settings["analysis"] = "{module}:Extra"\nsettings["metrics"] = ["numpy_mean"]\n')
+    analysis = folder / "settings_analysis.py"
+    result = run_cli("run", "--settings-dir", str(folder))
+    assert result.returncode == 0, result.stderr
+    run_dir = next(root.glob("runs/*/*/metrics.json")).parent
+    assert json.loads((run_dir / "metrics" / "numpy_mean.json").read_text()) == {"value": 0.25, "list": [0, 1, 2]}
+    analysis.write_text(analysis.read_text().replace('["numpy_mean"]', '["tensor"]'))
+    result = run_cli("analyze", "--settings-dir", str(folder))
+    assert result.returncode == 1
+    assert "metric 'tensor'.value is a Tensor" in result.stdout + result.stderr
+
+
+def test_the_bundled_trainer_takes_the_data_artifact_train_receives(tmp_path):
+    rng = np.random.default_rng(0)
+    arrays = {f"{split}_{kind}": (rng.normal(size=(64, 3)) if kind == "inputs" else rng.integers(0, 2, 64))
+              .astype(np.float32) for split in ("train", "validation") for kind in ("inputs", "labels")}
+    store = Store(tmp_path / "root")
+
+    def build(writer):
+        for name, value in arrays.items():
+            writer.array(name, value)
+
+    artifact = store.get("training-data", {"test": 1}, build=build)
+    settings = {"epochs": 1, "batch_size": 16, "optimizer": "adam", "learning_rate": 1e-2}
+    rt = runtime.Runtime(device=torch.device("cpu"))
+    weights = [trainer.train(torch.manual_seed(0) and torch.nn.Linear(3, 1), data, settings, rt, 0)[0]
+               for data in (artifact, arrays, {k: torch.from_numpy(v) for k, v in arrays.items()})]
+    assert all(torch.equal(weights[0][k], other[k]) for other in weights[1:] for k in weights[0])
+    with pytest.raises(TypeError, match="dict of arrays or the data artifact"):
+        trainer.train(torch.nn.Linear(3, 1), [1, 2], settings, rt, 0)

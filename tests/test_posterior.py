@@ -1,0 +1,159 @@
+"""A trained model's posterior for one observation: against the analytic posterior, the analysis' own bounds,
+and the `infer` command."""
+import json
+import math
+import re
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
+
+import nnpd
+import posterior as post
+import priors
+import settings_analysis
+from conftest import run_cli, write_settings
+from store import restore
+from test_resolution import study_problem
+
+SIGMA = 2.0                 # the bundled problem's fixed standard deviation
+OBSERVATIONS = 15
+
+
+class ExactLogit(torch.nn.Module):
+    """A 'network' whose logit is the exact log-likelihood of rows [x, θ]: the evidence cancels on normalising."""
+
+    def __init__(self, problem):
+        super().__init__()
+        self.problem = problem
+
+    def forward(self, rows):
+        d = self.problem.dimension
+        return self.problem.log_likelihood(rows[:, :d].double(), rows[:, d:].double()).float()
+
+
+def exact_posterior(dimension, prior_settings=None, truth=None, kind="adaptive"):
+    """The posterior object of the exact likelihood under a prior, for observations simulated at a truth."""
+    problem = study_problem(dimension)
+    prior = priors.make_prior(problem, prior_settings or {"family": "uniform"})
+    truth = torch.full((dimension,), 5.0, dtype=torch.float64) if truth is None else truth
+    x = problem.simulate(truth.expand(OBSERVATIONS, -1), torch.Generator().manual_seed(7))
+    analysis = settings_analysis.make_settings("default")
+    analysis["inference"]["candidates"].update(kind=kind, candidate_count=4096, coarse_count=512)
+    return post.for_observation(problem, prior, ExactLogit(problem), analysis, x, seed=1), x
+
+
+@pytest.mark.parametrize("dimension", [1, 3])
+def test_samples_match_the_analytic_posterior(dimension):
+    posterior, x = exact_posterior(dimension)
+    samples = posterior.sample(4000, seed=0)
+    # Means inferred, σ known, flat prior far from the box's edges: N(x̄, σ²/m) per axis.
+    mean, sd = x.mean(0), SIGMA / math.sqrt(OBSERVATIONS)
+    effective = min(4000, posterior.ess)
+    assert posterior.ess > 500
+    assert torch.all((samples.mean(0) - mean).abs() < 4 * sd / math.sqrt(effective))
+    assert torch.all((posterior.mean() - mean).abs() < 4 * sd / math.sqrt(posterior.ess))
+    covariance = torch.cov(samples.T).reshape(dimension, dimension)
+    tolerance = 4 * sd * sd * math.sqrt(2 / effective)
+    assert torch.all((covariance - sd * sd * torch.eye(dimension, dtype=torch.float64)).abs() < tolerance)
+    region = posterior.hpd(0.68)
+    if dimension == 1:   # the 68% interval is x̄ ± 0.994 sd
+        assert region["lower"][0] == pytest.approx(float(mean[0]) - 0.9945 * sd, abs=0.05 * sd)
+        assert region["upper"][0] == pytest.approx(float(mean[0]) + 0.9945 * sd, abs=0.05 * sd)
+    assert region["mass"] >= 0.68
+    theta = samples[:5]
+    density = posterior.log_prob(theta)
+    analytic = torch.distributions.Normal(mean, sd).log_prob(theta).sum(-1)
+    assert torch.allclose(density, analytic, atol=0.02)     # normalised by the design's measure weights
+
+
+@hsettings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 300), lattice=st.booleans())
+def test_sampling_is_deterministic_from_its_seed_and_stays_in_the_support(seed, n, lattice):
+    posterior = LATTICE if lattice else EDGE
+    first, again = posterior.sample(n, seed), posterior.sample(n, seed)
+    assert torch.equal(first, again) and first.shape == (n, 1)
+    assert bool(((first >= 0.0) & (first <= 10.0)).all())
+    if lattice:    # on the bundled 0.2 lattice
+        assert torch.allclose(first / 0.2, torch.round(first / 0.2), atol=1e-9)
+
+
+# A posterior against the box's edge (the truth at 0.3) and one on the grid prior's lattice.
+EDGE = exact_posterior(1, truth=torch.tensor([0.3], dtype=torch.float64))[0]
+LATTICE = exact_posterior(1, {"family": "grid"})[0]
+
+
+def test_a_posterior_too_poorly_resolved_to_resample_is_refused():
+    posterior, _ = exact_posterior(3, kind="sobol")    # 4096 fixed points over [0, 10]^3: few near the mass
+    with pytest.raises(post.PosteriorError, match="effective candidates"):
+        posterior.sample(10, 0)
+
+
+# ---------------------------------------------------------------- through restore and the command line
+
+@pytest.fixture(scope="module")
+def analysed(tmp_path_factory):
+    """A tiny smoke study on adaptive candidates, run and analysed (retaining every case's design)."""
+    folder = tmp_path_factory.mktemp("posterior")
+    study = write_settings(folder / "settings", folder / "out", training='settings["cohort"]["priors"] = ["uniform", "grid"]\n',
+                           analysis='settings["inference"]["candidates"].update(kind="adaptive", candidate_count=512, '
+                                    'coarse_count=64)\n')
+    result = run_cli("run", "--settings-dir", str(study))
+    assert result.returncode == 0, result.stderr
+    return folder / "out"
+
+
+def test_hpd_bounds_equal_the_analysis_bounds_of_the_same_case(analysed):
+    for run_json in sorted(analysed.glob("runs/*/*/run.json")):
+        restored = restore(run_json.parent)
+        truths, observations = restored.array("truths", "truths"), restored.array("observations", "observations")
+        settings = restored.json("analysis")["settings"]
+        for case in range(len(truths)):
+            posterior = restored.experiment.posterior(restored.member, restored.model, settings, observations[case],
+                                                      truth=truths[case], case=case)
+            for i, level in enumerate(settings["inference"]["levels"]):
+                region = posterior.hpd(level)
+                assert region["lower"] == restored.array("learned", "posterior_lower")[case, i].tolist()
+                assert region["upper"] == restored.array("learned", "posterior_upper")[case, i].tolist()
+            assert posterior.mode().tolist() == restored.array("learned", "posterior_mode")[case].tolist()
+        assert restored.posterior(observations[0]).summary()["hpd"].keys() == {"0.68", "0.95"}
+
+
+def test_infer_writes_a_summary_samples_and_a_corner_plot(analysed, tmp_path):
+    run = next(analysed.glob("runs/*/uniform-r0-*"))
+    restored = restore(run)
+    np.save(tmp_path / "x.npy", restored.array("observations", "observations")[2])
+    np.save(tmp_path / "truth.npy", restored.array("truths", "truths")[2])
+    result = run_cli("infer", str(run), "--observations", str(tmp_path / "x.npy"), "--truth", str(tmp_path / "truth.npy"),
+                     "--samples", "500", "--plot")
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "x-uniform-r0.posterior.json").read_text())
+    assert summary["samples"] == 500 and summary["parameters"] == ["mean:0"] and summary["ess"] > 0
+    assert set(summary["hpd"]) == {"0.68", "0.95"} and len(summary["hpd"]["0.95"]["lower"]) == 1
+    samples = np.load(tmp_path / "x-uniform-r0.samples.npy")
+    assert samples.shape == (500, 1) and np.all((samples >= 0) & (samples <= 10))
+    assert (tmp_path / "x-uniform-r0.corner.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("content, message", [
+    (np.zeros((3, 2)), r"shape \(3, 2\): expected finite numbers of shape \(1,\)"),
+    (np.array([np.nan]), "expected finite numbers"),
+    (b"not numpy", "not a readable .npy file"),
+])
+def test_infer_refuses_a_bad_observation_with_one_line_and_writes_nothing(analysed, tmp_path, capsys, content, message):
+    run = next(analysed.glob("runs/*/uniform-r0-*"))
+    path = tmp_path / "bad.npy"
+    path.write_bytes(content) if isinstance(content, bytes) else np.save(path, content)
+    assert nnpd.main(["infer", str(run), "--observations", str(path), "--plot"]) == 2     # the command line, in-process
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nnpd: error:")
+    assert re.search(message, lines[0]), lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npy"]
+
+
+def test_infer_names_a_missing_run(tmp_path, capsys):
+    np.save(tmp_path / "x.npy", np.zeros(1))
+    assert nnpd.main(["infer", str(tmp_path / "nowhere"), "--observations", str(tmp_path / "x.npy")]) == 2
+    assert "not a run folder" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
