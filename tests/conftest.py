@@ -1,4 +1,6 @@
 """Shared fixtures: tiny settings files written into a temporary directory."""
+import concurrent.futures
+import functools
 import os
 import subprocess
 import sys
@@ -50,6 +52,18 @@ def study_dir(tmp_path):
     return write_settings(tmp_path / "settings", tmp_path / "out")
 
 
+@pytest.fixture(scope="session")
+def trained_smoke_root(tmp_path_factory):
+    """An output root that `run` of the tiny smoke settings (study_dir's) made: for tests to copy, never to change.
+
+    Shared by the modules that each would train the same root (tests/test_root.py, tests/test_root_guards.py).
+    """
+    tmp = tmp_path_factory.mktemp("trained")
+    result = run_cli("run", "--settings-dir", str(write_settings(tmp / "s", tmp / "out")))
+    assert result.returncode == 0, result.stderr
+    return tmp / "out"
+
+
 def run_cli(*args, cwd=None, env=None, timeout=600):
     """Run `python nnpd.py ...` in a subprocess and return the completed process."""
     environment = {**os.environ, **(env or {})}
@@ -57,3 +71,68 @@ def run_cli(*args, cwd=None, env=None, timeout=600):
         environment.pop(name, None)
     return subprocess.run([sys.executable, str(REPO / "nnpd.py"), *args], cwd=cwd or REPO, env=environment,
                           capture_output=True, text=True, timeout=timeout)
+
+
+# ---------------------------------------------------------------- launches side by side
+
+def side_by_side(calls, limit=4):
+    """{key: call()} of independent zero-argument calls, made at the same time (at most `limit` at once).
+
+    Most of a small launch of nnpd is spent importing torch on one core, so on a machine of few
+    cores independent launches side by side end sooner than one after the other.
+    """
+    with concurrent.futures.ThreadPoolExecutor(max_workers=limit) as pool:
+        futures = {key: pool.submit(call) for key, call in calls.items()}
+    return {key: future.result() for key, future in futures.items()}
+
+
+def cases_to_run(request, test_name):
+    """The parameters ({name: value}) of the cases of `test_name`, a parametrized test of the requesting
+    module, that this session runs: those selected, less those a true skipif mark skips."""
+    found = []
+    for item in request.session.items:
+        if getattr(item, "module", None) is not request.module or getattr(item, "originalname", None) != test_name:
+            continue
+        if any(mark.args and mark.args[0] is True for mark in item.iter_markers("skipif")):
+            continue
+        found.append(item.callspec.params)
+    return found
+
+
+def case_key(params):
+    """A parametrized case's parameters as a dictionary key (lists among them too)."""
+    return repr(sorted(params.items()))
+
+
+def ahead(request, tmp_path_factory, test_name, case):
+    """`case(folder, **params)` of every case of `test_name` this session runs, side by side, each in a
+    new folder of its own: {case_key(params): (folder, its outcome)}.
+
+    For a module-scoped fixture of a parametrized test whose cases are independent launches; each
+    case of the test takes its own with made_ahead (a case that raised raises there).
+    """
+    calls, folders = {}, {}
+    for params in cases_to_run(request, test_name):
+        key = case_key(params)
+        folders[key] = tmp_path_factory.mktemp(test_name[5:40])
+        calls[key] = functools.partial(_outcome, case, folders[key], params)
+    return {key: (folders[key], outcome) for key, outcome in side_by_side(calls).items()}
+
+
+def _outcome(case, folder, params):
+    """(True, what case returned) or (False, the exception it raised)."""
+    try:
+        return True, case(folder, **params)
+    except Exception as error:          # handed to the case's own test
+        return False, error
+
+
+def made_ahead(made, case, folder, **params):
+    """(folder, what case returned) for this case as `ahead` made it; made now in `folder` if it was not."""
+    key = case_key(params)
+    if key not in made:
+        return folder, case(folder, **params)
+    folder, (returned, value) = made[key]
+    if not returned:
+        raise value
+    return folder, value

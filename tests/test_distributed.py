@@ -156,6 +156,7 @@ def test_a_rank_that_raises_mid_training_ends_the_launch_promptly(tmp_path):
         text = (toy / name).read_text().replace("OUTPUT_ROOT", str(tmp_path / "out"))
         text = text.replace('"parallel": "jobs"', '"parallel": "ddp"').replace('"timeout_minutes": 5',
                                                                              '"timeout_minutes": 10')
+        text = text.replace('"epochs": 6', '"epochs": 2')      # the poison stops the first epoch; the relaunch is short
         (settings / name).write_text(text.replace('"noise": 0.3}', '"noise": 0.3, "poison": True}'))
     # A rank left waiting would hang until the 10-minute group timeout, far past this 240 s guard.
     failed = torchrun("train", "--settings-dir", str(settings), timeout=240)

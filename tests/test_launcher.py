@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, ahead, made_ahead
 from test_docs import TIMEOUT, finish, toy_environment, toy_settings, train_command
 from test_preemption import saved_states, wait_for
 
@@ -17,7 +17,9 @@ STOPPED = "nnpd: torchrun stopped by SIGTERM after its workers stopped; the same
 
 
 def test_a_sigtermed_launch_ends_with_143_and_one_line_then_resumes(tmp_path):
-    settings = toy_settings(tmp_path, train=20000, epochs=8)         # three models, two workers
+    # Three models, two workers: each worker is still inside its first model when both saved a state
+    # (at their first epoch's end), and the resume trains what is left of four epochs.
+    settings = toy_settings(tmp_path, train=20000, epochs=4)
     agent = subprocess.Popen(train_command(LAUNCHER, "--standalone", "--nproc_per_node=2", settings=settings),
                              env=toy_environment(), cwd=REPO, text=True, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE)
@@ -37,14 +39,33 @@ def test_a_sigtermed_launch_ends_with_143_and_one_line_then_resumes(tmp_path):
     assert not saved_states(tmp_path / "out")
 
 
+LAUNCHERS = ([LAUNCHER], ["-m", "torch.distributed.run"])
+
+
+def launch_both(folder, arguments, status, says):
+    """launcher.py and torchrun with `arguments` in `folder` (which has fails.py), side by side:
+    [(launcher, exit status, output)] (a failed worker's rendezvous is --standalone: they do not meet)."""
+    (folder / "fails.py").write_text("import sys\nsys.exit(3)\n")
+    agents = [subprocess.Popen([sys.executable, *launcher, *arguments], env=toy_environment(), cwd=folder,
+                               text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for launcher in LAUNCHERS]
+    endings = []
+    for launcher, agent in zip(LAUNCHERS, agents):
+        output = finish(agent)
+        endings.append((launcher, agent.returncode, output))
+    return endings
+
+
+@pytest.fixture(scope="module")
+def other_endings(request, tmp_path_factory):
+    """The launches of the cases below, made side by side before the first one."""
+    return ahead(request, tmp_path_factory, "test_any_other_ending_is_torchruns_own", launch_both)
+
+
 @pytest.mark.parametrize("arguments, status, says", [
     (["--standalone", "--nproc_per_node=1", "fails.py"], 1, "ChildFailedError"),
     (["--no-such-option"], 2, "usage:"),
 ], ids=["a failed worker", "a usage error"])
-def test_any_other_ending_is_torchruns_own(tmp_path, arguments, status, says):
-    (tmp_path / "fails.py").write_text("import sys\nsys.exit(3)\n")
-    for launcher in ([LAUNCHER], ["-m", "torch.distributed.run"]):          # the same ending from both
-        agent = subprocess.Popen([sys.executable, *launcher, *arguments], env=toy_environment(), cwd=tmp_path,
-                                 text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        output = finish(agent)
-        assert agent.returncode == status and says in output and "nnpd:" not in output, (launcher, output)
+def test_any_other_ending_is_torchruns_own(other_endings, tmp_path, arguments, status, says):
+    _, endings = made_ahead(other_endings, launch_both, tmp_path, arguments=arguments, status=status, says=says)
+    for launcher, returncode, output in endings:                          # the same ending from both
+        assert returncode == status and says in output and "nnpd:" not in output, (launcher, output)

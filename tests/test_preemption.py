@@ -183,7 +183,7 @@ def test_workers_stop_when_the_agent_dies_and_a_relaunch_completes(tmp_path):
     process.wait()
     # Each worker notices within its watch interval (2 s) and stops within its grace (10 s).
     wait_for(lambda: not any(alive(pid) for pid in workers), "the orphaned workers to stop", seconds=30)
-    settings = settings_for(tmp_path, two_models)          # a shorter training for the relaunch
+    settings = settings_for(tmp_path, two_models + 'settings["training"]["epochs"] = 1\n')   # a short relaunch
     again = finish(command(settings, workers=2))
     assert again.returncode == 0, again.stdout + again.stderr
     assert not list((tmp_path / "out" / "locks").glob("launch-*"))

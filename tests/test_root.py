@@ -1,4 +1,5 @@
 """The output root is nnpd's alone: ownership, links, concurrent launches, repair, hostile run folders."""
+import functools
 import json
 import os
 import resource
@@ -10,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, run_cli, write_settings
+from conftest import REPO, ahead, made_ahead, run_cli, write_settings
 from store import ROOT_MARKER, DamagedArtifact, record_checksum, restore
 
 
@@ -27,13 +28,9 @@ def one_error_line(result):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A run smoke root (tiny settings), reused read-only or copied by the tests below."""
-    tmp = tmp_path_factory.mktemp("trained")
-    settings = write_settings(tmp / "s", tmp / "out")
-    result = run_cli("run", "--settings-dir", str(settings))
-    assert result.returncode == 0, result.stderr
-    return tmp, settings
+def trained(trained_smoke_root):
+    """A run smoke root (tiny settings), reused read-only or copied by the tests below: (its folder, settings)."""
+    return trained_smoke_root.parent, trained_smoke_root.parent / "s"
 
 
 def copy_root(trained, tmp_path):
@@ -59,11 +56,21 @@ def test_a_users_folder_is_refused_and_left_untouched(tmp_path):
     assert files_with_content(root) == before
 
 
+def train_into(folder, root, words):
+    """`train` with the output root `root`, the settings in `folder`."""
+    return run_cli("train", "--settings-dir", str(write_settings(folder / "s", Path(root).expanduser())))
+
+
+@pytest.fixture(scope="module")
+def wrong_root_launches(request, tmp_path_factory):
+    """The launches of the cases below, made side by side before the first one."""
+    return ahead(request, tmp_path_factory, "test_obviously_wrong_roots_are_refused", train_into)
+
+
 @pytest.mark.parametrize("root, words", [("/", "choose a folder of its own"), ("~", "choose a folder of its own"),
                                          ("/dev/null", "not a folder")])
-def test_obviously_wrong_roots_are_refused(tmp_path, root, words):
-    settings = write_settings(tmp_path / "s", Path(root).expanduser())
-    result = run_cli("train", "--settings-dir", str(settings))
+def test_obviously_wrong_roots_are_refused(wrong_root_launches, tmp_path, root, words):
+    _, result = made_ahead(wrong_root_launches, train_into, tmp_path, root=root, words=words)
     assert result.returncode == 1 and words in one_error_line(result)
 
 
@@ -188,18 +195,33 @@ def test_a_deleted_artifacts_json_is_rewritten_without_retraining(trained, tmp_p
     assert restore(run).member["prior"] == "uniform"
 
 
-@pytest.mark.parametrize("name", ["status.json", "analysis.json", "artifacts.json", "run.json", "metrics.json",
-                                  "history.json"])
-def test_an_unreadable_record_is_redone_with_one_warning(trained, tmp_path, name):
-    settings = copy_root(trained, tmp_path)
-    root = tmp_path / "out"
+def redo_unreadable(trained, folder, name):
+    """In a copy of the trained root in `folder`, make record `name` unreadable, `run`, then `verify`:
+    (the run, the record's bytes after it or None, the verify)."""
+    settings = copy_root(trained, folder)
+    root = folder / "out"
     path = root / name if name == "history.json" else next(root.glob("runs/*/normal-*")) / name
     path.write_bytes(b"\xff{not json")
     result = run_cli("run", "--settings-dir", str(settings))
+    written = path.read_bytes() if path.is_file() else None
+    return result, written, run_cli("verify", "--settings-dir", str(settings))
+
+
+@pytest.fixture(scope="module")
+def redone(request, tmp_path_factory, trained):
+    """The launches of the cases below, made side by side before the first one."""
+    return ahead(request, tmp_path_factory, "test_an_unreadable_record_is_redone_with_one_warning",
+                 functools.partial(redo_unreadable, trained))
+
+
+@pytest.mark.parametrize("name", ["status.json", "analysis.json", "artifacts.json", "run.json", "metrics.json",
+                                  "history.json"])
+def test_an_unreadable_record_is_redone_with_one_warning(trained, redone, tmp_path, name):
+    _, (result, written, checked) = made_ahead(redone, functools.partial(redo_unreadable, trained), tmp_path,
+                                               name=name)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "warning" in result.stderr
-    assert json.loads(path.read_text())                     # written again, readable
-    checked = run_cli("verify", "--settings-dir", str(settings))
+    assert written is not None and json.loads(written.decode())      # written again, readable
     assert checked.returncode == 0, checked.stdout
 
 

@@ -1,6 +1,7 @@
 """Guards of the output root: links and odd files refused or repaired before anything is written,
 folders nnpd does not own left alone by verify and plan, leftovers of killed writes removed,
 a full disk named in one line, and `~` in output.root."""
+import functools
 import json
 import os
 import shutil
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, run_cli, write_settings
+from conftest import REPO, ahead, made_ahead, run_cli, write_settings
 from runs import source_snapshot
 from test_root import limit_file_size, one_error_line
 
@@ -30,12 +31,9 @@ def tree(folder):
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(trained_smoke_root):
     """A root the tiny smoke settings ran in, copied by the tests below."""
-    tmp = tmp_path_factory.mktemp("trained")
-    result = run_cli("run", "--settings-dir", str(write_settings(tmp / "s", tmp / "out")))
-    assert result.returncode == 0, result.stderr
-    return tmp / "out"
+    return trained_smoke_root
 
 
 def copy_root(trained, tmp_path, **patches):
@@ -71,41 +69,89 @@ def assert_refused_link(result, link):
 
 # ---------------------------------------------------------------- links: refused before anything is written
 
-@pytest.mark.parametrize("where", ["folder", "state"])
-def test_a_link_under_scratch_is_refused_and_what_it_points_to_is_kept(trained, tmp_path, where):
-    root, settings = copy_root(trained, tmp_path)
+def train_through_a_scratch_link(trained, folder, where):
+    """`train` a copy of the trained root in `folder` with a model to train again and a link under scratch/:
+    (the launch, the link, the folder it points into, that folder's tree before, the model's entry)."""
+    root, settings = copy_root(trained, folder)
     model = next((root / "cache" / "model").iterdir())
     shutil.rmtree(model)                                # so that one model trains again, using scratch/
     state = f"{model.name}.pt"
-    outside = outside_folder(tmp_path, {state: b"precious", "notes.txt": b"mine"})
+    outside = outside_folder(folder, {state: b"precious", "notes.txt": b"mine"})
     link = root / "scratch" / "model" if where == "folder" else root / "scratch" / "model" / state
     link_in_place(link, outside if where == "folder" else outside / state)
     before = tree(outside)
-    result = run_cli("train", "--settings-dir", str(settings))
+    return run_cli("train", "--settings-dir", str(settings)), link, outside, before, model
+
+
+@pytest.fixture(scope="module")
+def scratch_link_launches(request, tmp_path_factory, trained):
+    """The launches of the cases below, made side by side before the first one."""
+    return ahead(request, tmp_path_factory, "test_a_link_under_scratch_is_refused_and_what_it_points_to_is_kept",
+                 functools.partial(train_through_a_scratch_link, trained))
+
+
+@pytest.mark.parametrize("where", ["folder", "state"])
+def test_a_link_under_scratch_is_refused_and_what_it_points_to_is_kept(trained, scratch_link_launches, tmp_path,
+                                                                       where):
+    _, (result, link, outside, before, model) = made_ahead(
+        scratch_link_launches, functools.partial(train_through_a_scratch_link, trained), tmp_path, where=where)
     assert_refused_link(result, link)
     assert tree(outside) == before
     assert not model.exists()                           # nothing was trained through the link
 
 
-@pytest.mark.parametrize("action", ["train", "verify"])
-def test_a_linked_locks_folder_is_refused_before_any_lock_file_is_made(trained, tmp_path, action):
-    root, settings = copy_root(trained, tmp_path)
-    outside = outside_folder(tmp_path)
+def act_through_a_linked_locks_folder(trained, folder, action):
+    """`action` on a copy of the trained root in `folder` whose locks/ is a link: (the launch, root, link target)."""
+    root, settings = copy_root(trained, folder)
+    outside = outside_folder(folder)
     link_in_place(root / "locks", outside)
-    assert_refused_link(run_cli(action, "--settings-dir", str(settings)), root / "locks")
+    return run_cli(action, "--settings-dir", str(settings)), root, outside
+
+
+@pytest.fixture(scope="module")
+def linked_locks_launches(request, tmp_path_factory, trained):
+    """The launches of the cases below, made side by side before the first one."""
+    return ahead(request, tmp_path_factory, "test_a_linked_locks_folder_is_refused_before_any_lock_file_is_made",
+                 functools.partial(act_through_a_linked_locks_folder, trained))
+
+
+@pytest.mark.parametrize("action", ["train", "verify"])
+def test_a_linked_locks_folder_is_refused_before_any_lock_file_is_made(trained, linked_locks_launches, tmp_path,
+                                                                       action):
+    _, (result, root, outside) = made_ahead(
+        linked_locks_launches, functools.partial(act_through_a_linked_locks_folder, trained), tmp_path, action=action)
+    assert_refused_link(result, root / "locks")
     assert tree(outside) == {}
 
 
-@pytest.mark.parametrize("linked", ["damaged", "damaged/model"])
-def test_verify_never_moves_an_entry_out_of_the_root_through_a_linked_damaged_folder(trained, tmp_path, linked):
-    root, settings = copy_root(trained, tmp_path)
+def verify_through_a_linked_damaged_folder(trained, folder, linked):
+    """`verify` a copy of the trained root in `folder` with damaged weights and `linked` a link:
+    (the launch, root, link target, the damaged weights)."""
+    root, settings = copy_root(trained, folder)
     weights = next(root.glob("cache/model/*/weights.pt"))
     data = bytearray(weights.read_bytes())
     data[len(data) // 2] ^= 0xFF                        # damage that verify finds and would move aside
     weights.write_bytes(bytes(data))
-    outside = outside_folder(tmp_path)
+    outside = outside_folder(folder)
     link_in_place(root / linked, outside)
-    assert_refused_link(run_cli("verify", "--settings-dir", str(settings)), root / linked)
+    return run_cli("verify", "--settings-dir", str(settings)), root, outside, weights
+
+
+@pytest.fixture(scope="module")
+def linked_damaged_launches(request, tmp_path_factory, trained):
+    """The launches of the cases below, made side by side before the first one."""
+    return ahead(request, tmp_path_factory,
+                 "test_verify_never_moves_an_entry_out_of_the_root_through_a_linked_damaged_folder",
+                 functools.partial(verify_through_a_linked_damaged_folder, trained))
+
+
+@pytest.mark.parametrize("linked", ["damaged", "damaged/model"])
+def test_verify_never_moves_an_entry_out_of_the_root_through_a_linked_damaged_folder(trained, linked_damaged_launches,
+                                                                                      tmp_path, linked):
+    _, (result, root, outside, weights) = made_ahead(
+        linked_damaged_launches, functools.partial(verify_through_a_linked_damaged_folder, trained), tmp_path,
+        linked=linked)
+    assert_refused_link(result, root / linked)
     assert tree(outside) == {} and weights.is_file()
 
 
@@ -216,14 +262,25 @@ def test_a_short_write_of_numpy_or_torch_names_the_full_disk(tmp_path, writer):
 
 # ---------------------------------------------------------------- plan checks the output root; `~`
 
+def plan_in(folder, root, words):
+    """`plan` with the output root `root`, run in `folder`, which holds the settings."""
+    return run_cli("plan", "--settings-dir", str(write_settings(folder / "s", root)), cwd=folder)
+
+
+@pytest.fixture(scope="module")
+def plans_of_refused_roots(request, tmp_path_factory):
+    """The launches of the cases below, made side by side before the first one."""
+    return ahead(request, tmp_path_factory, "test_plan_reports_the_roots_a_launch_refuses", plan_in)
+
+
 @pytest.mark.parametrize("root, words", [("/", "choose a folder of its own"), ("~", "choose a folder of its own"),
                                          ("/dev/null", "not a folder")])
-def test_plan_reports_the_roots_a_launch_refuses(tmp_path, root, words):
-    result = run_cli("plan", "--settings-dir", str(write_settings(tmp_path / "s", root)), cwd=tmp_path)
+def test_plan_reports_the_roots_a_launch_refuses(plans_of_refused_roots, tmp_path, root, words):
+    folder, result = made_ahead(plans_of_refused_roots, plan_in, tmp_path, root=root, words=words)
     assert result.returncode == 2
     assert any(words in error for error in json.loads(result.stdout)["errors"])
     assert words in one_error_line(result) and one_error_line(result).startswith("nnpd: settings error:")
-    assert not (tmp_path / "~").exists()
+    assert not (folder / "~").exists()
 
 
 def test_plan_reports_a_folder_nnpd_does_not_own(tmp_path):

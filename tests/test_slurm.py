@@ -63,7 +63,8 @@ SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/builtin
 # A requeued job becomes eligible on its own; the scheduler looks for it every second, not every minute.
-SchedulerParameters=sched_interval=1
+# A submitted batch job is scheduled at once, not up to 3 s later (batch_sched_delay, for high submit rates).
+SchedulerParameters=sched_interval=1,batch_sched_delay=0
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 MpiDefault=none
@@ -222,7 +223,9 @@ class Study:
 
     def __init__(self, cluster, folder, nodes, workers):
         self.cluster, self.folder, self.nodes, self.workers = cluster, folder, nodes, workers
-        self.settings = toy_settings(folder, train=20000, epochs=8)     # three models: they train for seconds
+        # Three models that train for seconds: every worker is still inside its first model when all
+        # have saved a state (at their first epoch's end), and the resumed job trains the rest.
+        self.settings = toy_settings(folder, train=20000, epochs=4)
         self.root = folder / "out"
         self.port = free_port()
 

@@ -12,7 +12,7 @@ import torch
 import nnpd
 import study
 import timings
-from conftest import REPO, run_cli, write_settings
+from conftest import REPO, ahead, made_ahead, run_cli, write_settings
 from test_distributed import torchrun
 
 STEP = {"train.forward", "train.loss", "train.backward", "train.optimizer", "train.validation"}
@@ -144,14 +144,24 @@ def test_probes_off_launch_works_and_records_no_phases(tmp_path):
     assert launch["probes"] == "off" and launch["workers"]["0"]["phases"] == {}
 
 
+def train_with_switch(folder, name, value):
+    """`train` of tiny settings in `folder` with the environment variable `name` set to `value`."""
+    return run_cli("train", "--settings-dir", str(write_settings(folder / "s", folder / "out")), env={name: value})
+
+
+@pytest.fixture(scope="module")
+def bad_switch_launches(request, tmp_path_factory):
+    """The launches of the cases below, made side by side before the first one."""
+    return ahead(request, tmp_path_factory, "test_a_bad_probes_switch_is_one_line_and_exit_two", train_with_switch)
+
+
 @pytest.mark.parametrize("name, value", [("NNPD_PROBES", "fast"), ("NNPD_PROBES_CUDA", "yes")])
-def test_a_bad_probes_switch_is_one_line_and_exit_two(tmp_path, name, value):
-    settings = write_settings(tmp_path / "s", tmp_path / "out")
-    done = run_cli("train", "--settings-dir", str(settings), env={name: value})
+def test_a_bad_probes_switch_is_one_line_and_exit_two(bad_switch_launches, tmp_path, name, value):
+    folder, done = made_ahead(bad_switch_launches, train_with_switch, tmp_path, name=name, value=value)
     assert done.returncode == 2
     assert done.stderr.strip().splitlines() == [done.stderr.strip()]       # one line, no traceback
     assert done.stderr.startswith(f"nnpd: settings error: {name}={value!r} is not valid")
-    assert not (tmp_path / "out").exists()
+    assert not (folder / "out").exists()
 
 
 def test_ddp_launch_writes_both_workers_phases_with_communication(tmp_path):
