@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_cli, write_settings
+from conftest import REPO, ahead, made_ahead, run_cli, write_settings
 
 
 def files_under(path):
@@ -74,16 +74,30 @@ USER_ERRORS = [
 ]
 
 
+def user_error_launch(folder, training, analysis, action, named):
+    """One case's launch, its settings and output root in `folder`."""
+    settings = write_settings(folder / "s", folder / "out", training=training, analysis=analysis)
+    return run_cli(action, "--settings-dir", str(settings))
+
+
+@pytest.fixture(scope="module")
+def user_error_launches(request, tmp_path_factory):
+    """The launches of the cases below, made side by side before the first one."""
+    return ahead(request, tmp_path_factory, "test_user_errors_exit_with_one_clear_line_and_write_nothing",
+                 user_error_launch)
+
+
 @pytest.mark.parametrize("training, analysis, action, named", USER_ERRORS)
-def test_user_errors_exit_with_one_clear_line_and_write_nothing(tmp_path, training, analysis, action, named):
-    settings = write_settings(tmp_path / "s", tmp_path / "out", training=training, analysis=analysis)
-    result = run_cli(action, "--settings-dir", str(settings))
+def test_user_errors_exit_with_one_clear_line_and_write_nothing(user_error_launches, tmp_path, training, analysis,
+                                                                action, named):
+    folder, result = made_ahead(user_error_launches, user_error_launch, tmp_path, training=training,
+                                analysis=analysis, action=action, named=named)
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("nnpd:"), result.stderr
     assert named in lines[0]
     assert "Traceback" not in result.stderr
-    assert not (tmp_path / "out").exists()
+    assert not (folder / "out").exists()
 
 
 def test_unknown_profile_lists_the_known_ones(tmp_path):
