@@ -171,6 +171,7 @@ def draw_corner(figure, posterior, samples, truth):
                         axis.axvline(bound, color="tab:orange", linestyle=style,
                                      label=f"{level:g} HPD bounds" if bound == region["lower"][i] else None)
                 axis.set_title(posterior.names[i], fontsize="small")
+                axis.set_ylabel("posterior density")
             else:
                 axis.hist2d(samples[:, j], samples[:, i], bins=40, cmap="Blues")
                 axis.set_ylabel(posterior.names[i])
@@ -181,6 +182,5 @@ def draw_corner(figure, posterior, samples, truth):
                     axis.plot(truth[j], truth[i], "o", color="tab:red", markersize=4)
             axis.set_xlabel(posterior.names[j])
     axes[0][0].legend(fontsize="x-small")
-    axes[0][0].set_ylabel("posterior density" if p == 1 else posterior.names[0])
     figure.suptitle(f"Posterior for the observation\n{len(samples)} samples, {posterior.ess:.0f} effective candidates",
                     fontsize="medium")

@@ -147,3 +147,20 @@ def test_restore_gives_the_analysed_model(trained, monkeypatch):
     with torch.no_grad():
         scores = [restored.model(torch.cat([x, theta.expand(256, 2)], 1).float()).mean() for theta in (truth, other)]
     assert scores[0] > scores[1] + 1.0
+
+
+def test_infer_gives_the_posterior_of_an_observation_with_a_corner_plot(trained, tmp_path):
+    root, _, _ = trained
+    run = next(root.glob("runs/*/uniform-r0-*"))
+    restored = restore(run, device="cpu")
+    np.save(tmp_path / "lifetimes.npy", restored.array("observations", "observations")[5])
+    np.save(tmp_path / "truth.npy", restored.array("truths", "truths")[5])
+    result = run_cli("infer", str(run), "--observations", str(tmp_path / "lifetimes.npy"), "--truth",
+                     str(tmp_path / "truth.npy"), "--samples", "800", "--plot", env=NO_PYTHONPATH)
+    assert result.returncode == 0, result.stderr
+    summary = json.loads((tmp_path / "lifetimes-uniform-r0.posterior.json").read_text())
+    assert summary["parameters"] == ["shape", "scale"] and len(summary["hpd"]["0.95"]["upper"]) == 2
+    samples = np.load(tmp_path / "lifetimes-uniform-r0.samples.npy")
+    assert samples.shape == (800, 2)
+    assert np.all((samples >= [0.5, 0.5]) & (samples <= [3.0, 2.0]))      # inside the parameters' box
+    assert (tmp_path / "lifetimes-uniform-r0.corner.png").read_bytes()[:4] == b"\x89PNG"
