@@ -285,64 +285,128 @@ def make_candidates(low, high, lattice_steps, settings, seed):
 # Scores
 # ---------------------------------------------------------------------------
 
-def _block_candidates(m, count, chunk_rows):
-    """Candidates per network call: fixed by EVAL_BLOCK_ROWS unless chunk_rows is smaller.
+class CallPolicy(NamedTuple):
+    """How the analysis sizes its work on a device: rows per network call, bytes per block of cases."""
+    rows_per_call: int
+    block_bytes: int
 
-    The candidates are spread evenly over the fewest blocks that fit, so the last block
-    is not mostly padding; every block still has the same shape.
+
+CPU_BLOCK_BYTES = 256 << 20     # a block of cases' refinement arrays on the host
+CUDA_MEMORY_SHARE = 0.25        # of the free device memory: a network call's activations, and a block's arrays
+CUDA_MAX_ROWS = 1 << 24         # the most rows of one network call on CUDA
+
+
+def call_policy(device_type, chunk_rows, row_bytes=1024, free_bytes=None):
+    """Rows per network call and the bytes a block of cases may use, for a device type.
+
+    On the CPU a call holds EVAL_BLOCK_ROWS rows, whose activations stay in cache. On
+    CUDA a call holds as many rows as a share of the free memory allows at `row_bytes`
+    each, up to 2^24 (about 9.5 million for the bundled network at d = 6 with 80 GB free); `free_bytes`
+    defaults to what the device reports. chunk_rows caps the rows of a call on every device.
     """
-    rows = min(EVAL_BLOCK_ROWS, int(chunk_rows))
-    if rows < 1:
+    if int(chunk_rows) < 1:
         raise ValueError(f"chunk_rows must be at least 1, got {chunk_rows}")
-    largest = max(1, min(rows // m, count))
-    blocks = -(-count // largest)
-    return -(-count // blocks)
+    if device_type != "cuda":
+        return CallPolicy(min(EVAL_BLOCK_ROWS, int(chunk_rows)), CPU_BLOCK_BYTES)
+    if free_bytes is None:
+        free_bytes = torch.cuda.mem_get_info()[0]
+    budget = int(CUDA_MEMORY_SHARE * free_bytes)
+    rows = min(max(budget // max(int(row_bytes), 1), ROW_PAD), CUDA_MAX_ROWS)
+    return CallPolicy(min(rows, int(chunk_rows)), budget)
 
 
-def _sum_over_observations(values):
-    """Sum a (c, m) block over m in float64; each row's order depends on m alone, not on c."""
-    return values.to(torch.float64).sum(dim=1)
+def network_row_bytes(model, input_width):
+    """Bytes one row of a network call takes at its widest: the input, and two float32 activations of
+    every layer the network has (a generous bound for an MLP or residual net)."""
+    widths = [module.out_features for module in model.modules() if isinstance(module, torch.nn.Linear)]
+    return 4 * (input_width + 2 * sum(widths)) if widths else 4096
 
 
-def ensemble_scores(logit_fn, observations, points, chunk_rows):
-    """S(θ) = Σ_k logit(x_k, θ) for every candidate, shape (K,) float64.
+def cases_per_block(cases, case_bytes, block_bytes):
+    """Cases refined together: as many as fit into block_bytes at case_bytes each (at least one)."""
+    return max(1, min(int(cases), int(block_bytes) // max(int(case_bytes), 1)))
 
-    Rows [x_k, θ] are built for whole candidates (all m observations) in blocks; the
-    network always sees the same fixed-size, zero-padded blocks while chunk_rows >=
-    EVAL_BLOCK_ROWS, so the scores are bitwise independent of chunk_rows there. Smaller
-    chunk_rows shrink the blocks (at least one candidate, padded to a multiple of ROW_PAD).
+
+def _candidates_per_call(m, count, rows_per_call):
+    """Candidates (all m observations each) per network call: the fewest calls that fit, evenly filled.
+
+    The candidates are spread evenly over the fewest calls that hold at most
+    rows_per_call rows, so the last call is not mostly padding.
     """
+    largest = max(1, min(int(rows_per_call) // m, count))
+    calls = -(-count // largest)
+    return -(-count // calls)
+
+
+class Evaluations:
+    """What a product's network calls did: rows evaluated, rows the calls held (padding too), calls."""
+
+    def __init__(self):
+        self.rows = self.call_rows = self.calls = 0
+
+    def add(self, rows, call_rows):
+        """Count one call of call_rows rows, `rows` of them real."""
+        self.rows += rows
+        self.call_rows += call_rows
+        self.calls += 1
+
+
+def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None):
+    """S(θ) = Σ_k logit(x_k, θ) of every case's candidates: observations (B, m, d), points (B, n, p)
+    -> (B, n) float64 on the observations' device. A single case's (m, d) and (n, p) give (n,).
+
+    Rows [x_k, θ] are built for whole candidates (all m observations), many cases per
+    call, into one buffer padded to a multiple of ROW_PAD; every row is computed on its
+    own, so a case's scores do not depend on the other cases of its block, and on the CPU
+    they are bitwise the same for every rows_per_call from EVAL_BLOCK_ROWS up. `counted`
+    (an Evaluations) counts the calls.
+    """
+    if observations.dim() == 2:
+        return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted)[0]
     x = observations.to(torch.float32)
-    (m, d), (count, p) = x.shape, points.shape
-    theta = points.to(device=x.device, dtype=torch.float32)
-    block = _block_candidates(m, count, chunk_rows)
-    # One input buffer for every block: the observations never change, only θ does.
+    (cases, m, d), (_, n, p) = x.shape, points.shape
+    theta = points.to(device=x.device, dtype=torch.float32).reshape(cases * n, p)
+    block = _candidates_per_call(m, cases * n, rows_per_call)
     rows = torch.zeros(-(-block * m // ROW_PAD) * ROW_PAD, d + p, dtype=torch.float32, device=x.device)
-    rows[:block * m, :d] = x.repeat(block, 1)
-    thetas = rows[:block * m, d:].view(block, m, p)
-    scores = torch.empty(count, dtype=torch.float64, device=x.device)
+    observed, thetas = rows[:block * m, :d].view(block, m, d), rows[:block * m, d:].view(block, m, p)
+    scores = torch.empty(cases * n, dtype=torch.float64, device=x.device)
+    held = None     # the case whose observations fill the whole buffer, if one does
     with torch.no_grad():
-        for start in range(0, count, block):
-            chunk = theta[start:start + block]
-            c = chunk.shape[0]
-            thetas[:c] = chunk[:, None, :]
+        for start in range(0, cases * n, block):
+            c = min(block, cases * n - start)
+            first, last = start // n, (start + c - 1) // n
+            if first != last:       # a call across cases: each candidate gets its own case's observations
+                observed[:c] = x[torch.arange(start, start + c, device=x.device) // n]
+                held = None
+            elif held != first:     # most calls lie within one case: its observations are copied once
+                observed[:] = x[first]
+                held = first
+            thetas[:c] = theta[start:start + c, None, :]
             logits = logit_fn(rows).reshape(-1)[:c * m].reshape(c, m)
             torch.sum(logits, dim=1, dtype=torch.float64, out=scores[start:start + c])
-    return scores.cpu()
+            if counted is not None:
+                counted.add(c * m, rows.shape[0])
+    return scores.reshape(cases, n)
 
 
 def exact_scores(log_likelihood, observations, points, chunk_rows=EVAL_BLOCK_ROWS):
-    """Σ_k log p(x_k | θ) per candidate with `log_likelihood(x (1,m,d), θ (c,1,p)) -> (c,m)`."""
-    x = observations.unsqueeze(0)
-    m, count = observations.shape[0], points.shape[0]
+    """Σ_k log p(x_k | θ) of every case's candidates, with `log_likelihood(x (c, m, d), θ (c, 1, p)) -> (c, m)`
+    broadcasting: observations (B, m, d), points (B, n, p) -> (B, n) float64 on the observations'
+    device; a single case's (m, d) and (n, p) give (n,). Each candidate's sum depends on its own
+    rows alone, whatever chunk_rows is."""
+    if observations.dim() == 2:
+        return exact_scores(log_likelihood, observations[None], points[None], chunk_rows)[0]
+    (cases, m, _), (_, n, p) = observations.shape, points.shape
+    theta = points.to(observations.device).reshape(cases * n, 1, p)
+    owner = torch.arange(cases, device=observations.device).repeat_interleave(n)
     block = max(1, int(chunk_rows) // m)
-    scores = torch.empty(count, dtype=torch.float64)
+    scores = torch.empty(cases * n, dtype=torch.float64, device=observations.device)
     with torch.no_grad():
-        for start in range(0, count, block):
-            theta = points[start:start + block].to(observations.device).unsqueeze(1)
-            values = log_likelihood(x, theta).reshape(theta.shape[0], m)
-            scores[start:start + theta.shape[0]] = _sum_over_observations(values).cpu()
-    return scores
+        for start in range(0, cases * n, block):
+            chunk = theta[start:start + block]
+            values = log_likelihood(observations[owner[start:start + block]], chunk).reshape(chunk.shape[0], m)
+            scores[start:start + chunk.shape[0]] = values.to(torch.float64).sum(dim=1)
+    return scores.reshape(cases, n)
 
 
 # ---------------------------------------------------------------------------
@@ -374,9 +438,25 @@ def _mass_above(sorted_scores, cumulative, values, side):
     return torch.where(count[:, 0] > 0, mass, torch.zeros_like(mass))
 
 
-def _summarise_block(scores, log_measure, points, truth_scores, levels):
-    """HLD summary of a block of cases (see hld_summaries)."""
+def _projected_bounds(points, order, last):
+    """Per case and level, the bounds (B, L, p) of the first last + 1 points in density order."""
+    lower = torch.empty(last.shape + points.shape[2:], dtype=torch.float64, device=points.device)
+    upper = torch.empty_like(lower)
+    for j in range(points.shape[2]):
+        column = torch.gather(points[:, :, j], 1, order)
+        lower[:, :, j] = torch.gather(torch.cummin(column, dim=1).values, 1, last)
+        upper[:, :, j] = torch.gather(torch.cummax(column, dim=1).values, 1, last)
+    return lower, upper
+
+
+def summarise_block(scores, log_measure, points, truth_scores, levels):
+    """HPD summaries of a block of cases as tensors on the scores' device (see hld_summaries).
+
+    scores (B, K); log_measure (K,) and points (K, p) shared by the cases, or each
+    case's own, (B, K) and (B, K, p).
+    """
     n, count = scores.shape
+    points = points.expand(n, -1, -1) if points.dim() == 2 else points
     log_mass = scores + log_measure
     log_normalizer = torch.logsumexp(log_mass, dim=1)
     q = torch.exp(log_mass - log_normalizer[:, None])
@@ -387,7 +467,7 @@ def _summarise_block(scores, log_measure, points, truth_scores, levels):
     sorted_q = torch.gather(q, 1, order)
     running = torch.cumsum(sorted_q, dim=1)
     cumulative = running / running[:, -1:]  # exact 1 at the end, so level 1 is reachable
-    level_t = torch.as_tensor(levels, dtype=torch.float64)
+    level_t = torch.as_tensor(levels, dtype=torch.float64, device=scores.device)
     reach = torch.searchsorted(cumulative, level_t.expand(n, -1).contiguous(), side="left")
     threshold = torch.gather(sorted_scores, 1, reach.clamp(max=count - 1))
     # Every tie at the cutoff joins: the region is the prefix of scores >= threshold.
@@ -403,18 +483,19 @@ def _summarise_block(scores, log_measure, points, truth_scores, levels):
     # With its ties (such as its own lattice point) the mass reaches credibility_upper.
     credibility = _mass_above(sorted_scores, cumulative, truth_scores, "left")
     credibility_upper = _mass_above(sorted_scores, cumulative, truth_scores, "right")
-    lower = torch.empty(n, len(levels), points.shape[1], dtype=torch.float64)
-    upper = torch.empty_like(lower)
-    for j in range(points.shape[1]):
-        column = points[:, j][order]
-        lower[:, :, j] = torch.gather(torch.cummin(column, dim=1).values, 1, last)
-        upper[:, :, j] = torch.gather(torch.cummax(column, dim=1).values, 1, last)
+    lower, upper = _projected_bounds(points, order, last)
     return {
         "lower": lower, "upper": upper, "mass": mass, "threshold": threshold,
         "covered": truth_scores[:, None] >= threshold,
-        "mode": points[order[:, 0]], "ess": ess, "log_normalizer": log_normalizer, "region_ess": region_ess,
+        "mode": points[torch.arange(n, device=scores.device), order[:, 0]], "ess": ess,
+        "log_normalizer": log_normalizer, "region_ess": region_ess,
         "credibility": credibility, "credibility_upper": credibility_upper,
     }
+
+
+def host_summary(summary):
+    """A block's summaries as numpy arrays on the host."""
+    return {key: value.cpu().numpy() for key, value in summary.items()}
 
 
 def hld_summaries(scores, log_measure, points, truth_scores, levels):
@@ -441,66 +522,17 @@ def hld_summaries(scores, log_measure, points, truth_scores, levels):
     levels = _check_levels(levels)
     _check_scores(scores, truth_scores)
     step = max(1, SUMMARY_CELLS // max(1, scores.shape[1]))
-    parts = [_summarise_block(scores[i:i + step], log_measure, points, truth_scores[i:i + step], levels)
+    parts = [host_summary(summarise_block(scores[i:i + step], log_measure, points, truth_scores[i:i + step], levels))
              for i in range(0, scores.shape[0], step)]
-    return {key: torch.cat([part[key] for part in parts]).numpy() for key in parts[0]}
+    return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}
 
 
 # ---------------------------------------------------------------------------
-# Adaptive candidates: a coarse global pass, then refined passes per case and target
+# Adaptive candidates: their sizes (adaptive.py refines them)
 # ---------------------------------------------------------------------------
 
-INFLATION = 1.5      # a refined proposal's sd over the density's estimated sd: wide enough not to clip it
-REACH = 4.0          # a refined box spans the proposal mean ± REACH proposal sds (and the modes found)
-MAX_SHRINK = 4.0     # a pass narrows the previous spread at most this much: few effective points mislead
 PROBE_RADII = 16     # first probe round: evenly spaced radii along each ray
 PROBE_REFINE = 16    # second round, per ray: points inside the brackets where the levels' regions end
-PROBE_REACH = 1.5    # rays reach this multiple of the farthest region point's Mahalanobis radius
-
-
-class Box(NamedTuple):
-    """The prior's support: bounds (p,) (lattice axes: first and last lattice point) and steps."""
-    low: torch.Tensor
-    high: torch.Tensor
-    lattice: torch.Tensor   # bool (p,)
-    step: torch.Tensor      # the lattice step, 1 on continuous axes
-
-    def half_cell(self):
-        """Half a lattice step on lattice axes, 0 elsewhere: a lattice point's cell reaches this far."""
-        return torch.where(self.lattice, self.step / 2, torch.zeros_like(self.step))
-
-    def log_measure(self):
-        """Log of the box's measure: Lebesgue on continuous axes, counting on lattice axes."""
-        counts = torch.round((self.high - self.low) / self.step) + 1
-        return float(torch.where(self.lattice, counts, self.high - self.low).log().sum())
-
-    def snap(self, values, low=None, high=None):
-        """Values clamped into [low, high] (the box by default), lattice axes rounded onto the lattice."""
-        low = self.low if low is None else low
-        high = self.high if high is None else high
-        k = torch.round((values - self.low) / self.step)
-        on_lattice = self.low + k * self.step
-        return torch.maximum(torch.minimum(torch.where(self.lattice, on_lattice, values), high), low)
-
-
-def support_box(low, high, lattice_steps):
-    """The Box of a prior's support; lattice axes end on their last lattice point."""
-    low, high = _as_f64(low), _as_f64(high)
-    _check_box(low, high)
-    lattice = torch.tensor([s is not None for s in lattice_steps])
-    step = torch.tensor([1.0 if s is None else float(s) for s in lattice_steps], dtype=torch.float64)
-    last = torch.tensor([float(lattice_support(a, b, s)[-1]) if s is not None else b
-                         for a, b, s in zip(low.tolist(), high.tolist(), lattice_steps)], dtype=torch.float64)
-    return Box(low, last, lattice, step)
-
-
-class Proposal(NamedTuple):
-    """A product of normals truncated to a box [low, high]; a lattice point takes its cell's mass."""
-    mean: torch.Tensor
-    sd: torch.Tensor
-    low: torch.Tensor
-    high: torch.Tensor
-    count: int              # points drawn from it
 
 
 def adaptive_sizes(p, settings, targets=1):
@@ -520,325 +552,6 @@ def adaptive_sizes(p, settings, targets=1):
                          f"and refinement_stages={stages} in {p} dimensions: it needs at least "
                          f"{coarse * (stages + 1) + probes}; raise candidate_count or lower coarse_count")
     return {"coarse": coarse, "passes": [coarse] * (stages - 1) + [last], "probes": probes, "total": total}
-
-
-def _log1mexp(x):
-    """log(1 − exp(x)) for x <= 0, accurate on both sides of −log 2."""
-    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
-
-
-def _log_normal_interval(a, b):
-    """log(Φ(b) − Φ(a)) for a <= b, accurate in both tails."""
-    upper = a > 0   # both in the upper tail: mirror into the lower one, where Φ keeps its digits
-    a, b = torch.where(upper, -b, a), torch.where(upper, -a, b)
-    log_b = torch.special.log_ndtr(b)
-    return log_b + _log1mexp(torch.special.log_ndtr(a) - log_b)
-
-
-def _standard_z(proposal, box):
-    """The proposal's support [low, high] (lattice cells included) in standard units."""
-    half = box.half_cell()
-    return (proposal.low - half - proposal.mean) / proposal.sd, (proposal.high + half - proposal.mean) / proposal.sd
-
-
-def draw_proposal(proposal, unit, box):
-    """Map unit-cube points (n, p) through the truncated normals' inverse CDF; lattice axes snap."""
-    za, zb = _standard_z(proposal, box)
-    pa, pb = torch.special.ndtr(za), torch.special.ndtr(zb)
-    z = torch.special.ndtri(pa + unit * (pb - pa))
-    values = proposal.mean + proposal.sd * torch.maximum(torch.minimum(z, zb), za)
-    return box.snap(values, proposal.low, proposal.high)
-
-
-def proposal_log_density(proposals, points, box):
-    """Log density (C, n) of stacked proposals (fields (C, p)) at points (n, p): Lebesgue ×
-    counting measure, −inf outside each proposal's box."""
-    inside = torch.ones(points.shape[0], proposals.mean.shape[0], dtype=torch.bool)
-    for j in range(points.shape[1]):
-        column = points[:, j:j + 1]
-        inside &= (column >= proposals.low[:, j]) & (column <= proposals.high[:, j])
-    continuous = ~box.lattice
-    x, mean, inverse = points[:, continuous], proposals.mean[:, continuous], proposals.sd[:, continuous] ** -2
-    # Σ_j (x_j − μ_j)²/σ_j² of every point under every proposal at once, as matrix products.
-    quadratic = torch.addmm((mean * mean * inverse).sum(dim=1), x * x, inverse.T)
-    quadratic.addmm_(x, (mean * inverse).T, alpha=-2)
-    total = -0.5 * quadratic - (torch.log(proposals.sd[:, continuous]).sum(dim=1)
-                                + 0.5 * int(continuous.sum()) * math.log(2 * math.pi))
-    if bool(box.lattice.any()):
-        sd = proposals.sd[:, None, box.lattice]
-        z = (points[None, :, box.lattice] - proposals.mean[:, None, box.lattice]) / sd
-        cell = box.half_cell()[box.lattice] / sd
-        total = total + _log_normal_interval(z - cell, z + cell).sum(dim=-1).T
-    za, zb = _standard_z(proposals, box)
-    total = total - _log_normal_interval(za, zb).sum(dim=-1)
-    return torch.where(inside, total, torch.full_like(total, -math.inf)).T
-
-
-def stack_proposals(proposals):
-    """Proposals stacked along a first axis, for proposal_log_density."""
-    return Proposal(*(torch.stack([getattr(c, name) for c in proposals]) for name in ("mean", "sd", "low", "high")),
-                    [c.count for c in proposals])
-
-
-def mixture_log_weights(log_densities, counts, multiplicity, coarse_count, log_box):
-    """Deterministic-mixture importance weights of every point drawn so far, as logs.
-
-    All points together are a sample of the mixture of the uniform coarse design and
-    the refined proposals (log_densities (C, n) at every point, `counts` points each),
-    so a point weighs 1/Σ_c n_c g_c(θ): an unbiased rule for the box's measure. Coarse
-    points merged on a lattice weigh their multiplicity (log given, first) times that.
-    """
-    uniform = torch.full((1, log_densities.shape[1]), math.log(coarse_count) - log_box, dtype=torch.float64)
-    log_counts = torch.tensor(counts, dtype=torch.float64).reshape(-1, 1).log()
-    log_weights = -torch.logsumexp(torch.cat([uniform, log_counts + log_densities]), dim=0)
-    log_weights[:multiplicity.numel()] += multiplicity
-    return log_weights
-
-
-def weighted_moments(points, log_q):
-    """Mean (p,) and covariance (p, p) of the points under normalised weights exp(log_q)."""
-    q = torch.softmax(log_q, dim=0)
-    mean = q @ points
-    centred = points - mean
-    return mean, (q[:, None] * centred).T @ centred
-
-
-def fit_proposal(points, log_q, spread, box, anchors, count):
-    """The next proposal for a density given by weights exp(log_q) on points.
-
-    Its sd is the density's, inflated, but at least spread / MAX_SHRINK (the previous
-    spread: estimates from few effective points are too narrow). Its box reaches REACH
-    sds either side of the mean and always holds the anchors (the modes found so far).
-    """
-    mean, covariance = weighted_moments(points, log_q)
-    floor = torch.where(box.lattice, box.step / 2, (box.high - box.low) * 1e-9)
-    # Few effective points place the mean roughly and see too little of the tails: widen more.
-    inflation = INFLATION * (1 + 1 / math.sqrt(effective_sample_size(log_q)))
-    sd = torch.maximum(torch.maximum(inflation * covariance.diagonal().sqrt(), spread / MAX_SHRINK), floor)
-    low = torch.maximum(torch.minimum(mean - REACH * sd, anchors.min(dim=0).values), box.low)
-    high = torch.minimum(torch.maximum(mean + REACH * sd, anchors.max(dim=0).values), box.high)
-    # Lattice axes: widen outwards onto the lattice.
-    low = torch.where(box.lattice, box.low + torch.floor((low - box.low) / box.step + 1e-9) * box.step, low)
-    high = torch.where(box.lattice, box.low + torch.ceil((high - box.low) / box.step - 1e-9) * box.step, high)
-    return Proposal(mean, sd, torch.maximum(low, box.low), torch.minimum(high, box.high), int(count))
-
-
-def case_seed(seed, case):
-    """A 63-bit seed of one case's refined passes, from the design's seed and the case index."""
-    return int(np.random.SeedSequence([int(seed), int(case)]).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
-
-
-def _shares(count, parts):
-    """Split count into `parts` near-equal shares, the larger first."""
-    return [count // parts + (i < count % parts) for i in range(parts)]
-
-
-def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, seed):
-    """Run the refined passes: each target fits its next proposal on its own weighted scores.
-
-    Returns every point drawn (coarse first), their mixture weights, each target's
-    scores on them and each target's last proposal.
-    """
-    targets, points = list(scores), coarse_points
-    anchors = {t: coarse_points[int(torch.argmax(scores[t]))] for t in targets}   # the coarse modes
-    spread = {t: (box.high - box.low + 2 * box.half_cell()) / math.sqrt(12) for t in targets}  # uniform's sd
-    components, last, log_box = [], {}, box.log_measure()
-    densities = torch.empty(0, points.shape[0], dtype=torch.float64)   # every proposal at every point
-    engine = torch.quasirandom.SobolEngine(points.shape[1], scramble=True, seed=seed)
-    for size in sizes["passes"]:
-        log_weights = mixture_log_weights(densities, [c.count for c in components], multiplicity,
-                                          sizes["coarse"], log_box)
-        fitted = []
-        for target, share in zip(targets, _shares(size, len(targets))):
-            best = points[int(torch.argmax(scores[target]))]
-            fitted.append(fit_proposal(points, scores[target] + log_weights, spread[target], box,
-                                       torch.stack([anchors[target], best]), share))
-            last[target], spread[target] = fitted[-1], fitted[-1].sd
-        fresh = torch.cat([draw_proposal(proposal, engine.draw(proposal.count, dtype=torch.float64), box)
-                           for proposal in fitted])
-        fresh_scores = score_fn(fresh)
-        densities = torch.cat([densities, proposal_log_density(stack_proposals(fitted), points, box)])
-        components += fitted
-        densities = torch.cat([densities, proposal_log_density(stack_proposals(components), fresh, box)], dim=1)
-        points = torch.cat([points, fresh])
-        scores = {t: torch.cat([scores[t], fresh_scores[t]]) for t in targets}
-    log_weights = mixture_log_weights(densities, [c.count for c in components], multiplicity, sizes["coarse"], log_box)
-    return points, log_weights, scores, last
-
-
-def _merged(points, log_weights, scores, box):
-    """Merge repeated lattice points (weights summed), then scale the weights to the box's measure."""
-    if bool(box.lattice.any()):
-        keep, group = _first_occurrences(points)
-        merged = np.full(keep.size, -np.inf)
-        np.logaddexp.at(merged, group, log_weights.numpy())
-        keep = torch.as_tensor(keep)
-        points, log_weights = points[keep], torch.from_numpy(merged)
-        scores = {t: s[keep] for t, s in scores.items()}
-    # The mixture rule integrates the box's measure without bias; rescaling makes it exact and
-    # leaves every normalised density unchanged.
-    return points, log_weights + (box.log_measure() - torch.logsumexp(log_weights, dim=0)), scores
-
-
-def _ray_frame(points, scores, covariance, origin, threshold, box):
-    """Rays from the origin along ±Σe_j/√Σ_jj, where an ellipsoid's extent along axis j lies, and their ends.
-
-    Σ is the density's covariance. A ray ends at PROBE_REACH times the farthest
-    Mahalanobis radius of the widest region's points, or where it leaves the box.
-    """
-    floor = torch.where(box.lattice, box.step / 2, (box.high - box.low) * 1e-6)
-    covariance = covariance + torch.diag(floor * floor)
-    directions = covariance / covariance.diagonal().sqrt()[:, None]
-    rays = torch.cat([directions, -directions])
-    offsets = points[scores >= threshold] - origin
-    radius = torch.linalg.solve_triangular(torch.linalg.cholesky(covariance), offsets.T, upper=False).norm(dim=0)
-    reach = PROBE_REACH * max(float(radius.max()) if radius.numel() else 0.0, 1.0)
-    safe = torch.where(rays == 0, torch.ones_like(rays), rays)
-    exits = torch.where(rays > 0, (box.high - origin) / safe,
-                        torch.where(rays < 0, (box.low - origin) / safe, torch.full_like(rays, math.inf)))
-    return rays, exits.min(dim=1).values.clamp(min=0.0, max=reach)
-
-
-def _ray_points(origin, rays, radii, box):
-    """Points origin + t·ray for radii (rays, n), snapped into the box, shape (rays · n, p)."""
-    return box.snap((origin + radii[:, :, None] * rays[:, None, :]).reshape(-1, origin.numel()))
-
-
-def _bracket_radii(scores, radii, thresholds):
-    """Second-round radii per ray: PROBE_REFINE points shared among the levels' brackets.
-
-    A level's bracket lies between the farthest first-round radius inside its region
-    (0: the origin) and the next one; a ray inside throughout repeats its end.
-    """
-    rays, count = radii.shape
-    padded = torch.cat([torch.zeros(rays, 1, dtype=radii.dtype), radii], dim=1)
-    position = torch.arange(1, count + 1)
-    parts = []
-    for threshold, share in zip(thresholds, _shares(PROBE_REFINE, len(thresholds))):
-        last = ((scores >= threshold) * position).max(dim=1).values[:, None]   # 0 when no radius is inside
-        inner, outer = padded.gather(1, last), padded.gather(1, (last + 1).clamp(max=count))
-        fraction = torch.arange(1, share + 1, dtype=radii.dtype) / (share + 1)
-        parts.append(inner + (outer - inner) * fraction)
-    return torch.cat(parts, dim=1)
-
-
-def _probe(score_fn, frames, box):
-    """Two rounds of probes along every target's rays; returns the points and every target's scores.
-
-    frames: {target: (origin, rays, ends, thresholds)}. One call per round scores all
-    targets' probes together.
-    """
-    first = {t: ends[:, None] * torch.arange(1, PROBE_RADII + 1, dtype=torch.float64) / PROBE_RADII
-             for t, (_, _, ends, _) in frames.items()}
-    points = torch.cat([_ray_points(origin, rays, first[t], box) for t, (origin, rays, _, _) in frames.items()])
-    scores = score_fn(points)
-    second, offset = {}, 0
-    for target, (_, rays, _, thresholds) in frames.items():
-        size = rays.shape[0] * PROBE_RADII
-        own = scores[target][offset:offset + size].reshape(rays.shape[0], PROBE_RADII)
-        second[target] = _bracket_radii(own, first[target], thresholds)
-        offset += size
-    more = torch.cat([_ray_points(origin, rays, second[t], box) for t, (origin, rays, _, _) in frames.items()])
-    more_scores = score_fn(more)
-    return torch.cat([points, more]), {t: torch.cat([scores[t], more_scores[t]]) for t in scores}
-
-
-def _widen(summary, probes, probe_scores, best):
-    """Extend a one-case summary's bounds by the probes inside each region, and its mode by a higher probe.
-
-    Probes carry no measure: they sharpen where a region ends without changing its mass.
-    """
-    probes, probe_scores = probes.numpy(), probe_scores.numpy()
-    for level, threshold in enumerate(summary["threshold"][0]):
-        inside = probe_scores >= threshold
-        if inside.any():
-            summary["lower"][0, level] = np.minimum(summary["lower"][0, level], probes[inside].min(axis=0))
-            summary["upper"][0, level] = np.maximum(summary["upper"][0, level], probes[inside].max(axis=0))
-    if probe_scores.size and probe_scores.max() > best:
-        summary["mode"][0] = probes[int(np.argmax(probe_scores))]
-
-
-def refinement_checks(points, log_q, moments, proposal, box):
-    """Edge mass and disagreement of a target's refined density (moments: its mean and covariance)
-    with the last proposal that placed it.
-
-    Edge mass: the density's mass outside the last box shrunk by one proposal sd (not on
-    sides where the box is the prior's). Disagreement: the larger of the largest mean
-    shift over 2 proposal sds and the largest density sd over √2 proposal sds; above 1
-    the earlier passes misjudged where the mass is, or importance weights may have
-    infinite variance.
-    """
-    q = torch.softmax(log_q, dim=0)
-    mean, covariance = moments
-    inner_low = torch.where(proposal.low > box.low, proposal.low + proposal.sd, box.low)
-    inner_high = torch.where(proposal.high < box.high, proposal.high - proposal.sd, box.high)
-    edge = ((points < inner_low) | (points > inner_high)).any(dim=1)
-    shift = ((mean - proposal.mean).abs() / proposal.sd).max()
-    spread = (covariance.diagonal().sqrt() / proposal.sd).max()
-    return float(q[edge].sum()), float(torch.maximum(shift / 2, spread / math.sqrt(2)))
-
-
-def _coarse_scores(score_fn, coarse_points, truth, case):
-    """Every target's scores on the coarse design and at the truth, in one call; unusable scores raise."""
-    first = score_fn(torch.cat([coarse_points, truth[None]]))
-    for target, values in first.items():
-        values = values[:-1]
-        if not torch.isfinite(values).any() or torch.isnan(values).any() or torch.isposinf(values).any():
-            raise ValueError(f"case {case}: {target} scores on the coarse candidates are NaN, +inf or all -inf; "
-                             "check the network output or the likelihood for that case")
-    return {t: s[:-1] for t, s in first.items()}, {t: s[-1:] for t, s in first.items()}
-
-
-def _measured_summaries(points, log_weights, scores, truth_scores, levels, box):
-    """Per target: the summary on the measured points, the probe frame and the density's moments."""
-    summaries, frames, moments = {}, {}, {}
-    for target, values in scores.items():
-        summary = hld_summaries(values[None], log_weights, points, truth_scores[target], levels)
-        moments[target] = weighted_moments(points, values + log_weights)
-        origin = moments[target][0]   # the mean: far closer to a region's centre than the best point found
-        rays, ends = _ray_frame(points, values, moments[target][1], origin, summary["threshold"][0].min(), box)
-        frames[target] = (origin, rays, ends, summary["threshold"][0].tolist())
-        summaries[target] = summary
-    return summaries, frames, moments
-
-
-def refine_case(score_fn, coarse_points, coarse_log_measure, truth, box, levels, sizes, seed, case=0):
-    """Adaptive candidates and highest-density summaries of one case, for every target score_fn returns.
-
-    `score_fn(points (n, p)) -> {target: scores (n,)}` is called on the coarse design and
-    the truth, once per refined pass and twice for probes, so every case evaluates
-    exactly sizes["total"] points besides its truth. Each pass fits, per target and on
-    that target's own scores (never the truth), a product of truncated normals with
-    the density's mean and inflated sd (see fit_proposal); lattice axes take the mass
-    of each lattice point's cell, so they keep counting measure. The points of all
-    passes, coarse included, carry deterministic-mixture importance weights, summed
-    over repeated lattice points and scaled to the box's measure exactly. Then
-    zero-measure probes along rays from each density's mean (see _ray_frame) sharpen projected
-    bounds: they change no mass, threshold or coverage, only where a region is seen to
-    end. Returns points and log_measure (probes last, at −inf), scores (the truth's
-    last), one-case summaries (with edge_mass and disagreement) and the last proposal
-    per target, and the count of points evaluated.
-    """
-    levels = _check_levels(levels)
-    scores, truth_scores = _coarse_scores(score_fn, coarse_points, truth, case)
-    multiplicity = coarse_log_measure + math.log(sizes["coarse"]) - box.log_measure()
-    # Coarse points merged on a lattice leave their places to the last pass: every case evaluates the same count.
-    passes = sizes["passes"][:-1] + [sizes["passes"][-1] + sizes["coarse"] - coarse_points.shape[0]]
-    points, log_weights, scores, last = _refined_passes(
-        score_fn, coarse_points, multiplicity, scores, box, dict(sizes, passes=passes), case_seed(seed, case))
-    points, log_weights, scores = _merged(points, log_weights, scores, box)
-    summaries, frames, moments = _measured_summaries(points, log_weights, scores, truth_scores, levels, box)
-    probes, probe_scores = _probe(score_fn, frames, box)
-    for target, summary in summaries.items():
-        _widen(summary, probes, probe_scores[target], float(scores[target].max()))
-        edge, disagreement = refinement_checks(points, scores[target] + log_weights, moments[target], last[target],
-                                               box)
-        summary["edge_mass"], summary["disagreement"] = np.array([edge]), np.array([disagreement])
-    return {"points": torch.cat([points, probes]),
-            "log_measure": torch.cat([log_weights, torch.full((probes.shape[0],), -math.inf, dtype=torch.float64)]),
-            "scores": {t: torch.cat([scores[t], probe_scores[t], truth_scores[t]]) for t in scores},
-            "summaries": summaries, "proposals": last,
-            "evaluated": coarse_points.shape[0] + sum(passes) + probes.shape[0]}
 
 
 # ---------------------------------------------------------------------------

@@ -12,15 +12,19 @@ summaries of every case, the test split's predictions and Bayes-optimal referenc
 Metrics: classification, bias, coverage, width, resolution, posterior, exact_reference,
 expected_coverage, pairwise, reweighting, normalization (docs/results.md says what each holds).
 """
+import contextlib
 import math
 import statistics
+from typing import NamedTuple
 
 import numpy as np
 import torch
 
+import adaptive
 import inference
 import nre_figures
 import priors
+import probes
 import runtime
 import trainer
 from study import Analysis, Figure, Metric, Product, check_selection
@@ -41,6 +45,7 @@ INFERENCE_SCHEMA = {
     "candidates": {"kind": inference.CANDIDATE_KINDS, "candidate_count": int, "candidate_points_per_axis": int,
                    "native_grid_prior": bool, "max_enumerated": int, "coarse_count": int, "refinement_stages": int},
     "observations": int, "chunk_rows": int, "diagnostic_cases": int, "retain": ("diagnostic", "full"),
+    "precision": ("float32", "tf32", "bfloat16"),
     "targets": list, "levels": list,
 }
 
@@ -153,76 +158,109 @@ def write_summary(outputs, writer, target, summary, start, cases):
         outputs[key][start:start + value.shape[0]] = value
 
 
-def summarise_cases(writer, targets, case_scores, truths, points, log_measure, levels, retain):
-    """Score every case on the shared design in blocks and write one HLD summary per target.
+class Scoring(NamedTuple):
+    """How a product scores blocks of cases: `scores(cases (B,), points (B, n, p)) -> {target: (B, n)}`
+    on `device`, and the bytes a block of cases may use there."""
+    scores: object
+    device: torch.device
+    block_bytes: int
 
-    `case_scores(i)` returns {target: scores over candidates followed by the truth}.
-    Scores of all cases are never held at once: blocks of cases are summarised and
-    written into memory-mapped arrays.
-    """
-    cases, candidates = truths.shape[0], points.shape[0]
-    retained = {}
+
+def case_bytes(candidates, p, targets, levels, components=0, probes=0):
+    """About the bytes one case's refinement or summary holds at once: its points, weights and scores,
+    the proposals' densities, the summaries' sorted copies, and the probes' bounds."""
+    per_point = p + 1 + 2 * targets + 3 * components + 14
+    return 8 * (candidates * per_point + 2 * levels * probes * p)
+
+
+def fixed_case_bytes(candidates, p, targets, levels):
+    """case_bytes of a case scored on a shared design of `candidates` points (and its truth)."""
+    return case_bytes(candidates + 1, p, targets, levels)
+
+
+def adaptive_case_bytes(sizes, p, targets, levels):
+    """case_bytes of a case refined by adaptive.refine_block with these sizes."""
+    return case_bytes(sizes["total"] + 1, p, targets, levels, targets * len(sizes["passes"]), sizes["probes"])
+
+
+def retained_arrays(writer, retain, targets, cases, candidates):
+    """The arrays that keep whole cases' scores: memory-mapped for `full`, else the first diagnostic cases."""
     if retain["mode"] == "full":
-        retained = {t: writer.allocate(f"{t}_scores", (cases, candidates + 1), "float64") for t in targets}
-    elif retain["cases"]:
-        retained = {t: np.zeros((min(retain["cases"], cases), candidates + 1)) for t in targets}
-    outputs = {}
-    block = max(1, min(cases, inference.SUMMARY_CELLS // max(candidates, 1)))
+        return {t: writer.allocate(f"{t}_scores", (cases, candidates + 1), "float64") for t in targets}
+    kept = min(retain["cases"], cases)
+    return {t: np.zeros((kept, candidates + 1)) for t in targets} if kept else {}
+
+
+def summarise_cases(writer, targets, scoring, truths, points, log_measure, levels, retain, progress):
+    """Score blocks of cases on the shared design and write one HPD summary per case and target.
+
+    Each case's candidates are followed by its truth. Scores of all cases are never
+    held at once: each block's summaries are written into memory-mapped arrays.
+    """
+    (cases, p), candidates = truths.shape, points.shape[0]
+    retained, outputs = retained_arrays(writer, retain, targets, cases, candidates), {}
+    device_points, device_measure = points.to(scoring.device), log_measure.to(scoring.device)
+    block = inference.cases_per_block(cases, fixed_case_bytes(candidates, p, len(targets), len(levels)),
+                                      scoring.block_bytes)
     for start in range(0, cases, block):
         stop = min(cases, start + block)
-        scores = {t: torch.empty(stop - start, candidates + 1, dtype=torch.float64) for t in targets}
-        for i in range(start, stop):
-            for target, row in case_scores(i).items():
-                scores[target][i - start] = row
+        progress(start)
+        truth = truths[start:stop].to(scoring.device)
+        rows = scoring.scores(torch.arange(start, stop), torch.cat([device_points.expand(stop - start, -1, -1),
+                                                                    truth[:, None]], dim=1))
         for target in targets:
-            rows = scores[target]
-            if target in retained and start < retained[target].shape[0]:
-                keep = min(stop, retained[target].shape[0])
-                retained[target][start:keep] = rows[: keep - start].numpy()
-            summary = inference.hld_summaries(rows[:, :-1], log_measure, points, rows[:, -1], levels)
+            inference._check_scores(rows[target][:, :-1], rows[target][:, -1])
+            summary = inference.host_summary(inference.summarise_block(
+                rows[target][:, :-1], device_measure, device_points, rows[target][:, -1], levels))
             # A shared design has no refined box to check against.
             summary["edge_mass"] = summary["disagreement"] = np.full(stop - start, np.nan)
             write_summary(outputs, writer, target, summary, start, cases)
+            if target in retained and start < retained[target].shape[0]:
+                keep = min(stop, retained[target].shape[0])
+                retained[target][start:keep] = rows[target][:keep - start].cpu().numpy()
     for target, array in retained.items():
         if retain["mode"] != "full":
             writer.array(f"{target}_scores", array)
     return {"cases": cases, "candidates": candidates, "targets": list(targets)}
 
 
-def retain_case(arrays, row, result):
-    """Keep one refined case: points, log measure and scores, padded with NaN points and −inf."""
-    count = result["points"].shape[0]
-    arrays["design_points"][row] = np.nan
-    arrays["design_points"][row, :count] = result["points"].numpy()
-    arrays["design_log_measure"][row] = -np.inf
-    arrays["design_log_measure"][row, :count] = result["log_measure"].numpy()
+def retain_cases(arrays, start, result, kept):
+    """Keep the refined cases start… of a block below `kept`: points, log measure and scores."""
+    count = min(kept - start, result["points"].shape[0])
+    if count <= 0:
+        return
+    arrays["design_points"][start:start + count] = result["points"][:count].cpu().numpy()
+    arrays["design_log_measure"][start:start + count] = result["log_measure"][:count].cpu().numpy()
     for target, scores in result["scores"].items():
-        arrays[f"{target}_scores"][row] = -np.inf
-        arrays[f"{target}_scores"][row, :count] = scores[:-1].numpy()
-        arrays[f"{target}_scores"][row, -1] = float(scores[-1])
+        arrays[f"{target}_scores"][start:start + count] = scores[:count].cpu().numpy()
 
 
-def summarise_adaptive(writer, targets, case_scores, truths, coarse, box, levels, retain, sizes, seed):
-    """Refine every case's candidates on its own and write one HLD summary per target.
+def summarise_adaptive(writer, targets, scoring, truths, coarse, box, levels, retain, sizes, seed, progress):
+    """Refine blocks of cases (adaptive.refine_block) and write one HPD summary per case and target.
 
-    `case_scores(i, points)` returns {target: scores}; see inference.refine_case. Retained
-    cases keep their own points (design_points), log measure (probes at −inf) and scores.
+    Retained cases keep their own points (design_points), log measure (probes and
+    repeated lattice points at −inf) and scores.
     """
-    cases, total = truths.shape[0], sizes["total"]
+    (cases, p), total = truths.shape, sizes["total"]
     kept = cases if retain["mode"] == "full" else min(retain["cases"], cases)
     arrays = {}
     if kept:
-        arrays = {"design_points": writer.allocate("design_points", (kept, total, truths.shape[1]), "float64"),
+        arrays = {"design_points": writer.allocate("design_points", (kept, total, p), "float64"),
                   "design_log_measure": writer.allocate("design_log_measure", (kept, total), "float64")}
         arrays.update({f"{t}_scores": writer.allocate(f"{t}_scores", (kept, total + 1), "float64") for t in targets})
+    block = inference.cases_per_block(cases, adaptive_case_bytes(sizes, p, len(targets), len(levels)),
+                                      scoring.block_bytes)
     outputs = {}
-    for i in range(cases):
-        result = inference.refine_case(lambda points: case_scores(i, points), *coarse, truths[i], box, levels,
-                                       sizes, seed, case=i)
+    for start in range(0, cases, block):
+        stop = min(cases, start + block)
+        progress(start)
+        index = torch.arange(start, stop)
+        result = adaptive.refine_block(lambda points: scoring.scores(index, points), *coarse,
+                                       truths[start:stop].to(scoring.device), box, levels, sizes, seed,
+                                       index.tolist())
         for target in targets:
-            write_summary(outputs, writer, target, result["summaries"][target], i, cases)
-        if i < kept:
-            retain_case(arrays, i, result)
+            write_summary(outputs, writer, target, inference.host_summary(result["summaries"][target]), start, cases)
+        retain_cases(arrays, start, result, kept)
     return {"cases": cases, "candidates": total, "targets": list(targets)}
 
 
@@ -233,82 +271,102 @@ def retain_settings(ctx):
     return {"mode": settings["retain"], "cases": cases}
 
 
-def counting_cases(ctx, what, case_scores, total):
-    """case_scores that reports progress each time scoring reaches a new case."""
-    reached = [-1]
+def summarise_targets(ctx, writer, targets, scoring):
+    """Summaries of every case for the targets `scoring` gives.
 
-    def counted(i, points):
-        if i != reached[0]:
-            reached[0] = i
-            ctx.report_progress(what, i, total)
-        return case_scores(i, points)
-
-    return counted
-
-
-def summarise_targets(ctx, writer, targets, case_scores):
-    """Summaries of every case for the targets `case_scores(i, points) -> {target: scores}` gives.
-
-    Adaptive candidates are refined per case (the shared design is their coarse pass);
-    other designs score every case on the shared design.
+    Adaptive candidates are refined per case, in blocks (the shared design is their
+    coarse pass); other designs score every case on the shared design.
     """
     settings = ctx.analysis_settings["inference"]
     truths, _, points, log_measure = inference_inputs(ctx)
-    case_scores = counting_cases(ctx, "+".join(targets), case_scores, truths.shape[0])
+    what = "+".join(targets)
+    progress = lambda case: ctx.report_progress(what, case, truths.shape[0])   # noqa: E731
     design = candidate_design(ctx)
     levels, retain = settings["levels"], retain_settings(ctx)
     if design == "adaptive":
         sizes = inference.adaptive_sizes(ctx.problem.parameter_count, settings["candidates"], len(targets))
-        box = inference.support_box(ctx.problem.low, ctx.problem.high, candidate_lattice(ctx))
+        box = adaptive.support_box(ctx.problem.low, ctx.problem.high, candidate_lattice(ctx))
         seed = runtime.derived_seed(ctx.settings["seed"], "refine")
-        metadata = summarise_adaptive(writer, targets, case_scores, truths, (points, log_measure), box, levels,
-                                      retain, sizes, seed)
+        metadata = summarise_adaptive(writer, targets, scoring, truths, (points, log_measure), box, levels,
+                                      retain, sizes, seed, progress)
     else:
-        metadata = summarise_cases(writer, targets, lambda i: case_scores(i, torch.cat([points, truths[i:i + 1]])),
-                                   truths, points, log_measure, levels, retain)
-    ctx.report_progress("+".join(targets), truths.shape[0], truths.shape[0])
+        metadata = summarise_cases(writer, targets, scoring, truths, points, log_measure, levels, retain, progress)
+    progress(truths.shape[0])
     return {**metadata, "design": design}
 
 
-def learned_case_scores(model, device, prior, observations, targets, chunk_rows, evaluations):
-    """case_scores(i, points) of the learned targets: the model's ensemble score of case i's
-    observations (ratio), plus the log prior (posterior); `evaluations[0]` counts model rows."""
+@contextlib.contextmanager
+def network_precision(precision, device):
+    """The arithmetic of the analysis' network calls: float32, TF32 matrix products (CUDA) or bfloat16 autocast."""
+    if precision == "bfloat16":
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            yield
+    elif precision == "tf32" and device.type == "cuda":
+        before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    else:
+        yield
+
+
+def learned_scoring(model, device, prior, observations, targets, settings, counted, policy=None):
+    """Scoring of the learned targets: the model's ensemble score of each case's observations
+    (ratio), plus the log prior (posterior); `counted` (an inference.Evaluations) counts the calls.
+    `policy` (an inference.CallPolicy) defaults to the device's own."""
+    input_width = observations.shape[2] + len(prior.lattice_steps)
+    policy = policy or inference.call_policy(device.type, settings["chunk_rows"],
+                                             inference.network_row_bytes(model, input_width))
+    on_device = observations.to(device)
+
     def logits(rows):
-        return model(rows.to(device)).float().cpu()
+        return model(rows).float()
 
-    def case_scores(i, points):
-        evaluations[0] += points.shape[0] * observations.shape[1]
-        ratio = inference.ensemble_scores(logits, observations[i], points, chunk_rows)
-        scores = {"ratio": ratio}
+    def scores(cases, points):
+        with network_precision(settings.get("precision", "float32"), device):
+            ratio = inference.ensemble_scores(logits, on_device[cases.to(device)], points, policy.rows_per_call,
+                                              counted)
+        values = {"ratio": ratio}
         if "posterior" in targets:
-            scores["posterior"] = ratio + prior.log_prob(points)
-        return {t: scores[t] for t in targets}
+            values["posterior"] = ratio + torch.as_tensor(prior.log_prob(points), device=device)
+        return {t: values[t] for t in targets}
 
-    return case_scores
+    return Scoring(scores, device, policy.block_bytes)
 
 
 def build_learned(ctx, writer):
-    """HLD summaries of the learned ratio and posterior targets for every case."""
+    """HPD summaries of the learned ratio and posterior targets for every case."""
     settings = ctx.analysis_settings["inference"]
     targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
-    evaluations = [0]
-    case_scores = learned_case_scores(ctx.model, ctx.runtime.device, ctx.prior, observations, targets,
-                                      settings["chunk_rows"], evaluations)
+    counted = inference.Evaluations()
+    scoring = learned_scoring(ctx.model, ctx.runtime.device, ctx.prior, observations, targets, settings, counted)
     with torch.no_grad():
-        metadata = summarise_targets(ctx, writer, targets, case_scores)
-    return {**metadata, "model_evaluations": evaluations[0]}
+        metadata = summarise_targets(ctx, writer, targets, scoring)
+    probes.count("product.learned", evaluations=counted.rows, network_calls=counted.calls,
+                 call_rows=counted.call_rows)
+    return {**metadata, "model_evaluations": counted.rows, "network_calls": counted.calls,
+            "rows_per_call": counted.call_rows // max(counted.calls, 1)}
 
 
 def build_exact(ctx, writer):
-    """HLD summaries of the exact Gaussian likelihood, on the same kind of candidates."""
+    """HPD summaries of the exact likelihood, on the same kind of candidates, on the analysis' device."""
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
-    problem, chunk_rows = ctx.problem, ctx.analysis_settings["inference"]["chunk_rows"]
+    problem, device = ctx.problem, ctx.runtime.device
+    policy = inference.call_policy(device.type, ctx.analysis_settings["inference"]["chunk_rows"])
+    on_device, evaluated = observations.to(device), [0]
 
-    def case_scores(i, points):
-        return {"exact": inference.exact_scores(problem.log_likelihood, observations[i], points, chunk_rows)}
+    def scores(cases, points):
+        evaluated[0] += points.shape[0] * points.shape[1] * observations.shape[1]
+        return {"exact": inference.exact_scores(problem.log_likelihood, on_device[cases.to(device)], points,
+                                                policy.rows_per_call)}
 
-    return summarise_targets(ctx, writer, ["exact"], case_scores)
+    with torch.no_grad():
+        metadata = summarise_targets(ctx, writer, ["exact"], Scoring(scores, device, policy.block_bytes))
+    probes.count("product.exact", evaluations=evaluated[0])
+    return {**metadata, "likelihood_evaluations": evaluated[0]}
 
 
 def split_pairs(ctx):
@@ -587,7 +645,7 @@ class NREAnalysis(Analysis):
         "learned": Product(build_learned, lambda ctx: {
             "prior": ctx.experiment.prior_recipe(ctx.member),
             "inference": {k: ctx.analysis_settings["inference"][k] for k in
-                          ("targets", "levels", "retain", "diagnostic_cases")}},
+                          ("targets", "levels", "retain", "diagnostic_cases", "precision")}},
             needs=("truths", "observations", "candidates"), uses_model=True),
         "exact": Product(build_exact, lambda ctx: {
             "inference": {k: ctx.analysis_settings["inference"][k] for k in

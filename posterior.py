@@ -17,9 +17,10 @@ measure weights; on lattice axes it is a mass per lattice point.
 import numpy as np
 import torch
 
+import adaptive
 import inference
 import runtime
-from nre_analysis import learned_case_scores
+from nre_analysis import learned_scoring
 
 MIN_ESS = 100            # effective candidates below which sampling is refused: too few to resample from
 
@@ -110,6 +111,15 @@ def observation_ensemble(observations, dimension):
     return x
 
 
+def host_scores(scoring):
+    """The scores of a one-case Scoring as a function of points (n, p), returning host tensors."""
+    def score_fn(points):
+        scored = scoring.scores(torch.zeros(1, dtype=torch.long), points.to(scoring.device)[None])
+        return {target: values[0].cpu() for target, values in scored.items()}
+
+    return score_fn
+
+
 def for_observation(problem, prior, model, analysis_settings, observations, seed, truth=None, device="cpu", case=0):
     """The posterior of `model` (a member's trained network) for an observation (see the module's docstring).
 
@@ -127,17 +137,17 @@ def for_observation(problem, prior, model, analysis_settings, observations, seed
     lattice = inference.candidate_lattice(prior.lattice_steps, p, candidates)
     targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
     targets = targets if "posterior" in targets else ["posterior"]
-    case_scores = learned_case_scores(model, torch.device(device), prior, x[None], targets, settings["chunk_rows"], [0])
-    score_fn = lambda points: case_scores(0, points)                       # noqa: E731
+    score_fn = host_scores(learned_scoring(model, torch.device(device), prior, x[None], targets, settings,
+                                           inference.Evaluations()))
     truth = (problem.low + problem.high) / 2 if truth is None else torch.as_tensor(truth, dtype=torch.float64)
     with torch.no_grad():
         points, log_measure = inference.make_candidates(problem.low, problem.high, lattice, candidates,
                                                         runtime.derived_seed(seed, "candidates"))
         design = inference.candidate_design(p, lattice, problem.low, problem.high, candidates)
         if design == "adaptive":
-            box = inference.support_box(problem.low, problem.high, lattice)
+            box = adaptive.support_box(problem.low, problem.high, lattice)
             sizes = inference.adaptive_sizes(p, candidates, len(targets))
-            result = inference.refine_case(score_fn, points, log_measure, truth, box, settings["levels"], sizes,
+            result = adaptive.refine_case(score_fn, points, log_measure, truth, box, settings["levels"], sizes,
                                            runtime.derived_seed(seed, "refine"), case=case)
             points, log_measure = result["points"], result["log_measure"]
             scores, summary = result["scores"]["posterior"][:-1], result["summaries"]["posterior"]

@@ -338,18 +338,32 @@ PROBES = make_probes(MODE, DEVICE_TIMER)
 phase = PROBES.phase
 
 
+COUNTERS = {}   # phase -> {counter: amount} added by count() since the last reset
+
+
+def count(name, **amounts):
+    """Add amounts of work (model evaluations, network calls, ...) to a phase's record in the snapshot."""
+    mine = COUNTERS.setdefault(name, {})
+    for key, amount in amounts.items():
+        mine[key] = mine.get(key, 0) + int(amount)
+
+
 def snapshot():
-    """{name: {count, nested, total_s, min_s, max_s, cpu_s[, device_s]}} since the last reset."""
+    """{name: {count, nested, total_s, min_s, max_s, cpu_s[, device_s][, counters]}} since the last reset."""
     result = PROBES.snapshot()
     if DEVICE_TIMER is not None:
         for name, seconds in DEVICE_TIMER.resolve().items():
             if name in result:
                 result[name]["device_s"] = seconds
+    for name, amounts in COUNTERS.items():
+        if name in result:      # a phase that was timed: its rates can be read off
+            result[name].update(amounts)
     return result
 
 
 def reset():
     """Forget everything recorded so far."""
     PROBES.reset()
+    COUNTERS.clear()
     if DEVICE_TIMER is not None:
         DEVICE_TIMER.reset()

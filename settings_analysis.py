@@ -36,7 +36,8 @@ def base_settings():
             },
             "targets": ["ratio", "posterior", "exact"],
             "levels": [0.68, 0.95],
-            "chunk_rows": 262_144,
+            "chunk_rows": 1 << 24,      # at most this many rows per network call (see docs/devices.md)
+            "precision": "float32",     # the analysis' network arithmetic on CUDA: float32, tf32 or bfloat16
             "retain": "diagnostic",
             "diagnostic_cases": 4,
         },

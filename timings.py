@@ -200,9 +200,27 @@ def launch_record(info, profile, workers, device_type):
               "workers": {str(worker["rank"]): {"wall_s": worker["wall_s"], "phases": worker["phases"]}
                           for worker in workers},
               "jobs": jobs, "steps": steps}
+    summed = {}
+    for worker in workers:
+        add_phases(summed, worker["phases"])
+    record["throughput"] = throughput(summed)
     record["advice"] = advise(info["parallel"], info["world_size"], [job["size_s"] for job in jobs.values()],
                               communication_share(steps))
     return record
+
+
+def throughput(phases):
+    """Per phase that counted its evaluations (the analysis' products): evaluations per second of the
+    phase's time (device time where measured) and the rows each network call held."""
+    rates = {}
+    for name, phase in phases.items():
+        seconds = phase.get("device_s") or phase.get("total_s")
+        if not phase.get("evaluations") or not seconds:
+            continue
+        rates[name] = {"evaluations": phase["evaluations"], "evaluations_per_s": phase["evaluations"] / seconds}
+        if phase.get("network_calls"):
+            rates[name]["rows_per_call"] = phase["call_rows"] // phase["network_calls"]
+    return rates
 
 
 def table_lines(record, where):
@@ -226,6 +244,9 @@ def table_lines(record, where):
     rest = ranked[TABLE_ROWS:]
     if rest:
         lines.append(f"  ... {len(rest)} more phases, {sum(p['total_s'] for _, p in rest) / wall:.1%} together")
+    for name, rate in throughput(phases).items():
+        per_call = f", {rate['rows_per_call']:,} rows per network call" if "rows_per_call" in rate else ""
+        lines.append(f"  {name}: {rate['evaluations_per_s']:.3g} evaluations/s{per_call}")
     lines.append("  (phases nest: communication within backward, products within metrics, commits within products)")
     return lines
 

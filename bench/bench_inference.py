@@ -2,8 +2,7 @@
 
 Both evaluate the default study's network (mlp [64]*4, input width 2) on
 candidates × observations rows, side by side in one run, alternating. Here the rows are
-built on the device; bench_analysis_path.py measures the analysis as a study runs it
-(inputs on the host, a copy to the device and back per block).
+built on the device; bench_analysis.py measures a job's whole analysis as a study runs it.
 """
 import argparse
 import sys
@@ -45,8 +44,10 @@ def main():
     rows = torch.randn(arguments.candidates * arguments.observations, 2, device=device)
     evaluations = rows.shape[0]
     timings = {"ensemble_scores": [], "plain forward": []}
-    runs = {"ensemble_scores": lambda: inference.ensemble_scores(model, observations, points, 262_144).sum().item(),
-            "plain forward": lambda: plain_forward(model, rows, inference.EVAL_BLOCK_ROWS)}
+    # Both at the rows per network call the analysis uses on this device.
+    per_call = inference.call_policy(device.type, 1 << 24, inference.network_row_bytes(model, 2)).rows_per_call
+    runs = {"ensemble_scores": lambda: inference.ensemble_scores(model, observations, points, per_call).sum().item(),
+            "plain forward": lambda: plain_forward(model, rows, per_call)}
     with torch.no_grad():
         for run in runs.values():        # warm-up, untimed
             run()

@@ -24,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
+import adaptive  # noqa: E402
 import gaussian  # noqa: E402
 import gaussian_study  # noqa: E402
 import inference  # noqa: E402
@@ -51,20 +52,19 @@ def default_inference():
     return settings_analysis.make_settings("default")["inference"]
 
 
-def summarise(problem, truths, observations, candidates, targets, case_scores, folder):
+def summarise(problem, truths, observations, candidates, targets, scoring, folder):
     """Run the study's summarise step for one design; returns its written arrays and the points per case."""
     p = problem.parameter_count
     points, log_measure = inference.make_candidates(problem.low, problem.high, [None] * p, candidates, 11)
     writer, retain = Writer(folder), {"mode": "diagnostic", "cases": 0}
     if candidates["kind"] == "adaptive":
-        box = inference.support_box(problem.low, problem.high, [None] * p)
+        box = adaptive.support_box(problem.low, problem.high, [None] * p)
         sizes = inference.adaptive_sizes(p, candidates, len(targets))
-        meta = nre_analysis.summarise_adaptive(writer, targets, case_scores, truths, (points, log_measure), box,
-                                                 LEVELS, retain, sizes, 5)
+        meta = nre_analysis.summarise_adaptive(writer, targets, scoring, truths, (points, log_measure), box,
+                                               LEVELS, retain, sizes, 5, lambda case: None)
     else:
-        meta = nre_analysis.summarise_cases(
-            writer, targets, lambda i: case_scores(i, torch.cat([points, truths[i:i + 1]])), truths, points,
-            log_measure, LEVELS, retain)
+        meta = nre_analysis.summarise_cases(writer, targets, scoring, truths, points, log_measure, LEVELS, retain,
+                                            lambda case: None)
     arrays = {f"{t}_{f}": np.load(Path(folder) / f"{t}_{f}.npy")
               for t in targets for f in nre_analysis.SUMMARY_FIELDS}
     return arrays, meta["candidates"]
@@ -164,10 +164,11 @@ def exact_row(p, design, candidates, cases, folder, reference):
     truths = bench_truths(problem, cases)
     observations = inference.make_observations(problem.simulate, truths, settings["observations"], 2)
 
-    def case_scores(i, points):
-        return {"exact": inference.exact_scores(problem.log_likelihood, observations[i], points, 262_144)}
+    def block_scores(cases, points):
+        return {"exact": inference.exact_scores(problem.log_likelihood, observations[cases], points, 262_144)}
 
-    arrays, per_case = summarise(problem, truths, observations, candidates, ["exact"], case_scores, folder)
+    scoring = nre_analysis.Scoring(block_scores, torch.device("cpu"), inference.CPU_BLOCK_BYTES)
+    arrays, per_case = summarise(problem, truths, observations, candidates, ["exact"], scoring, folder)
     summary = {f: arrays[f"exact_{f}"] for f in nre_analysis.SUMMARY_FIELDS}
     coverage = inference.coverage_metrics(summary, truths.numpy(), LEVELS, problem.names)
     width = inference.width_metrics(summary, LEVELS, problem.names)["0.68"]["mean"]
@@ -221,13 +222,13 @@ def learned_timer(cases, candidates):
     targets = ["ratio", "posterior"]
 
     def timed():
-        evaluations = [0]
-        case_scores = nre_analysis.learned_case_scores(model, "cpu", prior, observations, targets, 262_144,
-                                                         evaluations)
+        counted = inference.Evaluations()
+        scoring = nre_analysis.learned_scoring(model, torch.device("cpu"), prior, observations, targets,
+                                               default_inference(), counted)
         started = time.perf_counter()
         with tempfile.TemporaryDirectory() as folder, torch.no_grad():
-            summarise(problem, truths, observations, candidates, targets, case_scores, folder)
-        return (time.perf_counter() - started) / cases, evaluations[0] / cases
+            summarise(problem, truths, observations, candidates, targets, scoring, folder)
+        return (time.perf_counter() - started) / cases, counted.rows / cases
 
     return timed
 

@@ -4,8 +4,11 @@
 #   2. a float16 and 3. a bfloat16 smoke run from the CLI, each followed by verify;
 #   4. a smoke run with CUDA event timing (NNPD_PROBES_CUDA=1), checked for device time;
 #   5. the ensemble-score rate on device-built rows (bench/bench_inference.py);
-#   6. the analysis path's rate against a plain forward pass (bench/bench_analysis_path.py);
-#   7. the cuda-marked tests that need two GPUs, and 8. a two-GPU DDP smoke training with
+#   6. one d = 6 job's whole analysis (learned and exact) against a plain forward pass, with
+#      the share of the measured FP32 peak (bench/bench_analysis.py);
+#   7. the whole `default` profile end to end on one GPU (goal: under 10 minutes), with the
+#      learned product's evaluations per second and rows per network call from its timings;
+#   8. the cuda-marked tests that need two GPUs, and 9. a two-GPU DDP smoke training with
 #      CUDA event timing (NCCL's timed all-reduce): both only when two GPUs are visible.
 # It ends with a summary table (check, result, figure). Without CUDA every check is
 # reported SKIPPED or NOT RUN with its reason and the exit status is 0 (unless the driver
@@ -16,15 +19,16 @@ cd "$(dirname "$0")/.."
 if [ -n "${PYTHON:-}" ]; then PY=$PYTHON; elif [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 
 # Seconds each part may take (timeout(1) stops it, and its children, past that); each can
-# be set from the environment, for a slower machine. The one-GPU parts add up to about
-# five minutes; they usually need far less.
+# be set from the environment, for a slower machine. The one-GPU parts but the default
+# profile add up to about five minutes; they usually need far less.
 LIMIT_PROBE=${LIMIT_PROBE:-20}            # import torch and ask CUDA what it sees
 LIMIT_TESTS=${LIMIT_TESTS:-100}           # one pytest process: 15 single-GPU tests, a few seconds each
 LIMIT_SMOKE=${LIMIT_SMOKE:-30}            # one smoke run (4 tiny models and their analysis) with CUDA start-up
 LIMIT_VERIFY=${LIMIT_VERIFY:-15}          # recompute the checksums of that smoke run's store
 LIMIT_EVENTS=${LIMIT_EVENTS:-30}          # a smoke run with CUDA events
 LIMIT_BENCH=${LIMIT_BENCH:-20}            # bench_inference, 6 repeats of 245,775 rows
-LIMIT_ANALYSIS=${LIMIT_ANALYSIS:-35}      # bench_analysis_path, 16 default-profile cases, 3 repeats
+LIMIT_ANALYSIS=${LIMIT_ANALYSIS:-60}      # bench_analysis, 1,024 default-profile cases at d = 6, 3 repeats
+LIMIT_DEFAULT=${LIMIT_DEFAULT:-900}       # the default profile end to end (the goal is under 600 s)
 LIMIT_TESTS_2GPU=${LIMIT_TESTS_2GPU:-150} # four two-GPU tests, each a torchrun launch
 LIMIT_DDP=${LIMIT_DDP:-60}                # a two-GPU DDP smoke training
 # The cuda-marked tests that need two GPUs, by name (tests/test_gpu_checks.py keeps this
@@ -142,6 +146,27 @@ events_smoke() {
   else record "$name" FAIL "${timed%% (*}"; fi
 }
 
+# default_profile: the whole default profile on one GPU, with the learned product's throughput from its timings.
+default_profile() {
+  local name="default profile end to end" dir="$work/default" status
+  echo "== $name"
+  cuda_settings "$dir" off jobs
+  part "$LIMIT_DEFAULT" "$dir.log" $PY nnpd.py run --profile default --settings-dir "$dir" > /dev/null
+  status=$?
+  sed -n '/^timings:/,/^advice:/p' "$dir.log"
+  if [ "$status" -ne 0 ]; then
+    tail -n 20 "$dir.log"; record "$name" FAIL "$(failure "$status" "$LIMIT_DEFAULT")"; return
+  fi
+  local rate
+  rate=$($PY - "$dir/out/timings.json" <<'RATE'
+import json, sys
+learned = json.load(open(sys.argv[1])).get("throughput", {}).get("product.learned", {})
+print(f"{learned.get('evaluations_per_s', 0) / 1e6:.3g} M evaluations/s, {learned.get('rows_per_call', 0):,} rows per call")
+RATE
+)
+  record "$name" PASS "${seconds} s, learned $rate"
+}
+
 # ddp_events: a two-GPU DDP smoke training with CUDA event timing (train.communicate is NCCL's all-reduce).
 ddp_events() {
   local name="two-GPU DDP event timing (NCCL)" dir="$work/events-ddp" status
@@ -213,12 +238,14 @@ if [ "$gpus" -ge 1 ]; then
   events_smoke
   bench "inference rate (bench_inference)" "$LIMIT_BENCH" bench-inference \
     bench/bench_inference.py --device cuda --repeats 6
-  bench "analysis path (bench_analysis_path)" "$LIMIT_ANALYSIS" bench-analysis \
-    bench/bench_analysis_path.py --device cuda --cases 16 --repeats 3
+  bench "analysis (bench_analysis)" "$LIMIT_ANALYSIS" bench-analysis \
+    bench/bench_analysis.py --device cuda --cases 1024 --repeats 3
+  default_profile
 else
   # Nothing below could run: say so for each check, without starting pytest or a launch.
   for name in "cuda tests, one GPU" "float16 smoke run + verify" "bfloat16 smoke run + verify" \
-              "CUDA-event timing smoke run" "inference rate (bench_inference)" "analysis path (bench_analysis_path)"; do
+              "CUDA-event timing smoke run" "inference rate (bench_inference)" "analysis (bench_analysis)" \
+              "default profile end to end"; do
     record "$name" SKIPPED "$about"
   done
 fi

@@ -7,6 +7,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+import adaptive
 import inference as inf
 
 LEVELS = (0.68, 0.95)
@@ -16,7 +17,7 @@ CHI2 = {(1, 0.68): 0.98895, (1, 0.95): 3.84146, (3, 0.68): 3.50588, (3, 0.95): 7
 
 def box_of(p, high=10.0, steps=None):
     """The Box [0, high]^p, lattice axes where steps name a step."""
-    return inf.support_box(torch.zeros(p, dtype=torch.float64), torch.full((p,), high, dtype=torch.float64),
+    return adaptive.support_box(torch.zeros(p, dtype=torch.float64), torch.full((p,), high, dtype=torch.float64),
                            steps or [None] * p)
 
 
@@ -38,7 +39,7 @@ def refine(score, box, settings_, truth, seed=1, case=0, targets=1):
     steps = [float(s) if lattice else None for s, lattice in zip(box.step, box.lattice)]
     points, log_measure = inf.make_candidates(box.low, box.high, steps, settings_, seed=3)
     sizes = inf.adaptive_sizes(p, settings_, targets)
-    return inf.refine_case(score, points, log_measure, truth, box, LEVELS, sizes, seed, case)
+    return adaptive.refine_case(score, points, log_measure, truth, box, LEVELS, sizes, seed, case)
 
 
 def measured(result):
@@ -175,12 +176,14 @@ def test_too_small_a_candidate_count_is_refused_clearly():
 def test_proposal_density_matches_a_direct_formula():
     box = box_of(3, steps=[None, 0.5, None])
     generator = torch.Generator().manual_seed(0)
-    proposals = [inf.Proposal(torch.rand(3, generator=generator, dtype=torch.float64) * 10,
-                              torch.rand(3, generator=generator, dtype=torch.float64) + 0.5,
-                              torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64),
-                              torch.tensor([9.0, 8.5, 9.5], dtype=torch.float64), 10) for _ in range(3)]
+    proposals = [adaptive.Proposal(torch.rand(3, generator=generator, dtype=torch.float64) * 10,
+                                   torch.rand(3, generator=generator, dtype=torch.float64) + 0.5,
+                                   torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64),
+                                   torch.tensor([9.0, 8.5, 9.5], dtype=torch.float64), 10) for _ in range(3)]
     points = box.snap(torch.rand(40, 3, generator=generator, dtype=torch.float64) * 10)
-    got = inf.proposal_log_density(inf.stack_proposals(proposals), points, box)
+    # A block of one case: the proposals' fields and the points gain a leading case axis.
+    block = [adaptive.Proposal(*(field[None] for field in proposal[:4]), proposal.count) for proposal in proposals]
+    got = adaptive.proposal_log_density(adaptive.stack_proposals(block), points[None], box)[0]
 
     def cdf(v):
         return 0.5 * math.erfc(-v / math.sqrt(2))
@@ -223,7 +226,7 @@ def test_refined_boxes_always_contain_the_coarse_mode(p, lattice, centre, log_sd
     settings_ = dict(adaptive_settings(768, 32), max_enumerated=10)
     coarse, coarse_log_measure = inf.make_candidates(box.low, box.high, steps, settings_, seed=seed)
     sizes = inf.adaptive_sizes(p, settings_, 2)
-    result = inf.refine_case(score, coarse, coarse_log_measure, centre.clamp(0, 10), box, LEVELS, sizes, seed)
+    result = adaptive.refine_case(score, coarse, coarse_log_measure, centre.clamp(0, 10), box, LEVELS, sizes, seed)
     coarse_scores = score(coarse)
     for target, proposal in result["proposals"].items():
         mode = coarse[int(torch.argmax(coarse_scores[target]))]

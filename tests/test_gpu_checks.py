@@ -11,7 +11,7 @@ from conftest import REPO
 SCRIPT = REPO / "bench" / "gpu_checks.sh"
 ONE_GPU_CHECKS = ["cuda tests, one GPU", "float16 smoke run + verify", "bfloat16 smoke run + verify",
                   "CUDA-event timing smoke run", "inference rate (bench_inference)",
-                  "analysis path (bench_analysis_path)"]
+                  "analysis (bench_analysis)", "default profile end to end"]
 TWO_GPU_CHECKS = ["cuda tests, two GPUs", "two-GPU DDP event timing (NCCL)"]
 NO_GPU = {"CUDA_VISIBLE_DEVICES": ""}       # hides any GPU from torch, on a GPU machine too
 
@@ -58,6 +58,11 @@ if [ "$1" = - ] && [ $# -eq 1 ]; then cat > /dev/null; echo "$FAKE_GPUS 1 a fake
 if [ "$1" = - ]; then exec @PYTHON@ "$@"; fi          # device_time's check of timings.json
 forward='"train.forward": {"device_s": 0.1}'
 case "$*" in
+  *"nnpd.py run --profile default"*)
+    dir=${@: -1}
+    mkdir -p "$dir/out"
+    throughput='"throughput": {"product.learned": {"evaluations_per_s": 5e8, "rows_per_call": 4194304}}'
+    echo "{\"workers\": {}, $throughput}" > "$dir/out/timings.json" ;;
   "-m pytest"*"-k not"*) echo "15 passed, 104 deselected, 2 warnings in 1.00s" ;;
   "-m pytest"*) echo "==== 4 passed in 9.00s ====" ;;
   *"nnpd.py run"*)
@@ -72,7 +77,7 @@ case "$*" in
     echo "{\"workers\": {\"0\": {\"phases\": {$forward, $communicate}}, \"1\": {\"phases\": {}}}}" \
       > "$dir/out/timings.json" ;;
   *bench_inference.py*) sleep 30 ;;
-  *bench_analysis_path.py*) echo "figure: plain forward 9 M/s, analysis path 1 M/s, ratio 0.111" ;;
+  *bench_analysis.py*) echo "figure: plain forward 9 M/s, learned 8.5 M/s, ratio 0.944, 8,192 rows per call" ;;
 esac
 exit 0
 """
@@ -98,11 +103,14 @@ def test_on_a_faked_gpu_each_outcome_is_recorded_and_a_failure_fails_the_run(tmp
     assert table["CUDA-event timing smoke run"][0] == "PASS"
     assert "phases with device time: 1" in table["CUDA-event timing smoke run"][1]
     assert table["inference rate (bench_inference)"] == ("FAIL", "over its 1 s limit")
-    assert table["analysis path (bench_analysis_path)"] == \
-        ("PASS", "plain forward 9 M/s, analysis path 1 M/s, ratio 0.111")
+    assert table["analysis (bench_analysis)"] == \
+        ("PASS", "plain forward 9 M/s, learned 8.5 M/s, ratio 0.944, 8,192 rows per call")
+    outcome, figure = table["default profile end to end"]
+    assert outcome == "PASS" and figure.endswith("s, learned 500 M evaluations/s, 4,194,304 rows per call")
     assert table["cuda tests, two GPUs"] == ("NOT RUN", "needs two GPUs (1 visible)")
     assert '-m pytest -q -m cuda -k not (two_gpus or two_nccl)' in calls
-    assert "bench_analysis_path.py --device cuda" in calls and "torch.distributed.run" not in calls
+    assert "bench_analysis.py --device cuda --cases 1024" in calls and "torch.distributed.run" not in calls
+    assert "nnpd.py run --profile default" in calls
 
 
 def test_on_two_faked_gpus_the_two_gpu_parts_run_and_report(tmp_path):
@@ -136,14 +144,15 @@ def test_the_script_picks_by_name_exactly_the_cuda_tests_needing_a_second_gpu():
 
 
 def test_the_analysis_bench_runs_on_cpu_through_the_study_s_own_analysis():
-    result = subprocess.run([sys.executable, "bench/bench_analysis_path.py", "--device", "cpu", "--cases", "1",
-                             "--repeats", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run([sys.executable, "bench/bench_analysis.py", "--device", "cpu", "--cases", "1",
+                             "--dimension", "1", "--repeats", "1"], cwd=REPO, capture_output=True, text=True,
+                            timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
-    counts = dict(re.findall(r"^(plain forward|case scoring|analysis path) .*\(([\d,]+) per run", result.stdout,
-                             re.M))
+    counts = dict(re.findall(r"^(plain forward|learned|exact) .*\(([\d,]+) per run", result.stdout, re.M))
     # One default-profile case: 10,240 adaptive points and the truth, 15 observations each.
-    assert counts == {"plain forward": "153,615", "case scoring": "153,600", "analysis path": "153,615"}
-    assert re.search(r"^figure: plain forward \S+ M/s, analysis path \S+ M/s, ratio \d\.\d{3}$", result.stdout, re.M)
+    assert counts == {"plain forward": "153,615", "learned": "153,615", "exact": "153,615"}
+    assert re.search(r"^figure: plain forward \S+ M/s, learned \S+ M/s, ratio \d\.\d{3}, [\d,]+ rows per call$",
+                     result.stdout, re.M)
 
 
 def test_a_broken_cuda_set_up_is_a_failure_not_a_skip(tmp_path):

@@ -24,12 +24,12 @@ def lattice_exact_summaries(tmp_path, problem, lattice_steps, cases, seed):
     points, log_measure = inf.make_candidates(problem.low, problem.high, lattice_steps, candidates, seed)
     writer = Writer(tmp_path)
 
-    def case_scores(i):
-        return {"exact": inf.exact_scores(log_likelihood, observations[i], torch.cat([points, truths[i:i + 1]]),
-                                          262_144)}
+    def block_scores(cases, case_points):
+        return {"exact": inf.exact_scores(log_likelihood, observations[cases], case_points, 262_144)}
 
-    nre_analysis.summarise_cases(writer, ["exact"], case_scores, truths, points, log_measure, LEVELS,
-                                 {"mode": "diagnostic", "cases": 0})
+    scoring = nre_analysis.Scoring(block_scores, torch.device("cpu"), inf.CPU_BLOCK_BYTES)
+    nre_analysis.summarise_cases(writer, ["exact"], scoring, truths, points, log_measure, LEVELS,
+                                 {"mode": "diagnostic", "cases": 0}, lambda case: None)
     summaries = {field: np.load(tmp_path / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}
     return truths, points, summaries
 

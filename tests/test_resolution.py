@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
+import adaptive
 import gaussian
-import nre_analysis
 import inference as inf
+import nre_analysis
 import settings_analysis
 import settings_training
 from store import Writer
@@ -35,21 +36,21 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
     seed = 11
     points, log_measure = inf.make_candidates(problem.low, problem.high, [None] * p, candidates, seed)
 
-    def case_scores(i, case_points):
-        return {"exact": inf.exact_scores(log_likelihood, observations[i], case_points, 262_144)}
+    def block_scores(cases, case_points):
+        return {"exact": inf.exact_scores(log_likelihood, observations[cases], case_points, 262_144)}
 
+    scoring = nre_analysis.Scoring(block_scores, torch.device("cpu"), inf.CPU_BLOCK_BYTES)
     writer = Writer(tmp_path / name)
     (tmp_path / name).mkdir()
     retain = {"mode": "diagnostic", "cases": 0}
     if candidates["kind"] == "adaptive":
-        box = inf.support_box(problem.low, problem.high, [None] * p)
+        box = adaptive.support_box(problem.low, problem.high, [None] * p)
         sizes = inf.adaptive_sizes(p, candidates, 1)
-        nre_analysis.summarise_adaptive(writer, ["exact"], case_scores, truths, (points, log_measure), box,
-                                          LEVELS, retain, sizes, seed)
+        nre_analysis.summarise_adaptive(writer, ["exact"], scoring, truths, (points, log_measure), box,
+                                        LEVELS, retain, sizes, seed, lambda case: None)
     else:
-        nre_analysis.summarise_cases(
-            writer, ["exact"], lambda i: case_scores(i, torch.cat([points, truths[i:i + 1]])), truths, points,
-            log_measure, LEVELS, retain)
+        nre_analysis.summarise_cases(writer, ["exact"], scoring, truths, points, log_measure, LEVELS, retain,
+                                     lambda case: None)
     return {field: np.load(tmp_path / name / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}
 
 

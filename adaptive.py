@@ -1,0 +1,457 @@
+"""Adaptive candidates: a shared coarse pass, then refined passes and probes for a block of cases at once.
+
+Every case of a block draws the same number of points in each pass, so the whole
+refinement is a set of tensors with the block as their first axis, on the device the
+cases' scores come from. A case's results do not depend on the block it is refined in:
+every step works on each case's own rows, its refined passes draw from its own Sobol
+stream (see case_seed), and network calls see each row alone (see inference.ensemble_scores).
+
+One case, in order (refine_block):
+1. the coarse design (shared) and the truth are scored;
+2. each refined pass fits, per target and on that target's own scores (never the
+   truth), a product of truncated normals with the density's mean and inflated sd
+   (fit_proposals); lattice axes take the mass of each lattice point's cell, so they
+   keep counting measure;
+3. the points of all passes, coarse included, carry deterministic-mixture importance
+   weights, summed over repeated lattice points (the repeats keep their place at zero
+   weight) and scaled to the box's measure exactly;
+4. zero-measure probes along rays from each density's mean sharpen the projected
+   bounds: they change no mass, threshold or coverage, only where a region is seen to end.
+"""
+import math
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+import inference
+
+INFLATION = 1.5      # a refined proposal's sd over the density's estimated sd: wide enough not to clip it
+REACH = 4.0          # a refined box spans the proposal mean ± REACH proposal sds (and the modes found)
+MAX_SHRINK = 4.0     # a pass narrows the previous spread at most this much: few effective points mislead
+PROBE_REACH = 1.5    # rays reach this multiple of the farthest region point's Mahalanobis radius
+
+
+class Box(NamedTuple):
+    """The prior's support: bounds (p,) (lattice axes: first and last lattice point) and steps."""
+    low: torch.Tensor
+    high: torch.Tensor
+    lattice: torch.Tensor   # bool (p,)
+    step: torch.Tensor      # the lattice step, 1 on continuous axes
+
+    def to(self, device):
+        """The same box with its tensors on `device`."""
+        return Box(*(field.to(device) for field in self))
+
+    def half_cell(self):
+        """Half a lattice step on lattice axes, 0 elsewhere: a lattice point's cell reaches this far."""
+        return torch.where(self.lattice, self.step / 2, torch.zeros_like(self.step))
+
+    def log_measure(self):
+        """Log of the box's measure: Lebesgue on continuous axes, counting on lattice axes."""
+        counts = torch.round((self.high - self.low) / self.step) + 1
+        return float(torch.where(self.lattice, counts, self.high - self.low).log().sum())
+
+    def snap(self, values, low=None, high=None):
+        """Values clamped into [low, high] (the box by default), lattice axes rounded onto the lattice."""
+        low = self.low if low is None else low
+        high = self.high if high is None else high
+        k = torch.round((values - self.low) / self.step)
+        on_lattice = self.low + k * self.step
+        return torch.maximum(torch.minimum(torch.where(self.lattice, on_lattice, values), high), low)
+
+
+def support_box(low, high, lattice_steps):
+    """The Box of a prior's support; lattice axes end on their last lattice point."""
+    low, high = inference._as_f64(low), inference._as_f64(high)
+    inference._check_box(low, high)
+    lattice = torch.tensor([s is not None for s in lattice_steps])
+    step = torch.tensor([1.0 if s is None else float(s) for s in lattice_steps], dtype=torch.float64)
+    last = torch.tensor([float(inference.lattice_support(a, b, s)[-1]) if s is not None else b
+                         for a, b, s in zip(low.tolist(), high.tolist(), lattice_steps)], dtype=torch.float64)
+    return Box(low, last, lattice, step)
+
+
+class Proposal(NamedTuple):
+    """Products of normals truncated to boxes [low, high], one per case (fields (B, p)); a lattice
+    point takes its cell's mass. Stacked proposals have fields (B, C, p) and counts (C,)."""
+    mean: torch.Tensor
+    sd: torch.Tensor
+    low: torch.Tensor
+    high: torch.Tensor
+    count: int              # points drawn from it, per case
+
+
+def _log1mexp(x):
+    """log(1 − exp(x)) for x <= 0, accurate on both sides of −log 2."""
+    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
+
+
+def _log_normal_interval(a, b):
+    """log(Φ(b) − Φ(a)) for a <= b, accurate in both tails."""
+    upper = a > 0   # both in the upper tail: mirror into the lower one, where Φ keeps its digits
+    a, b = torch.where(upper, -b, a), torch.where(upper, -a, b)
+    log_b = torch.special.log_ndtr(b)
+    return log_b + _log1mexp(torch.special.log_ndtr(a) - log_b)
+
+
+def _standard_z(proposal, box):
+    """The proposal's support [low, high] (lattice cells included) in standard units."""
+    half = box.half_cell()
+    return (proposal.low - half - proposal.mean) / proposal.sd, (proposal.high + half - proposal.mean) / proposal.sd
+
+
+def draw_proposals(proposal, unit, box):
+    """Map unit-cube points (B, n, p) through each case's truncated normals' inverse CDF; lattice axes snap."""
+    proposal = Proposal(*(field[:, None] for field in proposal[:4]), proposal.count)
+    za, zb = _standard_z(proposal, box)
+    pa, pb = torch.special.ndtr(za), torch.special.ndtr(zb)
+    z = torch.special.ndtri(pa + unit * (pb - pa))
+    values = proposal.mean + proposal.sd * torch.maximum(torch.minimum(z, zb), za)
+    return box.snap(values, proposal.low, proposal.high)
+
+
+def proposal_log_density(proposals, points, box):
+    """Log density (B, C, n) of stacked proposals (fields (B, C, p)) at each case's points (B, n, p):
+    Lebesgue × counting measure, −inf outside each proposal's box."""
+    inside = torch.ones(points.shape[:2] + proposals.mean.shape[1:2], dtype=torch.bool, device=points.device)
+    for j in range(points.shape[2]):
+        column = points[:, :, j:j + 1]
+        inside &= (column >= proposals.low[:, None, :, j]) & (column <= proposals.high[:, None, :, j])
+    continuous = ~box.lattice
+    x, mean, inverse = points[..., continuous], proposals.mean[..., continuous], proposals.sd[..., continuous] ** -2
+    # Σ_j (x_j − μ_j)²/σ_j² of every point under every proposal at once, as batched matrix products.
+    quadratic = torch.baddbmm((mean * mean * inverse).sum(dim=2)[:, None, :], x * x, inverse.transpose(1, 2))
+    quadratic.baddbmm_(x, (mean * inverse).transpose(1, 2), alpha=-2)
+    total = -0.5 * quadratic - (torch.log(proposals.sd[..., continuous]).sum(dim=2)
+                                + 0.5 * int(continuous.sum()) * math.log(2 * math.pi))[:, None, :]
+    if bool(box.lattice.any()):
+        sd = proposals.sd[:, None, :, box.lattice]
+        z = (points[:, :, None, box.lattice] - proposals.mean[:, None, :, box.lattice]) / sd
+        cell = box.half_cell()[box.lattice] / sd
+        total = total + _log_normal_interval(z - cell, z + cell).sum(dim=-1)
+    za, zb = _standard_z(proposals, box)
+    total = total - _log_normal_interval(za, zb).sum(dim=-1)[:, None, :]
+    return torch.where(inside, total, torch.full_like(total, -math.inf)).transpose(1, 2)
+
+
+def stack_proposals(proposals):
+    """Proposals stacked along a second axis (fields (B, C, p)), for proposal_log_density."""
+    return Proposal(*(torch.stack([getattr(c, name) for c in proposals], dim=1)
+                      for name in ("mean", "sd", "low", "high")), [c.count for c in proposals])
+
+
+def mixture_log_weights(log_densities, counts, multiplicity, coarse_count, log_box):
+    """Deterministic-mixture importance weights (B, n) of every point drawn so far, as logs.
+
+    All points together are a sample of the mixture of the uniform coarse design and
+    the refined proposals (log_densities (B, C, n) at every point, `counts` points each),
+    so a point weighs 1/Σ_c n_c g_c(θ): an unbiased rule for the box's measure. Coarse
+    points merged on a lattice weigh their multiplicity (log given, first) times that.
+    """
+    cases, _, n = log_densities.shape
+    uniform = torch.full((cases, 1, n), math.log(coarse_count) - log_box, dtype=torch.float64,
+                         device=log_densities.device)
+    log_counts = torch.tensor(counts, dtype=torch.float64, device=log_densities.device).reshape(1, -1, 1).log()
+    log_weights = -torch.logsumexp(torch.cat([uniform, log_counts + log_densities], dim=1), dim=1)
+    log_weights[:, :multiplicity.numel()] += multiplicity
+    return log_weights
+
+
+def effective_sizes(log_weights):
+    """Kish's effective sample size (Σw)²/Σw² of each row of weights given as logs."""
+    return torch.exp(2 * torch.logsumexp(log_weights, 1) - torch.logsumexp(2 * log_weights, 1))
+
+
+def weighted_moments(points, log_q):
+    """Mean (B, p) and covariance (B, p, p) of each case's points under normalised weights exp(log_q)."""
+    q = torch.softmax(log_q, dim=1)
+    mean = torch.bmm(q[:, None, :], points)[:, 0]
+    centred = points - mean[:, None, :]
+    return mean, torch.bmm((q[:, :, None] * centred).transpose(1, 2), centred)
+
+
+def fit_proposals(points, log_q, spread, box, anchors, count):
+    """Each case's next proposal for a density given by weights exp(log_q) on its points.
+
+    Its sd is the density's, inflated, but at least spread / MAX_SHRINK (the previous
+    spread: estimates from few effective points are too narrow). Its box reaches REACH
+    sds either side of the mean and always holds the anchors (B, a, p), the modes found so far.
+    """
+    mean, covariance = weighted_moments(points, log_q)
+    floor = torch.where(box.lattice, box.step / 2, (box.high - box.low) * 1e-9)
+    # Few effective points place the mean roughly and see too little of the tails: widen more.
+    inflation = INFLATION * (1 + effective_sizes(log_q).rsqrt())[:, None]
+    sd = torch.maximum(torch.maximum(inflation * covariance.diagonal(dim1=1, dim2=2).sqrt(), spread / MAX_SHRINK),
+                       floor)
+    low = torch.maximum(torch.minimum(mean - REACH * sd, anchors.amin(dim=1)), box.low)
+    high = torch.minimum(torch.maximum(mean + REACH * sd, anchors.amax(dim=1)), box.high)
+    # Lattice axes: widen outwards onto the lattice.
+    low = torch.where(box.lattice, box.low + torch.floor((low - box.low) / box.step + 1e-9) * box.step, low)
+    high = torch.where(box.lattice, box.low + torch.ceil((high - box.low) / box.step - 1e-9) * box.step, high)
+    return Proposal(mean, sd, torch.maximum(low, box.low), torch.minimum(high, box.high), int(count))
+
+
+def case_seed(seed, case):
+    """A 63-bit seed of one case's refined passes, from the design's seed and the case index."""
+    return int(np.random.SeedSequence([int(seed), int(case)]).generate_state(1, dtype=np.uint64)[0] >> np.uint64(1))
+
+
+def _shares(count, parts):
+    """Split count into `parts` near-equal shares, the larger first."""
+    return [count // parts + (i < count % parts) for i in range(parts)]
+
+
+def _rows_at(values, index):
+    """values[b, index[b]] for every case b: (B, n, p), (B,) -> (B, p)."""
+    return values[torch.arange(values.shape[0], device=values.device), index]
+
+
+def _case_draws(engines, count, device):
+    """`count` more points of each case's own Sobol stream, (B, count, p), on `device`."""
+    return torch.stack([engine.draw(count, dtype=torch.float64) for engine in engines]).to(device)
+
+
+def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, seeds):
+    """Run the refined passes: each target fits its next proposal on its own weighted scores.
+
+    Returns every point drawn (coarse first) per case, their mixture weights, each
+    target's scores on them and each target's last proposal.
+    """
+    targets, cases = list(scores), len(seeds)
+    points = coarse_points.expand(cases, -1, -1)
+    anchors = {t: _rows_at(points, scores[t].argmax(dim=1)) for t in targets}   # the coarse modes
+    uniform_sd = (box.high - box.low + 2 * box.half_cell()) / math.sqrt(12)
+    spread = {t: uniform_sd.expand(cases, -1) for t in targets}
+    components, last, log_box = [], {}, box.log_measure()
+    densities = torch.empty(cases, 0, points.shape[1], dtype=torch.float64, device=points.device)
+    engines = [torch.quasirandom.SobolEngine(points.shape[2], scramble=True, seed=s) for s in seeds]
+    for size in sizes["passes"]:
+        log_weights = mixture_log_weights(densities, [c.count for c in components], multiplicity,
+                                          sizes["coarse"], log_box)
+        fitted = []
+        for target, share in zip(targets, _shares(size, len(targets))):
+            best = _rows_at(points, scores[target].argmax(dim=1))
+            fitted.append(fit_proposals(points, scores[target] + log_weights, spread[target], box,
+                                        torch.stack([anchors[target], best], dim=1), share))
+            last[target], spread[target] = fitted[-1], fitted[-1].sd
+        unit = _case_draws(engines, size, points.device).split([c.count for c in fitted], dim=1)
+        fresh = torch.cat([draw_proposals(proposal, u, box) for proposal, u in zip(fitted, unit)], dim=1)
+        fresh_scores = score_fn(fresh)
+        densities = torch.cat([densities, proposal_log_density(stack_proposals(fitted), points, box)], dim=1)
+        components += fitted
+        densities = torch.cat([densities, proposal_log_density(stack_proposals(components), fresh, box)], dim=2)
+        points = torch.cat([points, fresh], dim=1)
+        scores = {t: torch.cat([scores[t], fresh_scores[t]], dim=1) for t in targets}
+    log_weights = mixture_log_weights(densities, [c.count for c in components], multiplicity, sizes["coarse"], log_box)
+    return points, log_weights, scores, last
+
+
+def _merged(points, log_weights, box):
+    """Sum the weights of repeated lattice points into their first occurrence (the repeats keep
+    their place at −inf), then scale each case's weights to the box's measure."""
+    if bool(box.lattice.any()):
+        cases, n, p = points.shape
+        case = torch.arange(cases, dtype=points.dtype, device=points.device).repeat_interleave(n)
+        _, group = torch.unique(torch.cat([case[:, None], points.reshape(-1, p)], dim=1), dim=0,
+                                return_inverse=True)
+        flat = log_weights.reshape(-1)
+        position = torch.arange(flat.numel(), device=flat.device)
+        first = torch.full((int(group.max()) + 1,), flat.numel(), device=flat.device).scatter_reduce(
+            0, group, position, "amin")
+        peak = torch.full(first.shape, -math.inf, dtype=flat.dtype, device=flat.device).scatter_reduce(
+            0, group, flat, "amax")
+        finite_peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
+        total = torch.zeros_like(peak).index_add_(0, group, torch.exp(flat - finite_peak[group]))
+        merged = torch.full_like(flat, -math.inf)
+        merged[first] = finite_peak + total.log()
+        log_weights = merged.reshape(cases, n)
+    # The mixture rule integrates the box's measure without bias; rescaling makes it exact and
+    # leaves every normalised density unchanged.
+    return log_weights + (box.log_measure() - torch.logsumexp(log_weights, dim=1, keepdim=True))
+
+
+def _ray_frame(points, scores, covariance, origin, threshold, box):
+    """Rays (B, 2p, p) from each origin along ±Σe_j/√Σ_jj, where an ellipsoid's extent along axis j
+    lies, and their ends (B, 2p).
+
+    Σ is the density's covariance. A ray ends at PROBE_REACH times the farthest
+    Mahalanobis radius of the widest region's points, or where it leaves the box.
+    """
+    floor = torch.where(box.lattice, box.step / 2, (box.high - box.low) * 1e-6)
+    covariance = covariance + torch.diag(floor * floor)
+    directions = covariance / covariance.diagonal(dim1=1, dim2=2).sqrt()[:, :, None]
+    rays = torch.cat([directions, -directions], dim=1)
+    offsets = (points - origin[:, None, :]).transpose(1, 2)
+    radius = torch.linalg.solve_triangular(torch.linalg.cholesky(covariance), offsets, upper=False).norm(dim=1)
+    inside = scores >= threshold[:, None]
+    farthest = torch.where(inside, radius, torch.zeros_like(radius)).amax(dim=1)
+    reach = PROBE_REACH * farthest.clamp(min=1.0)
+    safe = torch.where(rays == 0, torch.ones_like(rays), rays)
+    exits = torch.where(rays > 0, (box.high - origin[:, None, :]) / safe,
+                        torch.where(rays < 0, (box.low - origin[:, None, :]) / safe, torch.full_like(rays, math.inf)))
+    ends = torch.minimum(exits.amin(dim=2).clamp(min=0.0), reach[:, None])
+    return rays, ends
+
+
+def _ray_points(origin, rays, radii, box):
+    """Points origin + t·ray for radii (B, rays, n), snapped into the box, shape (B, rays · n, p)."""
+    points = origin[:, None, None, :] + radii[..., None] * rays[:, :, None, :]
+    return box.snap(points.reshape(origin.shape[0], -1, origin.shape[1]))
+
+
+def _bracket_radii(scores, radii, thresholds):
+    """Second-round radii per ray (B, rays, PROBE_REFINE), shared among the levels' brackets.
+
+    A level's bracket lies between the farthest first-round radius inside its region
+    (0: the origin) and the next one; a ray inside throughout repeats its end.
+    """
+    cases, rays, count = radii.shape
+    padded = torch.cat([torch.zeros(cases, rays, 1, dtype=radii.dtype, device=radii.device), radii], dim=2)
+    position = torch.arange(1, count + 1, device=radii.device)
+    parts = []
+    for level, share in enumerate(_shares(inference.PROBE_REFINE, thresholds.shape[1])):
+        inside = scores >= thresholds[:, level, None, None]
+        last = (inside * position).amax(dim=2, keepdim=True)   # 0 when no radius is inside
+        inner, outer = padded.gather(2, last), padded.gather(2, (last + 1).clamp(max=count))
+        fraction = torch.arange(1, share + 1, dtype=radii.dtype, device=radii.device) / (share + 1)
+        parts.append(inner + (outer - inner) * fraction)
+    return torch.cat(parts, dim=2)
+
+
+def _probe(score_fn, frames, box):
+    """Two rounds of probes along every target's rays; returns the points (B, n, p) and every target's scores.
+
+    frames: {target: (origin, rays, ends, thresholds)}. One call per round scores all
+    targets' probes together.
+    """
+    steps = torch.arange(1, inference.PROBE_RADII + 1, dtype=torch.float64, device=box.low.device)
+    first = {t: ends[..., None] * steps / inference.PROBE_RADII for t, (_, _, ends, _) in frames.items()}
+    points = torch.cat([_ray_points(origin, rays, first[t], box) for t, (origin, rays, _, _) in frames.items()],
+                       dim=1)
+    scores = score_fn(points)
+    second, offset = {}, 0
+    for target, (_, rays, _, thresholds) in frames.items():
+        size = rays.shape[1] * inference.PROBE_RADII
+        own = scores[target][:, offset:offset + size].reshape(-1, rays.shape[1], inference.PROBE_RADII)
+        second[target] = _bracket_radii(own, first[target], thresholds)
+        offset += size
+    more = torch.cat([_ray_points(origin, rays, second[t], box) for t, (origin, rays, _, _) in frames.items()],
+                     dim=1)
+    more_scores = score_fn(more)
+    return torch.cat([points, more], dim=1), {t: torch.cat([scores[t], more_scores[t]], dim=1) for t in scores}
+
+
+def _widen(summary, probes, probe_scores, best):
+    """Extend each case's bounds by the probes inside each region, and its mode by a higher probe.
+
+    Probes carry no measure: they sharpen where a region ends without changing its mass.
+    """
+    inside = (probe_scores[:, None, :] >= summary["threshold"][:, :, None])[..., None]   # (B, L, n, 1)
+    lowest = torch.where(inside, probes[:, None], torch.full_like(probes[:, None], math.inf)).amin(dim=2)
+    highest = torch.where(inside, probes[:, None], torch.full_like(probes[:, None], -math.inf)).amax(dim=2)
+    summary["lower"] = torch.minimum(summary["lower"], lowest)
+    summary["upper"] = torch.maximum(summary["upper"], highest)
+    top, where = probe_scores.max(dim=1)
+    higher = (top > best)[:, None]
+    summary["mode"] = torch.where(higher, _rows_at(probes, where), summary["mode"])
+
+
+def refinement_checks(points, log_q, moments, proposal, box):
+    """Edge mass and disagreement (B,) of each case's refined density (moments: its mean and
+    covariance) with the last proposal that placed it.
+
+    Edge mass: the density's mass outside the last box shrunk by one proposal sd (not on
+    sides where the box is the prior's). Disagreement: the larger of the largest mean
+    shift over 2 proposal sds and the largest density sd over √2 proposal sds; above 1
+    the earlier passes misjudged where the mass is, or importance weights may have
+    infinite variance.
+    """
+    q = torch.softmax(log_q, dim=1)
+    mean, covariance = moments
+    inner_low = torch.where(proposal.low > box.low, proposal.low + proposal.sd, box.low)[:, None, :]
+    inner_high = torch.where(proposal.high < box.high, proposal.high - proposal.sd, box.high)[:, None, :]
+    edge = ((points < inner_low) | (points > inner_high)).any(dim=2)
+    shift = ((mean - proposal.mean).abs() / proposal.sd).amax(dim=1)
+    spread = (covariance.diagonal(dim1=1, dim2=2).sqrt() / proposal.sd).amax(dim=1)
+    return torch.where(edge, q, torch.zeros_like(q)).sum(dim=1), torch.maximum(shift / 2, spread / math.sqrt(2))
+
+
+def _coarse_scores(score_fn, coarse_points, truths, cases):
+    """Every target's scores on the coarse design and at each truth, in one call; unusable scores raise."""
+    points = torch.cat([coarse_points.expand(truths.shape[0], -1, -1), truths[:, None, :]], dim=1)
+    first = score_fn(points)
+    for target, values in first.items():
+        values = values[:, :-1]
+        bad = ~torch.isfinite(values).any(dim=1) | torch.isnan(values).any(dim=1) | torch.isposinf(values).any(dim=1)
+        if bool(bad.any()):
+            raise ValueError(f"case {cases[int(torch.nonzero(bad)[0])]}: {target} scores on the coarse candidates "
+                             "are NaN, +inf or all -inf; check the network output or the likelihood for that case")
+    return {t: s[:, :-1] for t, s in first.items()}, {t: s[:, -1] for t, s in first.items()}
+
+
+def _measured_summaries(points, log_weights, scores, truth_scores, levels, box):
+    """Per target: the summary on the measured points, the probe frame and the density's moments."""
+    summaries, frames, moments = {}, {}, {}
+    for target, values in scores.items():
+        summary = inference.summarise_block(values, log_weights, points, truth_scores[target], levels)
+        moments[target] = weighted_moments(points, values + log_weights)
+        origin = moments[target][0]   # the mean: far closer to a region's centre than the best point found
+        rays, ends = _ray_frame(points, values, moments[target][1], origin, summary["threshold"].amin(dim=1), box)
+        frames[target] = (origin, rays, ends, summary["threshold"])
+        summaries[target] = summary
+    return summaries, frames, moments
+
+
+def refine_block(score_fn, coarse_points, coarse_log_measure, truths, box, levels, sizes, seed, cases):
+    """Adaptive candidates and HPD summaries of a block of cases, for every target score_fn returns.
+
+    `score_fn(points (B, n, p)) -> {target: scores (B, n)}` is called on the coarse
+    design and the truths, once per refined pass and twice for probes, so every case
+    evaluates exactly sizes["total"] points besides its truth (see the module's
+    docstring for the steps). `cases` are the block's case indices (they seed each
+    case's stream). Returns per case points (B, n, p) and log_measure (B, n) (probes
+    last, at −inf; repeated lattice points at −inf too), scores (B, n + 1) (the truth's
+    last), summaries of tensors (with edge_mass and disagreement), the last proposal
+    per target, and the count of points each case evaluated.
+    """
+    levels = inference._check_levels(levels)
+    device = truths.device
+    box = box.to(device)
+    coarse_points, coarse_log_measure = coarse_points.to(device), coarse_log_measure.to(device)
+    scores, truth_scores = _coarse_scores(score_fn, coarse_points, truths, cases)
+    multiplicity = coarse_log_measure + math.log(sizes["coarse"]) - box.log_measure()
+    # Coarse points merged on a lattice leave their places to the last pass: every case evaluates the same count.
+    passes = sizes["passes"][:-1] + [sizes["passes"][-1] + sizes["coarse"] - coarse_points.shape[0]]
+    seeds = [case_seed(seed, case) for case in cases]
+    points, log_weights, scores, last = _refined_passes(
+        score_fn, coarse_points, multiplicity, scores, box, dict(sizes, passes=passes), seeds)
+    log_weights = _merged(points, log_weights, box)
+    summaries, frames, moments = _measured_summaries(points, log_weights, scores, truth_scores, levels, box)
+    probes, probe_scores = _probe(score_fn, frames, box)
+    for target, summary in summaries.items():
+        _widen(summary, probes, probe_scores[target], scores[target].amax(dim=1))
+        summary["edge_mass"], summary["disagreement"] = refinement_checks(
+            points, scores[target] + log_weights, moments[target], last[target], box)
+    unmeasured = torch.full(probes.shape[:2], -math.inf, dtype=torch.float64, device=device)
+    return {"points": torch.cat([points, probes], dim=1),
+            "log_measure": torch.cat([log_weights, unmeasured], dim=1),
+            "scores": {t: torch.cat([scores[t], probe_scores[t], truth_scores[t][:, None]], dim=1) for t in scores},
+            "summaries": summaries, "proposals": last,
+            "evaluated": coarse_points.shape[0] + sum(passes) + probes.shape[1]}
+
+
+def refine_case(score_fn, coarse_points, coarse_log_measure, truth, box, levels, sizes, seed, case=0):
+    """One case refined on its own: refine_block on a block of one, with
+    `score_fn(points (n, p)) -> {target: scores (n,)}`; results without the block axis,
+    summaries as numpy arrays of one case."""
+    def block_scores(points):
+        return {target: values[None] for target, values in score_fn(points[0]).items()}
+
+    block = refine_block(block_scores, coarse_points, coarse_log_measure, truth[None], box, levels, sizes, seed,
+                         [case])
+    return {"points": block["points"][0], "log_measure": block["log_measure"][0],
+            "scores": {t: s[0] for t, s in block["scores"].items()},
+            "summaries": {t: inference.host_summary(s) for t, s in block["summaries"].items()},
+            "proposals": {t: Proposal(*(f[0] for f in c[:4]), c.count) for t, c in block["proposals"].items()},
+            "evaluated": block["evaluated"]}
