@@ -592,6 +592,15 @@ def metric_expected_coverage(ctx):
 
 
 MIN_EXPECTED_INSIDE = 100   # design points a fixed design should put inside a 0.95 posterior region
+# An adaptive design's coarse pass must put a point near each posterior for the refined passes to
+# find it: in the bundled study a case is under-resolved about when no coarse point lies inside its
+# 0.95 region doubled in radius (README, "The bundled study"), which a uniform coarse pass leaves
+# empty with the Poisson probability exp(−expected count). Measured shares of flagged cases run up
+# to twice that, so keeping twice it within the share the resolution warning allows needs this
+# many coarse points expected there: ln(2 / 0.01) ≈ 5.3. Calibrated on the bundled study's
+# posteriors; narrower ones need fewer points than this asks, so there it errs toward warning.
+COARSE_REACH = 2.0
+MIN_COARSE_NEIGHBOURS = math.log(2 / inference.MAX_FLAGGED_SHARE)
 
 
 def chi_square_quantile(level, dof):
@@ -607,13 +616,14 @@ def chi_square_quantile(level, dof):
     return (low + high) / 2
 
 
-def posterior_share(problem, lattice, observations):
+def posterior_share(problem, lattice, observations, scale=1.0):
     """Expected share of a box-filling design inside a 0.95 posterior region: ellipsoid over box volume.
 
+    `scale` multiplies the region's radius (2: the region doubled, 2^p times its volume).
     Needs the problem's `posterior_sds(observations)`: the posterior's sds per parameter, roughly.
     """
     p = problem.parameter_count
-    radius = math.sqrt(chi_square_quantile(0.95, p))
+    radius = scale * math.sqrt(chi_square_quantile(0.95, p))
     log_ball = p / 2 * math.log(math.pi) - math.lgamma(p / 2 + 1) + p * math.log(radius)
     widths = [float(b - a) + (step or 0.0) for a, b, step in zip(problem.low, problem.high, lattice)]
     sds = torch.as_tensor(problem.posterior_sds(observations), dtype=torch.float64)
@@ -775,7 +785,8 @@ class NREAnalysis(Analysis):
         return {"model_evaluations": int(evaluations), "saved_bytes": int(saved), "candidate_points": int(per_case)}
 
     def plan_warnings(self):
-        """One line per fixed candidate design predicted to under-resolve the posteriors, before any compute."""
+        """One line per candidate design predicted to under-resolve the posteriors, before any compute:
+        a fixed design too sparse for them, or an adaptive design whose coarse pass is."""
         candidates = self.settings["inference"]["candidates"]
         problem = self.experiment.problem()
         if not callable(getattr(problem, "posterior_sds", None)):
@@ -783,10 +794,13 @@ class NREAnalysis(Analysis):
         by_design = {}
         for member in self.experiment.members():
             design, lattice = self.design_of(member)
-            if design in ("sobol", "grid"):
+            if design in ("sobol", "grid", "adaptive"):
                 by_design.setdefault((design, tuple(lattice)), []).append(member["prior"])
-        lines = []
+        lines = self.coarse_warnings({lattice: names for (design, lattice), names in by_design.items()
+                                      if design == "adaptive"})
         for (design, lattice), prior_names in by_design.items():
+            if design == "adaptive":
+                continue
             count = inference.candidate_count_for(problem.parameter_count, list(lattice), problem.low, problem.high,
                                                   candidates)
             expected = count * posterior_share(problem, list(lattice), self.settings["inference"]["observations"])
@@ -799,3 +813,32 @@ class NREAnalysis(Analysis):
                     f"{', '.join(prior_names)}), fewer than {MIN_EXPECTED_INSIDE}, so coverage and widths describe the "
                     f"design; set inference.candidates.kind to 'adaptive' or raise {knob}")
         return lines
+
+    def coarse_warnings(self, lattices):
+        """The line for an adaptive design whose coarse pass is predicted to leave too many posteriors
+        without a coarse point near them (see MIN_COARSE_NEIGHBOURS), or none.
+
+        `lattices`: {lattice steps: the names of the priors refined on them}; one line names every prior
+        that falls short and the coarse_count the sparsest of them needs.
+        """
+        candidates, inference_settings = self.settings["inference"]["candidates"], self.settings["inference"]
+        problem = self.experiment.problem()
+        p, coarse = problem.parameter_count, int(candidates["coarse_count"])
+        near = {lattice: coarse * posterior_share(problem, list(lattice), inference_settings["observations"],
+                                                  COARSE_REACH) for lattice in lattices}
+        short = [lattice for lattice in lattices if near[lattice] < MIN_COARSE_NEIGHBOURS]
+        if not short:
+            return []
+        fewest = min(near[lattice] for lattice in short)
+        needed = math.ceil(coarse * MIN_COARSE_NEIGHBOURS / max(fewest, 1e-300))
+        targets = max(len(self.learned_targets()), int("exact" in inference_settings["targets"]), 1)
+        total = needed * (int(candidates["refinement_stages"]) + 1) + \
+            targets * 2 * p * (inference.PROBE_RADII + inference.PROBE_REFINE)
+        fit = (f" and candidate_count to at least {total:,}, which that needs"
+               if total > int(candidates["candidate_count"]) else "")
+        names = ", ".join(name for lattice in short for name in lattices[lattice])
+        return [f"inference.candidates: the adaptive design's coarse pass of {coarse} points puts about {fewest:.3g} "
+                f"inside a 0.95 posterior region of the {p} parameters doubled in radius (priors {names}), fewer "
+                f"than {MIN_COARSE_NEIGHBOURS:.2g}, so the refined passes may miss the posterior in roughly "
+                f"{min(1.0, 2 * math.exp(-fewest)):.0%} of the cases; raise inference.candidates.coarse_count to "
+                f"about {needed:,}{fit}"]
