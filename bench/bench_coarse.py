@@ -37,13 +37,10 @@ def row(p, coarse, candidate_count, stages, cases, observations):
     candidates = {"kind": "adaptive", "candidate_count": candidate_count, "coarse_count": coarse,
                   "refinement_stages": stages}
 
-    def case_scores(i, points):
-        return {"exact": inference.exact_scores(problem.log_likelihood, observed[i], points, 262_144)}
-
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
         arrays, per_case = bench_resolution.summarise(problem, truths, observed, candidates, ["exact"],
-                                                      case_scores, folder)
+                                                      bench_resolution.exact_scoring(problem, observed), folder)
     summary = {f: arrays[f"exact_{f}"] for f in nre_analysis.SUMMARY_FIELDS}
     levels = bench_resolution.LEVELS
     coverage = inference.coverage_metrics(summary, truths.numpy(), levels, problem.names)["0.68"]

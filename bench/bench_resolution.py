@@ -157,6 +157,15 @@ def references(p, cases, level=0.68):
     return {"truncated": (coverage, width), "untruncated": analytic(p, level)}
 
 
+def exact_scoring(problem, observations):
+    """The exact target's scoring of blocks of cases on the CPU, as the exact product does it."""
+    def block_scores(cases, points):
+        return {"exact": inference.exact_scores(problem.log_likelihood, observations[cases], points,
+                                                inference.EVAL_BLOCK_ROWS)}
+
+    return nre_analysis.Scoring(block_scores, torch.device("cpu"), inference.CPU_BLOCK_BYTES)
+
+
 def exact_row(p, design, candidates, cases, folder, reference):
     """One table row: the exact target's coverage, width and resolution with one design."""
     problem = study_problem(p)
@@ -164,11 +173,8 @@ def exact_row(p, design, candidates, cases, folder, reference):
     truths = bench_truths(problem, cases)
     observations = inference.make_observations(problem.simulate, truths, settings["observations"], 2)
 
-    def block_scores(cases, points):
-        return {"exact": inference.exact_scores(problem.log_likelihood, observations[cases], points, 262_144)}
-
-    scoring = nre_analysis.Scoring(block_scores, torch.device("cpu"), inference.CPU_BLOCK_BYTES)
-    arrays, per_case = summarise(problem, truths, observations, candidates, ["exact"], scoring, folder)
+    arrays, per_case = summarise(problem, truths, observations, candidates, ["exact"],
+                                 exact_scoring(problem, observations), folder)
     summary = {f: arrays[f"exact_{f}"] for f in nre_analysis.SUMMARY_FIELDS}
     coverage = inference.coverage_metrics(summary, truths.numpy(), LEVELS, problem.names)
     width = inference.width_metrics(summary, LEVELS, problem.names)["0.68"]["mean"]

@@ -1,6 +1,9 @@
 """Blocks of cases: a case's results are bitwise the same whatever block it is refined or summarised in,
 blocks stay inside their memory budget, and the CUDA policy puts millions of rows into a network call."""
 import functools
+import json
+import re
+import subprocess
 
 import numpy as np
 import pytest
@@ -10,6 +13,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import adaptive
 import inference as inf
 import nre_analysis
+from conftest import run_cli, write_settings
 
 LEVELS = (0.68, 0.95)
 CASES = 13          # the largest case count any test below uses
@@ -174,3 +178,29 @@ def test_the_cuda_policy_puts_millions_of_rows_into_each_network_call_of_the_lea
                                         box, LEVELS, {"mode": "diagnostic", "cases": 0}, sizes, 5, lambda case: None)
     assert counted.rows == cases * (2048 + 1) * observations
     assert counted.call_rows // counted.calls >= 1 << 20
+
+
+def learned_artifacts(root):
+    """The artifact records of every learned product in an output root's store."""
+    return [json.loads(path.read_text()) for path in (root / "cache" / "learned").glob("*/artifact.json")]
+
+
+def test_a_launch_reports_each_product_s_rate_and_the_precision_keys_the_learned_product(trained_smoke_root,
+                                                                                         tmp_path):
+    learned = learned_artifacts(trained_smoke_root)
+    rate = json.loads((trained_smoke_root / "timings.json").read_text())["throughput"]["product.learned"]
+    assert rate["evaluations"] == sum(a["metadata"]["model_evaluations"] for a in learned) > 0
+    assert rate["evaluations_per_s"] > 0
+    calls = sum(a["metadata"]["network_calls"] for a in learned)
+    assert 0 < rate["rows_per_call"] <= inf.EVAL_BLOCK_ROWS and calls > 0
+    subprocess.run(["cp", "-a", str(trained_smoke_root), str(tmp_path / "out")], check=True)
+    settings_dir = write_settings(tmp_path / "s", tmp_path / "out",
+                                  analysis='settings["inference"]["precision"] = "bfloat16"\n')
+    result = run_cli("analyze", "--settings-dir", str(settings_dir))
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"^  product\.learned: \S+ evaluations/s, [\d,]+ rows per network call$", result.stdout, re.M)
+    old = {a["key"] for a in learned}
+    made = [a for a in learned_artifacts(tmp_path / "out") if a["key"] not in old]
+    assert len(made) == len(learned)            # every learned product was made again, under a new key
+    assert {a["recipe"]["settings"]["inference"]["precision"] for a in made} == {"bfloat16"}
+    assert {a["recipe"]["settings"]["inference"]["precision"] for a in learned} == {"float32"}

@@ -22,7 +22,7 @@ def make_settings(profile):
                            "refinement_stages": 3},
             "targets": ["ratio", "posterior", "exact"],
             "levels": [0.68, 0.95],
-            "chunk_rows": 262_144,
+            "chunk_rows": 1 << 24,      # at most this many rows per network call
             "retain": "diagnostic",
             "diagnostic_cases": 4,
         },
