@@ -1,5 +1,7 @@
-"""Inference analysis: truths, observation ensembles, candidates, ensemble scores,
-highest-density (HLD) summaries and the bias/coverage/width/resolution metrics.
+"""Inference analysis: truths, observation ensembles, candidate designs, ensemble and exact
+scores of blocks of cases, highest-density (HPD) summaries and the bias/coverage/width/
+resolution metrics; how the analysis sizes its work on a device (call_policy). The adaptive
+design's refinement is adaptive.py.
 
 Generic on purpose: it works on boxes (low/high tensors), lattice steps and callables,
 and knows no study: the study kit (nre_analysis.py) calls it.
@@ -185,7 +187,7 @@ def _candidate_plan(p, lattice_steps, low, high, settings):
     """Decide 'enumerate', 'grid', 'sobol' or 'adaptive' and the shared design's size before merging.
 
     An adaptive design shares a coarse Sobol design of coarse_count points; each case
-    then refines it on its own (see refine_case).
+    then refines it on its own, in blocks of cases (see adaptive.refine_block).
     """
     kind = settings.get("kind", "sobol")
     if kind not in CANDIDATE_KINDS:
