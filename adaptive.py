@@ -56,9 +56,10 @@ class Box(NamedTuple):
         """Values clamped into [low, high] (the box by default), lattice axes rounded onto the lattice."""
         low = self.low if low is None else low
         high = self.high if high is None else high
-        k = torch.round((values - self.low) / self.step)
-        on_lattice = self.low + k * self.step
-        return torch.maximum(torch.minimum(torch.where(self.lattice, on_lattice, values), high), low)
+        if bool(self.lattice.any()):
+            on_lattice = self.low + torch.round((values - self.low) / self.step) * self.step
+            values = torch.where(self.lattice, on_lattice, values)
+        return torch.clamp(values, low, high)
 
 
 def support_box(low, high, lattice_steps):
@@ -107,7 +108,7 @@ def draw_proposals(proposal, unit, box):
     za, zb = _standard_z(proposal, box)
     pa, pb = torch.special.ndtr(za), torch.special.ndtr(zb)
     z = torch.special.ndtri(pa + unit * (pb - pa))
-    values = proposal.mean + proposal.sd * torch.maximum(torch.minimum(z, zb), za)
+    values = proposal.mean + proposal.sd * torch.clamp(z, za, zb)
     return box.snap(values, proposal.low, proposal.high)
 
 

@@ -377,12 +377,10 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None)
         for start in range(0, cases * n, block):
             c = min(block, cases * n - start)
             first, last = start // n, (start + c - 1) // n
-            if first != last:       # a call across cases: each candidate gets its own case's observations
-                observed[:c] = x[torch.arange(start, start + c, device=x.device) // n]
-                held = None
-            elif held != first:     # most calls lie within one case: its observations are copied once
-                observed[:] = x[first]
-                held = first
+            if first != last or held != first:     # calls within one case copy its observations once
+                for case in range(first, last + 1):
+                    observed[max(case * n - start, 0):min((case + 1) * n - start, c)] = x[case]
+                held = first if first == last else None
             thetas[:c] = theta[start:start + c, None, :]
             logits = logit_fn(rows).reshape(-1)[:c * m].reshape(c, m)
             torch.sum(logits, dim=1, dtype=torch.float64, out=scores[start:start + c])
@@ -444,6 +442,7 @@ def _projected_bounds(points, order, last):
     """Per case and level, the bounds (B, L, p) of the first last + 1 points in density order."""
     lower = torch.empty(last.shape + points.shape[2:], dtype=torch.float64, device=points.device)
     upper = torch.empty_like(lower)
+    order = order[:, :int(last.max()) + 1]      # no region reaches past the widest one's last point
     for j in range(points.shape[2]):
         column = torch.gather(points[:, :, j], 1, order)
         lower[:, :, j] = torch.gather(torch.cummin(column, dim=1).values, 1, last)
