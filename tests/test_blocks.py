@@ -4,6 +4,8 @@ import functools
 import json
 import re
 import subprocess
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import adaptive
 import inference as inf
 import nre_analysis
 from conftest import run_cli, write_settings
+from store import Writer
 
 LEVELS = (0.68, 0.95)
 CASES = 13          # the largest case count any test below uses
@@ -21,22 +24,6 @@ OBSERVATIONS = 5
 DESIGNS = {"adaptive": {"kind": "adaptive", "candidate_count": 1536, "coarse_count": 128, "refinement_stages": 3,
                         "max_enumerated": 10},
            "sobol": {"kind": "sobol", "candidate_count": 512, "max_enumerated": 10}}
-
-
-class MemoryWriter:
-    """The two writer calls of the study's drivers, kept in memory."""
-
-    def __init__(self):
-        self.arrays = {}
-
-    def allocate(self, key, shape, dtype):
-        """A zeroed array the driver fills in place."""
-        self.arrays[key] = np.zeros(shape, dtype)
-        return self.arrays[key]
-
-    def array(self, key, value):
-        """Keep a finished array."""
-        self.arrays[key] = np.asarray(value)
 
 
 def log_likelihood(x, theta):
@@ -75,26 +62,28 @@ def scorings(observations, network, blocks):
 def analyse(design, lattice, cases, block_cases, blocks=None):
     """Every summary array and retained score of the first `cases` cases, refined `block_cases` at a time."""
     truths, observations, steps, network = problem(lattice)
-    truths = truths[:cases]
-    settings_ = DESIGNS[design]
-    points, log_measure = inf.make_candidates(torch.zeros(2), torch.full((2,), 10.0), steps, settings_, seed=3)
+    points, log_measure = inf.make_candidates(torch.zeros(2), torch.full((2,), 10.0), steps, DESIGNS[design], seed=3)
     box = adaptive.support_box(torch.zeros(2), torch.full((2,), 10.0), steps)
-    results = {}
-    for targets, score in scorings(observations, network, [] if blocks is None else blocks).items():
-        writer, retain = MemoryWriter(), {"mode": "full", "cases": 0}
-        if design == "adaptive":
-            sizes = inf.adaptive_sizes(2, settings_, len(targets))
-            per_case = nre_analysis.adaptive_case_bytes(sizes, 2, len(targets), len(LEVELS))
-            scoring = nre_analysis.Scoring(score, torch.device("cpu"), block_cases * per_case)
-            nre_analysis.summarise_adaptive(writer, list(targets), scoring, truths, (points, log_measure), box,
-                                            LEVELS, retain, sizes, 5, lambda case: None)
-        else:
-            per_case = nre_analysis.fixed_case_bytes(points.shape[0], 2, len(targets), len(LEVELS))
-            scoring = nre_analysis.Scoring(score, torch.device("cpu"), block_cases * per_case)
-            nre_analysis.summarise_cases(writer, list(targets), scoring, truths, points, log_measure, LEVELS,
-                                         retain, lambda case: None)
-        results.update(writer.arrays)
-    return results
+    with tempfile.TemporaryDirectory() as folder:
+        for targets, score in scorings(observations, network, [] if blocks is None else blocks).items():
+            summarise(Writer(Path(folder)), design, list(targets), score, truths[:cases], (points, log_measure), box,
+                      block_cases)
+        return {path.stem: np.load(path) for path in Path(folder).glob("*.npy")}
+
+
+def summarise(writer, design, targets, score, truths, design_points, box, block_cases):
+    """One product's summaries through the study's driver, with a memory budget of block_cases cases."""
+    retain, no_progress = {"mode": "full", "cases": 0}, lambda case: None
+    if design == "adaptive":
+        sizes = inf.adaptive_sizes(2, DESIGNS[design], len(targets))
+        per_case = nre_analysis.adaptive_case_bytes(sizes, 2, len(targets), len(LEVELS))
+        scoring = nre_analysis.Scoring(score, torch.device("cpu"), block_cases * per_case)
+        nre_analysis.summarise_adaptive(writer, targets, scoring, truths, design_points, box, LEVELS, retain, sizes,
+                                        5, no_progress)
+    else:
+        per_case = nre_analysis.fixed_case_bytes(design_points[0].shape[0], 2, len(targets), len(LEVELS))
+        scoring = nre_analysis.Scoring(score, torch.device("cpu"), block_cases * per_case)
+        nre_analysis.summarise_cases(writer, targets, scoring, truths, *design_points, LEVELS, retain, no_progress)
 
 
 @functools.lru_cache(maxsize=None)
@@ -173,9 +162,10 @@ def test_the_cuda_policy_puts_millions_of_rows_into_each_network_call_of_the_lea
     points, log_measure = inf.make_candidates(torch.zeros(1), torch.full((1,), 10.0), [None], settings_, seed=1)
     box = adaptive.support_box(torch.zeros(1), torch.full((1,), 10.0), [None])
     sizes = inf.adaptive_sizes(1, settings_, 2)
-    with torch.no_grad():
-        nre_analysis.summarise_adaptive(MemoryWriter(), ["ratio", "posterior"], scoring, truths, (points, log_measure),
-                                        box, LEVELS, {"mode": "diagnostic", "cases": 0}, sizes, 5, lambda case: None)
+    with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
+        nre_analysis.summarise_adaptive(Writer(Path(folder)), ["ratio", "posterior"], scoring, truths,
+                                        (points, log_measure), box, LEVELS, {"mode": "diagnostic", "cases": 0}, sizes,
+                                        5, lambda case: None)
     assert counted.rows == cases * (2048 + 1) * observations
     assert counted.call_rows // counted.calls >= 1 << 20
 
