@@ -73,6 +73,60 @@ def run_cli(*args, cwd=None, env=None, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
+def main_in_process(*args, cwd=None, env=None):
+    """`nnpd.main(args)` in this process, answered as run_cli's launch would be: a CompletedProcess with the
+    exit status and what was printed to stdout and stderr.
+
+    For the checks of what the command line answers that do not depend on a fresh process (no signals,
+    locks, launchers or environment of its own); each concern of that kind keeps a real launch elsewhere.
+    As in a fresh interpreter, warnings are shown (once per place) rather than recorded by pytest, and an
+    exception nnpd lets escape is a traceback on stderr with exit status 1.
+    """
+    import contextlib
+    import io
+    import traceback
+    import warnings
+
+    import nnpd
+
+    changed = {**(env or {}), **{name: None for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                          "MASTER_PORT")}}
+    saved_environment = {name: os.environ.get(name) for name in changed}
+    saved_cwd, saved_path, saved_format = os.getcwd(), list(sys.path), warnings.formatwarning
+    stdout, stderr = io.StringIO(), io.StringIO()
+    try:
+        for name, value in changed.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        os.chdir(cwd or REPO)
+        with warnings.catch_warnings(), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            warnings.resetwarnings()                    # a fresh interpreter's filters and display
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            warnings.showwarning = getattr(warnings, "_showwarning_orig", warnings.showwarning)
+            try:
+                status = nnpd.main(list(args))
+            except SystemExit as stop:                  # argparse's usage errors
+                status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+                if not isinstance(stop.code, (int, type(None))):
+                    print(stop.code, file=sys.stderr)
+            except Exception:                           # what would end a launch with a traceback
+                traceback.print_exc()
+                status = 1
+    finally:
+        warnings.formatwarning = saved_format
+        sys.path[:] = saved_path
+        os.chdir(saved_cwd)
+        for name, value in saved_environment.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+    return subprocess.CompletedProcess(["nnpd", *args], status, stdout.getvalue(), stderr.getvalue())
+
+
 # ---------------------------------------------------------------- launches side by side
 
 def side_by_side(calls, limit=4):
