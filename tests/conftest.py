@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,6 @@ def main_in_process(*args, cwd=None, env=None):
     import contextlib
     import io
     import traceback
-    import warnings
 
     import nnpd
 
@@ -105,7 +105,7 @@ def main_in_process(*args, cwd=None, env=None):
             warnings.resetwarnings()                    # a fresh interpreter's filters and display
             for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
                 warnings.simplefilter("ignore", category)
-            warnings.showwarning = getattr(warnings, "_showwarning_orig", warnings.showwarning)
+            warnings.showwarning = _show_on_stderr     # not into pytest's record of the test's warnings
             try:
                 status = nnpd.main(list(args))
             except SystemExit as stop:                  # argparse's usage errors
@@ -125,6 +125,11 @@ def main_in_process(*args, cwd=None, env=None):
             else:
                 os.environ[name] = value
     return subprocess.CompletedProcess(["nnpd", *args], status, stdout.getvalue(), stderr.getvalue())
+
+
+def _show_on_stderr(message, category, filename, lineno, file=None, line=None):
+    """Show a warning as a fresh interpreter does: warnings.formatwarning's text on stderr."""
+    (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 # ---------------------------------------------------------------- launches side by side
