@@ -5,6 +5,7 @@ Each test interrupts a real launch at a point it can observe (the first saved tr
 state appearing in the store's scratch area), then checks that the final weights are
 bitwise those of an uninterrupted launch with the same settings in another output root.
 """
+import functools
 import json
 import os
 import signal
@@ -16,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_cli, write_settings
+from conftest import REPO, run_cli, side_by_side, write_settings
 from test_distributed import clean_environment, free_port
 
-TRAINING = ('settings["data"]["train"] = 24_000\n'
+TRAINING = ('settings["data"]["train"] = 12_000\n'
             'settings["training"]["epochs"] = 3\n'
             'settings["training"]["batch_size"] = 64\n'
             'settings["cohort"]["priors"] = ["uniform"]\n'
@@ -110,14 +111,15 @@ def alive(pid):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted single-process and 2-rank DDP trainings of the same settings."""
-    found = {}
-    for name, extra, workers in (("single", "", 1), ("ddp", DDP, 2)):
+    """Uninterrupted single-process and 2-rank DDP trainings of the same settings, launched side by side."""
+    def trained(name, extra, workers):
         folder = tmp_path_factory.mktemp(name)
         done = finish(command(settings_for(folder, extra), workers=workers))
         assert done.returncode == 0, done.stdout + done.stderr
-        found[name] = weights(folder / "out")
-    return found
+        return weights(folder / "out")
+
+    return side_by_side({name: functools.partial(trained, name, extra, workers)
+                         for name, extra, workers in (("single", "", 1), ("ddp", DDP, 2))})
 
 
 def test_sigkill_mid_training_then_the_same_command_resumes_bitwise(tmp_path, reference):
