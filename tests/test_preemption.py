@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_cli, side_by_side, write_settings
+from conftest import REPO, main_in_process, run_cli, side_by_side, write_settings
 from test_distributed import clean_environment, free_port
 
 TRAINING = ('settings["data"]["train"] = 12_000\n'
@@ -194,8 +194,9 @@ def test_workers_stop_when_the_agent_dies_and_a_relaunch_completes(tmp_path):
 def test_switching_backends_keeps_the_models_of_both(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out",
                               training=DDP + 'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
-    for workers in (2, 1):
-        done = finish(command(settings, workers=workers))
+    for workers in (2, 1):      # the single-process training through nnpd.main in-process
+        done = finish(command(settings, workers=2)) if workers == 2 else main_in_process("train", "--settings-dir",
+                                                                                         str(settings))
         assert done.returncode == 0, done.stdout + done.stderr
     models = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("cache/model/*/weights.pt")}
     assert len(models) == 4                                # two priors, two backends (world size 2 and 1)
