@@ -1,10 +1,13 @@
 """Shared fixtures: tiny settings files written into a temporary directory."""
 import concurrent.futures
+import contextlib
 import functools
+import io
 import os
 import subprocess
 import sys
 import textwrap
+import traceback
 import warnings
 from pathlib import Path
 
@@ -83,48 +86,52 @@ def main_in_process(*args, cwd=None, env=None):
     As in a fresh interpreter, warnings are shown (once per place) rather than recorded by pytest, and an
     exception nnpd lets escape is a traceback on stderr with exit status 1.
     """
-    import contextlib
-    import io
-    import traceback
-
     import nnpd
 
-    changed = {**(env or {}), **{name: None for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
-                                                          "MASTER_PORT")}}
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with _launch_state(cwd, env), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        warnings.resetwarnings()                        # a fresh interpreter's filters and display
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        warnings.showwarning = _show_on_stderr         # not into pytest's record of the test's warnings
+        try:
+            status = nnpd.main(list(args))
+        except SystemExit as stop:                      # argparse's usage errors
+            status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            if not isinstance(stop.code, (int, type(None))):
+                print(stop.code, file=sys.stderr)
+        except Exception:                               # what would end a launch with a traceback
+            traceback.print_exc()
+            status = 1
+    return subprocess.CompletedProcess(["nnpd", *args], status, stdout.getvalue(), stderr.getvalue())
+
+
+@contextlib.contextmanager
+def _launch_state(cwd, env):
+    """In `cwd` (the repository by default) with `env` set and no torchrun variables; afterwards the
+    environment, working folder, import path and warnings' settings as they were."""
+    changed = {**(env or {}), **dict.fromkeys(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))}
     saved_environment = {name: os.environ.get(name) for name in changed}
     saved_cwd, saved_path, saved_format = os.getcwd(), list(sys.path), warnings.formatwarning
-    stdout, stderr = io.StringIO(), io.StringIO()
     try:
-        for name, value in changed.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        os.chdir(cwd or REPO)
-        with warnings.catch_warnings(), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            warnings.resetwarnings()                    # a fresh interpreter's filters and display
-            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
-                warnings.simplefilter("ignore", category)
-            warnings.showwarning = _show_on_stderr     # not into pytest's record of the test's warnings
-            try:
-                status = nnpd.main(list(args))
-            except SystemExit as stop:                  # argparse's usage errors
-                status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-                if not isinstance(stop.code, (int, type(None))):
-                    print(stop.code, file=sys.stderr)
-            except Exception:                           # what would end a launch with a traceback
-                traceback.print_exc()
-                status = 1
+        with warnings.catch_warnings():
+            _set_environment(changed)
+            os.chdir(cwd or REPO)
+            yield
     finally:
-        warnings.formatwarning = saved_format
+        warnings.formatwarning = saved_format           # nnpd.main sets its own
         sys.path[:] = saved_path
         os.chdir(saved_cwd)
-        for name, value in saved_environment.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-    return subprocess.CompletedProcess(["nnpd", *args], status, stdout.getvalue(), stderr.getvalue())
+        _set_environment(saved_environment)
+
+
+def _set_environment(values):
+    """Set os.environ's variables to the given values; None removes one."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
 
 
 def _show_on_stderr(message, category, filename, lineno, file=None, line=None):
