@@ -1,10 +1,14 @@
 """Shared fixtures: tiny settings files written into a temporary directory."""
 import concurrent.futures
+import contextlib
 import functools
+import io
 import os
 import subprocess
 import sys
 import textwrap
+import traceback
+import warnings
 from pathlib import Path
 
 import pytest
@@ -71,6 +75,68 @@ def run_cli(*args, cwd=None, env=None, timeout=600):
         environment.pop(name, None)
     return subprocess.run([sys.executable, str(REPO / "nnpd.py"), *args], cwd=cwd or REPO, env=environment,
                           capture_output=True, text=True, timeout=timeout)
+
+
+def main_in_process(*args, cwd=None, env=None):
+    """`nnpd.main(args)` in this process, answered as run_cli's launch would be: a CompletedProcess with the
+    exit status and what was printed to stdout and stderr.
+
+    For the checks of what the command line answers that do not depend on a fresh process (no signals,
+    locks, launchers or environment of its own); each concern of that kind keeps a real launch elsewhere.
+    As in a fresh interpreter, warnings are shown (once per place) rather than recorded by pytest, and an
+    exception nnpd lets escape is a traceback on stderr with exit status 1.
+    """
+    import nnpd
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with _launch_state(cwd, env), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        warnings.resetwarnings()                        # a fresh interpreter's filters and display
+        for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+            warnings.simplefilter("ignore", category)
+        warnings.showwarning = _show_on_stderr         # not into pytest's record of the test's warnings
+        try:
+            status = nnpd.main(list(args))
+        except SystemExit as stop:                      # argparse's usage errors
+            status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
+            if not isinstance(stop.code, (int, type(None))):
+                print(stop.code, file=sys.stderr)
+        except Exception:                               # what would end a launch with a traceback
+            traceback.print_exc()
+            status = 1
+    return subprocess.CompletedProcess(["nnpd", *args], status, stdout.getvalue(), stderr.getvalue())
+
+
+@contextlib.contextmanager
+def _launch_state(cwd, env):
+    """In `cwd` (the repository by default) with `env` set and no torchrun variables; afterwards the
+    environment, working folder, import path and warnings' settings as they were."""
+    changed = {**(env or {}), **dict.fromkeys(("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"))}
+    saved_environment = {name: os.environ.get(name) for name in changed}
+    saved_cwd, saved_path, saved_format = os.getcwd(), list(sys.path), warnings.formatwarning
+    try:
+        with warnings.catch_warnings():
+            _set_environment(changed)
+            os.chdir(cwd or REPO)
+            yield
+    finally:
+        warnings.formatwarning = saved_format           # nnpd.main sets its own
+        sys.path[:] = saved_path
+        os.chdir(saved_cwd)
+        _set_environment(saved_environment)
+
+
+def _set_environment(values):
+    """Set os.environ's variables to the given values; None removes one."""
+    for name, value in values.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+def _show_on_stderr(message, category, filename, lineno, file=None, line=None):
+    """Show a warning as a fresh interpreter does: warnings.formatwarning's text on stderr."""
+    (file or sys.stderr).write(warnings.formatwarning(message, category, filename, lineno, line))
 
 
 # ---------------------------------------------------------------- launches side by side

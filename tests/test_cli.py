@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, ahead, made_ahead, run_cli, write_settings
+from conftest import REPO, main_in_process, run_cli, write_settings
 
 
 def files_under(path):
@@ -22,7 +22,7 @@ def files_under(path):
 def test_bare_command_plans_and_writes_nothing(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out")
     before = files_under(tmp_path)
-    result = run_cli("--settings-dir", str(settings))
+    result = main_in_process("--settings-dir", str(settings))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["jobs"] == 4 and report["errors"] == []
@@ -33,7 +33,7 @@ def test_bare_command_plans_and_writes_nothing(tmp_path):
 
 
 def test_default_profile_plan_is_one_factor_at_a_time():
-    result = run_cli("plan", "--profile", "default")
+    result = main_in_process("plan", "--profile", "default")
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert [c["value"] for c in report["configurations"]] == [None, 2, 3, 4, 5, 6]
@@ -51,10 +51,10 @@ def test_smoke_profile_runs_reruns_for_free_and_verifies(tmp_path):
     assert len(weights) == 4
     metrics = list(root.glob("runs/*/*/metrics.json"))
     assert len(metrics) == 4
-    second = run_cli("run", "--profile", "smoke", cwd=tmp_path)
+    second = main_in_process("run", "--profile", "smoke", cwd=tmp_path)     # the re-run and verify in-process
     assert second.returncode == 0, second.stderr
     assert {p: p.stat().st_mtime_ns for p in root.glob("cache/model/*/weights.pt")} == weights
-    verified = run_cli("verify", "--profile", "smoke", cwd=tmp_path)
+    verified = main_in_process("verify", "--profile", "smoke", cwd=tmp_path)
     assert verified.returncode == 0, verified.stderr
     report = json.loads(verified.stdout)
     assert report["damaged"] == [] and report["checked"] >= 4 + 4 + 4
@@ -74,24 +74,13 @@ USER_ERRORS = [
 ]
 
 
-def user_error_launch(folder, training, analysis, action, named):
-    """One case's launch, its settings and output root in `folder`."""
-    settings = write_settings(folder / "s", folder / "out", training=training, analysis=analysis)
-    return run_cli(action, "--settings-dir", str(settings))
-
-
-@pytest.fixture(scope="module")
-def user_error_launches(request, tmp_path_factory):
-    """The launches of the cases below, made side by side before the first one."""
-    return ahead(request, tmp_path_factory, "test_user_errors_exit_with_one_clear_line_and_write_nothing",
-                 user_error_launch)
-
-
 @pytest.mark.parametrize("training, analysis, action, named", USER_ERRORS)
-def test_user_errors_exit_with_one_clear_line_and_write_nothing(user_error_launches, tmp_path, training, analysis,
-                                                                action, named):
-    folder, result = made_ahead(user_error_launches, user_error_launch, tmp_path, training=training,
-                                analysis=analysis, action=action, named=named)
+def test_user_errors_exit_with_one_clear_line_and_write_nothing(tmp_path, training, analysis, action, named):
+    # The command line in-process: what it answers does not depend on a fresh process (the settings errors of
+    # tests/test_cli_edges.py and tests/test_timings.py are real launches).
+    folder = tmp_path
+    settings = write_settings(folder / "s", folder / "out", training=training, analysis=analysis)
+    result = main_in_process(action, "--settings-dir", str(settings))
     assert result.returncode != 0
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("nnpd:"), result.stderr
@@ -101,14 +90,14 @@ def test_user_errors_exit_with_one_clear_line_and_write_nothing(user_error_launc
 
 
 def test_unknown_profile_lists_the_known_ones(tmp_path):
-    result = run_cli("plan", "--profile", "nope")
+    result = main_in_process("plan", "--profile", "nope")
     assert result.returncode == 2
     assert "smoke" in result.stderr and "default" in result.stderr and "paper" in result.stderr
 
 
 def test_verify_without_a_store_is_a_clear_error(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out")
-    result = run_cli("verify", "--settings-dir", str(settings))
+    result = main_in_process("verify", "--settings-dir", str(settings))
     assert result.returncode == 1 and "train" in result.stderr
     assert not (tmp_path / "out").exists()
 
@@ -116,7 +105,7 @@ def test_verify_without_a_store_is_a_clear_error(tmp_path):
 def test_posterior_of_a_grid_prior_on_continuous_candidates_is_refused_at_plan_time(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out",
                               analysis='settings["inference"]["candidates"]["native_grid_prior"] = False\n')
-    result = run_cli("plan", "--settings-dir", str(settings))
+    result = main_in_process("plan", "--settings-dir", str(settings))
     assert result.returncode == 2                       # a settings error, as for run
     assert any("native_grid_prior" in error for error in json.loads(result.stdout)["errors"])
     assert "native_grid_prior" in result.stderr
@@ -124,7 +113,7 @@ def test_posterior_of_a_grid_prior_on_continuous_candidates_is_refused_at_plan_t
 
 def test_a_run_killed_mid_training_loses_nothing_committed(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out",
-                              training='settings["data"]["train"] = 40_000\nsettings["training"]["epochs"] = 3\n'
+                              training='settings["data"]["train"] = 20_000\nsettings["training"]["epochs"] = 3\n'
                                        'settings["runtime"]["resume_seconds"] = 0.1\n')
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     process = subprocess.Popen([sys.executable, str(REPO / "nnpd.py"), "train", "--settings-dir", str(settings)],
@@ -148,6 +137,6 @@ def test_a_run_killed_mid_training_loses_nothing_committed(tmp_path):
     assert result.returncode == 0, result.stderr
     after = {p: p.stat().st_mtime_ns for p in models.glob("[0-9a-f]*/artifact.json")}
     assert len(after) == 4 and all(after[p] == stamp for p, stamp in first.items())   # kept, not retrained
-    verified = run_cli("verify", "--settings-dir", str(settings))
+    verified = main_in_process("verify", "--settings-dir", str(settings))
     assert verified.returncode == 0 and json.loads(verified.stdout)["damaged"] == []
     assert not list((tmp_path / "out" / "cache").glob("*/.tmp-*"))   # the killed build's leftovers are gone

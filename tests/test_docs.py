@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, write_settings
+from conftest import REPO, ahead, made_ahead, write_settings
 
 MARKER = "# runs on CPU"
 BLOCK = re.compile(r"^```(sh|python)\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -107,16 +107,33 @@ def test_activating_the_environment_gives_its_python_and_torchrun(tmp_path):
     assert Path(prefix) == venv
 
 
-@pytest.mark.parametrize("name", [path.name for path in DOCUMENTS if runnable_blocks(path)])
-@pytest.mark.slow
-def test_the_documented_commands_run(name, tmp_path):
+def run_the_documents_blocks(folder, name):
+    """The blocks of document `name` run in order in a reader's copy in `folder`, up to the first that fails:
+    [(block, completed process)]."""
     document = next(path for path in DOCUMENTS if path.name == name)
-    copy = reader_copy(tmp_path / "nnpd")
+    copy = reader_copy(folder / "nnpd")
     environment = fresh_shell_environment()
+    ran = []
     for language, code in runnable_blocks(document):
         command, typed = reader_command(language, code)
-        result = subprocess.run(command, cwd=copy, env=environment, input=typed, capture_output=True, text=True,
-                                timeout=TIMEOUT)
+        ran.append((code, subprocess.run(command, cwd=copy, env=environment, input=typed, capture_output=True,
+                                         text=True, timeout=TIMEOUT)))
+        if ran[-1][1].returncode != 0:
+            break
+    return ran
+
+
+@pytest.fixture(scope="module")
+def documents_run(request, tmp_path_factory):
+    """Every document's blocks, the documents side by side (each in its own copy), before the first case."""
+    return ahead(request, tmp_path_factory, "test_the_documented_commands_run", run_the_documents_blocks)
+
+
+@pytest.mark.parametrize("name", [path.name for path in DOCUMENTS if runnable_blocks(path)])
+@pytest.mark.slow
+def test_the_documented_commands_run(documents_run, name, tmp_path):
+    _, ran = made_ahead(documents_run, run_the_documents_blocks, tmp_path, name=name)
+    for code, result in ran:
         assert result.returncode == 0, f"{name}, block:\n{code}\n--- output:\n{result.stdout}\n{result.stderr}"
 
 
@@ -243,7 +260,9 @@ def train_command(*launcher, settings):
 @pytest.mark.slow
 def test_a_preempted_torchrun_launch_resumes(tmp_path):
     """SIGTERM to the torchrun agent, as a scheduler sends it: the workers save, stop, and a re-run resumes."""
-    settings = toy_settings(tmp_path, train=20000, epochs=40)
+    # Three models of four epochs: each worker is inside its first model when the first state is saved (at an
+    # epoch's end), and the re-run trains what is left in seconds.
+    settings = toy_settings(tmp_path, train=20000, epochs=4)
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
     agent = subprocess.Popen(train_command(*launcher, settings=settings), env=toy_environment(), text=True,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import inference
-from conftest import REPO
+from conftest import REPO, main_in_process
 from store import restore
 
 EXAMPLE = REPO / "examples" / "decay"
@@ -22,6 +22,11 @@ def run_example(*args, cwd, settings_dir=EXAMPLE):
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")}
     return subprocess.run([sys.executable, str(REPO / "nnpd.py"), *args, "--settings-dir", str(settings_dir)],
                           cwd=cwd, env=environment, capture_output=True, text=True, timeout=600)
+
+
+def run_example_in_process(*args, cwd, settings_dir=EXAMPLE):
+    """run_example's command through nnpd.main in this process (what it answers needs no fresh process)."""
+    return main_in_process(*args, "--settings-dir", str(settings_dir), cwd=cwd)
 
 
 def patched_settings(tmp_path, replacements):
@@ -94,7 +99,7 @@ def test_quick_profile_trains_both_priors_and_analyses_them(trained):
 def test_a_second_run_recomputes_nothing(trained, tmp_path):
     root, _ = trained
     before = cache_stamps(root)
-    again = run_example("run", cwd=root.parent.parent)
+    again = run_example_in_process("run", cwd=root.parent.parent)
     assert again.returncode == 0, again.stderr
     assert "reused" in again.stdout and "sampling" not in again.stdout
     assert cache_stamps(root) == before
@@ -114,7 +119,7 @@ def test_restore_gives_the_model_that_was_analysed(trained, monkeypatch):
 
 
 def test_full_profile_plans_a_choice_of_widths(tmp_path):
-    result = run_example("plan", "--profile", "full", cwd=tmp_path)
+    result = run_example_in_process("plan", "--profile", "full", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert [c["knob"] for c in report["configurations"]] == [None, "model.hidden"]

@@ -162,8 +162,7 @@ def test_a_damaged_training_state_is_refused_with_a_warning(tmp_path):
     """A flipped byte in a saved state: training starts afresh and ends bitwise as if never interrupted."""
     from test_preemption import finish, saved_states, settings_for, start, wait_for, weights, command
 
-    reference = settings_for(tmp_path / "reference")
-    assert finish(command(reference)).returncode == 0
+    reference = start(command(settings_for(tmp_path / "reference")))      # side by side with the damaged one
     damaged = settings_for(tmp_path / "damaged")
     process = start(command(damaged))
     wait_for(lambda: saved_states(tmp_path / "damaged" / "out"), "a saved training state", process=process)
@@ -175,6 +174,8 @@ def test_a_damaged_training_state_is_refused_with_a_warning(tmp_path):
     assert result.returncode == 0, result.stderr
     assert "ignoring the saved training state" in result.stderr and "checksum" in result.stderr
     assert "resumed" not in result.stdout
+    reference_output = reference.communicate(timeout=600)
+    assert reference.returncode == 0, reference_output
     ours, theirs = weights(tmp_path / "damaged" / "out"), weights(tmp_path / "reference" / "out")
     assert ours.keys() == theirs.keys()
     for key in ours:

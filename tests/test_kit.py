@@ -1,7 +1,8 @@
 """The study kit's contract: what a study beside its settings files may write, and what nnpd checks for it.
 
 Each test writes a small kit study module next to copies of the repository's settings
-files (patched to name it) and runs the real command line.
+files (patched to name it) and runs the real command line: nnpd.main in-process where what it
+answers needs no fresh process, a real launch without PYTHONPATH where the import path matters.
 """
 import json
 import os
@@ -15,7 +16,7 @@ import torch
 
 import runtime
 import trainer
-from conftest import REPO, run_cli, write_settings
+from conftest import REPO, main_in_process, write_settings
 from store import Store
 
 LINE_STUDY = '''
@@ -96,7 +97,7 @@ def test_a_study_beside_its_settings_runs_without_pythonpath_and_restores(tmp_pa
 
 def test_a_missing_study_module_says_where_nnpd_looked_and_what_to_set(tmp_path):
     folder, module, root = kit_study(tmp_path, training='settings["experiment"] = "no_such_kit_study:Line"\n')
-    result = run_cli("plan", "--settings-dir", str(folder))
+    result = main_in_process("plan", "--settings-dir", str(folder))
     assert result.returncode == 2
     assert "cannot import module 'no_such_kit_study'" in result.stderr
     assert str(folder) in result.stderr and "PYTHONPATH" in result.stderr
@@ -105,7 +106,7 @@ def test_a_missing_study_module_says_where_nnpd_looked_and_what_to_set(tmp_path)
 
 def test_a_training_typo_fails_plan_for_a_kit_study(tmp_path):
     folder, _, root = kit_study(tmp_path, training='settings["training"]["learning_rat"] = 0.1\n')
-    result = run_cli("plan", "--settings-dir", str(folder))
+    result = main_in_process("plan", "--settings-dir", str(folder))
     assert result.returncode == 2, result.stdout
     assert "training.learning_rat" in result.stderr
     assert not root.exists()
@@ -151,7 +152,7 @@ def test_a_training_typo_fails_plan_for_a_study_calling_the_bundled_trainer(tmp_
                              training=f'settings["training"]["learning_rat"] = 0.1\n'
                                       f'settings["experiment"] = "{module}:Own"\n',
                              analysis=f'settings["analysis"] = "{module}:Nothing"\nsettings["metrics"] = ["size"]\n')
-    result = run_cli("plan", "--settings-dir", str(folder))
+    result = main_in_process("plan", "--settings-dir", str(folder))
     assert result.returncode == 2, result.stdout
     assert "training.learning_rat" in result.stderr
 
@@ -175,7 +176,7 @@ class PerInstance:
 def test_analysis_members_may_be_instance_attributes(tmp_path):
     module = module_name(tmp_path)
     folder, _, _ = kit_study(tmp_path, extra=INSTANCE_MEMBERS, analysis=f'settings["analysis"] = "{module}:PerInstance"\n')
-    result = run_cli("plan", "--settings-dir", str(folder))
+    result = main_in_process("plan", "--settings-dir", str(folder))
     assert result.returncode == 0, result.stderr
 
 
@@ -196,7 +197,7 @@ class ColumnLogits(Line):
 def test_a_network_with_two_outputs_is_refused_at_plan_naming_the_study(tmp_path):
     module = module_name(tmp_path)
     folder, _, root = kit_study(tmp_path, extra=TWO_LOGITS, training=f'settings["experiment"] = "{module}:TwoLogits"\n')
-    result = run_cli("plan", "--settings-dir", str(folder))
+    result = main_in_process("plan", "--settings-dir", str(folder))
     assert result.returncode == 2
     assert f"{module}:TwoLogits" in result.stderr and "(2, 2)" in result.stderr and "(N, 1)" in result.stderr
     assert not root.exists()
@@ -210,7 +211,7 @@ def test_a_network_returning_a_column_of_logits_trains_and_is_analysed(tmp_path)
         handle.write("\n    def log_likelihood(self, x, theta):\n"
                      "        mean = theta[..., :1] * torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) + theta[..., 1:]\n"
                      "        return torch.distributions.Normal(mean, 0.3).log_prob(x).sum(-1)\n")
-    result = run_cli("run", "--settings-dir", str(folder))
+    result = main_in_process("run", "--settings-dir", str(folder))
     assert result.returncode == 0, result.stderr
     metrics = json.loads(next(root.glob("runs/*/*/metrics.json")).read_text())
     assert metrics["pairwise"]["pairs"] == 32 and metrics["classification"]["auc"] > 0.5
@@ -252,12 +253,12 @@ def test_numpy_metric_values_are_stored_and_a_tensor_fails_naming_the_metric(tmp
     folder, _, root = kit_study(tmp_path, extra=METRICS,
                                 analysis=f'settings["analysis"] = "{module}:Extra"\nsettings["metrics"] = ["numpy_mean"]\n')
     analysis = folder / "settings_analysis.py"
-    result = run_cli("run", "--settings-dir", str(folder))
+    result = main_in_process("run", "--settings-dir", str(folder))
     assert result.returncode == 0, result.stderr
     run_dir = next(root.glob("runs/*/*/metrics.json")).parent
     assert json.loads((run_dir / "metrics" / "numpy_mean.json").read_text()) == {"value": 0.25, "list": [0, 1, 2]}
     analysis.write_text(analysis.read_text().replace('["numpy_mean"]', '["tensor"]'))
-    result = run_cli("analyze", "--settings-dir", str(folder))
+    result = main_in_process("analyze", "--settings-dir", str(folder))
     assert result.returncode == 1
     assert "metric 'tensor'.value is a Tensor" in result.stdout + result.stderr
 

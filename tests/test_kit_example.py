@@ -2,9 +2,10 @@
 again by two torchrun workers and restored, all from the repository root without PYTHONPATH: the settings
 folder alone makes the study importable.
 
-Runs write to temporary output roots: the launches read a copy of the example's folder whose output root
-is replaced and whose device is the CPU (the study module beside it, on no import path); plan, which writes
-nothing, reads the example itself.
+The first run and the torchrun launch are real processes without PYTHONPATH; plan, report and infer call
+nnpd.main in-process (what they answer needs no fresh process). Runs write to temporary output roots: the
+launches read a copy of the example's folder whose output root is replaced and whose device is the CPU (the
+study module beside it, on no import path); plan, which writes nothing, reads the example itself.
 """
 import csv
 import importlib
@@ -20,7 +21,7 @@ import torch
 
 import inference
 import results
-from conftest import REPO, run_cli
+from conftest import REPO, main_in_process, run_cli
 from store import restore
 
 EXAMPLE = REPO / "examples" / "weibull"
@@ -64,7 +65,7 @@ def trained(tmp_path_factory):
 
 def test_plan_reads_the_example_folder_as_printed_in_the_docs():
     before = (REPO / "outputs" / "weibull-quick").exists()
-    result = run_cli("plan", "--settings-dir", "examples/weibull", env=NO_PYTHONPATH)
+    result = main_in_process("plan", "--settings-dir", "examples/weibull")     # from the repository root
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["output_root"] == "outputs/weibull-quick" and plan["jobs"] == 2
@@ -101,7 +102,7 @@ def test_the_exact_expected_coverage_follows_the_diagonal(trained):
 def test_the_report_writes_one_csv_row_per_run(trained, tmp_path):
     _, settings, metrics = trained
     table = tmp_path / "weibull.csv"
-    result = run_cli("report", "--settings-dir", str(settings), "--csv", str(table), env=NO_PYTHONPATH)
+    result = main_in_process("report", "--settings-dir", str(settings), "--csv", str(table))
     assert result.returncode == 0, result.stderr
     assert "cov68" in result.stdout and "normal" in result.stdout and "uniform" in result.stdout
     rows = list(csv.DictReader(table.open()))
@@ -155,8 +156,8 @@ def test_infer_gives_the_posterior_of_an_observation_with_a_corner_plot(trained,
     restored = restore(run, device="cpu")
     np.save(tmp_path / "lifetimes.npy", restored.array("observations", "observations")[5])
     np.save(tmp_path / "truth.npy", restored.array("truths", "truths")[5])
-    result = run_cli("infer", str(run), "--observations", str(tmp_path / "lifetimes.npy"), "--truth",
-                     str(tmp_path / "truth.npy"), "--samples", "800", "--plot", env=NO_PYTHONPATH)
+    result = main_in_process("infer", str(run), "--observations", str(tmp_path / "lifetimes.npy"), "--truth",
+                             str(tmp_path / "truth.npy"), "--samples", "800", "--plot")
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "lifetimes-uniform-r0.posterior.json").read_text())
     assert summary["parameters"] == ["shape", "scale"] and len(summary["hpd"]["0.95"]["upper"]) == 2

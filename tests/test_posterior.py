@@ -13,7 +13,7 @@ import nnpd
 import posterior as post
 import priors
 import settings_analysis
-from conftest import run_cli, write_settings
+from conftest import main_in_process, run_cli, write_settings
 from store import restore
 from test_resolution import study_problem
 
@@ -125,8 +125,8 @@ def test_infer_writes_a_summary_samples_and_a_corner_plot(analysed, tmp_path):
     restored = restore(run)
     np.save(tmp_path / "x.npy", restored.array("observations", "observations")[2])
     np.save(tmp_path / "truth.npy", restored.array("truths", "truths")[2])
-    result = run_cli("infer", str(run), "--observations", str(tmp_path / "x.npy"), "--truth", str(tmp_path / "truth.npy"),
-                     "--samples", "500", "--plot")
+    result = main_in_process("infer", str(run), "--observations", str(tmp_path / "x.npy"), "--truth",
+                             str(tmp_path / "truth.npy"), "--samples", "500", "--plot")   # README's infer is a launch
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "x-uniform-r0.posterior.json").read_text())
     assert summary["samples"] == 500 and summary["parameters"] == ["mean:0"] and summary["ess"] > 0

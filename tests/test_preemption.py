@@ -5,6 +5,7 @@ Each test interrupts a real launch at a point it can observe (the first saved tr
 state appearing in the store's scratch area), then checks that the final weights are
 bitwise those of an uninterrupted launch with the same settings in another output root.
 """
+import functools
 import json
 import os
 import signal
@@ -16,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, run_cli, write_settings
+from conftest import REPO, main_in_process, run_cli, side_by_side, write_settings
 from test_distributed import clean_environment, free_port
 
-TRAINING = ('settings["data"]["train"] = 24_000\n'
+TRAINING = ('settings["data"]["train"] = 12_000\n'
             'settings["training"]["epochs"] = 3\n'
             'settings["training"]["batch_size"] = 64\n'
             'settings["cohort"]["priors"] = ["uniform"]\n'
@@ -110,14 +111,15 @@ def alive(pid):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted single-process and 2-rank DDP trainings of the same settings."""
-    found = {}
-    for name, extra, workers in (("single", "", 1), ("ddp", DDP, 2)):
+    """Uninterrupted single-process and 2-rank DDP trainings of the same settings, launched side by side."""
+    def trained(name, extra, workers):
         folder = tmp_path_factory.mktemp(name)
         done = finish(command(settings_for(folder, extra), workers=workers))
         assert done.returncode == 0, done.stdout + done.stderr
-        found[name] = weights(folder / "out")
-    return found
+        return weights(folder / "out")
+
+    return side_by_side({name: functools.partial(trained, name, extra, workers)
+                         for name, extra, workers in (("single", "", 1), ("ddp", DDP, 2))})
 
 
 def test_sigkill_mid_training_then_the_same_command_resumes_bitwise(tmp_path, reference):
@@ -192,8 +194,9 @@ def test_workers_stop_when_the_agent_dies_and_a_relaunch_completes(tmp_path):
 def test_switching_backends_keeps_the_models_of_both(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out",
                               training=DDP + 'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
-    for workers in (2, 1):
-        done = finish(command(settings, workers=workers))
+    for workers in (2, 1):      # the single-process training through nnpd.main in-process
+        done = finish(command(settings, workers=2)) if workers == 2 else main_in_process("train", "--settings-dir",
+                                                                                         str(settings))
         assert done.returncode == 0, done.stdout + done.stderr
     models = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("cache/model/*/weights.pt")}
     assert len(models) == 4                                # two priors, two backends (world size 2 and 1)

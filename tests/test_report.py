@@ -8,7 +8,7 @@ import torch
 import jobs
 import results
 import runtime
-from conftest import run_cli, write_settings
+from conftest import main_in_process, run_cli, write_settings
 
 
 def test_lookup_follows_keys_that_hold_dots_and_flatten_names_every_scalar():
@@ -38,7 +38,7 @@ def test_run_ends_with_the_table_of_its_runs(swept_root):
 
 def test_report_writes_one_csv_row_per_run_with_the_swept_value(swept_root):
     tmp, settings, _ = swept_root
-    result = run_cli("report", "--settings-dir", str(settings), "--csv", str(tmp / "r.csv"))
+    result = main_in_process("report", "--settings-dir", str(settings), "--csv", str(tmp / "r.csv"))
     assert result.returncode == 0, result.stderr
     for prior in ("uniform", "normal", "exponential", "grid"):
         assert result.stdout.count(f" {prior} ") == 2, result.stdout     # both configurations name every prior
@@ -52,7 +52,7 @@ def test_report_writes_one_csv_row_per_run_with_the_swept_value(swept_root):
 
 def test_csv_rows_carry_every_swept_knobs_value_the_replica_and_the_training(swept_root):
     tmp, settings, _ = swept_root
-    result = run_cli("report", "--settings-dir", str(settings), "--csv", str(tmp / "fair.csv"))
+    result = main_in_process("report", "--settings-dir", str(settings), "--csv", str(tmp / "fair.csv"))
     assert result.returncode == 0, result.stderr
     with open(tmp / "fair.csv", newline="") as handle:
         reader = csv.DictReader(handle)
@@ -90,7 +90,7 @@ def test_the_swept_comparison_labels_every_panel_line_and_marker(swept_root):
 
 def test_report_plot_draws_the_comparison_or_says_it_is_skipped(swept_root):
     tmp, settings, _ = swept_root
-    result = run_cli("report", "--settings-dir", str(settings), "--plot")
+    result = main_in_process("report", "--settings-dir", str(settings), "--plot")
     assert result.returncode == 0, result.stderr
     figure = tmp / "out" / "report" / "comparison.png"
     if jobs.matplotlib_missing():
@@ -101,7 +101,7 @@ def test_report_plot_draws_the_comparison_or_says_it_is_skipped(swept_root):
 
 def test_report_before_any_analysis_is_a_clear_error(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out")
-    result = run_cli("report", "--settings-dir", str(settings))
+    result = main_in_process("report", "--settings-dir", str(settings))
     assert result.returncode == 1 and "no analysed runs" in result.stderr
     assert json.dumps(result.stderr).count("\\n") == 1
 

@@ -1,5 +1,4 @@
 """The output root is nnpd's alone: ownership, links, concurrent launches, repair, hostile run folders."""
-import functools
 import json
 import os
 import resource
@@ -11,13 +10,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, ahead, made_ahead, run_cli, write_settings
+from conftest import REPO, main_in_process, run_cli, write_settings
 from store import ROOT_MARKER, DamagedArtifact, record_checksum, restore
 
 
 def files_with_content(folder):
     """{relative path: bytes} of every file below folder."""
     return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
+# What the command line answers about the root does not depend on a fresh process: most commands below call
+# nnpd.main in-process (conftest.main_in_process); concurrent launches, a kill's leftovers and the full disk's
+# file-size limit are real processes.
 
 
 def one_error_line(result):
@@ -50,7 +54,7 @@ def test_a_users_folder_is_refused_and_left_untouched(tmp_path):
         (root / name).write_text(text)
     before = files_with_content(root)
     settings = write_settings(tmp_path / "s", root)
-    result = run_cli("run", "--settings-dir", str(settings))
+    result = main_in_process("run", "--settings-dir", str(settings))
     assert result.returncode == 1
     assert "did not create" in one_error_line(result) and ROOT_MARKER in result.stderr
     assert files_with_content(root) == before
@@ -58,26 +62,20 @@ def test_a_users_folder_is_refused_and_left_untouched(tmp_path):
 
 def train_into(folder, root, words):
     """`train` with the output root `root`, the settings in `folder`."""
-    return run_cli("train", "--settings-dir", str(write_settings(folder / "s", Path(root).expanduser())))
-
-
-@pytest.fixture(scope="module")
-def wrong_root_launches(request, tmp_path_factory):
-    """The launches of the cases below, made side by side before the first one."""
-    return ahead(request, tmp_path_factory, "test_obviously_wrong_roots_are_refused", train_into)
+    return main_in_process("train", "--settings-dir", str(write_settings(folder / "s", Path(root).expanduser())))
 
 
 @pytest.mark.parametrize("root, words", [("/", "choose a folder of its own"), ("~", "choose a folder of its own"),
                                          ("/dev/null", "not a folder")])
-def test_obviously_wrong_roots_are_refused(wrong_root_launches, tmp_path, root, words):
-    _, result = made_ahead(wrong_root_launches, train_into, tmp_path, root=root, words=words)
+def test_obviously_wrong_roots_are_refused(tmp_path, root, words):
+    result = train_into(tmp_path, root, words)
     assert result.returncode == 1 and words in one_error_line(result)
 
 
 def test_an_empty_folder_becomes_a_root_with_its_marker(tmp_path):
     (tmp_path / "out").mkdir()
     settings = write_settings(tmp_path / "s", tmp_path / "out")
-    assert run_cli("train", "--settings-dir", str(settings)).returncode == 0
+    assert main_in_process("train", "--settings-dir", str(settings)).returncode == 0
     assert json.loads((tmp_path / "out" / ROOT_MARKER).read_text())["by"] == "nnpd"
 
 
@@ -89,7 +87,7 @@ def test_clean_up_removes_only_what_nnpd_made(trained, tmp_path):
     (variant / "my-notes" / "draft.txt").write_text("keep me")
     (root / "runs" / "2023").mkdir()
     write_settings(tmp_path / "s", root, training='settings["training"]["learning_rate"] = 2e-3\n')
-    result = run_cli("train", "--settings-dir", str(settings))
+    result = main_in_process("train", "--settings-dir", str(settings))
     assert result.returncode == 0, result.stderr
     assert (variant / "my-notes" / "draft.txt").read_text() == "keep me" and (root / "runs" / "2023").is_dir()
     assert "left alone" in result.stderr
@@ -105,7 +103,7 @@ def test_links_inside_the_root_are_refused_and_never_followed(trained, tmp_path)
     outside.mkdir()
     (outside / "data.txt").write_text("precious")
     (root / "runs" / "stale").symlink_to(outside)
-    result = run_cli("run", "--settings-dir", str(settings))
+    result = main_in_process("run", "--settings-dir", str(settings))
     assert result.returncode == 1 and "symbolic link" in one_error_line(result)
     assert (outside / "data.txt").read_text() == "precious"
     (root / "runs" / "stale").unlink()
@@ -113,7 +111,7 @@ def test_links_inside_the_root_are_refused_and_never_followed(trained, tmp_path)
     moved = tmp_path / "moved"
     run.rename(moved)
     run.symlink_to(moved)                                  # a linked run folder
-    result = run_cli("run", "--settings-dir", str(settings))
+    result = main_in_process("run", "--settings-dir", str(settings))
     assert result.returncode == 1 and "symbolic link" in one_error_line(result)
 
 
@@ -169,17 +167,17 @@ def test_a_flipped_byte_is_moved_aside_by_verify_and_rebuilt_by_the_next_launch(
     metrics = {p: p.read_text() for p in root.glob("runs/*/*/metrics.json")}
     target = next(root.glob("cache/training-data/*/test_inputs.npy"))
     flip_a_byte(target)
-    checked = run_cli("verify", "--settings-dir", str(settings))
+    checked = main_in_process("verify", "--settings-dir", str(settings))
     assert checked.returncode == 1 and str(target.parent) in json.loads(checked.stdout)["damaged"]
     assert not target.parent.exists() and list(root.glob("damaged/training-data/*"))
-    again = json.loads(run_cli("verify", "--settings-dir", str(settings)).stdout)
+    again = json.loads(main_in_process("verify", "--settings-dir", str(settings)).stdout)
     # Nothing more is moved, but the runs that use the entry still miss it until a launch rebuilds it.
     assert again["damaged_folder"]["entries"] == 1 and again["damaged"]
     assert all(line.endswith("is missing (the next launch rebuilds it)") for line in again["damaged"])
-    rerun = run_cli("run", "--settings-dir", str(settings))
+    rerun = main_in_process("run", "--settings-dir", str(settings))
     assert rerun.returncode == 0, rerun.stderr
     assert target.is_file() and {p: p.read_text() for p in metrics} == metrics    # rebuilt identically
-    assert run_cli("verify", "--settings-dir", str(settings)).returncode == 0
+    assert main_in_process("verify", "--settings-dir", str(settings)).returncode == 0
 
 
 def test_a_deleted_artifacts_json_is_rewritten_without_retraining(trained, tmp_path):
@@ -189,7 +187,7 @@ def test_a_deleted_artifacts_json_is_rewritten_without_retraining(trained, tmp_p
     (run / "artifacts.json").unlink()
     models = {p: p.stat().st_mtime_ns for p in root.glob("cache/model/*/weights.pt")}
     for _ in range(2):
-        result = run_cli("run", "--settings-dir", str(settings))
+        result = main_in_process("run", "--settings-dir", str(settings))
         assert result.returncode == 0, result.stderr
     assert {p: p.stat().st_mtime_ns for p in root.glob("cache/model/*/weights.pt")} == models
     assert restore(run).member["prior"] == "uniform"
@@ -202,23 +200,15 @@ def redo_unreadable(trained, folder, name):
     root = folder / "out"
     path = root / name if name == "history.json" else next(root.glob("runs/*/normal-*")) / name
     path.write_bytes(b"\xff{not json")
-    result = run_cli("run", "--settings-dir", str(settings))
+    result = main_in_process("run", "--settings-dir", str(settings))
     written = path.read_bytes() if path.is_file() else None
-    return result, written, run_cli("verify", "--settings-dir", str(settings))
-
-
-@pytest.fixture(scope="module")
-def redone(request, tmp_path_factory, trained):
-    """The launches of the cases below, made side by side before the first one."""
-    return ahead(request, tmp_path_factory, "test_an_unreadable_record_is_redone_with_one_warning",
-                 functools.partial(redo_unreadable, trained))
+    return result, written, main_in_process("verify", "--settings-dir", str(settings))
 
 
 @pytest.mark.parametrize("name", ["status.json", "analysis.json", "artifacts.json", "run.json", "metrics.json",
                                   "history.json"])
-def test_an_unreadable_record_is_redone_with_one_warning(trained, redone, tmp_path, name):
-    _, (result, written, checked) = made_ahead(redone, functools.partial(redo_unreadable, trained), tmp_path,
-                                               name=name)
+def test_an_unreadable_record_is_redone_with_one_warning(trained, tmp_path, name):
+    result, written, checked = redo_unreadable(trained, tmp_path, name)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "warning" in result.stderr
     assert written is not None and json.loads(written.decode())      # written again, readable
@@ -229,10 +219,10 @@ def test_verify_moves_an_unreadable_record_aside(trained, tmp_path):
     settings = copy_root(trained, tmp_path)
     status = next((tmp_path / "out").glob("runs/*/grid-*")) / "status.json"
     status.write_text("{")
-    checked = run_cli("verify", "--settings-dir", str(settings))
+    checked = main_in_process("verify", "--settings-dir", str(settings))
     assert checked.returncode == 1 and str(status) in json.loads(checked.stdout)["damaged"]
     assert not status.exists() and list((tmp_path / "out").glob("damaged/records/*status.json-*"))
-    assert run_cli("run", "--settings-dir", str(settings)).returncode == 0 and status.exists()
+    assert main_in_process("run", "--settings-dir", str(settings)).returncode == 0 and status.exists()
 
 
 def test_leftovers_of_killed_launches_are_tidied_by_the_next(trained, tmp_path):
@@ -301,5 +291,5 @@ def test_a_full_disk_ends_with_one_line_naming_the_path(tmp_path):
     line = one_error_line(result)
     assert "disk is full" in line and str(tmp_path / "out") in line
     assert not list((tmp_path / "out").glob("cache/*/*/artifact.json"))     # nothing partial committed
-    assert run_cli("train", "--settings-dir", str(settings)).returncode == 0  # space back: it completes
+    assert main_in_process("train", "--settings-dir", str(settings)).returncode == 0  # space back: it completes
     assert np.load(next((tmp_path / "out").glob("cache/training-data/*/train_inputs.npy"))).shape[0] == 20_000

@@ -11,9 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, ahead, made_ahead, run_cli, write_settings
+from conftest import REPO, ahead, made_ahead, main_in_process, run_cli, write_settings
 from runs import source_snapshot
 from test_root import limit_file_size, one_error_line
+
+
+# What the command line answers about the root does not depend on a fresh process: most commands below call
+# nnpd.main in-process (conftest.main_in_process); the linked locks folder, killed writes' leftovers, the full
+# disk's file-size limit and `~` (HOME) are real processes.
 
 
 def tree(folder):
@@ -80,21 +85,12 @@ def train_through_a_scratch_link(trained, folder, where):
     link = root / "scratch" / "model" if where == "folder" else root / "scratch" / "model" / state
     link_in_place(link, outside if where == "folder" else outside / state)
     before = tree(outside)
-    return run_cli("train", "--settings-dir", str(settings)), link, outside, before, model
-
-
-@pytest.fixture(scope="module")
-def scratch_link_launches(request, tmp_path_factory, trained):
-    """The launches of the cases below, made side by side before the first one."""
-    return ahead(request, tmp_path_factory, "test_a_link_under_scratch_is_refused_and_what_it_points_to_is_kept",
-                 functools.partial(train_through_a_scratch_link, trained))
+    return main_in_process("train", "--settings-dir", str(settings)), link, outside, before, model
 
 
 @pytest.mark.parametrize("where", ["folder", "state"])
-def test_a_link_under_scratch_is_refused_and_what_it_points_to_is_kept(trained, scratch_link_launches, tmp_path,
-                                                                       where):
-    _, (result, link, outside, before, model) = made_ahead(
-        scratch_link_launches, functools.partial(train_through_a_scratch_link, trained), tmp_path, where=where)
+def test_a_link_under_scratch_is_refused_and_what_it_points_to_is_kept(trained, tmp_path, where):
+    result, link, outside, before, model = train_through_a_scratch_link(trained, tmp_path, where)
     assert_refused_link(result, link)
     assert tree(outside) == before
     assert not model.exists()                           # nothing was trained through the link
@@ -134,23 +130,12 @@ def verify_through_a_linked_damaged_folder(trained, folder, linked):
     weights.write_bytes(bytes(data))
     outside = outside_folder(folder)
     link_in_place(root / linked, outside)
-    return run_cli("verify", "--settings-dir", str(settings)), root, outside, weights
-
-
-@pytest.fixture(scope="module")
-def linked_damaged_launches(request, tmp_path_factory, trained):
-    """The launches of the cases below, made side by side before the first one."""
-    return ahead(request, tmp_path_factory,
-                 "test_verify_never_moves_an_entry_out_of_the_root_through_a_linked_damaged_folder",
-                 functools.partial(verify_through_a_linked_damaged_folder, trained))
+    return main_in_process("verify", "--settings-dir", str(settings)), root, outside, weights
 
 
 @pytest.mark.parametrize("linked", ["damaged", "damaged/model"])
-def test_verify_never_moves_an_entry_out_of_the_root_through_a_linked_damaged_folder(trained, linked_damaged_launches,
-                                                                                      tmp_path, linked):
-    _, (result, root, outside, weights) = made_ahead(
-        linked_damaged_launches, functools.partial(verify_through_a_linked_damaged_folder, trained), tmp_path,
-        linked=linked)
+def test_verify_never_moves_an_entry_out_of_the_root_through_a_linked_damaged_folder(trained, tmp_path, linked):
+    result, root, outside, weights = verify_through_a_linked_damaged_folder(trained, tmp_path, linked)
     assert_refused_link(result, root / linked)
     assert tree(outside) == {} and weights.is_file()
 
@@ -164,7 +149,7 @@ def test_verify_refuses_a_folder_without_the_marker_and_changes_nothing(tmp_path
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     before = tree(root)
-    result = run_cli("verify", "--settings-dir", str(write_settings(tmp_path / "s", root)))
+    result = main_in_process("verify", "--settings-dir", str(write_settings(tmp_path / "s", root)))
     assert result.returncode == 1 and "did not create" in one_error_line(result)
     assert tree(root) == before                         # no locks/, no damaged/, the user's files in place
 
@@ -205,10 +190,10 @@ def test_a_file_in_place_of_a_run_folder_is_refused_by_analyze_and_replaced_by_r
     run = next(root.glob("runs/*/normal-*"))
     shutil.rmtree(run)
     run.write_text("not a run folder")
-    refused = run_cli("analyze", "--settings-dir", str(settings))
+    refused = main_in_process("analyze", "--settings-dir", str(settings))
     assert refused.returncode == 1 and str(run) in one_error_line(refused) and "run train" in refused.stderr
     assert run.read_text() == "not a run folder"
-    repaired = run_cli("run", "--settings-dir", str(settings))
+    repaired = main_in_process("run", "--settings-dir", str(settings))
     assert repaired.returncode == 0 and "Traceback" not in repaired.stderr, repaired.stderr
     assert json.loads((run / "status.json").read_text())["state"] == "trained"
     assert json.loads((run / "analysis.json").read_text())["state"] == "complete"
@@ -221,14 +206,14 @@ def test_a_file_in_place_of_a_cache_entry_is_found_by_verify_and_rebuilt_by_a_la
     entry = next((root / "cache" / "model").iterdir())
     shutil.rmtree(entry)
     entry.write_text("not an artifact")
-    checked = run_cli("verify", "--settings-dir", str(settings))
+    checked = main_in_process("verify", "--settings-dir", str(settings))
     assert checked.returncode == 1 and str(entry) in json.loads(checked.stdout)["damaged"]
     assert not entry.exists() and len(list((root / "damaged" / "model").glob(f"{entry.name}-*"))) == 1
     entry.write_text("not an artifact")                 # again, now for a launch to find
-    rerun = run_cli("run", "--settings-dir", str(settings))
+    rerun = main_in_process("run", "--settings-dir", str(settings))
     assert rerun.returncode == 0 and "Traceback" not in rerun.stderr, rerun.stderr
     assert (entry / "artifact.json").is_file()          # moved aside and rebuilt
-    assert run_cli("verify", "--settings-dir", str(settings)).returncode == 0
+    assert main_in_process("verify", "--settings-dir", str(settings)).returncode == 0
 
 
 # ---------------------------------------------------------------- a full disk
@@ -264,19 +249,13 @@ def test_a_short_write_of_numpy_or_torch_names_the_full_disk(tmp_path, writer):
 
 def plan_in(folder, root, words):
     """`plan` with the output root `root`, run in `folder`, which holds the settings."""
-    return run_cli("plan", "--settings-dir", str(write_settings(folder / "s", root)), cwd=folder)
-
-
-@pytest.fixture(scope="module")
-def plans_of_refused_roots(request, tmp_path_factory):
-    """The launches of the cases below, made side by side before the first one."""
-    return ahead(request, tmp_path_factory, "test_plan_reports_the_roots_a_launch_refuses", plan_in)
+    return main_in_process("plan", "--settings-dir", str(write_settings(folder / "s", root)), cwd=folder)
 
 
 @pytest.mark.parametrize("root, words", [("/", "choose a folder of its own"), ("~", "choose a folder of its own"),
                                          ("/dev/null", "not a folder")])
-def test_plan_reports_the_roots_a_launch_refuses(plans_of_refused_roots, tmp_path, root, words):
-    folder, result = made_ahead(plans_of_refused_roots, plan_in, tmp_path, root=root, words=words)
+def test_plan_reports_the_roots_a_launch_refuses(tmp_path, root, words):
+    folder, result = tmp_path, plan_in(tmp_path, root, words)
     assert result.returncode == 2
     assert any(words in error for error in json.loads(result.stdout)["errors"])
     assert words in one_error_line(result) and one_error_line(result).startswith("nnpd: settings error:")
@@ -286,7 +265,7 @@ def test_plan_reports_the_roots_a_launch_refuses(plans_of_refused_roots, tmp_pat
 def test_plan_reports_a_folder_nnpd_does_not_own(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("x")
-    result = run_cli("plan", "--settings-dir", str(write_settings(tmp_path / "s", tmp_path / "mine")))
+    result = main_in_process("plan", "--settings-dir", str(write_settings(tmp_path / "s", tmp_path / "mine")))
     assert result.returncode == 2 and "did not create" in one_error_line(result)
 
 

@@ -1,4 +1,5 @@
 """Timings of launches: timings.json per run and per launch, the table, the advice, NNPD_PROBES."""
+import functools
 import inspect
 import json
 import os
@@ -12,7 +13,7 @@ import torch
 import nnpd
 import study
 import timings
-from conftest import REPO, ahead, made_ahead, run_cli, write_settings
+from conftest import REPO, ahead, made_ahead, run_cli, side_by_side, write_settings
 from test_distributed import torchrun
 
 STEP = {"train.forward", "train.loss", "train.backward", "train.optimizer", "train.validation"}
@@ -202,7 +203,8 @@ def ddp_worker_result(tmp_path, probes_mode, workers=3):
 
 
 def test_the_timed_allreduce_trains_bitwise_like_ddps_own(tmp_path):
-    timed, untimed = ddp_worker_result(tmp_path, "python"), ddp_worker_result(tmp_path, "off")
+    launched = side_by_side({mode: functools.partial(ddp_worker_result, tmp_path, mode) for mode in ("python", "off")})
+    timed, untimed = launched["python"], launched["off"]
     for objective in ("bce", "balanced"):
         assert timed[objective]["history"]["train_loss"] == untimed[objective]["history"]["train_loss"]
         for name, tensor in untimed[objective]["weights"].items():
