@@ -78,7 +78,8 @@ def check_value(value, rule, path):
 
 def check_inference_settings(settings):
     """Validate the `inference` section of the analysis settings."""
-    settings.setdefault("precision", "float32")     # optional: settings files written before it still work
+    if isinstance(settings, dict):      # optional: settings files written before it still work
+        settings.setdefault("precision", "float32")
     check_value(settings, INFERENCE_SCHEMA, "inference")
     for key in ("observations", "chunk_rows"):
         if settings[key] < 1:
