@@ -159,11 +159,6 @@ def mixture_log_weights(log_densities, counts, multiplicity, coarse_count, log_b
     return log_weights
 
 
-def effective_sizes(log_weights):
-    """Kish's effective sample size (Σw)²/Σw² of each row of weights given as logs."""
-    return torch.exp(2 * torch.logsumexp(log_weights, 1) - torch.logsumexp(2 * log_weights, 1))
-
-
 def weighted_moments(points, log_q):
     """Mean (B, p) and covariance (B, p, p) of each case's points under normalised weights exp(log_q)."""
     q = torch.softmax(log_q, dim=1)
@@ -182,7 +177,7 @@ def fit_proposals(points, log_q, spread, box, anchors, count):
     mean, covariance = weighted_moments(points, log_q)
     floor = torch.where(box.lattice, box.step / 2, (box.high - box.low) * 1e-9)
     # Few effective points place the mean roughly and see too little of the tails: widen more.
-    inflation = INFLATION * (1 + effective_sizes(log_q).rsqrt())[:, None]
+    inflation = INFLATION * (1 + inference.effective_sizes(log_q).rsqrt())[:, None]
     sd = torch.maximum(torch.maximum(inflation * covariance.diagonal(dim1=1, dim2=2).sqrt(), spread / MAX_SHRINK),
                        floor)
     low = torch.maximum(torch.minimum(mean - REACH * sd, anchors.amin(dim=1)), box.low)

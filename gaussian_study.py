@@ -4,7 +4,6 @@ Its science is the Gaussian simulator of gaussian.py; the study kit (nre_study.p
 nre_analysis.py) supplies the cohort, the training pairs, the network, the training and
 the whole analysis. README.md describes the study and its published numbers.
 """
-import sys
 
 import gaussian
 import nre_study
@@ -23,7 +22,7 @@ class GaussianExperiment(nre_study.Study):
     @property
     def SCIENCE_SOURCES(self):
         """This module and the simulator's, whose code shapes the analysis' products."""
-        return (sys.modules[__name__], gaussian)
+        return super().SCIENCE_SOURCES + (gaussian,)
 
     def make_problem(self):
         """The Gaussian problem of the `problem` section."""

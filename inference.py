@@ -749,10 +749,14 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
 
 # ---------------------------------------------------------------- sample-based checks
 
+def effective_sizes(log_weights):
+    """Kish's effective sample size (Σw)²/Σw² of weights given as logs, over the last axis."""
+    return torch.exp(2 * torch.logsumexp(log_weights, -1) - torch.logsumexp(2 * log_weights, -1))
+
+
 def effective_sample_size(log_weights):
-    """Kish's effective sample size (Σw)²/Σw² of weights given as logs."""
-    log_weights = torch.as_tensor(log_weights, dtype=torch.float64)
-    return finite_or_none(torch.exp(2 * torch.logsumexp(log_weights, 0) - torch.logsumexp(2 * log_weights, 0)))
+    """The effective sample size of one set of weights given as logs, as a JSON number."""
+    return finite_or_none(effective_sizes(torch.as_tensor(log_weights, dtype=torch.float64)))
 
 
 def wasserstein_1d(a, a_weights, b, b_weights):

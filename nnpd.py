@@ -70,9 +70,10 @@ def workload_errors(job, limits):
     """Messages for every analysis limit this job's estimate exceeds."""
     checks = (("model_evaluations", "max_model_evaluations"), ("saved_bytes", "max_saved_bytes"),
               ("candidate_points", "max_candidate_points"))
+    advice = getattr(job.analysis, "WORKLOAD_ADVICE", study.Analysis.WORKLOAD_ADVICE)
     return [f"configuration {job.configuration.name} member {job.member['name']}: the analysis needs "
             f"{job.analysis_workload[need]:.3g} {need.replace('_', ' ')}, over verification.{limit}="
-            f"{limits[limit]:.3g}; {job.analysis.WORKLOAD_ADVICE} in settings_analysis.py, or raise the limit"
+            f"{limits[limit]:.3g}; {advice} in settings_analysis.py, or raise the limit"
             for need, limit in checks if job.analysis_workload[need] > limits[limit]]
 
 
@@ -344,19 +345,19 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
     records = results.read_runs(root)
     if not any(record.metrics is not None for record in records):
         raise LaunchError(f"{root}: no analysed runs yet; run `python nnpd.py run --profile {loaded.name}` first")
-    notes = []
+    notes, (columns, panels) = [], study.report_layout(loaded.analysis)
     if csv_path:
         notes.append(f"{results.write_csv(records, csv_path)} rows written to {csv_path}")
     if plot and jobs.matplotlib_missing():
         notes.append("--plot: skipped, matplotlib is not installed (pip install matplotlib)")
     elif plot:
-        png = results.comparison_png(records, study.report_layout(loaded.analysis)[1],
+        png = results.comparison_png(records, panels,
                                      f"Analysed runs of profile {loaded.name} ({root})")
         if png is not None:
             write_bytes_atomic(root / "report" / "comparison.png", png)
         notes.append(f"figure written to {root / 'report' / 'comparison.png'}" if png is not None else
                      "--plot: nothing to draw (no analysed run has a metric of the figure); no figure written")
-    return results.table(records, study.report_layout(loaded.analysis)[0]), notes
+    return results.table(records, columns), notes
 
 
 # ---------------------------------------------------------------- command line

@@ -353,22 +353,32 @@ def build_learned(ctx, writer):
             "rows_per_call": counted.call_rows // max(counted.calls, 1)}
 
 
+def exact_scoring(log_likelihood, observations, device, chunk_rows, counted=None):
+    """Scoring of the exact target: each case's summed log-likelihood on `device`; `counted`
+    (an inference.Evaluations) counts the likelihood terms."""
+    policy = inference.call_policy(device.type, chunk_rows)
+    on_device = observations.to(device)
+
+    def scores(cases, points):
+        if counted is not None:
+            terms = points.shape[0] * points.shape[1] * observations.shape[1]
+            counted.add(terms, terms)
+        return {"exact": inference.exact_scores(log_likelihood, on_device[cases.to(device)], points,
+                                                policy.rows_per_call)}
+
+    return Scoring(scores, device, policy.block_bytes)
+
+
 def build_exact(ctx, writer):
     """HPD summaries of the exact likelihood, on the same kind of candidates, on the analysis' device."""
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
-    problem, device = ctx.problem, ctx.runtime.device
-    policy = inference.call_policy(device.type, ctx.analysis_settings["inference"]["chunk_rows"])
-    on_device, evaluated = observations.to(device), [0]
-
-    def scores(cases, points):
-        evaluated[0] += points.shape[0] * points.shape[1] * observations.shape[1]
-        return {"exact": inference.exact_scores(problem.log_likelihood, on_device[cases.to(device)], points,
-                                                policy.rows_per_call)}
-
+    counted = inference.Evaluations()
+    scoring = exact_scoring(ctx.problem.log_likelihood, observations, ctx.runtime.device,
+                            ctx.analysis_settings["inference"]["chunk_rows"], counted)
     with torch.no_grad():
-        metadata = summarise_targets(ctx, writer, ["exact"], Scoring(scores, device, policy.block_bytes))
-    probes.count("product.exact", evaluations=evaluated[0])
-    return {**metadata, "likelihood_evaluations": evaluated[0]}
+        metadata = summarise_targets(ctx, writer, ["exact"], scoring)
+    probes.count("product.exact", evaluations=counted.rows)
+    return {**metadata, "likelihood_evaluations": counted.rows}
 
 
 def split_pairs(ctx):

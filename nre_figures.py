@@ -14,10 +14,9 @@ import numpy as np
 import torch
 
 import inference
+import results
 
 MAX_AXES = 6   # parameters drawn per figure; the rest are left out
-MARKERS = ("o", "s", "^", "D", "v", "P")
-LINESTYLES = ("-", "--", "-.", ":")
 TARGET_TITLES = {"ratio": "learned ratio (flat prior)", "posterior": "learned posterior",
                  "exact": "exact likelihood (flat prior)"}
 # Line styles of the diagnostic densities: the ratio wide and pale, so that a posterior equal to it
@@ -41,10 +40,9 @@ def member_styles(contexts):
     priors = list(dict.fromkeys(str(ctx.member.get("prior", ctx.member["name"])) for ctx in contexts))
     styles = {}
     for ctx in contexts:
-        replica = ctx.member.get("replica")
-        k = replica if isinstance(replica, int) else 0
-        colour = f"C{priors.index(str(ctx.member.get('prior', ctx.member['name']))) % 10}"
-        styles[ctx.member["name"]] = colour, LINESTYLES[k % len(LINESTYLES)], MARKERS[k % len(MARKERS)]
+        colour, marker, style = results.member_style(priors, ctx.member.get("prior", ctx.member["name"]),
+                                                     ctx.member.get("replica"))
+        styles[ctx.member["name"]] = colour, style, marker
     return styles
 
 
@@ -185,9 +183,7 @@ def draw_bias_width(contexts, figure):
     styles = member_styles(contexts)
     for ctx in contexts:
         colour, style, marker = styles[ctx.member["name"]]
-        learned = ctx.require("learned")
-        truths = ctx.require("truths").array("truths")
-        modes, lower, upper = (learned.array(f"ratio_{n}") for n in ("mode", "lower", "upper"))
+        truths, modes, lower, upper = ratio_estimates(ctx)
         for j, (bias_axis, width_axis) in enumerate(zip(bias_axes, width_axes)):
             values, group = np.unique(np.round(truths[:, j], 9), return_inverse=True)
             counts = np.bincount(group)

@@ -261,15 +261,14 @@ class Study(Experiment):
 
     def train(self, member, model, data, rt, hooks=None):
         """Fit the input standardisation, then train with the bundled trainer; returns (state dict, history)."""
-        networks.fit_standardization(model, data.array("train_inputs"))
-        seed = runtime.derived_seed(self.settings["seed"], "train", member["name"])
-        return trainer.train(model, data, self.settings["training"], rt, seed, hooks)
+        tensors = trainer.training_tensors(data)          # read once, for the fit and the training
+        networks.fit_standardization(model, tensors["train_inputs"])
+        return super().train(member, model, tensors, rt, hooks)
 
     def workload(self, member):
         """Training examples seen and network size: the training cost estimate."""
-        parameters = sum(p.numel() for p in self.build_model(member).parameters())
         epochs = trainer.check_training_settings(self.settings["training"])["epochs"]
-        return {"training_examples": self.settings["data"]["train"] * epochs, "network_parameters": int(parameters)}
+        return {**super().workload(member), "training_examples": self.settings["data"]["train"] * epochs}
 
     def posterior(self, member, model, analysis_settings, observations, truth=None, device="cpu", case=0):
         """The member's posterior for an observation, from its trained `model` (see posterior.py)."""

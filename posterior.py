@@ -37,8 +37,8 @@ class Posterior:
         self.enumerated = enumerated                # every support point is a candidate: the masses are exact
         self._score = score                         # score(θ (n, p)) -> unnormalised log density (n,)
         measured = torch.isfinite(log_measure)      # zero-measure probes only sharpen projected bounds
-        self.points, self.scores = points[measured], scores[measured]
-        self.log_weights = scores[measured] + log_measure[measured]
+        self.points, self.scores, self.log_measure = points[measured], scores[measured], log_measure[measured]
+        self.log_weights = self.scores + self.log_measure
         self.log_normalizer = float(torch.logsumexp(self.log_weights, 0))
         self.masses = torch.exp(self.log_weights - self.log_normalizer)
         self.ess = float(1.0 / (self.masses * self.masses).sum())
@@ -68,8 +68,8 @@ class Posterior:
             i = self.levels.index(level)
             summary = self._summary
         else:
-            summary = inference.hld_summaries(self.scores[None], self.log_weights - self.scores, self.points,
-                                              self.scores[:1], [level])
+            summary = inference.hld_summaries(self.scores[None], self.log_measure, self.points, self.scores[:1],
+                                              [level])
             i = 0
         return {"level": float(level), "threshold": float(summary["threshold"][0, i]),
                 "mass": float(summary["mass"][0, i]), "lower": summary["lower"][0, i].tolist(),

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import store
+from settings import is_number
 
 
 
@@ -219,10 +220,6 @@ def swept_value(record, knob):
     return record.value if record.knob == knob else knob_value(record.settings, knob)
 
 
-def _number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def panel_point(metrics, path):
     """(value, Wilson interval or None, nominal level or None) of a figure panel's metric, or None if undefined.
 
@@ -232,11 +229,11 @@ def panel_point(metrics, path):
     interval = nominal = None
     if isinstance(value, dict):
         value, interval, nominal = value.get("joint"), value.get("interval"), value.get("nominal")
-    if not _number(value):
+    if not is_number(value):
         return None
-    if not (isinstance(interval, list) and len(interval) == 2 and all(map(_number, interval))):
+    if not (isinstance(interval, list) and len(interval) == 2 and all(map(is_number, interval))):
         interval = None
-    return value, interval, nominal if _number(nominal) else None
+    return value, interval, nominal if is_number(nominal) else None
 
 
 def series(records, knob, path):
@@ -254,7 +251,7 @@ def series(records, knob, path):
 def knob_axis(records, knob):
     """(x position of a knob value, tick positions, tick labels): numeric values as they are, others as categories."""
     values = [swept_value(record, knob) for record in records if record.knob in (None, knob)]
-    if all(_number(value) for value in values):
+    if all(is_number(value) for value in values):
         ticks = sorted(set(values))
         return (lambda value: value), ticks, [setting_text(tick) for tick in ticks]
     labels = list(dict.fromkeys(setting_text(value) for value in values))

@@ -25,7 +25,7 @@ import torch
 import probes
 import runtime
 import trainer
-from settings import SettingsError, require
+from settings import ANALYSIS_SECTIONS, TRAINING_SECTIONS, SettingsError, require
 from store import EXPERIMENT_METHODS, LaunchError, import_class
 
 
@@ -110,7 +110,7 @@ class Analysis:
     cohort_plots = {}
     REPORT_COLUMNS = ()        # (heading, metric path) pairs `nnpd.py report` tabulates
     FIGURE_METRICS = ()        # (title, metric path) panels of `report --plot`
-    WORKLOAD_ADVICE = "reduce the analysis in settings_analysis.py"
+    WORKLOAD_ADVICE = "reduce the analysis"   # what to change when a limit is exceeded
 
     def __init__(self, settings, experiment):
         self.settings = settings
@@ -126,8 +126,6 @@ class Analysis:
 
 ANALYSIS_MEMBERS = ("products", "metrics", "plots", "cohort_plots", "validate", "workload", "SOURCES")
 EXPERIMENT_SOURCES = ("DATA_SOURCES", "MODEL_SOURCES")
-TRAINING_FRAMEWORK = ("experiment", "output", "seed", "runtime")
-ANALYSIS_FRAMEWORK = ("analysis", "verification", "metrics", "plots", "cohort_plots", "plotting")
 
 
 def load_class(spec, setting):
@@ -195,7 +193,7 @@ def load_study(training_settings, analysis_settings):
     """The experiment and analysis of one configuration, constructed and checked before any compute."""
     spec = training_settings["experiment"]
     experiment_class = load_class(spec, "experiment")
-    check_study_sections(training_settings, TRAINING_FRAMEWORK, experiment_class, "settings_training.py")
+    check_study_sections(training_settings, TRAINING_SECTIONS, experiment_class, "settings_training.py")
     experiment = experiment_class(training_settings)
     check_members(experiment, spec, "experiment")
     if uses_bundled_trainer(experiment):
@@ -203,7 +201,7 @@ def load_study(training_settings, analysis_settings):
     experiment.validate()
     analysis_spec = analysis_settings["analysis"]
     analysis_class = load_class(analysis_spec, "analysis")
-    check_study_sections(analysis_settings, ANALYSIS_FRAMEWORK, analysis_class, "settings_analysis.py")
+    check_study_sections(analysis_settings, ANALYSIS_SECTIONS, analysis_class, "settings_analysis.py")
     analysis = analysis_class(analysis_settings, experiment)
     check_members(analysis, analysis_spec, "analysis")
     check_graph(analysis.products, analysis.metrics, list(analysis_settings["metrics"]))
@@ -223,7 +221,9 @@ def experiment_sources(experiment, which):
     classes = [cls for cls in type(experiment).__mro__ if cls not in (object, Experiment)]
     modules = [sys.modules[cls.__module__] for cls in classes if cls.__module__ in sys.modules]
     unique = list(dict.fromkeys(modules))
-    return (type(experiment), *unique, *getattr(experiment, which))
+    # The default train() is the bundled trainer's loop: its code shapes every model.
+    trained = (trainer,) if which == "MODEL_SOURCES" and uses_bundled_trainer(experiment) else ()
+    return (type(experiment), *unique, *getattr(experiment, which), *trained)
 
 
 def metric_value(name, value):
@@ -413,11 +413,6 @@ class Context:
             model.load_state_dict(self.model_artifact.state_dict())
             self._model = model.to(self.runtime.device).eval()
         return self._model
-
-    def posterior(self, observations, truth=None):
-        """This member's posterior for an observation, on the launch's device (studies on the study kit)."""
-        return self.experiment.posterior(self.member, self.model, self.analysis_settings, observations,
-                                         truth=truth, device=self.runtime.device)
 
     def report_progress(self, what, done, total):
         """Tell the launch how many of a long product's cases are done (shown as progress)."""

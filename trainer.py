@@ -666,7 +666,7 @@ def training_tensors(data) -> dict:
 
 def _check_data(data: dict) -> None:
     """Refuse data the trainer cannot use, naming the key."""
-    for key in ("train_inputs", "train_labels", "validation_inputs", "validation_labels"):
+    for key in TRAINING_ARRAYS:
         if key not in data:
             raise KeyError(f"training data lacks {key!r}")
     for part in ("train", "validation"):
@@ -709,6 +709,8 @@ def _validate(model, inputs, labels, device, precision) -> dict:
     model.train(was_training)
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError("non-finite validation logit; the model diverged (lower training.learning_rate?)")
+    # Both metrics work on the host in float64: copy there once.
+    logits, labels = logits.to("cpu", torch.float64), labels.to("cpu", torch.float64)
     return {**classification_metrics(logits, labels), "balance": balance_defect(logits, labels)}
 
 
@@ -1031,7 +1033,7 @@ def _train(model, data: dict, training_settings: dict, rt: runtime.Runtime, seed
     data = training_tensors(data)
     _check_data(data)
     with probes.phase("train.setup"):
-        given = tuple(data[f"{part}_{kind}"] for part in ("train", "validation") for kind in ("inputs", "labels"))
+        given = tuple(data[name] for name in TRAINING_ARRAYS)
         tensors = tuple(tensor.to(device=device, dtype=torch.float32) for tensor in given)
         model = model.to(device)
         model.train()

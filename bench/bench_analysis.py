@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script
 
 import adaptive  # noqa: E402
 import gaussian  # noqa: E402
+import gaussian_study  # noqa: E402
 import inference  # noqa: E402
 import networks  # noqa: E402
 import nre_analysis  # noqa: E402
@@ -77,13 +78,18 @@ class Job:
         self.device = device
         self.input_size = self.problem.dimension + self.problem.parameter_count
         torch.manual_seed(0)
-        self.model = networks.build_network(training["model"], self.input_size).to(device).eval()
+        # The bundled study's own network (it does not standardise its inputs).
+        self.model = networks.build_network(training["model"], self.input_size,
+                                            gaussian_study.GaussianExperiment.standardize).to(device).eval()
         self.targets = [t for t in ("ratio", "posterior") if t in self.settings["targets"]]
         candidates, p = self.settings["candidates"], self.problem.parameter_count
         lattice = inference.candidate_lattice(self.prior.lattice_steps, p, candidates)
         self.design = inference.make_candidates(self.problem.low, self.problem.high, lattice, candidates, 3)
         self.adaptive = candidates["kind"] == "adaptive"
         self.box = adaptive.support_box(self.problem.low, self.problem.high, lattice)
+        # Model rows the learned product evaluates: every case's points and its truth, each observation.
+        self.rows = self.truths.shape[0] * self.observations.shape[1] * (inference.points_per_case(
+            p, lattice, self.problem.low, self.problem.high, candidates, len(self.targets)) + 1)
         self.rows_per_call = inference.call_policy(
             device.type, self.settings["chunk_rows"],
             inference.network_row_bytes(self.model, self.input_size)).rows_per_call
@@ -111,17 +117,11 @@ class Job:
 
     def exact(self):
         """The exact product; returns the likelihood terms evaluated."""
-        evaluated, observations = [0], self.observations.to(self.device)
-
-        def scores(cases, points):
-            evaluated[0] += points.shape[0] * points.shape[1] * observations.shape[1]
-            return {"exact": inference.exact_scores(self.problem.log_likelihood, observations[cases.to(self.device)],
-                                                    points, self.rows_per_call)}
-
-        policy = inference.call_policy(self.device.type, self.settings["chunk_rows"])
-        self.summarise(["exact"], nre_analysis.Scoring(scores, self.device, policy.block_bytes))
+        counted = inference.Evaluations()
+        self.summarise(["exact"], nre_analysis.exact_scoring(self.problem.log_likelihood, self.observations,
+                                                             self.device, self.settings["chunk_rows"], counted))
         synchronize(self.device)
-        return evaluated[0], None
+        return counted.rows, None
 
     def flops_per_evaluation(self):
         """Multiply-adds × 2 of one network row: its Linear layers."""
@@ -219,9 +219,8 @@ def main(argv=None):
     rt = runtime.start(dict(training["runtime"], device=arguments.device, parallel="jobs"))
     try:
         job = Job(rt.device, arguments.profile, arguments.dimension, arguments.cases, arguments.precision)
-        rows, _ = job.learned()
         with torch.no_grad():
-            built = torch.randn(rows, job.input_size, device=rt.device)   # as many rows as the learned product
+            built = torch.randn(job.rows, job.input_size, device=rt.device)   # as many rows as the learned product
         print(f"device {rt.device}, profile {arguments.profile}, dimension {arguments.dimension}, "
               f"{job.truths.shape[0]} cases, {job.observations.shape[1]} observations, precision "
               f"{arguments.precision}, {job.flops_per_evaluation():,} FLOP per model evaluation")

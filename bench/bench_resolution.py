@@ -159,11 +159,7 @@ def references(p, cases, level=0.68):
 
 def exact_scoring(problem, observations):
     """The exact target's scoring of blocks of cases on the CPU, as the exact product does it."""
-    def block_scores(cases, points):
-        return {"exact": inference.exact_scores(problem.log_likelihood, observations[cases], points,
-                                                inference.EVAL_BLOCK_ROWS)}
-
-    return nre_analysis.Scoring(block_scores, torch.device("cpu"), inference.CPU_BLOCK_BYTES)
+    return nre_analysis.exact_scoring(problem.log_likelihood, observations, torch.device("cpu"), 1 << 24)
 
 
 def exact_row(p, design, candidates, cases, folder, reference):
@@ -220,7 +216,8 @@ def learned_timer(cases, candidates):
     problem = study_problem(6)
     prior = priors.make_prior(problem, {"family": "uniform"})
     torch.manual_seed(0)
-    model = networks.build_network({"kind": "mlp", "hidden": [64] * 4, "activation": "relu", "dropout": 0.0}, 12)
+    model = networks.build_network({"kind": "mlp", "hidden": [64] * 4, "activation": "relu", "dropout": 0.0}, 12,
+                                   gaussian_study.GaussianExperiment.standardize)
     model.eval()
     truths = inference.make_truths(problem.low, problem.high, problem.grid_step, default_inference()["truths"], 1)
     truths = truths[:cases]

@@ -24,10 +24,7 @@ def lattice_exact_summaries(tmp_path, problem, lattice_steps, cases, seed):
     points, log_measure = inf.make_candidates(problem.low, problem.high, lattice_steps, candidates, seed)
     writer = Writer(tmp_path)
 
-    def block_scores(cases, case_points):
-        return {"exact": inf.exact_scores(log_likelihood, observations[cases], case_points, 262_144)}
-
-    scoring = nre_analysis.Scoring(block_scores, torch.device("cpu"), inf.CPU_BLOCK_BYTES)
+    scoring = nre_analysis.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
     nre_analysis.summarise_cases(writer, ["exact"], scoring, truths, points, log_measure, LEVELS,
                                  {"mode": "diagnostic", "cases": 0}, lambda case: None)
     summaries = {field: np.load(tmp_path / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}

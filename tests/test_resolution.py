@@ -36,10 +36,7 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
     seed = 11
     points, log_measure = inf.make_candidates(problem.low, problem.high, [None] * p, candidates, seed)
 
-    def block_scores(cases, case_points):
-        return {"exact": inf.exact_scores(log_likelihood, observations[cases], case_points, 262_144)}
-
-    scoring = nre_analysis.Scoring(block_scores, torch.device("cpu"), inf.CPU_BLOCK_BYTES)
+    scoring = nre_analysis.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
     writer = Writer(tmp_path / name)
     (tmp_path / name).mkdir()
     retain = {"mode": "diagnostic", "cases": 0}
