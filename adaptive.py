@@ -115,25 +115,32 @@ def draw_proposals(proposal, unit, box):
 def proposal_log_density(proposals, points, box):
     """Log density (B, C, n) of stacked proposals (fields (B, C, p)) at each case's points (B, n, p):
     Lebesgue × counting measure, −inf outside each proposal's box."""
-    inside = torch.ones(points.shape[:2] + proposals.mean.shape[1:2], dtype=torch.bool, device=points.device)
+    # Work in (B, C, n): every comparison then runs along a case's contiguous row of points.
+    columns = points.transpose(1, 2).contiguous()
+    inside = None
     for j in range(points.shape[2]):
-        column = points[:, :, j:j + 1]
-        inside &= (column >= proposals.low[:, None, :, j]) & (column <= proposals.high[:, None, :, j])
+        column = columns[:, j:j + 1, :]
+        within = (column >= proposals.low[:, :, j:j + 1]) & (column <= proposals.high[:, :, j:j + 1])
+        inside = within if inside is None else inside.logical_and_(within)
     continuous = ~box.lattice
-    x, mean, inverse = points[..., continuous], proposals.mean[..., continuous], proposals.sd[..., continuous] ** -2
+    everywhere = bool(continuous.all())     # no lattice axis: no column to pick out
+    x = columns if everywhere else columns[:, continuous]
+    mean = proposals.mean if everywhere else proposals.mean[..., continuous]
+    sd = proposals.sd if everywhere else proposals.sd[..., continuous]
+    inverse = sd ** -2
     # Σ_j (x_j − μ_j)²/σ_j² of every point under every proposal at once, as batched matrix products.
-    quadratic = torch.baddbmm((mean * mean * inverse).sum(dim=2)[:, None, :], x * x, inverse.transpose(1, 2))
-    quadratic.baddbmm_(x, (mean * inverse).transpose(1, 2), alpha=-2)
-    total = -0.5 * quadratic - (torch.log(proposals.sd[..., continuous]).sum(dim=2)
-                                + 0.5 * int(continuous.sum()) * math.log(2 * math.pi))[:, None, :]
-    if bool(box.lattice.any()):
-        sd = proposals.sd[:, None, :, box.lattice]
-        z = (points[:, :, None, box.lattice] - proposals.mean[:, None, :, box.lattice]) / sd
-        cell = box.half_cell()[box.lattice] / sd
-        total = total + _log_normal_interval(z - cell, z + cell).sum(dim=-1)
+    quadratic = torch.baddbmm((mean * mean * inverse).sum(dim=2, keepdim=True), inverse, x * x)
+    quadratic.baddbmm_(mean * inverse, x, alpha=-2)
+    constant = torch.log(sd).sum(dim=2, keepdim=True) + 0.5 * sd.shape[2] * math.log(2 * math.pi)
     za, zb = _standard_z(proposals, box)
-    total = total - _log_normal_interval(za, zb).sum(dim=-1)[:, None, :]
-    return torch.where(inside, total, torch.full_like(total, -math.inf)).transpose(1, 2)
+    constant = constant + _log_normal_interval(za, zb).sum(dim=-1, keepdim=True)
+    total = quadratic.mul_(-0.5).sub_(constant)
+    if not everywhere:
+        lattice_sd = proposals.sd[:, :, None, box.lattice]
+        z = (points[:, None, :, box.lattice] - proposals.mean[:, :, None, box.lattice]) / lattice_sd
+        cell = box.half_cell()[box.lattice] / lattice_sd
+        total = total + _log_normal_interval(z - cell, z + cell).sum(dim=-1)
+    return total.masked_fill_(~inside, -math.inf)
 
 
 def stack_proposals(proposals):
@@ -142,19 +149,22 @@ def stack_proposals(proposals):
                       for name in ("mean", "sd", "low", "high")), [c.count for c in proposals])
 
 
-def mixture_log_weights(log_densities, counts, multiplicity, coarse_count, log_box):
-    """Deterministic-mixture importance weights (B, n) of every point drawn so far, as logs.
+def mixture_log_terms(proposals, points, box):
+    """log Σ_c n_c g_c(θ) (B, n) of stacked proposals (n_c points each) at each case's points.
 
     All points together are a sample of the mixture of the uniform coarse design and
-    the refined proposals (log_densities (B, C, n) at every point, `counts` points each),
-    so a point weighs 1/Σ_c n_c g_c(θ): an unbiased rule for the box's measure. Coarse
-    points merged on a lattice weigh their multiplicity (log given, first) times that.
+    the refined proposals, so a point weighs 1/(n_u u(θ) + Σ_c n_c g_c(θ)): the
+    deterministic-mixture rule, unbiased for the box's measure. Each pass adds its
+    proposals' terms to the points' running denominator (see _refined_passes).
     """
-    cases, _, n = log_densities.shape
-    uniform = torch.full((cases, 1, n), math.log(coarse_count) - log_box, dtype=torch.float64,
-                         device=log_densities.device)
-    log_counts = torch.tensor(counts, dtype=torch.float64, device=log_densities.device).reshape(1, -1, 1).log()
-    log_weights = -torch.logsumexp(torch.cat([uniform, log_counts + log_densities], dim=1), dim=1)
+    log_counts = torch.tensor(proposals.count, dtype=torch.float64, device=points.device).log()[:, None]
+    return torch.logsumexp(log_counts + proposal_log_density(proposals, points, box), dim=1)
+
+
+def _log_weights(log_denominator, multiplicity):
+    """Importance weights (B, n), as logs, from the mixture's denominators; coarse points merged on
+    a lattice (first) weigh their multiplicity (log given) times that."""
+    log_weights = -log_denominator
     log_weights[:, :multiplicity.numel()] += multiplicity
     return log_weights
 
@@ -215,16 +225,19 @@ def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, s
     target's scores on them and each target's last proposal.
     """
     targets, cases = list(scores), len(seeds)
-    points = coarse_points.expand(cases, -1, -1)
+    # Points are held as columns (B, p, n), each coordinate a contiguous row, and used through
+    # their (B, n, p) view: elementwise work and comparisons then run along those rows.
+    columns = coarse_points.T.contiguous().expand(cases, -1, -1)
+    points = columns.transpose(1, 2)
     anchors = {t: _rows_at(points, scores[t].argmax(dim=1)) for t in targets}   # the coarse modes
     uniform_sd = (box.high - box.low + 2 * box.half_cell()) / math.sqrt(12)
     spread = {t: uniform_sd.expand(cases, -1) for t in targets}
-    components, last, log_box = [], {}, box.log_measure()
-    densities = torch.empty(cases, 0, points.shape[1], dtype=torch.float64, device=points.device)
+    components, last = [], {}
+    uniform = torch.tensor(math.log(sizes["coarse"]) - box.log_measure(), dtype=torch.float64, device=points.device)
+    log_denominator = uniform.expand(cases, points.shape[1])
     engines = [torch.quasirandom.SobolEngine(points.shape[2], scramble=True, seed=s) for s in seeds]
     for size in sizes["passes"]:
-        log_weights = mixture_log_weights(densities, [c.count for c in components], multiplicity,
-                                          sizes["coarse"], log_box)
+        log_weights = _log_weights(log_denominator, multiplicity)
         fitted = []
         for target, share in zip(targets, _shares(size, len(targets))):
             best = _rows_at(points, scores[target].argmax(dim=1))
@@ -234,12 +247,15 @@ def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, s
         unit = _case_draws(engines, size, points.device).split([c.count for c in fitted], dim=1)
         fresh = torch.cat([draw_proposals(proposal, u, box) for proposal, u in zip(fitted, unit)], dim=1)
         fresh_scores = score_fn(fresh)
-        densities = torch.cat([densities, proposal_log_density(stack_proposals(fitted), points, box)], dim=1)
+        # Earlier points gain the new proposals' terms; fresh points take every proposal's.
         components += fitted
-        densities = torch.cat([densities, proposal_log_density(stack_proposals(components), fresh, box)], dim=2)
-        points = torch.cat([points, fresh], dim=1)
+        log_denominator = torch.cat([
+            torch.logaddexp(log_denominator, mixture_log_terms(stack_proposals(fitted), points, box)),
+            torch.logaddexp(uniform, mixture_log_terms(stack_proposals(components), fresh, box))], dim=1)
+        columns = torch.cat([columns, fresh.transpose(1, 2)], dim=2)
+        points = columns.transpose(1, 2)
         scores = {t: torch.cat([scores[t], fresh_scores[t]], dim=1) for t in targets}
-    log_weights = mixture_log_weights(densities, [c.count for c in components], multiplicity, sizes["coarse"], log_box)
+    log_weights = _log_weights(log_denominator, multiplicity)
     return points, log_weights, scores, last
 
 

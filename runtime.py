@@ -254,9 +254,11 @@ class Runtime:
 def keep_freed_memory() -> None:
     """Ask glibc's allocator to keep freed large buffers rather than hand them back to the OS.
 
-    A forward pass over a large batch frees and re-allocates megabyte-sized activations;
-    with glibc's default thresholds they are unmapped and page-faulted back on every
-    call, which was measured to cost up to a third of the CPU evaluation rate.
+    A forward pass over a large batch frees and re-allocates megabyte-sized activations,
+    and the analysis frees and re-allocates a block of cases' arrays (hundreds of MiB) in
+    every pass; with glibc's default thresholds they are unmapped and page-faulted back
+    each time, which was measured to cost up to a third of the CPU evaluation rate. Up to
+    1 GiB freed at the heap's top is kept (256 MiB still faulted 40,000 pages a block).
     Elsewhere (no glibc) this does nothing.
     """
     try:
@@ -265,7 +267,7 @@ def keep_freed_memory() -> None:
         return
     trim_threshold, mmap_threshold = -1, -3          # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
     mallopt(mmap_threshold, 64 << 20)
-    mallopt(trim_threshold, 256 << 20)
+    mallopt(trim_threshold, 1 << 30)                 # mallopt takes a C int: at most 2^31 - 1
 
 
 def set_deterministic_algorithms(flag: bool) -> None:
