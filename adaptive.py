@@ -171,10 +171,15 @@ def _log_weights(log_denominator, multiplicity):
 
 def weighted_moments(points, log_q):
     """Mean (B, p) and covariance (B, p, p) of each case's points under normalised weights exp(log_q)."""
+    return _centred_moments(points, log_q)[:2]
+
+
+def _centred_moments(points, log_q):
+    """weighted_moments and the points' offsets from the mean (B, n, p)."""
     q = torch.softmax(log_q, dim=1)
     mean = torch.bmm(q[:, None, :], points)[:, 0]
     centred = points - mean[:, None, :]
-    return mean, torch.bmm((q[:, :, None] * centred).transpose(1, 2), centred)
+    return mean, torch.bmm((q[:, :, None] * centred).transpose(1, 2), centred), centred
 
 
 def fit_proposals(points, log_q, spread, box, anchors, count):
@@ -214,8 +219,8 @@ def _rows_at(values, index):
 
 
 def _case_draws(engines, count, device):
-    """`count` more points of each case's own Sobol stream, (B, count, p), on `device`."""
-    return torch.stack([engine.draw(count, dtype=torch.float64) for engine in engines]).to(device)
+    """`count` more points of each case's own Sobol stream, (B, count, p), on `device`, held as columns."""
+    return torch.stack([engine.draw(count, dtype=torch.float64).T for engine in engines]).to(device).transpose(1, 2)
 
 
 def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, seeds):
@@ -245,14 +250,16 @@ def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, s
                                         torch.stack([anchors[target], best], dim=1), share))
             last[target], spread[target] = fitted[-1], fitted[-1].sd
         unit = _case_draws(engines, size, points.device).split([c.count for c in fitted], dim=1)
-        fresh = torch.cat([draw_proposals(proposal, u, box) for proposal, u in zip(fitted, unit)], dim=1)
+        fresh_columns = torch.cat([draw_proposals(proposal, u, box).transpose(1, 2)
+                                   for proposal, u in zip(fitted, unit)], dim=2)
+        fresh = fresh_columns.transpose(1, 2)
         fresh_scores = score_fn(fresh)
         # Earlier points gain the new proposals' terms; fresh points take every proposal's.
         components += fitted
         log_denominator = torch.cat([
             torch.logaddexp(log_denominator, mixture_log_terms(stack_proposals(fitted), points, box)),
             torch.logaddexp(uniform, mixture_log_terms(stack_proposals(components), fresh, box))], dim=1)
-        columns = torch.cat([columns, fresh.transpose(1, 2)], dim=2)
+        columns = torch.cat([columns, fresh_columns], dim=2)
         points = columns.transpose(1, 2)
         scores = {t: torch.cat([scores[t], fresh_scores[t]], dim=1) for t in targets}
     log_weights = _log_weights(log_denominator, multiplicity)
@@ -283,9 +290,9 @@ def _merged(points, log_weights, box):
     return log_weights + (box.log_measure() - torch.logsumexp(log_weights, dim=1, keepdim=True))
 
 
-def _ray_frame(points, scores, covariance, origin, threshold, box):
+def _ray_frame(offsets, scores, covariance, origin, threshold, box):
     """Rays (B, 2p, p) from each origin along ±Σe_j/√Σ_jj, where an ellipsoid's extent along axis j
-    lies, and their ends (B, 2p).
+    lies, and their ends (B, 2p); offsets (B, n, p) are the points less their case's origin.
 
     Σ is the density's covariance. A ray ends at PROBE_REACH times the farthest
     Mahalanobis radius of the widest region's points, or where it leaves the box.
@@ -294,10 +301,14 @@ def _ray_frame(points, scores, covariance, origin, threshold, box):
     covariance = covariance + torch.diag(floor * floor)
     directions = covariance / covariance.diagonal(dim1=1, dim2=2).sqrt()[:, :, None]
     rays = torch.cat([directions, -directions], dim=1)
-    offsets = (points - origin[:, None, :]).transpose(1, 2)
-    radius = torch.linalg.solve_triangular(torch.linalg.cholesky(covariance), offsets, upper=False).norm(dim=1)
+    # Whitened offsets L⁻¹(θ − origin), Σ = LLᵀ: one small inverse, then a batched product.
+    identity = torch.eye(covariance.shape[1], dtype=covariance.dtype, device=covariance.device)
+    whitening = torch.linalg.solve_triangular(torch.linalg.cholesky(covariance), identity.expand_as(covariance),
+                                              upper=False)
+    whitened = torch.bmm(whitening, offsets.transpose(1, 2))
+    squared = whitened.mul_(whitened).sum(dim=1)
     inside = scores >= threshold[:, None]
-    farthest = torch.where(inside, radius, torch.zeros_like(radius)).amax(dim=1)
+    farthest = torch.where(inside, squared, torch.zeros_like(squared)).amax(dim=1).sqrt()
     reach = PROBE_REACH * farthest.clamp(min=1.0)
     safe = torch.where(rays == 0, torch.ones_like(rays), rays)
     exits = torch.where(rays > 0, (box.high - origin[:, None, :]) / safe,
@@ -407,9 +418,10 @@ def _measured_summaries(points, log_weights, scores, truth_scores, levels, box):
     summaries, frames, moments = {}, {}, {}
     for target, values in scores.items():
         summary = inference.summarise_block(values, log_weights, points, truth_scores[target], levels)
-        moments[target] = weighted_moments(points, values + log_weights)
-        origin = moments[target][0]   # the mean: far closer to a region's centre than the best point found
-        rays, ends = _ray_frame(points, values, moments[target][1], origin, summary["threshold"].amin(dim=1), box)
+        origin, covariance, offsets = _centred_moments(points, values + log_weights)
+        moments[target] = origin, covariance
+        # Rays start at the mean: far closer to a region's centre than the best point found.
+        rays, ends = _ray_frame(offsets, values, covariance, origin, summary["threshold"].amin(dim=1), box)
         frames[target] = (origin, rays, ends, summary["threshold"])
         summaries[target] = summary
     return summaries, frames, moments

@@ -367,7 +367,7 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None)
         return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted)[0]
     x = observations.to(torch.float32)
     (cases, m, d), (_, n, p) = x.shape, points.shape
-    theta = points.to(device=x.device, dtype=torch.float32).reshape(cases * n, p)
+    theta = points.to(x.device, torch.float32, memory_format=torch.contiguous_format).reshape(cases * n, p)
     block = _candidates_per_call(m, cases * n, rows_per_call)
     rows = torch.zeros(-(-block * m // ROW_PAD) * ROW_PAD, d + p, dtype=torch.float32, device=x.device)
     observed, thetas = rows[:block * m, :d].view(block, m, d), rows[:block * m, d:].view(block, m, p)

@@ -82,9 +82,9 @@ class _Coordinate:
 
     def log_prob(self, t):
         """Log density (continuous) or log mass (lattice) of values t; -inf off the support."""
-        inside = torch.isfinite(t) & (t >= self.low) & (t <= self.high)
+        inside = (t >= self.low) & (t <= self.high)     # NaN fails both; ±inf fail one (the bounds are finite)
         if self.family == "uniform":
-            lp = torch.full_like(t, -math.log(self.width))
+            return torch.full_like(t, -math.inf).masked_fill_(inside, -math.log(self.width))
         elif self.family == "normal":
             z = (t - self.mu) / self.sigma
             lp = -0.5 * z * z - _HALF_LOG_2PI - math.log(self.sigma) - self.log_z
@@ -168,7 +168,10 @@ class Prior:
         theta = torch.as_tensor(theta, dtype=torch.float64)
         if theta.shape[-1:] != (len(self._coordinates),):
             raise ValueError(f"theta has shape {tuple(theta.shape)}; expected (..., {len(self._coordinates)})")
-        return sum(c.log_prob(theta[..., j]) for j, c in enumerate(self._coordinates))
+        total = self._coordinates[0].log_prob(theta[..., 0])
+        for j, coordinate in enumerate(self._coordinates[1:], start=1):
+            total += coordinate.log_prob(theta[..., j])      # each coordinate's result is a fresh tensor
+        return total
 
     def describe(self):
         """JSON-able description: one entry per inferred name."""
