@@ -85,7 +85,7 @@ class _Coordinate:
         inside = (t >= self.low) & (t <= self.high)     # NaN fails both; ±inf fail one (the bounds are finite)
         if self.family == "uniform":
             return torch.full_like(t, -math.inf).masked_fill_(inside, -math.log(self.width))
-        elif self.family == "normal":
+        if self.family == "normal":
             z = (t - self.mu) / self.sigma
             lp = -0.5 * z * z - _HALF_LOG_2PI - math.log(self.sigma) - self.log_z
         elif self.family == "exponential":

@@ -244,7 +244,7 @@ def table_lines(record, where):
     rest = ranked[TABLE_ROWS:]
     if rest:
         lines.append(f"  ... {len(rest)} more phases, {sum(p['total_s'] for _, p in rest) / wall:.1%} together")
-    for name, rate in throughput(phases).items():
+    for name, rate in record["throughput"].items():     # launch_record summed the same phases
         per_call = f", {rate['rows_per_call']:,} rows per network call" if "rows_per_call" in rate else ""
         lines.append(f"  {name}: {rate['evaluations_per_s']:.3g} evaluations/s{per_call}")
     lines.append("  (phases nest: communication within backward, products within metrics, commits within products)")
