@@ -296,6 +296,7 @@ class CallPolicy(NamedTuple):
 CPU_BLOCK_BYTES = 256 << 20     # a block of cases' refinement arrays on the host
 CUDA_MEMORY_SHARE = 0.25        # of the free device memory: a network call's activations, and a block's arrays
 CUDA_MAX_ROWS = 1 << 24         # the most rows of one network call on CUDA
+CALL_GROUP_BYTES = 4 << 20      # the rows of network calls built at once (several calls of EVAL_BLOCK_ROWS on the CPU)
 
 
 def call_policy(device_type, chunk_rows, row_bytes=1024, free_bytes=None):
@@ -353,40 +354,87 @@ class Evaluations:
         self.calls += 1
 
 
-def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None):
+def accepts_column_rows(logit_fn, width, device):
+    """Whether logit_fn gives the same logits for rows held column by column (the transpose of a
+    (width, rows) buffer) as for the same rows made contiguous: a network that reshapes its input
+    with `view`, or whose arithmetic depends on the layout, is given contiguous rows instead."""
+    buffer = torch.randn(width, 2 * ROW_PAD, generator=torch.Generator().manual_seed(0)).to(device)
+    with torch.no_grad():
+        try:
+            return bool(torch.equal(logit_fn(buffer.T).reshape(-1), logit_fn(buffer.T.contiguous()).reshape(-1)))
+        except RuntimeError:
+            return False
+
+
+def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None, column_rows=True):
     """S(θ) = Σ_k logit(x_k, θ) of every case's candidates: observations (B, m, d), points (B, n, p)
     -> (B, n) float64 on the observations' device. A single case's (m, d) and (n, p) give (n,).
 
-    Rows [x_k, θ] are built for whole candidates (all m observations), many cases per
-    call, into one buffer padded to a multiple of ROW_PAD; every row is computed on its
-    own, so a case's scores do not depend on the other cases of its block, and on the CPU
-    they are bitwise the same for every rows_per_call from EVAL_BLOCK_ROWS up. `counted`
-    (an Evaluations) counts the calls.
+    Each network call holds whole candidates (all m observations), of one or more cases,
+    observation by observation: the rows [x_1, θ] of every candidate of the call, then
+    [x_2, θ], ... They are built in a (d + p, rows) buffer, padded to a multiple of ROW_PAD,
+    for several calls at once (CALL_GROUP_BYTES), so a coordinate of a whole group is one long
+    copy and nothing but the network runs between the group's calls: on the CPU each small
+    operation between two calls took about 100 µs, a few hundred rows' time. logit_fn sees a
+    call's rows as the buffer's transpose, (rows, d + p) column by column (a contiguous copy
+    with column_rows=False, see accepts_column_rows), and must return new logits each call:
+    they are summed after the group. Every row is computed on its own, so a case's scores do
+    not depend on the other cases of its block, and on the CPU they are bitwise the same for
+    every rows_per_call from EVAL_BLOCK_ROWS up. `counted` (an Evaluations) counts the calls.
     """
     if observations.dim() == 2:
-        return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted)[0]
+        return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted, column_rows)[0]
     x = observations.to(torch.float32)
     (cases, m, d), (_, n, p) = x.shape, points.shape
-    theta = points.to(x.device, torch.float32, memory_format=torch.contiguous_format).reshape(cases * n, p)
-    block = _candidates_per_call(m, cases * n, rows_per_call)
-    rows = torch.zeros(-(-block * m // ROW_PAD) * ROW_PAD, d + p, dtype=torch.float32, device=x.device)
-    observed, thetas = rows[:block * m, :d].view(block, m, d), rows[:block * m, d:].view(block, m, p)
-    scores = torch.empty(cases * n, dtype=torch.float64, device=x.device)
-    held = None     # the case whose observations fill the whole buffer, if one does
+    count = cases * n
+    block = _candidates_per_call(m, count, rows_per_call)
+    calls, width = -(-count // block), -(-block * m // ROW_PAD) * ROW_PAD
+    theta = torch.zeros(p, calls * block, dtype=torch.float32, device=x.device)
+    theta[:, :count].view(p, cases, n).copy_(points.permute(2, 0, 1))     # each coordinate one contiguous row
+    group = max(1, min(calls, CALL_GROUP_BYTES // (4 * (d + p) * width)))
+    buffer = torch.zeros(d + p, group, width, dtype=torch.float32, device=x.device)
+    observed = buffer[:d, :, :block * m].view(d, group, m, block)
+    thetas = buffer[d:, :, :block * m].view(p, group, m, block)
+    slots = buffer.view(d + p, group * width).T.split(width)
+    scores = torch.empty(calls, block, dtype=torch.float64, device=x.device)
     with torch.no_grad():
-        for start in range(0, cases * n, block):
-            c = min(block, cases * n - start)
-            first, last = start // n, (start + c - 1) // n
-            if first != last or held != first:     # calls within one case copy its observations once
-                for case in range(first, last + 1):
-                    observed[max(case * n - start, 0):min((case + 1) * n - start, c)] = x[case]
-                held = first if first == last else None
-            thetas[:c] = theta[start:start + c, None, :]
-            logits = logit_fn(rows).reshape(-1)[:c * m].reshape(c, m)
-            torch.sum(logits, dim=1, dtype=torch.float64, out=scores[start:start + c])
+        for first in range(0, calls, group):
+            k = min(group, calls - first)
+            begin = first * block
+            _fill_observations(observed, x, n, begin, min(begin + k * block, count), x.device.type == "cuda")
+            thetas[:, :k] = theta[:, begin:begin + k * block].view(p, k, 1, block)
+            logits = [logit_fn(slots[j] if column_rows else slots[j].contiguous()) for j in range(k)]
+            logits = torch.stack([values.reshape(-1)[:block * m] for values in logits]).view(k, m, block)
+            torch.sum(logits, dim=1, dtype=torch.float64, out=scores[first:first + k])
             if counted is not None:
-                counted.add(c * m, rows.shape[0])
-    return scores.reshape(cases, n)
+                for call in range(first, first + k):
+                    counted.add(min(block, count - call * block) * m, width)
+    return scores.view(-1)[:count].reshape(cases, n)
+
+
+def _fill_observations(observed, x, n, begin, end, gather=False):
+    """Put each case's observations x (B, m, d) beside its candidates begin..end − 1 (n per case),
+    in observed (d, calls, m, candidates per call). `gather`: with one indexed read (on CUDA, where
+    every copy is a launch); otherwise with at most three copies per case (on the CPU, several
+    times faster than reading through an index)."""
+    d, _, m, block = observed.shape
+    if gather:
+        calls = -(-(end - begin) // block)
+        owner = torch.arange(begin, begin + calls * block, device=x.device) // n
+        owner.clamp_(max=x.shape[0] - 1)    # the last call's padding takes the last case's
+        observed[:, :calls] = x.permute(2, 1, 0)[:, :, owner].view(d, m, calls, block).transpose(1, 2)
+        return
+    for case in range(begin // n, (end - 1) // n + 1):
+        values = x[case].T[:, :, None]                      # (d, m, 1)
+        start, stop = max(case * n, begin) - begin, min((case + 1) * n, end) - begin
+        head, tail = start // block, (stop - 1) // block    # the calls holding its first and last
+        if head == tail:
+            observed[:, head, :, start - head * block:stop - head * block] = values
+            continue
+        observed[:, head, :, start - head * block:] = values
+        if tail > head + 1:
+            observed[:, head + 1:tail] = values[:, None]
+        observed[:, tail, :, :stop - tail * block] = values
 
 
 def exact_scores(log_likelihood, observations, points, chunk_rows=EVAL_BLOCK_ROWS):

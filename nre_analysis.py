@@ -326,10 +326,13 @@ def learned_scoring(model, device, prior, observations, targets, settings, count
     def logits(rows):
         return model(rows).float()
 
+    with network_precision(settings.get("precision", "float32"), device):
+        column_rows = inference.accepts_column_rows(logits, input_width, device)
+
     def scores(cases, points):
         with network_precision(settings.get("precision", "float32"), device):
             ratio = inference.ensemble_scores(logits, on_device[cases.to(device)], points, policy.rows_per_call,
-                                              counted)
+                                              counted, column_rows)
         values = {"ratio": ratio}
         if "posterior" in targets:
             values["posterior"] = ratio + torch.as_tensor(prior.log_prob(points), device=device)

@@ -6,6 +6,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings as hsettings, strategies as st
 
 import inference as inf
 
@@ -233,6 +234,75 @@ def test_ensemble_scores_do_not_depend_on_chunk_rows():
         torch.testing.assert_close(scores, few_reference, rtol=1e-9, atol=0)
         cap = max(chunk // m * m, m)
         assert max(seen) < cap + inf.ROW_PAD
+
+
+def test_ensemble_scores_do_not_depend_on_how_many_calls_are_built_together(monkeypatch):
+    """Calls built one at a time, three at a time or all at once, cases together or alone, rows
+    column by column or contiguous: bitwise the same scores."""
+    d, p, m, cases, n = 2, 3, 15, 4, 1200     # 4 · 1200 · 15 rows: 9 calls of EVAL_BLOCK_ROWS
+    net = small_network(d, p)
+    gen = torch.Generator().manual_seed(5)
+    obs = torch.randn(cases, m, d, generator=gen)
+    points = torch.rand(cases, n, p, generator=gen, dtype=torch.float64) * 10
+    counted = inf.Evaluations()
+    reference = inf.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs, points, inf.EVAL_BLOCK_ROWS, counted)
+    assert counted.calls == 9 and counted.rows == cases * n * m
+    assert counted.call_rows % (9 * inf.ROW_PAD) == 0 and counted.call_rows <= 9 * inf.EVAL_BLOCK_ROWS
+    with torch.no_grad():
+        rows = torch.cat([obs[:, None].expand(-1, n, -1, -1), points.float()[:, :, None].expand(-1, -1, m, -1)], 3)
+        direct = net(rows.reshape(-1, d + p)).reshape(cases, n, m).double().sum(2)
+    torch.testing.assert_close(reference, direct, rtol=1e-5, atol=1e-5)
+    width = inf.EVAL_BLOCK_ROWS * (d + p) * 4
+    for group_bytes in (1, 3 * width, 1 << 30):
+        monkeypatch.setattr(inf, "CALL_GROUP_BYTES", group_bytes)
+        for column_rows in (True, False):
+            scores = inf.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs, points, inf.EVAL_BLOCK_ROWS,
+                                         column_rows=column_rows)
+            assert torch.equal(scores, reference)
+        for case in range(cases):
+            alone = inf.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs[case], points[case],
+                                        inf.EVAL_BLOCK_ROWS)
+            assert torch.equal(alone, reference[case])
+
+
+@hsettings(max_examples=60, deadline=None)
+@given(cases=st.integers(1, 7), n=st.integers(1, 40), block=st.integers(1, 50), data=st.data())
+def test_observations_are_put_beside_their_candidates_by_copies_or_by_one_gather(cases, n, block, data):
+    d, m = 2, 3
+    x = torch.randn(cases, m, d, generator=torch.Generator().manual_seed(cases * n))
+    count = cases * n
+    begin = data.draw(st.integers(0, count - 1)) // block * block      # groups start at a call
+    end = data.draw(st.integers(begin + 1, count))
+    calls = -(-(end - begin) // block)
+    copied, gathered = torch.full((d, calls, m, block), math.nan), torch.full((d, calls, m, block), math.nan)
+    inf._fill_observations(copied, x, n, begin, end)
+    inf._fill_observations(gathered, x, n, begin, end, gather=True)
+    owner = torch.arange(begin, end) // n                               # the case of every candidate
+    expected = x[owner].permute(2, 1, 0)                                 # (d, m, candidates)
+    for observed in (copied, gathered):
+        candidates = observed.transpose(1, 2).reshape(d, m, calls * block)[:, :, :end - begin]
+        assert torch.equal(candidates, expected)
+
+
+def test_a_network_that_needs_contiguous_rows_is_given_them():
+    d, p, m = 2, 2, 15
+    net = small_network(d, p)
+
+    def flattening(rows):     # view(-1) needs contiguous rows
+        return net(rows.view(-1).view(-1, d + p)).squeeze(-1)
+
+    def plain(rows):
+        return net(rows).squeeze(-1)
+
+    assert inf.accepts_column_rows(plain, d + p, torch.device("cpu"))
+    assert not inf.accepts_column_rows(flattening, d + p, torch.device("cpu"))
+    with pytest.raises(RuntimeError, match="view"):
+        flattening(torch.zeros(d + p, 64).T)
+    gen = torch.Generator().manual_seed(6)
+    obs = torch.randn(m, d, generator=gen)
+    points = torch.rand(700, p, generator=gen, dtype=torch.float64) * 10
+    assert torch.equal(inf.ensemble_scores(flattening, obs, points, inf.EVAL_BLOCK_ROWS, column_rows=False),
+                       inf.ensemble_scores(plain, obs, points, inf.EVAL_BLOCK_ROWS))
 
 
 def test_exact_scores_do_not_depend_on_chunk_rows():

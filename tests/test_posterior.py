@@ -33,6 +33,24 @@ class ExactLogit(torch.nn.Module):
         return self.problem.log_likelihood(rows[:, :d].double(), rows[:, d:].double()).float()
 
 
+class FlatteningExactLogit(ExactLogit):
+    """The same logits from a network that flattens its rows with `view`, which needs them contiguous."""
+
+    def forward(self, rows):
+        return super().forward(rows.view(-1).view(rows.shape))
+
+
+def test_a_network_that_needs_contiguous_rows_gives_the_same_posterior():
+    problem = study_problem(2)
+    prior = priors.make_prior(problem, {"family": "uniform"})
+    x = problem.simulate(torch.full((OBSERVATIONS, 2), 5.0, dtype=torch.float64), torch.Generator().manual_seed(7))
+    analysis = settings_analysis.make_settings("default")
+    analysis["inference"]["candidates"].update(kind="adaptive", candidate_count=2048, coarse_count=256)
+    plain, flattening = (post.for_observation(problem, prior, network, analysis, x, seed=1)
+                         for network in (ExactLogit(problem), FlatteningExactLogit(problem)))
+    assert torch.equal(plain.points, flattening.points) and torch.equal(plain.scores, flattening.scores)
+
+
 def exact_posterior(dimension, prior_settings=None, truth=None, kind="adaptive"):
     """The posterior object of the exact likelihood under a prior, for observations simulated at a truth."""
     problem = study_problem(dimension)
