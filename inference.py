@@ -486,15 +486,22 @@ def _mass_above(sorted_scores, cumulative, values, side):
     return torch.where(count[:, 0] > 0, mass, torch.zeros_like(mass))
 
 
-def _projected_bounds(columns, order, last):
-    """Per case and level, the bounds (B, L, p) of the first last + 1 points in density order;
-    columns (B, p, K) holds each coordinate of the points as a contiguous row."""
-    order = order[:, :int(last.max()) + 1]      # no region reaches past the widest one's last point
-    columns = torch.gather(columns, 2, order[:, None, :].expand(-1, columns.shape[1], -1))
-    ends = last[:, None, :].expand(-1, columns.shape[1], -1)
-    lower = torch.gather(torch.cummin(columns, dim=2).values, 2, ends)
-    upper = torch.gather(torch.cummax(columns, dim=2).values, 2, ends)
-    return lower.transpose(1, 2), upper.transpose(1, 2)
+def _projected_bounds(columns, scores, threshold):
+    """Per case and level, the bounds (B, L, p) of the level's region {scores >= threshold};
+    columns (B, p, K) holds each coordinate of the points as a contiguous row.
+
+    The regions are nested, so each point falls in one bin, the count of thresholds above its
+    score; the bounds of every bin take one pass (scatter_reduce), and a level's region is
+    the union of the bins up to the count of thresholds above its own.
+    """
+    (cases, p, _), levels = columns.shape, threshold.shape[1]
+    bins = (scores[:, None, :] < threshold[:, :, None]).sum(dim=1)[:, None, :].expand(-1, p, -1)
+    inner = (threshold[:, None, :] > threshold[:, :, None]).sum(dim=2)[:, None, :].expand(-1, p, -1)
+    bounds = []
+    for reduce, start, running in (("amin", math.inf, torch.cummin), ("amax", -math.inf, torch.cummax)):
+        per_bin = columns.new_full((cases, p, levels + 1), start).scatter_reduce_(2, bins, columns, reduce)
+        bounds.append(torch.gather(running(per_bin, dim=2).values, 2, inner).transpose(1, 2))
+    return tuple(bounds)
 
 
 def _density_order(scores):
@@ -544,7 +551,7 @@ def summarise_block(scores, log_measure, points, truth_scores, levels):
     # With its ties (such as its own lattice point) the mass reaches credibility_upper.
     credibility = _mass_above(sorted_scores, cumulative, truth_scores, "left")
     credibility_upper = _mass_above(sorted_scores, cumulative, truth_scores, "right")
-    lower, upper = _projected_bounds(columns, order, last)
+    lower, upper = _projected_bounds(columns, scores, threshold)
     return {
         "lower": lower, "upper": upper, "mass": mass, "threshold": threshold,
         "covered": truth_scores[:, None] >= threshold,

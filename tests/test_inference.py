@@ -179,6 +179,26 @@ def test_huge_score_offsets_are_stable():
     assert np.isfinite(b["ess"]).all()
 
 
+@hsettings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), count=st.integers(1, 60), tied=st.booleans(),
+       levels=st.lists(st.sampled_from([0.1, 0.5, 0.68, 0.95, 1.0]), min_size=1, max_size=4))
+def test_projected_bounds_are_those_of_each_region(seed, count, tied, levels):
+    """Every level's bounds are the extremes of its region {score >= threshold}, ties and repeated
+    or unordered levels included."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(3, count, generator=gen, dtype=torch.float64)
+    if tied:    # few distinct densities, some points of none
+        scores = torch.floor(scores * 2).masked_fill(scores > 1.5, -math.inf)
+        scores[:, 0] = 0.0
+    points = torch.rand(count, 2, generator=gen, dtype=torch.float64)
+    s = inf.hld_summaries(scores, torch.zeros(count), points, torch.zeros(3), levels)
+    for case in range(3):
+        for level in range(len(levels)):
+            inside = points[scores[case] >= s["threshold"][case, level]].numpy()
+            np.testing.assert_array_equal(s["lower"][case, level], inside.min(0))
+            np.testing.assert_array_equal(s["upper"][case, level], inside.max(0))
+
+
 def test_summaries_are_vectorised_consistently():
     gen = torch.Generator().manual_seed(4)
     scores = torch.randn(6, 30, generator=gen, dtype=torch.float64)
