@@ -372,15 +372,17 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None,
 
     Each network call holds whole candidates (all m observations), of one or more cases,
     observation by observation: the rows [x_1, θ] of every candidate of the call, then
-    [x_2, θ], ... They are built in a (d + p, rows) buffer, padded to a multiple of ROW_PAD,
-    for several calls at once (CALL_GROUP_BYTES), so a coordinate of a whole group is one long
-    copy and nothing but the network runs between the group's calls: on the CPU each small
-    operation between two calls took about 100 µs, a few hundred rows' time. logit_fn sees a
-    call's rows as the buffer's transpose, (rows, d + p) column by column (a contiguous copy
-    with column_rows=False, see accepts_column_rows), and must return new logits each call:
-    they are summed after the group. Every row is computed on its own, so a case's scores do
-    not depend on the other cases of its block, and on the CPU they are bitwise the same for
-    every rows_per_call from EVAL_BLOCK_ROWS up. `counted` (an Evaluations) counts the calls.
+    [x_2, θ], ... They are built in a (d + p, rows) buffer padded to a multiple of ROW_PAD,
+    a few calls at once (CALL_GROUP_BYTES): the buffer's slots walk through the calls side
+    by side (slot j holds calls j·S, j·S + 1, ...), so a slot keeps its case's observations
+    from call to call, the points of all slots are one copy, and nothing but the network runs
+    between their calls; on the CPU each small operation between two calls took about
+    100 µs, a few hundred rows' time. logit_fn sees a call's rows as the buffer's transpose,
+    (rows, d + p) column by column (a contiguous copy with column_rows=False, see
+    accepts_column_rows), and must return new logits each call: they are summed after the
+    group. Every row is computed on its own, so a case's scores do not depend on the other
+    cases of its block, and on the CPU they are bitwise the same for every rows_per_call from
+    EVAL_BLOCK_ROWS up. `counted` (an Evaluations) counts the calls.
     """
     if observations.dim() == 2:
         return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted, column_rows)[0]
@@ -389,52 +391,49 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None,
     count = cases * n
     block = _candidates_per_call(m, count, rows_per_call)
     calls, width = -(-count // block), -(-block * m // ROW_PAD) * ROW_PAD
-    theta = torch.zeros(p, calls * block, dtype=torch.float32, device=x.device)
-    theta[:, :count].view(p, cases, n).copy_(points.permute(2, 0, 1))     # each coordinate one contiguous row
     group = max(1, min(calls, CALL_GROUP_BYTES // (4 * (d + p) * width)))
+    stride = -(-calls // group)                 # slot j of the g-th group holds call j·stride + g
+    theta = torch.zeros(p, group * stride * block, dtype=torch.float32, device=x.device)
+    theta[:, :count].view(p, cases, n).copy_(points.permute(2, 0, 1))     # each coordinate one contiguous row
+    theta = theta.view(p, group, stride, block)
     buffer = torch.zeros(d + p, group, width, dtype=torch.float32, device=x.device)
     observed = buffer[:d, :, :block * m].view(d, group, m, block)
     thetas = buffer[d:, :, :block * m].view(p, group, m, block)
     slots = buffer.view(d + p, group * width).T.split(width)
-    scores = torch.empty(calls, block, dtype=torch.float64, device=x.device)
+    scores = torch.empty(group, stride, block, dtype=torch.float64, device=x.device)
+    held = [None] * group                       # the case whose observations fill a slot, if one does
     with torch.no_grad():
-        for first in range(0, calls, group):
-            k = min(group, calls - first)
-            begin = first * block
-            _fill_observations(observed, x, n, begin, min(begin + k * block, count), x.device.type == "cuda")
-            thetas[:, :k] = theta[:, begin:begin + k * block].view(p, k, 1, block)
+        for g in range(stride):
+            k = min(group, -(-(calls - g) // stride))     # the slots with a call in this group
+            for j in range(k):
+                begin = (j * stride + g) * block
+                end = min(begin + block, count)
+                first, last = begin // n, (end - 1) // n
+                if not first == last == held[j]:
+                    _fill_observations(observed[:, j], x, n, begin, end, x.device.type == "cuda")
+                    held[j] = first if first == last else None
+            thetas[:, :k] = theta[:, :k, g, None, :]
             logits = [logit_fn(slots[j] if column_rows else slots[j].contiguous()) for j in range(k)]
             logits = torch.stack([values.reshape(-1)[:block * m] for values in logits]).view(k, m, block)
-            torch.sum(logits, dim=1, dtype=torch.float64, out=scores[first:first + k])
+            torch.sum(logits, dim=1, dtype=torch.float64, out=scores[:k, g])
             if counted is not None:
-                for call in range(first, first + k):
-                    counted.add(min(block, count - call * block) * m, width)
+                for j in range(k):
+                    counted.add(min(block, count - (j * stride + g) * block) * m, width)
     return scores.view(-1)[:count].reshape(cases, n)
 
 
 def _fill_observations(observed, x, n, begin, end, gather=False):
-    """Put each case's observations x (B, m, d) beside its candidates begin..end − 1 (n per case),
-    in observed (d, calls, m, candidates per call). `gather`: with one indexed read (on CUDA, where
-    every copy is a launch); otherwise with at most three copies per case (on the CPU, several
-    times faster than reading through an index)."""
-    d, _, m, block = observed.shape
+    """Put the observations x (B, m, d) of each case beside its candidates among a call's
+    begin..end − 1 (n per case), in observed (d, m, candidates per call). `gather`: with one
+    indexed read (on CUDA, where every copy is a launch); otherwise one copy per case (on the
+    CPU, several times faster than reading through an index)."""
     if gather:
-        calls = -(-(end - begin) // block)
-        owner = torch.arange(begin, begin + calls * block, device=x.device) // n
-        owner.clamp_(max=x.shape[0] - 1)    # the last call's padding takes the last case's
-        observed[:, :calls] = x.permute(2, 1, 0)[:, :, owner].view(d, m, calls, block).transpose(1, 2)
+        owner = torch.arange(begin, begin + observed.shape[2], device=x.device) // n
+        owner.clamp_(max=x.shape[0] - 1)    # padding past the last case takes that case's
+        observed.copy_(x.permute(2, 1, 0)[:, :, owner])
         return
     for case in range(begin // n, (end - 1) // n + 1):
-        values = x[case].T[:, :, None]                      # (d, m, 1)
-        start, stop = max(case * n, begin) - begin, min((case + 1) * n, end) - begin
-        head, tail = start // block, (stop - 1) // block    # the calls holding its first and last
-        if head == tail:
-            observed[:, head, :, start - head * block:stop - head * block] = values
-            continue
-        observed[:, head, :, start - head * block:] = values
-        if tail > head + 1:
-            observed[:, head + 1:tail] = values[:, None]
-        observed[:, tail, :, :stop - tail * block] = values
+        observed[:, :, max(case * n, begin) - begin:min((case + 1) * n, end) - begin] = x[case].T[:, :, None]
 
 
 def exact_scores(log_likelihood, observations, points, chunk_rows=EVAL_BLOCK_ROWS):

@@ -273,7 +273,7 @@ def test_ensemble_scores_do_not_depend_on_how_many_calls_are_built_together(monk
         direct = net(rows.reshape(-1, d + p)).reshape(cases, n, m).double().sum(2)
     torch.testing.assert_close(reference, direct, rtol=1e-5, atol=1e-5)
     width = inf.EVAL_BLOCK_ROWS * (d + p) * 4
-    for group_bytes in (1, 3 * width, 1 << 30):
+    for group_bytes in (1, 3 * width, 4 * width, 7 * width, 1 << 30):
         monkeypatch.setattr(inf, "CALL_GROUP_BYTES", group_bytes)
         for column_rows in (True, False):
             scores = inf.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs, points, inf.EVAL_BLOCK_ROWS,
@@ -291,17 +291,13 @@ def test_observations_are_put_beside_their_candidates_by_copies_or_by_one_gather
     d, m = 2, 3
     x = torch.randn(cases, m, d, generator=torch.Generator().manual_seed(cases * n))
     count = cases * n
-    begin = data.draw(st.integers(0, count - 1)) // block * block      # groups start at a call
-    end = data.draw(st.integers(begin + 1, count))
-    calls = -(-(end - begin) // block)
-    copied, gathered = torch.full((d, calls, m, block), math.nan), torch.full((d, calls, m, block), math.nan)
+    begin = data.draw(st.integers(0, count - 1)) // block * block      # calls start at a multiple of block
+    end = min(begin + block, count)
+    copied, gathered = torch.full((d, m, block), math.nan), torch.full((d, m, block), math.nan)
     inf._fill_observations(copied, x, n, begin, end)
     inf._fill_observations(gathered, x, n, begin, end, gather=True)
-    owner = torch.arange(begin, end) // n                               # the case of every candidate
-    expected = x[owner].permute(2, 1, 0)                                 # (d, m, candidates)
-    for observed in (copied, gathered):
-        candidates = observed.transpose(1, 2).reshape(d, m, calls * block)[:, :, :end - begin]
-        assert torch.equal(candidates, expected)
+    expected = x[torch.arange(begin, end) // n].permute(2, 1, 0)       # each candidate's case's, (d, m, candidates)
+    assert torch.equal(copied[:, :, :end - begin], expected) and torch.equal(gathered[:, :, :end - begin], expected)
 
 
 def test_a_network_that_needs_contiguous_rows_is_given_them():
