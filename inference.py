@@ -522,7 +522,7 @@ def summarise_block(scores, log_measure, points, truth_scores, levels):
     case's own, (B, K) and (B, K, p).
     """
     n, count = scores.shape
-    # Each coordinate as a contiguous row (B, p, K), the layout the bounds' gathers run along.
+    # Each coordinate as a contiguous row (B, p, K), the layout the bounds' reductions run along.
     columns = points.T.contiguous().expand(n, -1, -1) if points.dim() == 2 else points.transpose(1, 2).contiguous()
     points = columns.transpose(1, 2)
     log_mass = scores + log_measure
