@@ -296,7 +296,12 @@ class CallPolicy(NamedTuple):
 CPU_BLOCK_BYTES = 256 << 20     # a block of cases' refinement arrays on the host
 CUDA_MEMORY_SHARE = 0.25        # of the free device memory: a network call's activations, and a block's arrays
 CUDA_MAX_ROWS = 1 << 24         # the most rows of one network call on CUDA
-CALL_GROUP_BYTES = 4 << 20      # the rows of network calls built at once (several calls of EVAL_BLOCK_ROWS on the CPU)
+# ensemble_scores builds the rows of several network calls at once (several of EVAL_BLOCK_ROWS on
+# the CPU), in the slots of one buffer that walk through the calls side by side (slot j holds calls
+# j·S, j·S + 1, ...): a slot keeps its case's observations from call to call, the points of all
+# slots are one copy, and nothing but the network runs between the calls. On the CPU each small
+# operation between two calls took about 100 µs, a few hundred rows' time.
+CALL_GROUP_BYTES = 4 << 20
 
 
 def call_policy(device_type, chunk_rows, row_bytes=1024, free_bytes=None):
@@ -362,7 +367,7 @@ def accepts_column_rows(logit_fn, width, device):
     with torch.no_grad():
         try:
             return bool(torch.equal(logit_fn(buffer.T).reshape(-1), logit_fn(buffer.T.contiguous()).reshape(-1)))
-        except RuntimeError:
+        except Exception:     # whatever the network objects to, contiguous rows are what it was always given
             return False
 
 
@@ -371,18 +376,14 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None,
     -> (B, n) float64 on the observations' device. A single case's (m, d) and (n, p) give (n,).
 
     Each network call holds whole candidates (all m observations), of one or more cases,
-    observation by observation: the rows [x_1, θ] of every candidate of the call, then
-    [x_2, θ], ... They are built in a (d + p, rows) buffer padded to a multiple of ROW_PAD,
-    a few calls at once (CALL_GROUP_BYTES): the buffer's slots walk through the calls side
-    by side (slot j holds calls j·S, j·S + 1, ...), so a slot keeps its case's observations
-    from call to call, the points of all slots are one copy, and nothing but the network runs
-    between their calls; on the CPU each small operation between two calls took about
-    100 µs, a few hundred rows' time. logit_fn sees a call's rows as the buffer's transpose,
-    (rows, d + p) column by column (a contiguous copy with column_rows=False, see
-    accepts_column_rows), and must return new logits each call: they are summed after the
-    group. Every row is computed on its own, so a case's scores do not depend on the other
-    cases of its block, and on the CPU they are bitwise the same for every rows_per_call from
-    EVAL_BLOCK_ROWS up. `counted` (an Evaluations) counts the calls.
+    observation by observation ([x_1, θ] for every candidate of the call, then [x_2, θ], ...),
+    in a (d + p, rows) buffer padded to a multiple of ROW_PAD and built a few calls at a time
+    (see CALL_GROUP_BYTES). logit_fn sees a call's rows as the buffer's transpose, (rows, d + p)
+    column by column (a contiguous copy with column_rows=False, see accepts_column_rows), and
+    must return new logits each call: they are summed after the group. Every row is computed
+    on its own, so a case's scores do not depend on the other cases of its block, and on the
+    CPU they are bitwise the same for every rows_per_call from EVAL_BLOCK_ROWS up. `counted`
+    (an Evaluations) counts the calls.
     """
     if observations.dim() == 2:
         return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted, column_rows)[0]
@@ -405,21 +406,29 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None,
     with torch.no_grad():
         for g in range(stride):
             k = min(group, -(-(calls - g) // stride))     # the slots with a call in this group
-            for j in range(k):
-                begin = (j * stride + g) * block
-                end = min(begin + block, count)
-                first, last = begin // n, (end - 1) // n
-                if not first == last == held[j]:
-                    _fill_observations(observed[:, j], x, n, begin, end, x.device.type == "cuda")
-                    held[j] = first if first == last else None
+            begins = [(j * stride + g) * block for j in range(k)]
+            _refresh_observations(observed, held, x, n, begins, count)
             thetas[:, :k] = theta[:, :k, g, None, :]
             logits = [logit_fn(slots[j] if column_rows else slots[j].contiguous()) for j in range(k)]
             logits = torch.stack([values.reshape(-1)[:block * m] for values in logits]).view(k, m, block)
             torch.sum(logits, dim=1, dtype=torch.float64, out=scores[:k, g])
             if counted is not None:
-                for j in range(k):
-                    counted.add(min(block, count - (j * stride + g) * block) * m, width)
+                for begin in begins:
+                    counted.add(min(block, count - begin) * m, width)
     return scores.view(-1)[:count].reshape(cases, n)
+
+
+def _refresh_observations(observed, held, x, n, begins, count):
+    """Give each slot j of observed (d, slots, m, block) the observations beside the candidates of
+    the call starting at begins[j], unless it holds them already; held[j], the one case whose
+    observations a slot holds (None: several), is kept up to date."""
+    block = observed.shape[3]
+    for j, begin in enumerate(begins):
+        end = min(begin + block, count)
+        first, last = begin // n, (end - 1) // n
+        if not first == last == held[j]:
+            _fill_observations(observed[:, j], x, n, begin, end, x.device.type == "cuda")
+            held[j] = first if first == last else None
 
 
 def _fill_observations(observed, x, n, begin, end, gather=False):
