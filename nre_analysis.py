@@ -323,15 +323,14 @@ def learned_scoring(model, device, prior, observations, targets, settings, count
                                              inference.network_row_bytes(model, input_width))
     on_device = observations.to(device)
 
-    def logits(rows):
-        return model(rows).float()
-
+    # The model is the logit function itself: the logits of any floating dtype (bfloat16 under
+    # autocast) are summed in float64 (one conversion fewer after each network call).
     with network_precision(settings.get("precision", "float32"), device):
-        column_rows = inference.accepts_column_rows(logits, input_width, device)
+        column_rows = inference.accepts_column_rows(model, input_width, device)
 
     def scores(cases, points):
         with network_precision(settings.get("precision", "float32"), device):
-            ratio = inference.ensemble_scores(logits, on_device[cases.to(device)], points, policy.rows_per_call,
+            ratio = inference.ensemble_scores(model, on_device[cases.to(device)], points, policy.rows_per_call,
                                               counted, column_rows)
         values = {"ratio": ratio}
         if "posterior" in targets:
