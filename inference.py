@@ -409,8 +409,8 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None,
             begins = [(j * stride + g) * block for j in range(k)]
             _refresh_observations(observed, held, x, n, begins, count)
             thetas[:, :k] = theta[:, :k, g, None, :]
-            logits = [logit_fn(slots[j] if column_rows else slots[j].contiguous()) for j in range(k)]
-            logits = torch.stack([values.reshape(-1)[:block * m] for values in logits]).view(k, m, block)
+            logits = torch.stack([logit_fn(slots[j] if column_rows else slots[j].contiguous()) for j in range(k)])
+            logits = logits.reshape(k, width)[:, :block * m].view(k, m, block)
             torch.sum(logits, dim=1, dtype=torch.float64, out=scores[:k, g])
             if counted is not None:
                 for begin in begins:
