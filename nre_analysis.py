@@ -321,15 +321,15 @@ def learned_scoring(model, device, prior, observations, targets, settings, count
     input_width = observations.shape[2] + len(prior.lattice_steps)
     policy = policy or inference.call_policy(device.type, settings["chunk_rows"],
                                              inference.network_row_bytes(model, input_width))
-    on_device = observations.to(device)
+    on_device, precision = observations.to(device), settings.get("precision", "float32")
 
     # The model is the logit function itself: the logits of any floating dtype (bfloat16 under
     # autocast) are summed in float64 (one conversion fewer after each network call).
-    with network_precision(settings.get("precision", "float32"), device):
+    with network_precision(precision, device):
         column_rows = inference.accepts_column_rows(model, input_width, device)
 
     def scores(cases, points):
-        with network_precision(settings.get("precision", "float32"), device):
+        with network_precision(precision, device):
             ratio = inference.ensemble_scores(model, on_device[cases.to(device)], points, policy.rows_per_call,
                                               counted, column_rows)
         values = {"ratio": ratio}

@@ -21,6 +21,7 @@ run to the next: the learned product again, with a plain forward call on pre-bui
 timed on its own, before each of its network calls.
 """
 import argparse
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -188,12 +189,12 @@ class InterleavedForward(torch.nn.Module):
 
     def __init__(self, model, rows, rows_per_call, now):
         super().__init__()
-        self.model, self.chunks, self.now = model, rows.split(rows_per_call), now
+        self.model, self.chunks, self.now = model, itertools.cycle(rows.split(rows_per_call)), now
         self.seconds, self.rows = 0.0, 0
 
     def forward(self, inputs):
         """The plain call (timed, its rows counted), then the analysis' own."""
-        chunk = self.chunks[(self.rows // self.chunks[0].shape[0]) % len(self.chunks)]
+        chunk = next(self.chunks)
         started = self.now()
         self.model(chunk).sum()
         self.seconds += self.now() - started
