@@ -117,11 +117,13 @@ def proposal_log_density(proposals, points, box):
     Lebesgue × counting measure, −inf outside each proposal's box."""
     # Work in (B, C, n): every comparison then runs along a case's contiguous row of points.
     columns = points.transpose(1, 2).contiguous()
-    inside = None
-    for j in range(points.shape[2]):
+    (cases, p, n), components = columns.shape, proposals.low.shape[1]
+    inside = torch.ones(cases, components, n, dtype=torch.bool, device=points.device)
+    within = torch.empty_like(inside)       # every comparison written here: no fresh (B, C, n) array each
+    for j in range(p):
         column = columns[:, j:j + 1, :]
-        within = (column >= proposals.low[:, :, j:j + 1]) & (column <= proposals.high[:, :, j:j + 1])
-        inside = within if inside is None else inside.logical_and_(within)
+        inside.logical_and_(torch.ge(column, proposals.low[:, :, j:j + 1], out=within))
+        inside.logical_and_(torch.le(column, proposals.high[:, :, j:j + 1], out=within))
     continuous = ~box.lattice
     everywhere = bool(continuous.all())     # no lattice axis: no column to pick out
     x = columns if everywhere else columns[:, continuous]
@@ -158,7 +160,7 @@ def mixture_log_terms(proposals, points, box):
     proposals' terms to the points' running denominator (see _refined_passes).
     """
     log_counts = torch.tensor(proposals.count, dtype=torch.float64, device=points.device).log()[:, None]
-    return torch.logsumexp(log_counts + proposal_log_density(proposals, points, box), dim=1)
+    return torch.logsumexp(proposal_log_density(proposals, points, box).add_(log_counts), dim=1)
 
 
 def _log_weights(log_denominator, multiplicity):
@@ -218,9 +220,11 @@ def _rows_at(values, index):
     return values[torch.arange(values.shape[0], device=values.device), index]
 
 
-def _case_draws(engines, count, device):
-    """`count` more points of each case's own Sobol stream, (B, count, p), on `device`, held as columns."""
-    return torch.stack([engine.draw(count, dtype=torch.float64).T for engine in engines]).to(device).transpose(1, 2)
+def _case_draws(seeds, count, p, device):
+    """The first `count` points of each case's own scrambled Sobol stream (one seed per case),
+    (B, count, p) on `device`, held as columns."""
+    return torch.stack([torch.quasirandom.SobolEngine(p, scramble=True, seed=seed).draw(count, dtype=torch.float64).T
+                        for seed in seeds]).to(device).transpose(1, 2)
 
 
 def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, seeds):
@@ -240,8 +244,9 @@ def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, s
     components, last = [], {}
     uniform = torch.tensor(math.log(sizes["coarse"]) - box.log_measure(), dtype=torch.float64, device=points.device)
     log_denominator = uniform.expand(cases, points.shape[1])
-    engines = [torch.quasirandom.SobolEngine(points.shape[2], scramble=True, seed=s) for s in seeds]
-    for size in sizes["passes"]:
+    # Every pass's unit points at once: one draw per case, split between the passes in order.
+    units = _case_draws(seeds, sum(sizes["passes"]), points.shape[2], points.device).split(sizes["passes"], dim=1)
+    for size, pass_units in zip(sizes["passes"], units):
         log_weights = _log_weights(log_denominator, multiplicity)
         fitted = []
         for target, share in zip(targets, _shares(size, len(targets))):
@@ -249,7 +254,7 @@ def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, s
             fitted.append(fit_proposals(points, scores[target] + log_weights, spread[target], box,
                                         torch.stack([anchors[target], best], dim=1), share))
             last[target], spread[target] = fitted[-1], fitted[-1].sd
-        unit = _case_draws(engines, size, points.device).split([c.count for c in fitted], dim=1)
+        unit = pass_units.split([c.count for c in fitted], dim=1)
         fresh_columns = torch.cat([draw_proposals(proposal, u, box).transpose(1, 2)
                                    for proposal, u in zip(fitted, unit)], dim=2)
         fresh = fresh_columns.transpose(1, 2)
@@ -370,9 +375,7 @@ def _widen(summary, probes, probe_scores, best):
 
     Probes carry no measure: they sharpen where a region ends without changing its mass.
     """
-    inside = (probe_scores[:, None, :] >= summary["threshold"][:, :, None])[..., None]   # (B, L, n, 1)
-    lowest = torch.where(inside, probes[:, None], torch.full_like(probes[:, None], math.inf)).amin(dim=2)
-    highest = torch.where(inside, probes[:, None], torch.full_like(probes[:, None], -math.inf)).amax(dim=2)
+    lowest, highest = inference.region_bounds(probes.transpose(1, 2).contiguous(), probe_scores, summary["threshold"])
     summary["lower"] = torch.minimum(summary["lower"], lowest)
     summary["upper"] = torch.maximum(summary["upper"], highest)
     top, where = probe_scores.max(dim=1)
@@ -392,9 +395,11 @@ def refinement_checks(points, log_q, moments, proposal, box):
     """
     q = torch.softmax(log_q, dim=1)
     mean, covariance = moments
-    inner_low = torch.where(proposal.low > box.low, proposal.low + proposal.sd, box.low)[:, None, :]
-    inner_high = torch.where(proposal.high < box.high, proposal.high - proposal.sd, box.high)[:, None, :]
-    edge = ((points < inner_low) | (points > inner_high)).any(dim=2)
+    inner_low = torch.where(proposal.low > box.low, proposal.low + proposal.sd, box.low)
+    inner_high = torch.where(proposal.high < box.high, proposal.high - proposal.sd, box.high)
+    edge = torch.zeros(q.shape, dtype=torch.bool, device=q.device)
+    for j, column in enumerate(points.unbind(dim=2)):     # each coordinate a (B, n) row of the points' columns
+        edge.logical_or_(column < inner_low[:, j:j + 1]).logical_or_(column > inner_high[:, j:j + 1])
     shift = ((mean - proposal.mean).abs() / proposal.sd).amax(dim=1)
     spread = (covariance.diagonal(dim1=1, dim2=2).sqrt() / proposal.sd).amax(dim=1)
     return torch.where(edge, q, torch.zeros_like(q)).sum(dim=1), torch.maximum(shift / 2, spread / math.sqrt(2))

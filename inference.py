@@ -419,30 +419,31 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None,
 
 
 def _refresh_observations(observed, held, x, n, begins, count):
-    """Give each slot j of observed (d, slots, m, block) the observations beside the candidates of
-    the call starting at begins[j], unless it holds them already; held[j], the one case whose
-    observations a slot holds (None: several), is kept up to date."""
-    block = observed.shape[3]
+    """Give each slot j of observed (d, slots, m, block) the observations x (B, m, d) beside the
+    candidates of the call starting at begins[j], unless it holds them already; held[j], the one
+    case whose observations a slot holds (None: several), is kept up to date."""
+    block, beside = observed.shape[3], x.permute(0, 2, 1)[..., None]    # each case's (d, m, 1), a copy source
     for j, begin in enumerate(begins):
         end = min(begin + block, count)
         first, last = begin // n, (end - 1) // n
         if not first == last == held[j]:
-            _fill_observations(observed[:, j], x, n, begin, end, x.device.type == "cuda")
+            _fill_observations(observed[:, j], beside, n, begin, end, beside.device.type == "cuda")
             held[j] = first if first == last else None
 
 
-def _fill_observations(observed, x, n, begin, end, gather=False):
-    """Put the observations x (B, m, d) of each case beside its candidates among a call's
-    begin..end − 1 (n per case), in observed (d, m, candidates per call). `gather`: with one
-    indexed read (on CUDA, where every copy is a launch); otherwise one copy per case (on the
-    CPU, several times faster than reading through an index)."""
+def _fill_observations(observed, beside, n, begin, end, gather=False):
+    """Put each case's observations beside its candidates among a call's begin..end − 1 (n per
+    case), in observed (d, m, candidates per call); beside (B, d, m, 1) is the observations
+    x (B, m, d) as x.permute(0, 2, 1)[..., None]. `gather`: with one indexed read (on CUDA, where
+    every copy is a launch); otherwise one copy per case (on the CPU, several times faster than
+    reading through an index)."""
     if gather:
-        owner = torch.arange(begin, begin + observed.shape[2], device=x.device) // n
-        owner.clamp_(max=x.shape[0] - 1)    # padding past the last case takes that case's
-        observed.copy_(x.permute(2, 1, 0)[:, :, owner])
+        owner = torch.arange(begin, begin + observed.shape[2], device=beside.device) // n
+        owner.clamp_(max=beside.shape[0] - 1)    # padding past the last case takes that case's
+        observed.copy_(beside[owner, :, :, 0].permute(1, 2, 0))
         return
     for case in range(begin // n, (end - 1) // n + 1):
-        observed[:, :, max(case * n, begin) - begin:min((case + 1) * n, end) - begin] = x[case].T[:, :, None]
+        observed[:, :, max(case * n, begin) - begin:min((case + 1) * n, end) - begin].copy_(beside[case])
 
 
 def exact_scores(log_likelihood, observations, points, chunk_rows=EVAL_BLOCK_ROWS):
@@ -494,16 +495,19 @@ def _mass_above(sorted_scores, cumulative, values, side):
     return torch.where(count[:, 0] > 0, mass, torch.zeros_like(mass))
 
 
-def _projected_bounds(columns, scores, threshold):
-    """Per case and level, the bounds (B, L, p) of the level's region {scores >= threshold};
-    columns (B, p, K) holds each coordinate of the points as a contiguous row.
+def region_bounds(columns, scores, threshold):
+    """Per case and level, the bounds (B, L, p) of the level's region {scores >= threshold}
+    (+inf/−inf where it holds no point); columns (B, p, K) holds each coordinate of the points
+    as a contiguous row.
 
-    The regions are nested, so each point falls in one bin, the count of thresholds above its
-    score; the bounds of every bin take one pass (scatter_reduce), and a level's region is
-    the union of the bins up to the count of thresholds above its own.
+    The regions are nested, so each point falls in one bin, the count of thresholds it does
+    not reach (a NaN score reaches none); the bounds of every bin take one pass
+    (scatter_reduce), and a level's region is the union of the bins up to the count of
+    thresholds above its own.
     """
     (cases, p, _), levels = columns.shape, threshold.shape[1]
-    bins = (scores[:, None, :] < threshold[:, :, None]).sum(dim=1)[:, None, :].expand(-1, p, -1)
+    reached = (scores[:, None, :] >= threshold[:, :, None]).sum(dim=1)
+    bins = (levels - reached)[:, None, :].expand(-1, p, -1)
     inner = (threshold[:, None, :] > threshold[:, :, None]).sum(dim=2)[:, None, :].expand(-1, p, -1)
     bounds = []
     for reduce, start, running in (("amin", math.inf, torch.cummin), ("amax", -math.inf, torch.cummax)):
@@ -559,7 +563,7 @@ def summarise_block(scores, log_measure, points, truth_scores, levels):
     # With its ties (such as its own lattice point) the mass reaches credibility_upper.
     credibility = _mass_above(sorted_scores, cumulative, truth_scores, "left")
     credibility_upper = _mass_above(sorted_scores, cumulative, truth_scores, "right")
-    lower, upper = _projected_bounds(columns, scores, threshold)
+    lower, upper = region_bounds(columns, scores, threshold)
     return {
         "lower": lower, "upper": upper, "mass": mass, "threshold": threshold,
         "covered": truth_scores[:, None] >= threshold,

@@ -168,11 +168,12 @@ class Scoring(NamedTuple):
     block_bytes: int
 
 
-def case_bytes(candidates, p, targets, levels, components=0, probes=0):
+def case_bytes(candidates, p, targets, levels, components=0, draws=0):
     """About the bytes one case's refinement or summary holds at once: its points, weights and scores,
-    the proposals' densities, the summaries' sorted copies, and the probes' bounds."""
+    the proposals' densities, the summaries' sorted copies and region flags (one byte a level),
+    and the refined passes' unit draws."""
     per_point = p + 1 + 2 * targets + 3 * components + 14
-    return 8 * (candidates * per_point + 2 * levels * probes * p)
+    return 8 * (candidates * per_point + draws * p) + candidates * levels
 
 
 def fixed_case_bytes(candidates, p, targets, levels):
@@ -182,7 +183,7 @@ def fixed_case_bytes(candidates, p, targets, levels):
 
 def adaptive_case_bytes(sizes, p, targets, levels):
     """case_bytes of a case refined by adaptive.refine_block with these sizes."""
-    return case_bytes(sizes["total"] + 1, p, targets, levels, targets * len(sizes["passes"]), sizes["probes"])
+    return case_bytes(sizes["total"] + 1, p, targets, levels, targets * len(sizes["passes"]), sum(sizes["passes"]))
 
 
 def retained_arrays(writer, retain, targets, cases, candidates):

@@ -182,7 +182,7 @@ def test_huge_score_offsets_are_stable():
 @hsettings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), count=st.integers(1, 60), tied=st.booleans(),
        levels=st.lists(st.sampled_from([0.1, 0.5, 0.68, 0.95, 1.0]), min_size=1, max_size=4))
-def test_projected_bounds_are_those_of_each_region(seed, count, tied, levels):
+def test_summary_bounds_are_those_of_each_region(seed, count, tied, levels):
     """Every level's bounds are the extremes of its region {score >= threshold}, ties and repeated
     or unordered levels included."""
     gen = torch.Generator().manual_seed(seed)
@@ -197,6 +197,26 @@ def test_projected_bounds_are_those_of_each_region(seed, count, tied, levels):
             inside = points[scores[case] >= s["threshold"][case, level]].numpy()
             np.testing.assert_array_equal(s["lower"][case, level], inside.min(0))
             np.testing.assert_array_equal(s["upper"][case, level], inside.max(0))
+
+
+@hsettings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1), count=st.integers(1, 40), levels=st.integers(1, 4), odd=st.booleans())
+def test_region_bounds_with_any_thresholds(seed, count, levels, odd):
+    """region_bounds on thresholds of any order (as the probes meet them): each level's bounds
+    are the extremes of the points scoring at least its threshold, ±inf where none does; a NaN
+    score reaches no threshold."""
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.floor(torch.randn(2, count, generator=gen, dtype=torch.float64) * 2)
+    if odd:
+        scores[:, ::3] = math.nan
+        scores[:, 1::4] = -math.inf
+    threshold = torch.floor(torch.randn(2, levels, generator=gen, dtype=torch.float64) * 3)
+    columns = torch.rand(2, 3, count, generator=gen, dtype=torch.float64)
+    lower, upper = inf.region_bounds(columns, scores, threshold)
+    inside = (scores[:, None, :] >= threshold[:, :, None])[:, :, None, :]      # (B, L, 1, K)
+    expected_lower = torch.where(inside, columns[:, None], math.inf).amin(dim=3)
+    expected_upper = torch.where(inside, columns[:, None], -math.inf).amax(dim=3)
+    assert torch.equal(lower, expected_lower) and torch.equal(upper, expected_upper)
 
 
 def test_summaries_are_vectorised_consistently():
@@ -294,8 +314,9 @@ def test_observations_are_put_beside_their_candidates_by_copies_or_by_one_gather
     begin = data.draw(st.integers(0, count - 1)) // block * block      # calls start at a multiple of block
     end = min(begin + block, count)
     copied, gathered = torch.full((d, m, block), math.nan), torch.full((d, m, block), math.nan)
-    inf._fill_observations(copied, x, n, begin, end)
-    inf._fill_observations(gathered, x, n, begin, end, gather=True)
+    beside = x.permute(0, 2, 1)[..., None]
+    inf._fill_observations(copied, beside, n, begin, end)
+    inf._fill_observations(gathered, beside, n, begin, end, gather=True)
     expected = x[torch.arange(begin, end) // n].permute(2, 1, 0)       # each candidate's case's, (d, m, candidates)
     assert torch.equal(copied[:, :, :end - begin], expected) and torch.equal(gathered[:, :, :end - begin], expected)
 
