@@ -200,14 +200,14 @@ def test_summary_bounds_are_those_of_each_region(seed, count, tied, levels):
 
 
 @hsettings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), count=st.integers(1, 40), levels=st.integers(1, 4), odd=st.booleans())
-def test_region_bounds_with_any_thresholds(seed, count, levels, odd):
+@given(seed=st.integers(0, 2**31 - 1), count=st.integers(1, 40), levels=st.integers(1, 4), non_finite=st.booleans())
+def test_region_bounds_with_any_thresholds(seed, count, levels, non_finite):
     """region_bounds on thresholds of any order (as the probes meet them): each level's bounds
     are the extremes of the points scoring at least its threshold, ±inf where none does; a NaN
     score reaches no threshold."""
     gen = torch.Generator().manual_seed(seed)
     scores = torch.floor(torch.randn(2, count, generator=gen, dtype=torch.float64) * 2)
-    if odd:
+    if non_finite:
         scores[:, ::3] = math.nan
         scores[:, 1::4] = -math.inf
     threshold = torch.floor(torch.randn(2, levels, generator=gen, dtype=torch.float64) * 3)
