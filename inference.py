@@ -387,27 +387,27 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None,
     """
     if observations.dim() == 2:
         return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted, column_rows)[0]
-    x = observations.to(torch.float32)
-    (cases, m, d), (_, n, p) = x.shape, points.shape
+    beside = observations.to(torch.float32).permute(0, 2, 1)[..., None]    # each case's (d, m, 1), a copy source
+    (cases, d, m, _), (_, n, p) = beside.shape, points.shape
     count = cases * n
     block = _candidates_per_call(m, count, rows_per_call)
     calls, width = -(-count // block), -(-block * m // ROW_PAD) * ROW_PAD
     group = max(1, min(calls, CALL_GROUP_BYTES // (4 * (d + p) * width)))
     stride = -(-calls // group)                 # slot j of the g-th group holds call j·stride + g
-    theta = torch.zeros(p, group * stride * block, dtype=torch.float32, device=x.device)
+    theta = torch.zeros(p, group * stride * block, dtype=torch.float32, device=beside.device)
     theta[:, :count].view(p, cases, n).copy_(points.permute(2, 0, 1))     # each coordinate one contiguous row
     theta = theta.view(p, group, stride, block)
-    buffer = torch.zeros(d + p, group, width, dtype=torch.float32, device=x.device)
+    buffer = torch.zeros(d + p, group, width, dtype=torch.float32, device=beside.device)
     observed = buffer[:d, :, :block * m].view(d, group, m, block)
     thetas = buffer[d:, :, :block * m].view(p, group, m, block)
     slots = buffer.view(d + p, group * width).T.split(width)
-    scores = torch.empty(group, stride, block, dtype=torch.float64, device=x.device)
+    scores = torch.empty(group, stride, block, dtype=torch.float64, device=beside.device)
     held = [None] * group                       # the case whose observations fill a slot, if one does
     with torch.no_grad():
         for g in range(stride):
             k = min(group, -(-(calls - g) // stride))     # the slots with a call in this group
             begins = [(j * stride + g) * block for j in range(k)]
-            _refresh_observations(observed, held, x, n, begins, count)
+            _refresh_observations(observed, held, beside, n, begins, count)
             thetas[:, :k] = theta[:, :k, g, None, :]
             logits = torch.stack([logit_fn(slots[j] if column_rows else slots[j].contiguous()) for j in range(k)])
             logits = logits.reshape(k, width)[:, :block * m].view(k, m, block)
@@ -418,11 +418,11 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None,
     return scores.view(-1)[:count].reshape(cases, n)
 
 
-def _refresh_observations(observed, held, x, n, begins, count):
-    """Give each slot j of observed (d, slots, m, block) the observations x (B, m, d) beside the
-    candidates of the call starting at begins[j], unless it holds them already; held[j], the one
-    case whose observations a slot holds (None: several), is kept up to date."""
-    block, beside = observed.shape[3], x.permute(0, 2, 1)[..., None]    # each case's (d, m, 1), a copy source
+def _refresh_observations(observed, held, beside, n, begins, count):
+    """Give each slot j of observed (d, slots, m, block) the observations beside the candidates of
+    the call starting at begins[j] (beside: as _fill_observations), unless it holds them already;
+    held[j], the one case whose observations a slot holds (None: several), is kept up to date."""
+    block = observed.shape[3]
     for j, begin in enumerate(begins):
         end = min(begin + block, count)
         first, last = begin // n, (end - 1) // n
