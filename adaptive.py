@@ -52,14 +52,15 @@ class Box(NamedTuple):
         counts = torch.round((self.high - self.low) / self.step) + 1
         return float(torch.where(self.lattice, counts, self.high - self.low).log().sum())
 
-    def snap(self, values, low=None, high=None):
-        """Values clamped into [low, high] (the box by default), lattice axes rounded onto the lattice."""
+    def snap(self, values, low=None, high=None, out=None):
+        """Values clamped into [low, high] (the box by default), lattice axes rounded onto the lattice
+        (written into `out` if given)."""
         low = self.low if low is None else low
         high = self.high if high is None else high
         if bool(self.lattice.any()):
             on_lattice = self.low + torch.round((values - self.low) / self.step) * self.step
             values = torch.where(self.lattice, on_lattice, values)
-        return torch.clamp(values, low, high)
+        return torch.clamp(values, low, high, out=out)
 
 
 def support_box(low, high, lattice_steps):
@@ -102,47 +103,81 @@ def _standard_z(proposal, box):
     return (proposal.low - half - proposal.mean) / proposal.sd, (proposal.high + half - proposal.mean) / proposal.sd
 
 
-def draw_proposals(proposal, unit, box):
-    """Map unit-cube points (B, n, p) through each case's truncated normals' inverse CDF; lattice axes snap."""
+def draw_proposals(proposal, unit, box, out=None):
+    """Map unit-cube points (B, n, p) through each case's truncated normals' inverse CDF; lattice axes
+    snap (the points are written into `out` if given)."""
     proposal = Proposal(*(field[:, None] for field in proposal[:4]), proposal.count)
     za, zb = _standard_z(proposal, box)
     pa, pb = torch.special.ndtr(za), torch.special.ndtr(zb)
-    z = torch.special.ndtri(pa + unit * (pb - pa))
-    values = proposal.mean + proposal.sd * torch.clamp(z, za, zb)
-    return box.snap(values, proposal.low, proposal.high)
+    z = torch.special.ndtri(torch.addcmul(pa, unit, pb - pa))
+    return box.snap(torch.addcmul(proposal.mean, proposal.sd, z.clamp_(za, zb)), proposal.low, proposal.high, out)
 
 
-def proposal_log_density(proposals, points, box):
+def _log_normalisers(proposals, box):
+    """Each stacked proposal's log normaliser (B, C): its log density at its mean is at most minus this."""
+    sd = proposals.sd[..., ~box.lattice]
+    za, zb = _standard_z(proposals, box)
+    return (torch.log(sd).sum(dim=2) + 0.5 * sd.shape[2] * math.log(2 * math.pi)
+            + _log_normal_interval(za, zb).sum(dim=2))
+
+
+def proposal_log_density(proposals, points, box, offset=None, extremes=None):
     """Log density (B, C, n) of stacked proposals (fields (B, C, p)) at each case's points (B, n, p):
-    Lebesgue × counting measure, −inf outside each proposal's box."""
-    # Work in (B, C, n): every comparison then runs along a case's contiguous row of points.
-    columns = points.transpose(1, 2).contiguous()
-    (cases, p, n), components = columns.shape, proposals.low.shape[1]
-    inside = torch.ones(cases, components, n, dtype=torch.bool, device=points.device)
-    within = torch.empty_like(inside)       # every comparison written here: no fresh (B, C, n) array each
-    for j in range(p):
-        column = columns[:, j:j + 1, :]
-        inside.logical_and_(torch.ge(column, proposals.low[:, :, j:j + 1], out=within))
-        inside.logical_and_(torch.le(column, proposals.high[:, :, j:j + 1], out=within))
+    Lebesgue × counting measure, −inf outside each proposal's box; `offset` (C,) or (B, C), if
+    given, is added to each proposal's (its log count, say). `extremes`: the points' (see
+    point_extremes), if known."""
+    columns = inference.point_columns(points)
+    inside = _inside_boxes(columns, proposals.low, proposals.high, extremes)
     continuous = ~box.lattice
     everywhere = bool(continuous.all())     # no lattice axis: no column to pick out
     x = columns if everywhere else columns[:, continuous]
     mean = proposals.mean if everywhere else proposals.mean[..., continuous]
     sd = proposals.sd if everywhere else proposals.sd[..., continuous]
     inverse = sd ** -2
-    # Σ_j (x_j − μ_j)²/σ_j² of every point under every proposal at once, as batched matrix products.
-    quadratic = torch.baddbmm((mean * mean * inverse).sum(dim=2, keepdim=True), inverse, x * x)
-    quadratic.baddbmm_(mean * inverse, x, alpha=-2)
-    constant = torch.log(sd).sum(dim=2, keepdim=True) + 0.5 * sd.shape[2] * math.log(2 * math.pi)
-    za, zb = _standard_z(proposals, box)
-    constant = constant + _log_normal_interval(za, zb).sum(dim=-1, keepdim=True)
-    total = quadratic.mul_(-0.5).sub_(constant)
+    # Each proposal's log normaliser, less the offset: what every point's −½ quadratic loses.
+    constant = _log_normalisers(proposals, box)
+    constant = (constant if offset is None else constant - offset)[..., None]
+    # −½ Σ_j (x_j − μ_j)²/σ_j² − constant of every point under every proposal at once, as two
+    # batched matrix products (the constant terms start the sum).
+    total = torch.baddbmm(-0.5 * (mean * mean * inverse).sum(dim=2, keepdim=True) - constant, -0.5 * inverse, x * x)
+    total.baddbmm_(mean * inverse, x)
     if not everywhere:
         lattice_sd = proposals.sd[:, :, None, box.lattice]
         z = (points[:, None, :, box.lattice] - proposals.mean[:, :, None, box.lattice]) / lattice_sd
         cell = box.half_cell()[box.lattice] / lattice_sd
         total = total + _log_normal_interval(z - cell, z + cell).sum(dim=-1)
-    return total.masked_fill_(~inside, -math.inf)
+    return total if inside is None else total.masked_fill_(inside.logical_not_(), -math.inf)
+
+
+def point_extremes(columns):
+    """Each case's lowest and highest coordinates (B, p), (B, p) of its points held as columns (B, p, n)
+    (NaN where a point has NaN)."""
+    return columns.amin(dim=2), columns.amax(dim=2)
+
+
+def _inside_boxes(columns, low, high, extremes=None):
+    """Whether each case's points (columns (B, p, n)) lie in each of its boxes [low, high] (B, C, p):
+    (B, C, n), or None where every point lies in every box.
+
+    Only the sides some point of some case may cross (by the points' extremes, computed if not
+    given) are compared: the early proposals' wide boxes, clipped to the prior's, usually hold
+    every point of the later passes, and a comparison costs as much as the density's
+    arithmetic (a NaN point is compared, and fails).
+    """
+    lowest, highest = point_extremes(columns) if extremes is None else extremes
+    crossed = torch.stack([~(lowest[:, None, :] >= low), ~(highest[:, None, :] <= high)]).any(dim=(1, 2)).tolist()
+    (cases, p, n), components = columns.shape, low.shape[1]
+    inside = within = None
+    for j in range(p):
+        column = columns[:, j:j + 1, :]
+        for side, (compare, bound) in enumerate(((torch.ge, low), (torch.le, high))):
+            if not crossed[side][j]:
+                continue
+            if inside is None:
+                inside = torch.ones(cases, components, n, dtype=torch.bool, device=columns.device)
+                within = torch.empty_like(inside)       # every comparison written here, not a fresh array
+            inside.logical_and_(compare(column, bound[:, :, j:j + 1], out=within))
+    return inside
 
 
 def stack_proposals(proposals):
@@ -151,16 +186,23 @@ def stack_proposals(proposals):
                       for name in ("mean", "sd", "low", "high")), [c.count for c in proposals])
 
 
-def mixture_log_terms(proposals, points, box):
+def mixture_log_terms(proposals, points, box, extremes=None):
     """log Σ_c n_c g_c(θ) (B, n) of stacked proposals (n_c points each) at each case's points.
 
     All points together are a sample of the mixture of the uniform coarse design and
     the refined proposals, so a point weighs 1/(n_u u(θ) + Σ_c n_c g_c(θ)): the
     deterministic-mixture rule, unbiased for the box's measure. Each pass adds its
-    proposals' terms to the points' running denominator (see _refined_passes).
+    proposals' terms to the points' running denominator (see _refined_passes). `extremes`:
+    the points' (see point_extremes), if known.
     """
-    log_counts = torch.tensor(proposals.count, dtype=torch.float64, device=points.device).log()[:, None]
-    return torch.logsumexp(proposal_log_density(proposals, points, box).add_(log_counts), dim=1)
+    log_counts = torch.tensor(proposals.count, dtype=torch.float64, device=points.device).log()
+    # A log-sum-exp over the proposals, shifted by the highest of their peaks (each at its mean):
+    # no term exceeds it, so none overflows, and no pass over the terms looks for their maximum.
+    # A term more than ~745 below it underflows to nothing, far below the uniform design's term
+    # that every denominator holds too.
+    peak = (log_counts - _log_normalisers(proposals, box)).amax(dim=1)
+    terms = proposal_log_density(proposals, points, box, log_counts - peak[:, None], extremes)
+    return terms.exp_().sum(dim=1).log_().add_(peak[:, None])
 
 
 def _log_weights(log_denominator, multiplicity):
@@ -171,17 +213,13 @@ def _log_weights(log_denominator, multiplicity):
     return log_weights
 
 
-def weighted_moments(points, log_q):
-    """Mean (B, p) and covariance (B, p, p) of each case's points under normalised weights exp(log_q)."""
-    return _centred_moments(points, log_q)[:2]
-
-
-def _centred_moments(points, log_q):
-    """weighted_moments and the points' offsets from the mean (B, n, p)."""
-    q = torch.softmax(log_q, dim=1)
-    mean = torch.bmm(q[:, None, :], points)[:, 0]
-    centred = points - mean[:, None, :]
-    return mean, torch.bmm((q[:, :, None] * centred).transpose(1, 2), centred), centred
+def weighted_moments(columns, q):
+    """Mean (B, p) and covariance (B, p, p) of each case's points, held as columns (B, p, n), under
+    normalised weights q (B, n), and the points' offsets from the mean, each scaled by √q (B, p, n)."""
+    mean = torch.bmm(q[:, None, :], columns.transpose(1, 2))[:, 0]
+    # The covariance is the scaled offsets' product with themselves.
+    scaled = (columns - mean[:, :, None]).mul_(q.sqrt()[:, None, :])
+    return mean, torch.bmm(scaled, scaled.transpose(1, 2)), scaled
 
 
 def fit_proposals(points, log_q, spread, box, anchors, count):
@@ -191,10 +229,12 @@ def fit_proposals(points, log_q, spread, box, anchors, count):
     spread: estimates from few effective points are too narrow). Its box reaches REACH
     sds either side of the mean and always holds the anchors (B, a, p), the modes found so far.
     """
-    mean, covariance = weighted_moments(points, log_q)
+    q = torch.softmax(log_q, dim=1)
+    mean, covariance, _ = weighted_moments(inference.point_columns(points), q)
     floor = torch.where(box.lattice, box.step / 2, (box.high - box.low) * 1e-9)
-    # Few effective points place the mean roughly and see too little of the tails: widen more.
-    inflation = INFLATION * (1 + inference.effective_sizes(log_q).rsqrt())[:, None]
+    # Few effective points place the mean roughly and see too little of the tails: widen more
+    # (1/√ESS = √Σq², Kish's effective size of normalised weights).
+    inflation = INFLATION * (1 + (q * q).sum(dim=1).sqrt())[:, None]
     sd = torch.maximum(torch.maximum(inflation * covariance.diagonal(dim1=1, dim2=2).sqrt(), spread / MAX_SHRINK),
                        floor)
     low = torch.maximum(torch.minimum(mean - REACH * sd, anchors.amin(dim=1)), box.low)
@@ -220,55 +260,116 @@ def _rows_at(values, index):
     return values[torch.arange(values.shape[0], device=values.device), index]
 
 
+SOBOL_BITS = 30      # torch's SobolEngine.MAXBIT: its directions and points are 30-bit integers
+
+
 def _case_draws(seeds, count, p, device):
     """The first `count` points of each case's own scrambled Sobol stream (one seed per case),
-    (B, count, p) on `device`, held as columns."""
-    return torch.stack([torch.quasirandom.SobolEngine(p, scramble=True, seed=seed).draw(count, dtype=torch.float64).T
-                        for seed in seeds]).to(device).transpose(1, 2)
+    (B, count, p) on `device`, held as columns: bitwise what
+    torch.quasirandom.SobolEngine(p, scramble=True, seed=seed).draw(count, dtype=torch.float64)
+    gives, drawn for every case at once (64 engines a block cost more than the whole draw).
+
+    A stream's scramble, as the engine makes it: a random shift and random lower-triangular
+    bit matrices L_d (unit diagonal) from a generator seeded with its seed; bit 29 − q of
+    direction j of dimension d is the parity of row q of L_d and of the plain direction. Its
+    point i is shift ^ (the directions of the bits set in gray(i)) over 2^30, the first one
+    rounded as the engine rounds it (in the default dtype).
+    """
+    base = torch.quasirandom.SobolEngine(p).sobolstate                  # (p, 30), unscrambled
+    shift_bits, rows = [], []
+    for seed in seeds:
+        generator = torch.Generator().manual_seed(seed)
+        shift_bits.append(torch.randint(2, (p, SOBOL_BITS), generator=generator))
+        rows.append(torch.randint(2, (p, SOBOL_BITS, SOBOL_BITS), generator=generator))
+    powers = torch.pow(2, torch.arange(SOBOL_BITS))                     # bit k is worth 2^k
+    shift = (torch.stack(shift_bits) * powers).sum(dim=-1)              # (B, p)
+    matrices = torch.stack(rows).tril_()
+    matrices.diagonal(0, -2, -1).fill_(1)
+    row_values = (matrices * powers.flip(0)).sum(dim=-1)                # (B, p, 30): row q, bit 29 − k for column k
+    parity = row_values[:, :, None, :] & base[None, :, :, None]         # (B, p, 30 directions, 30 rows)
+    for half in (16, 8, 4, 2, 1):
+        parity ^= parity >> half
+    directions = ((parity & 1) * powers.flip(0)).sum(dim=-1)            # (B, p, 30)
+    # In Gray-code order, gray(2^k + i) = gray(i) ^ 2^k ^ 2^(k−1) for i < 2^k: each block of points
+    # is the one before it with two directions flipped (one for the first block).
+    flips = directions.clone()
+    flips[:, :, 1:] ^= directions[:, :, :-1]
+    # Each point x/2^30 exactly, with no conversion pass: a 30-bit integer x is the low bits of the
+    # mantissa of 2^22 + x/2^30, a double whose high bits the directions never flip.
+    state = torch.empty(len(seeds), p, count, dtype=torch.int64)
+    state[:, :, 0] = shift | 0x4150000000000000
+    size, k = 1, 0
+    while size < count:
+        step = min(size, count - size)
+        torch.bitwise_xor(state[:, :, :step], flips[:, :, k:k + 1], out=state[:, :, size:size + step])
+        size, k = size + step, k + 1
+    points = state.view(torch.float64).sub_(2.0 ** 22)
+    points[:, :, 0] = (shift / 2 ** SOBOL_BITS).to(torch.float64)
+    return points.to(device).transpose(1, 2)
 
 
-def _refined_passes(score_fn, coarse_points, multiplicity, scores, box, sizes, seeds):
+def _draw_pass(columns, start, proposals, units, box):
+    """Draw each proposal's points, from its share of a pass's unit points (B, n, p), into the
+    columns (B, p, N) from `start` on; returns where they end."""
+    for proposal, unit in zip(proposals, units.split([c.count for c in proposals], dim=1)):
+        draw_proposals(proposal, unit, box, out=columns[:, :, start:start + proposal.count].transpose(1, 2))
+        start += proposal.count
+    return start
+
+
+def _fit_targets(points, scores, log_weights, anchors, spread, box, size):
+    """Each target's next proposal, fitted on its scores {target: (B, n)} at the points so far under
+    the mixture weights, to draw its share of the pass's `size` points; spread[target] becomes
+    the proposal's sd."""
+    fitted = {}
+    for target, share in zip(scores, _shares(size, len(scores))):
+        best = _rows_at(points, scores[target].argmax(dim=1))
+        fitted[target] = fit_proposals(points, scores[target] + log_weights, spread[target], box,
+                                       torch.stack([anchors[target], best], dim=1), share)
+        spread[target] = fitted[target].sd
+    return fitted
+
+
+def _refined_passes(score_fn, columns, scores, multiplicity, box, sizes, seeds):
     """Run the refined passes: each target fits its next proposal on its own weighted scores.
 
-    Returns every point drawn (coarse first) per case, their mixture weights, each
-    target's scores on them and each target's last proposal.
+    columns (B, p, N) holds the coarse points first and scores {target: (B, N)} their
+    scores; each pass writes its points and scores after them, so nothing grows by copying.
+    Returns the mixture weights (B, n) of the n points measured (coarse and refined), each
+    target's last proposal and the points' extremes (see point_extremes).
     """
     targets, cases = list(scores), len(seeds)
-    # Points are held as columns (B, p, n), each coordinate a contiguous row, and used through
-    # their (B, n, p) view: elementwise work and comparisons then run along those rows.
-    columns = coarse_points.T.contiguous().expand(cases, -1, -1)
-    points = columns.transpose(1, 2)
-    anchors = {t: _rows_at(points, scores[t].argmax(dim=1)) for t in targets}   # the coarse modes
+    filled = sizes["coarse_points"]
+    # Points are held as columns, each coordinate a contiguous row, and used through their
+    # (B, n, p) view: elementwise work and comparisons then run along those rows.
+    points = columns[:, :, :filled].transpose(1, 2)
+    anchors = {t: _rows_at(points, scores[t][:, :filled].argmax(dim=1)) for t in targets}   # the coarse modes
     uniform_sd = (box.high - box.low + 2 * box.half_cell()) / math.sqrt(12)
     spread = {t: uniform_sd.expand(cases, -1) for t in targets}
-    components, last = [], {}
+    components, extremes = [], point_extremes(columns[:, :, :filled])
     uniform = torch.tensor(math.log(sizes["coarse"]) - box.log_measure(), dtype=torch.float64, device=points.device)
-    log_denominator = uniform.expand(cases, points.shape[1])
+    log_denominator = uniform.expand(cases, filled + sum(sizes["passes"])).clone()
     # Every pass's unit points at once: one draw per case, split between the passes in order.
     units = _case_draws(seeds, sum(sizes["passes"]), points.shape[2], points.device).split(sizes["passes"], dim=1)
     for size, pass_units in zip(sizes["passes"], units):
-        log_weights = _log_weights(log_denominator, multiplicity)
-        fitted = []
-        for target, share in zip(targets, _shares(size, len(targets))):
-            best = _rows_at(points, scores[target].argmax(dim=1))
-            fitted.append(fit_proposals(points, scores[target] + log_weights, spread[target], box,
-                                        torch.stack([anchors[target], best], dim=1), share))
-            last[target], spread[target] = fitted[-1], fitted[-1].sd
-        unit = pass_units.split([c.count for c in fitted], dim=1)
-        fresh_columns = torch.cat([draw_proposals(proposal, u, box).transpose(1, 2)
-                                   for proposal, u in zip(fitted, unit)], dim=2)
-        fresh = fresh_columns.transpose(1, 2)
-        fresh_scores = score_fn(fresh)
+        last = _fit_targets(points, {t: s[:, :filled] for t, s in scores.items()},
+                            _log_weights(log_denominator[:, :filled], multiplicity), anchors, spread, box, size)
+        fitted = list(last.values())
+        start = _draw_pass(columns, filled, fitted, pass_units, box)
+        fresh = columns[:, :, filled:start].transpose(1, 2)
+        fresh_scores, fresh_extremes = score_fn(fresh), point_extremes(columns[:, :, filled:start])
         # Earlier points gain the new proposals' terms; fresh points take every proposal's.
         components += fitted
-        log_denominator = torch.cat([
-            torch.logaddexp(log_denominator, mixture_log_terms(stack_proposals(fitted), points, box)),
-            torch.logaddexp(uniform, mixture_log_terms(stack_proposals(components), fresh, box))], dim=1)
-        columns = torch.cat([columns, fresh_columns], dim=2)
-        points = columns.transpose(1, 2)
-        scores = {t: torch.cat([scores[t], fresh_scores[t]], dim=1) for t in targets}
-    log_weights = _log_weights(log_denominator, multiplicity)
-    return points, log_weights, scores, last
+        earlier = log_denominator[:, :filled]
+        torch.logaddexp(earlier, mixture_log_terms(stack_proposals(fitted), points, box, extremes), out=earlier)
+        torch.logaddexp(uniform, mixture_log_terms(stack_proposals(components), fresh, box, fresh_extremes),
+                        out=log_denominator[:, filled:start])
+        for target in targets:
+            scores[target][:, filled:start] = fresh_scores[target]
+        extremes = (torch.minimum(extremes[0], fresh_extremes[0]), torch.maximum(extremes[1], fresh_extremes[1]))
+        filled = start
+        points = columns[:, :, :filled].transpose(1, 2)
+    return _log_weights(log_denominator, multiplicity), last, extremes
 
 
 def _merged(points, log_weights, box):
@@ -295,25 +396,27 @@ def _merged(points, log_weights, box):
     return log_weights + (box.log_measure() - torch.logsumexp(log_weights, dim=1, keepdim=True))
 
 
-def _ray_frame(offsets, scores, covariance, origin, threshold, box):
+def _ray_frame(scaled, q, scores, covariance, origin, threshold, box):
     """Rays (B, 2p, p) from each origin along ±Σe_j/√Σ_jj, where an ellipsoid's extent along axis j
-    lies, and their ends (B, 2p); offsets (B, n, p) are the points less their case's origin.
+    lies, and their ends (B, 2p); scaled (B, p, n) are the points' offsets from the origin,
+    each times the square root of its weight q (B, n), as weighted_moments gives them.
 
     Σ is the density's covariance. A ray ends at PROBE_REACH times the farthest
-    Mahalanobis radius of the widest region's points, or where it leaves the box.
+    Mahalanobis radius of the widest region's points (of positive weight: a point whose
+    weight underflowed has no radius here), or where it leaves the box.
     """
     floor = torch.where(box.lattice, box.step / 2, (box.high - box.low) * 1e-6)
     covariance = covariance + torch.diag(floor * floor)
     directions = covariance / covariance.diagonal(dim1=1, dim2=2).sqrt()[:, :, None]
     rays = torch.cat([directions, -directions], dim=1)
-    # Whitened offsets L⁻¹(θ − origin), Σ = LLᵀ: one small inverse, then a batched product.
+    # Whitened offsets L⁻¹(θ − origin)√q, Σ = LLᵀ: one small inverse, then one batched product.
     identity = torch.eye(covariance.shape[1], dtype=covariance.dtype, device=covariance.device)
     whitening = torch.linalg.solve_triangular(torch.linalg.cholesky(covariance), identity.expand_as(covariance),
                                               upper=False)
-    whitened = torch.bmm(whitening, offsets.transpose(1, 2))
-    squared = whitened.mul_(whitened).sum(dim=1)
-    inside = scores >= threshold[:, None]
-    farthest = torch.where(inside, squared, torch.zeros_like(squared)).amax(dim=1).sqrt()
+    whitened = torch.bmm(whitening, scaled)
+    squared = whitened.mul_(whitened).sum(dim=1)          # each point's radius², times its weight
+    counted = (scores >= threshold[:, None]) & (q > 0)
+    farthest = torch.where(counted, squared / q, 0.0).amax(dim=1).sqrt()
     reach = PROBE_REACH * farthest.clamp(min=1.0)
     safe = torch.where(rays == 0, torch.ones_like(rays), rays)
     exits = torch.where(rays > 0, (box.high - origin[:, None, :]) / safe,
@@ -375,7 +478,7 @@ def _widen(summary, probes, probe_scores, best):
 
     Probes carry no measure: they sharpen where a region ends without changing its mass.
     """
-    lowest, highest = inference.region_bounds(probes.transpose(1, 2).contiguous(), probe_scores, summary["threshold"])
+    lowest, highest = inference.region_bounds(inference.point_columns(probes), probe_scores, summary["threshold"])
     summary["lower"] = torch.minimum(summary["lower"], lowest)
     summary["upper"] = torch.maximum(summary["upper"], highest)
     top, where = probe_scores.max(dim=1)
@@ -383,26 +486,25 @@ def _widen(summary, probes, probe_scores, best):
     summary["mode"] = torch.where(higher, _rows_at(probes, where), summary["mode"])
 
 
-def refinement_checks(points, log_q, moments, proposal, box):
-    """Edge mass and disagreement (B,) of each case's refined density (moments: its mean and
-    covariance) with the last proposal that placed it.
+def refinement_checks(columns, q, moments, proposal, box, extremes=None):
+    """Edge mass and disagreement (B,) of each case's refined density (q (B, n): its normalised
+    weights on the points, held as columns (B, p, n); moments: its mean and covariance) with the
+    last proposal that placed it.
 
     Edge mass: the density's mass outside the last box shrunk by one proposal sd (not on
     sides where the box is the prior's). Disagreement: the larger of the largest mean
     shift over 2 proposal sds and the largest density sd over √2 proposal sds; above 1
     the earlier passes misjudged where the mass is, or importance weights may have
-    infinite variance.
+    infinite variance. `extremes`: the points' (see point_extremes), if known.
     """
-    q = torch.softmax(log_q, dim=1)
     mean, covariance = moments
     inner_low = torch.where(proposal.low > box.low, proposal.low + proposal.sd, box.low)
     inner_high = torch.where(proposal.high < box.high, proposal.high - proposal.sd, box.high)
-    edge = torch.zeros(q.shape, dtype=torch.bool, device=q.device)
-    for j, column in enumerate(points.unbind(dim=2)):     # each coordinate a (B, n) row of the points' columns
-        edge.logical_or_(column < inner_low[:, j:j + 1]).logical_or_(column > inner_high[:, j:j + 1])
+    inside = _inside_boxes(columns, inner_low[:, None], inner_high[:, None], extremes)
+    edge_mass = q.new_zeros(q.shape[0]) if inside is None else torch.where(inside[:, 0], 0.0, q).sum(dim=1)
     shift = ((mean - proposal.mean).abs() / proposal.sd).amax(dim=1)
     spread = (covariance.diagonal(dim1=1, dim2=2).sqrt() / proposal.sd).amax(dim=1)
-    return torch.where(edge, q, torch.zeros_like(q)).sum(dim=1), torch.maximum(shift / 2, spread / math.sqrt(2))
+    return edge_mass, torch.maximum(shift / 2, spread / math.sqrt(2))
 
 
 def _coarse_scores(score_fn, coarse_points, truths, cases):
@@ -418,18 +520,22 @@ def _coarse_scores(score_fn, coarse_points, truths, cases):
     return {t: s[:, :-1] for t, s in first.items()}, {t: s[:, -1] for t, s in first.items()}
 
 
-def _measured_summaries(points, log_weights, scores, truth_scores, levels, box):
-    """Per target: the summary on the measured points, the probe frame and the density's moments."""
-    summaries, frames, moments = {}, {}, {}
+def _measured_summaries(points, log_weights, scores, truth_scores, levels, box, last, extremes):
+    """Per target: the summary on the measured points (their extremes given), with the refinement
+    checks against the target's last proposal, and the probe frame."""
+    columns = inference.point_columns(points)
+    summaries, frames, order = {}, {}, None
     for target, values in scores.items():
-        summary = inference.summarise_block(values, log_weights, points, truth_scores[target], levels)
-        origin, covariance, offsets = _centred_moments(points, values + log_weights)
-        moments[target] = origin, covariance
+        summary, q, order = inference.weighted_summary(values, log_weights, points, truth_scores[target], levels,
+                                                       order)
+        origin, covariance, scaled = weighted_moments(columns, q)
+        summary["edge_mass"], summary["disagreement"] = refinement_checks(columns, q, (origin, covariance),
+                                                                          last[target], box, extremes)
         # Rays start at the mean: far closer to a region's centre than the best point found.
-        rays, ends = _ray_frame(offsets, values, covariance, origin, summary["threshold"].amin(dim=1), box)
+        rays, ends = _ray_frame(scaled, q, values, covariance, origin, summary["threshold"].amin(dim=1), box)
         frames[target] = (origin, rays, ends, summary["threshold"])
         summaries[target] = summary
-    return summaries, frames, moments
+    return summaries, frames
 
 
 def refine_block(score_fn, coarse_points, coarse_log_measure, truths, box, levels, sizes, seed, cases):
@@ -445,29 +551,38 @@ def refine_block(score_fn, coarse_points, coarse_log_measure, truths, box, level
     per target, and the count of points each case evaluated.
     """
     levels = inference._check_levels(levels)
-    device = truths.device
-    box = box.to(device)
+    device, box = truths.device, box.to(truths.device)
     coarse_points, coarse_log_measure = coarse_points.to(device), coarse_log_measure.to(device)
-    scores, truth_scores = _coarse_scores(score_fn, coarse_points, truths, cases)
+    first, truth_scores = _coarse_scores(score_fn, coarse_points, truths, cases)
     multiplicity = coarse_log_measure + math.log(sizes["coarse"]) - box.log_measure()
     # Coarse points merged on a lattice leave their places to the last pass: every case evaluates the same count.
-    passes = sizes["passes"][:-1] + [sizes["passes"][-1] + sizes["coarse"] - coarse_points.shape[0]]
-    seeds = [case_seed(seed, case) for case in cases]
-    points, log_weights, scores, last = _refined_passes(
-        score_fn, coarse_points, multiplicity, scores, box, dict(sizes, passes=passes), seeds)
+    coarse = coarse_points.shape[0]
+    passes = sizes["passes"][:-1] + [sizes["passes"][-1] + sizes["coarse"] - coarse]
+    measured = coarse + sum(passes)
+    # One buffer per quantity holds every point of a case (probes last, then the truth's score).
+    total = measured + len(first) * 2 * truths.shape[1] * (inference.PROBE_RADII + inference.PROBE_REFINE)
+    columns = torch.empty(truths.shape[0], truths.shape[1], total, dtype=torch.float64, device=device)
+    columns[:, :, :coarse] = coarse_points.T
+    scores = {t: torch.empty(truths.shape[0], total + 1, dtype=torch.float64, device=device) for t in first}
+    for target, values in scores.items():
+        values[:, :coarse], values[:, -1] = first[target], truth_scores[target]
+    measured_scores = {t: s[:, :measured] for t, s in scores.items()}
+    log_weights, last, extremes = _refined_passes(score_fn, columns, measured_scores, multiplicity, box,
+                                                  dict(sizes, passes=passes, coarse_points=coarse),
+                                                  [case_seed(seed, case) for case in cases])
+    points = columns[:, :, :measured].transpose(1, 2)
     log_weights = _merged(points, log_weights, box)
-    summaries, frames, moments = _measured_summaries(points, log_weights, scores, truth_scores, levels, box)
+    summaries, frames = _measured_summaries(points, log_weights, measured_scores, truth_scores, levels, box, last,
+                                            extremes)
     probes, probe_scores = _probe(score_fn, frames, box)
+    columns[:, :, measured:] = probes.transpose(1, 2)
     for target, summary in summaries.items():
-        _widen(summary, probes, probe_scores[target], scores[target].amax(dim=1))
-        summary["edge_mass"], summary["disagreement"] = refinement_checks(
-            points, scores[target] + log_weights, moments[target], last[target], box)
-    unmeasured = torch.full(probes.shape[:2], -math.inf, dtype=torch.float64, device=device)
-    return {"points": torch.cat([points, probes], dim=1),
-            "log_measure": torch.cat([log_weights, unmeasured], dim=1),
-            "scores": {t: torch.cat([scores[t], probe_scores[t], truth_scores[t][:, None]], dim=1) for t in scores},
-            "summaries": summaries, "proposals": last,
-            "evaluated": coarse_points.shape[0] + sum(passes) + probes.shape[1]}
+        scores[target][:, measured:total] = probe_scores[target]
+        _widen(summary, probes, probe_scores[target], measured_scores[target].amax(dim=1))
+    log_measure = torch.full((truths.shape[0], total), -math.inf, dtype=torch.float64, device=device)
+    log_measure[:, :measured] = log_weights
+    return {"points": columns.transpose(1, 2), "log_measure": log_measure, "scores": scores,
+            "summaries": summaries, "proposals": last, "evaluated": total}
 
 
 def refine_case(score_fn, coarse_points, coarse_log_measure, truth, box, levels, sizes, seed, case=0):

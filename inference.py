@@ -335,15 +335,23 @@ def cases_per_block(cases, case_bytes, block_bytes):
     return max(1, min(int(cases), int(block_bytes) // max(int(case_bytes), 1)))
 
 
-def _candidates_per_call(m, count, rows_per_call):
-    """Candidates (all m observations each) per network call: the fewest calls that fit, evenly filled.
+def _call_layout(m, cases, n, rows_per_call):
+    """How ensemble_scores cuts `cases` cases of n candidates (m rows each) into network calls of at
+    most rows_per_call rows: (block, span, together).
 
-    The candidates are spread evenly over the fewest calls that hold at most
-    rows_per_call rows, so the last call is not mostly padding.
+    Every call holds `block` candidate slots of one case or of `together` whole cases, so each
+    call's observations are one broadcast copy. A case of at least a call's worth of candidates
+    takes calls of its own, evenly filled (span = their slots, n and a little padding);
+    smaller cases share calls whole, as few calls as fit, evenly filled (span = n, together ≥ 1).
     """
-    largest = max(1, min(int(rows_per_call) // m, count))
-    calls = -(-count // largest)
-    return -(-count // calls)
+    largest = max(1, min(int(rows_per_call) // m, cases * n))
+    if n >= largest:
+        per_case = -(-n // largest)
+        block = -(-n // per_case)
+        return block, per_case * block, 0
+    calls = -(-cases // (largest // n))
+    together = -(-cases // calls)
+    return together * n, n, together
 
 
 class Evaluations:
@@ -352,11 +360,11 @@ class Evaluations:
     def __init__(self):
         self.rows = self.call_rows = self.calls = 0
 
-    def add(self, rows, call_rows):
-        """Count one call of call_rows rows, `rows` of them real."""
+    def add(self, rows, call_rows, calls=1):
+        """Count `calls` calls of call_rows rows in all, `rows` of them real."""
         self.rows += rows
         self.call_rows += call_rows
-        self.calls += 1
+        self.calls += calls
 
 
 def accepts_column_rows(logit_fn, width, device):
@@ -375,75 +383,77 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None,
     """S(θ) = Σ_k logit(x_k, θ) of every case's candidates: observations (B, m, d), points (B, n, p)
     -> (B, n) float64 on the observations' device. A single case's (m, d) and (n, p) give (n,).
 
-    Each network call holds whole candidates (all m observations), of one or more cases,
-    observation by observation ([x_1, θ] for every candidate of the call, then [x_2, θ], ...),
-    in a (d + p, rows) buffer padded to a multiple of ROW_PAD and built a few calls at a time
-    (see CALL_GROUP_BYTES). logit_fn sees a call's rows as the buffer's transpose, (rows, d + p)
-    column by column (a contiguous copy with column_rows=False, see accepts_column_rows), and
-    must return new logits each call: they are summed after the group. Every row is computed
-    on its own, so a case's scores do not depend on the other cases of its block, and on the
-    CPU they are bitwise the same for every rows_per_call from EVAL_BLOCK_ROWS up. `counted`
-    (an Evaluations) counts the calls.
+    Each network call holds whole candidates (all m observations) of one case, or of several
+    whole cases (see _call_layout), observation by observation ([x_1, θ] for every candidate
+    of the call, then [x_2, θ], ...), in a (d + p, rows) buffer padded to a multiple of ROW_PAD
+    and built a few calls at a time (see CALL_GROUP_BYTES). logit_fn sees a call's rows as the
+    buffer's transpose, (rows, d + p) column by column (a contiguous copy with
+    column_rows=False, see accepts_column_rows), and must return new logits each call: they
+    are summed after the group. Every row is computed on its own, so a case's scores do not
+    depend on the other cases of its block, and on the CPU they are bitwise the same for every
+    rows_per_call from EVAL_BLOCK_ROWS up. `counted` (an Evaluations) counts the calls.
     """
     if observations.dim() == 2:
         return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted, column_rows)[0]
     beside = observations.to(torch.float32).permute(0, 2, 1)[..., None]    # each case's (d, m, 1), a copy source
     (cases, d, m, _), (_, n, p) = beside.shape, points.shape
-    count = cases * n
-    block = _candidates_per_call(m, count, rows_per_call)
+    block, span, together = _call_layout(m, cases, n, rows_per_call)
+    count = cases * span                        # candidate slots: each case's n and its padding
     calls, width = -(-count // block), -(-block * m // ROW_PAD) * ROW_PAD
     group = max(1, min(calls, CALL_GROUP_BYTES // (4 * (d + p) * width)))
     stride = -(-calls // group)                 # slot j of the g-th group holds call j·stride + g
     theta = torch.zeros(p, group * stride * block, dtype=torch.float32, device=beside.device)
-    theta[:, :count].view(p, cases, n).copy_(points.permute(2, 0, 1))     # each coordinate one contiguous row
+    theta[:, :count].view(p, cases, span)[:, :, :n].copy_(points.permute(2, 0, 1))   # each coordinate a row
     theta = theta.view(p, group, stride, block)
     buffer = torch.zeros(d + p, group, width, dtype=torch.float32, device=beside.device)
     observed = buffer[:d, :, :block * m].view(d, group, m, block)
     thetas = buffer[d:, :, :block * m].view(p, group, m, block)
     slots = buffer.view(d + p, group * width).T.split(width)
     scores = torch.empty(group, stride, block, dtype=torch.float64, device=beside.device)
-    held = [None] * group                       # the case whose observations fill a slot, if one does
+    held = [None] * group                       # the first case whose observations fill a slot
     with torch.no_grad():
         for g in range(stride):
             k = min(group, -(-(calls - g) // stride))     # the slots with a call in this group
-            begins = [(j * stride + g) * block for j in range(k)]
-            _refresh_observations(observed, held, beside, n, begins, count)
+            starts = [(j * stride + g) * block for j in range(k)]
+            _refresh_observations(observed, held, beside, [start // span for start in starts], together)
             thetas[:, :k] = theta[:, :k, g, None, :]
             logits = torch.stack([logit_fn(slots[j] if column_rows else slots[j].contiguous()) for j in range(k)])
             logits = logits.reshape(k, width)[:, :block * m].view(k, m, block)
-            torch.sum(logits, dim=1, dtype=torch.float64, out=scores[:k, g])
+            torch.sum(logits.double(), dim=1, out=scores[:k, g])
             if counted is not None:
-                for begin in begins:
-                    counted.add(min(block, count - begin) * m, width)
-    return scores.view(-1)[:count].reshape(cases, n)
+                real = sum(_real_candidates(start, block, span, n, cases, together) for start in starts)
+                counted.add(real * m, k * width, k)
+    return scores.view(-1)[:count].view(cases, span)[:, :n]
 
 
-def _refresh_observations(observed, held, beside, n, begins, count):
-    """Give each slot j of observed (d, slots, m, block) the observations beside the candidates of
-    the call starting at begins[j] (beside: as _fill_observations), unless it holds them already;
-    held[j], the one case whose observations a slot holds (None: several), is kept up to date."""
-    block = observed.shape[3]
-    for j, begin in enumerate(begins):
-        end = min(begin + block, count)
-        first, last = begin // n, (end - 1) // n
-        if not first == last == held[j]:
-            _fill_observations(observed[:, j], beside, n, begin, end, beside.device.type == "cuda")
-            held[j] = first if first == last else None
+def _refresh_observations(observed, held, beside, firsts, together):
+    """Give slot j of observed (d, slots, m, block) the observations of its call, whose first case
+    is firsts[j] (see _fill_observations), unless it holds them already; held[j], the first
+    case of the call whose observations slot j holds, is kept up to date."""
+    for j, first in enumerate(firsts):
+        if held[j] != first:
+            _fill_observations(observed[:, j], beside, first, together)
+            held[j] = first
 
 
-def _fill_observations(observed, beside, n, begin, end, gather=False):
-    """Put each case's observations beside its candidates among a call's begin..end − 1 (n per
-    case), in observed (d, m, candidates per call); beside (B, d, m, 1) is the observations
-    x (B, m, d) as x.permute(0, 2, 1)[..., None]. `gather`: with one indexed read (on CUDA, where
-    every copy is a launch); otherwise one copy per case (on the CPU, several times faster than
-    reading through an index)."""
-    if gather:
-        owner = torch.arange(begin, begin + observed.shape[2], device=beside.device) // n
-        owner.clamp_(max=beside.shape[0] - 1)    # padding past the last case takes that case's
-        observed.copy_(beside[owner, :, :, 0].permute(1, 2, 0))
+def _fill_observations(observed, beside, first, together):
+    """Put the observations of a call's cases beside its candidates, in observed (d, m, block):
+    case `first`'s alone (together = 0), or `together` whole cases from `first` on (fewer at the
+    end), each beside its own n = block / together candidates. beside (B, d, m, 1) is the
+    observations x (B, m, d) as x.permute(0, 2, 1)[..., None]. One broadcast copy either way."""
+    if not together:
+        observed.copy_(beside[first])
         return
-    for case in range(begin // n, (end - 1) // n + 1):
-        observed[:, :, max(case * n, begin) - begin:min((case + 1) * n, end) - begin].copy_(beside[case])
+    d, m, block = observed.shape
+    cases = beside[first:first + together]
+    observed.view(d, m, together, block // together)[:, :, :cases.shape[0]].copy_(cases.permute(1, 2, 0, 3))
+
+
+def _real_candidates(start, block, span, n, cases, together):
+    """Candidates of the call starting at slot `start` that are not padding."""
+    if together:
+        return min(together, cases - start // span) * n
+    return max(0, min(block, n - start % span))
 
 
 def exact_scores(log_likelihood, observations, points, chunk_rows=EVAL_BLOCK_ROWS):
@@ -488,9 +498,10 @@ def _check_scores(scores, truth_scores):
                          "check the network output or the likelihood for that case")
 
 
-def _mass_above(sorted_scores, cumulative, values, side):
-    """Per case, the normalised mass of the candidates denser than its value ("left") or as dense ("right")."""
-    count = torch.searchsorted(-sorted_scores, -values[:, None], side=side)
+def _mass_above(ascending, cumulative, values, side):
+    """Per case, the normalised mass of the candidates denser than its value ("left") or as dense
+    ("right"); ascending (B, K) holds the candidates' scores, negated, from the densest down."""
+    count = torch.searchsorted(ascending, -values[:, None], side=side)
     mass = torch.gather(cumulative, 1, (count - 1).clamp(min=0))[:, 0]
     return torch.where(count[:, 0] > 0, mass, torch.zeros_like(mass))
 
@@ -516,13 +527,30 @@ def region_bounds(columns, scores, threshold):
     return tuple(bounds)
 
 
-def _density_order(scores):
-    """Each case's candidates from the densest down, (B, K).
+def point_columns(points):
+    """Each case's points (B, n, p) as columns (B, p, n), each coordinate a contiguous row: the
+    transpose itself when its rows are contiguous already (points held as columns), else a copy."""
+    columns = points.transpose(1, 2)
+    return columns if columns.stride(2) == 1 else columns.contiguous()
+
+
+def _density_order(scores, order=None):
+    """Each case's candidates from the densest down, (B, K): `order`, another target's, where it
+    orders this case's scores too (a score shifted by a constant log prior keeps its order),
+    else a sort.
 
     On the CPU numpy's vectorised quicksort is about three times torch's stable sort;
     the order it gives ties (its own, deterministic) changes no summary but for the
     rounding of sums over them. Elsewhere torch sorts on the device.
     """
+    if order is not None:
+        ranked = torch.gather(scores, 1, order)
+        unsorted = (ranked[:, 1:] > ranked[:, :-1]).any(dim=1) | torch.isnan(ranked).any(dim=1)
+        if not bool(unsorted.any()):
+            return order
+        order = order.clone()
+        order[unsorted] = _density_order(scores[unsorted])
+        return order
     if scores.device.type == "cpu":
         return torch.from_numpy(np.argsort(-scores.numpy(), axis=1))
     return torch.argsort(scores, dim=1, descending=True, stable=True)
@@ -534,15 +562,22 @@ def summarise_block(scores, log_measure, points, truth_scores, levels):
     scores (B, K); log_measure (K,) and points (K, p) shared by the cases, or each
     case's own, (B, K) and (B, K, p).
     """
+    return weighted_summary(scores, log_measure, points, truth_scores, levels)[0]
+
+
+def weighted_summary(scores, log_measure, points, truth_scores, levels, order=None):
+    """summarise_block's summaries, the normalised weights q (B, K) of the candidates and their
+    density order (B, K); `order` (another target's on the same points) is used where it orders
+    these scores too."""
     n, count = scores.shape
     # Each coordinate as a contiguous row (B, p, K), the layout the bounds' reductions run along.
-    columns = points.T.contiguous().expand(n, -1, -1) if points.dim() == 2 else points.transpose(1, 2).contiguous()
+    columns = points.T.contiguous().expand(n, -1, -1) if points.dim() == 2 else point_columns(points)
     points = columns.transpose(1, 2)
     log_mass = scores + log_measure
     log_normalizer = torch.logsumexp(log_mass, dim=1)
-    q = torch.exp(log_mass - log_normalizer[:, None])
+    q = log_mass.sub_(log_normalizer[:, None]).exp_()
     ess = 1.0 / (q * q).sum(dim=1)
-    order = _density_order(scores)
+    order = _density_order(scores, order)
     sorted_scores = torch.gather(scores, 1, order)
     sorted_q = torch.gather(q, 1, order)
     running = torch.cumsum(sorted_q, dim=1)
@@ -551,20 +586,21 @@ def summarise_block(scores, log_measure, points, truth_scores, levels):
     reach = torch.searchsorted(cumulative, level_t.expand(n, -1).contiguous(), side="left")
     threshold = torch.gather(sorted_scores, 1, reach.clamp(max=count - 1))
     # Every tie at the cutoff joins: the region is the prefix of scores >= threshold.
-    size = torch.searchsorted(-sorted_scores, -threshold, side="right")
+    ascending = sorted_scores.neg()                 # for searchsorted, which looks up ascending rows
+    size = torch.searchsorted(ascending, -threshold, side="right")
     last = size - 1
     mass = torch.gather(cumulative, 1, last)
     # Kish ESS of the points inside the widest region: how well that region is resolved.
     widest = last[:, int(np.argmax(levels))][:, None]
     region_ess = (torch.gather(running, 1, widest) ** 2
-                  / torch.gather(torch.cumsum(sorted_q * sorted_q, dim=1), 1, widest))[:, 0]
+                  / torch.gather(torch.cumsum(sorted_q.mul_(sorted_q), dim=1), 1, widest))[:, 0]
     # The truth's credibility: the mass of the candidates denser than the truth. The truth is
     # in the region of level α exactly when its credibility is below α (as `covered` says).
     # With its ties (such as its own lattice point) the mass reaches credibility_upper.
-    credibility = _mass_above(sorted_scores, cumulative, truth_scores, "left")
-    credibility_upper = _mass_above(sorted_scores, cumulative, truth_scores, "right")
+    credibility = _mass_above(ascending, cumulative, truth_scores, "left")
+    credibility_upper = _mass_above(ascending, cumulative, truth_scores, "right")
     lower, upper = region_bounds(columns, scores, threshold)
-    return {
+    summary = {
         "lower": lower, "upper": upper, "mass": mass, "threshold": threshold,
         "covered": truth_scores[:, None] >= threshold,
         "mode": points[torch.arange(n, device=scores.device), scores.argmax(dim=1)],   # the first among ties
@@ -572,6 +608,7 @@ def summarise_block(scores, log_measure, points, truth_scores, levels):
         "log_normalizer": log_normalizer, "region_ess": region_ess,
         "credibility": credibility, "credibility_upper": credibility_upper,
     }
+    return summary, q, order
 
 
 def host_summary(summary):

@@ -712,9 +712,11 @@ class NREAnalysis(Analysis):
     def __init__(self, settings, experiment):
         self.settings = settings
         self.experiment = experiment
-        # The problem's code (its simulator and likelihood) shapes the truths' observations
-        # and the exact target, so its sources enter every product's key.
-        self.SOURCES = (inference, priors, runtime.derived_seed) + tuple(getattr(experiment, "SCIENCE_SOURCES", ()))
+        # The inference code (its designs, refinement and summaries) and the problem's (its
+        # simulator and likelihood: the truths' observations, the exact target) shape the
+        # products, so their sources enter every product's key.
+        self.SOURCES = ((inference, adaptive, priors, runtime.derived_seed)
+                        + tuple(getattr(experiment, "SCIENCE_SOURCES", ())))
 
     def validate(self):
         """Check the inference settings and that every selected metric can be computed."""

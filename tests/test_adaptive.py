@@ -236,3 +236,33 @@ def test_refined_boxes_always_contain_the_coarse_mode(p, lattice, centre, log_sd
     assert bool(((points >= box.low) & (points <= box.high)).all())
     assert float(torch.logsumexp(log_measure, 0)) == pytest.approx(box.log_measure(), abs=1e-9)
     assert result["evaluated"] == 768
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases=st.integers(1, 4), components=st.integers(1, 3), p=st.integers(1, 3), n=st.integers(1, 30),
+       spread=st.floats(0.0, 3.0), seed=st.integers(0, 10 ** 6))
+def test_points_in_boxes_compare_only_the_sides_a_point_may_cross(cases, components, p, n, spread, seed):
+    generator = torch.Generator().manual_seed(seed)
+    columns = torch.rand(cases, p, n, generator=generator, dtype=torch.float64) * 10
+    centre = torch.rand(cases, components, p, generator=generator, dtype=torch.float64) * 10
+    low, high = centre - spread * 4, centre + spread * 4           # from boxes that hold nothing to all of it
+    low[..., 0] = torch.minimum(low[..., 0], columns[:, None, 0].amin(dim=2))     # one side never crossed
+    brute = ((columns[:, None] >= low[..., None]) & (columns[:, None] <= high[..., None])).all(dim=2)
+    inside = adaptive._inside_boxes(columns, low, high)
+    if inside is None:
+        assert bool(brute.all())
+    else:
+        assert torch.equal(inside, brute)
+    nan = columns.clone()
+    nan[0, 0, 0] = math.nan                                          # a NaN point lies in no box
+    assert not bool(adaptive._inside_boxes(nan, low.clamp(max=0), high.clamp(min=10))[0, :, 0].any())
+
+
+@pytest.mark.parametrize("p", [1, 6, 13])
+def test_every_case_s_draws_are_its_own_sobol_engine_s(p):
+    seeds = [adaptive.case_seed(4, case) for case in range(5)]
+    for count in (1, 2, 3, 1023, 1025, 8448):
+        drawn = adaptive._case_draws(seeds, count, p, torch.device("cpu"))
+        engines = torch.stack([torch.quasirandom.SobolEngine(p, scramble=True, seed=seed).draw(count, dtype=torch.float64)
+                               for seed in seeds])
+        assert torch.equal(drawn, engines)

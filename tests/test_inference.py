@@ -279,15 +279,16 @@ def test_ensemble_scores_do_not_depend_on_chunk_rows():
 def test_ensemble_scores_do_not_depend_on_how_many_calls_are_built_together(monkeypatch):
     """Calls built one at a time, three at a time or all at once, cases together or alone, rows
     column by column or contiguous: bitwise the same scores."""
-    d, p, m, cases, n = 2, 3, 15, 4, 1200     # 4 · 1200 · 15 rows: 9 calls of EVAL_BLOCK_ROWS
+    # 4 cases of 1200 candidates, 15 observations: each case takes three calls of 400 candidates
+    # (6,000 rows, padded to 6,016), none shared with another case.
+    d, p, m, cases, n = 2, 3, 15, 4, 1200
     net = small_network(d, p)
     gen = torch.Generator().manual_seed(5)
     obs = torch.randn(cases, m, d, generator=gen)
     points = torch.rand(cases, n, p, generator=gen, dtype=torch.float64) * 10
     counted = inf.Evaluations()
     reference = inf.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs, points, inf.EVAL_BLOCK_ROWS, counted)
-    assert counted.calls == 9 and counted.rows == cases * n * m
-    assert counted.call_rows % (9 * inf.ROW_PAD) == 0 and counted.call_rows <= 9 * inf.EVAL_BLOCK_ROWS
+    assert counted.calls == 12 and counted.rows == cases * n * m and counted.call_rows == 12 * 6016
     with torch.no_grad():
         rows = torch.cat([obs[:, None].expand(-1, n, -1, -1), points.float()[:, :, None].expand(-1, -1, m, -1)], 3)
         direct = net(rows.reshape(-1, d + p)).reshape(cases, n, m).double().sum(2)
@@ -305,20 +306,27 @@ def test_ensemble_scores_do_not_depend_on_how_many_calls_are_built_together(monk
             assert torch.equal(alone, reference[case])
 
 
-@hsettings(max_examples=60, deadline=None)
-@given(cases=st.integers(1, 7), n=st.integers(1, 40), block=st.integers(1, 50), data=st.data())
-def test_observations_are_put_beside_their_candidates_by_copies_or_by_one_gather(cases, n, block, data):
+@hsettings(max_examples=80, deadline=None)
+@given(cases=st.integers(1, 7), n=st.integers(1, 40), rows_per_call=st.integers(1, 400))
+def test_each_call_holds_one_case_or_whole_cases_with_their_observations_beside(cases, n, rows_per_call):
     d, m = 2, 3
     x = torch.randn(cases, m, d, generator=torch.Generator().manual_seed(cases * n))
-    count = cases * n
-    begin = data.draw(st.integers(0, count - 1)) // block * block      # calls start at a multiple of block
-    end = min(begin + block, count)
-    copied, gathered = torch.full((d, m, block), math.nan), torch.full((d, m, block), math.nan)
     beside = x.permute(0, 2, 1)[..., None]
-    inf._fill_observations(copied, beside, n, begin, end)
-    inf._fill_observations(gathered, beside, n, begin, end, gather=True)
-    expected = x[torch.arange(begin, end) // n].permute(2, 1, 0)       # each candidate's case's, (d, m, candidates)
-    assert torch.equal(copied[:, :, :end - begin], expected) and torch.equal(gathered[:, :, :end - begin], expected)
+    block, span, together = inf._call_layout(m, cases, n, rows_per_call)
+    assert block * m <= max(rows_per_call, m) and span >= n
+    found = torch.zeros(cases, n, dtype=torch.long)          # how often each candidate sits in a call
+    for start in range(0, cases * span, block):
+        observed = torch.full((d, m, block), math.nan)
+        inf._fill_observations(observed, beside, start // span, together)
+        slots = torch.arange(start, start + block)
+        case, position = slots // span, slots % span
+        real = (case < cases) & (position < n)
+        assert int(real.sum()) == inf._real_candidates(start, block, span, n, cases, together)
+        assert len(set(case[real].tolist())) <= max(together, 1)     # one case, or whole cases together
+        expected = x[case[real]].permute(2, 1, 0)                   # each candidate's case's, (d, m, candidates)
+        assert torch.equal(observed[:, :, real], expected)
+        found[case[real], position[real]] += 1
+    assert bool((found == 1).all())
 
 
 def test_a_network_that_needs_contiguous_rows_is_given_them():

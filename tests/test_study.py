@@ -1,5 +1,7 @@
 """The experiment/analysis contract: plan-time graph checks, class loading, source fingerprints."""
 import importlib
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -7,6 +9,7 @@ import pytest
 import study
 from study import Metric, Product
 from settings import SettingsError
+from conftest import REPO
 
 
 def build(ctx, writer):
@@ -84,3 +87,22 @@ def test_fingerprint_follows_helpers_but_not_unrelated_code(tmp_path, monkeypatc
     base = fingerprint_of(tmp_path, monkeypatch, 1, 1)
     assert fingerprint_of(tmp_path, monkeypatch, 1, 2) == base        # an unrelated function changed
     assert fingerprint_of(tmp_path, monkeypatch, 2, 1) != base        # a helper the builder calls changed
+
+
+def learned_product_digest(framework):
+    """The source part of the learned product's key, in a fresh interpreter importing the framework from
+    the folder `framework`."""
+    code = (f"import sys; sys.path.insert(0, {str(framework)!r}); import nre_analysis, study; "
+            "analysis = nre_analysis.NREAnalysis({}, object()); "
+            "print(study.source_fingerprint(nre_analysis.build_learned, *analysis.SOURCES))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    return result.stdout.strip()
+
+
+def test_editing_the_adaptive_refinement_changes_the_analysis_products_keys(tmp_path):
+    for path in REPO.glob("*.py"):
+        shutil.copy(path, tmp_path)
+    before = learned_product_digest(tmp_path)
+    refinement = tmp_path / "adaptive.py"
+    refinement.write_text(refinement.read_text().replace("REACH = 4.0", "REACH = 4.5"))
+    assert learned_product_digest(tmp_path) != before
