@@ -524,10 +524,11 @@ def _measured_summaries(points, log_weights, scores, truth_scores, levels, box, 
     """Per target: the summary on the measured points (their extremes given), with the refinement
     checks against the target's last proposal, and the probe frame."""
     columns = inference.point_columns(points)
-    summaries, frames, order = {}, {}, None
+    summaries, frames, other = {}, {}, None
     for target, values in scores.items():
-        summary, q, order = inference.weighted_summary(values, log_weights, points, truth_scores[target], levels,
-                                                       order)
+        summary, q, ranking = inference.weighted_summary(values, log_weights, points, truth_scores[target], levels,
+                                                         other)
+        other = other or (summary, ranking)
         origin, covariance, scaled = weighted_moments(columns, q)
         summary["edge_mass"], summary["disagreement"] = refinement_checks(columns, q, (origin, covariance),
                                                                           last[target], box, extremes)

@@ -388,10 +388,10 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None,
     of the call, then [x_2, θ], ...), in a (d + p, rows) buffer padded to a multiple of ROW_PAD
     and built a few calls at a time (see CALL_GROUP_BYTES). logit_fn sees a call's rows as the
     buffer's transpose, (rows, d + p) column by column (a contiguous copy with
-    column_rows=False, see accepts_column_rows), and must return new logits each call: they
-    are summed after the group. Every row is computed on its own, so a case's scores do not
-    depend on the other cases of its block, and on the CPU they are bitwise the same for every
-    rows_per_call from EVAL_BLOCK_ROWS up. `counted` (an Evaluations) counts the calls.
+    column_rows=False, see accepts_column_rows), and must return one new logit per row each
+    call: they are summed after the group. Every row is computed on its own, so a case's scores
+    do not depend on the other cases of its block, and on the CPU they are bitwise the same for
+    every rows_per_call from EVAL_BLOCK_ROWS up. `counted` (an Evaluations) counts the calls.
     """
     if observations.dim() == 2:
         return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted, column_rows)[0]
@@ -404,35 +404,45 @@ def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None,
     stride = -(-calls // group)                 # slot j of the g-th group holds call j·stride + g
     theta = torch.zeros(p, group * stride * block, dtype=torch.float32, device=beside.device)
     theta[:, :count].view(p, cases, span)[:, :, :n].copy_(points.permute(2, 0, 1))   # each coordinate a row
-    theta = theta.view(p, group, stride, block)
     buffer = torch.zeros(d + p, group, width, dtype=torch.float32, device=beside.device)
-    observed = buffer[:d, :, :block * m].view(d, group, m, block)
-    thetas = buffer[d:, :, :block * m].view(p, group, m, block)
     slots = buffer.view(d + p, group * width).T.split(width)
-    scores = torch.empty(group, stride, block, dtype=torch.float64, device=beside.device)
+    scores = torch.empty(stride, group, block, dtype=torch.float64, device=beside.device)
+    # Every view the loop uses is taken here: between network calls each operation is slow (see
+    # CALL_GROUP_BYTES), so a group of calls takes one copy of its θ, one stack and one sum.
+    thetas = buffer[d:, :, :block * m].view(p, group, m, block)
+    sources = theta.view(p, group, stride, 1, block).unbind(2)              # each group's θ, (p, group, 1, block)
+    observed = buffer[:d, :, :block * m].view(d, group, m, block).unbind(1)  # each slot's observations
     held = [None] * group                       # the first case whose observations fill a slot
     with torch.no_grad():
-        for g in range(stride):
+        for g, (source, summed) in enumerate(zip(sources, scores)):
             k = min(group, -(-(calls - g) // stride))     # the slots with a call in this group
-            starts = [(j * stride + g) * block for j in range(k)]
-            _refresh_observations(observed, held, beside, [start // span for start in starts], together)
-            thetas[:, :k] = theta[:, :k, g, None, :]
-            logits = torch.stack([logit_fn(slots[j] if column_rows else slots[j].contiguous()) for j in range(k)])
-            logits = logits.reshape(k, width)[:, :block * m].view(k, m, block)
-            torch.sum(logits.double(), dim=1, out=scores[:k, g])
-            if counted is not None:
-                real = sum(_real_candidates(start, block, span, n, cases, together) for start in starts)
-                counted.add(real * m, k * width, k)
-    return scores.view(-1)[:count].view(cases, span)[:, :n]
+            _refresh_observations(observed, held, beside, [(j * stride + g) * block // span for j in range(k)],
+                                  together)
+            thetas.copy_(source)                          # slots past k compute nothing that is kept
+            _sum_logits(torch.stack([logit_fn(slots[j] if column_rows else slots[j].contiguous()) for j in range(k)]),
+                        width, m, summed[:k])
+    if counted is not None:
+        counted.add(cases * n * m, calls * width, calls)
+    return scores.transpose(0, 1).reshape(-1)[:count].view(cases, span)[:, :n]
+
+
+def _sum_logits(logits, width, m, out):
+    """Sum each call's logits (a group's, stacked) over its candidates' m observations, in float64, into
+    out (calls, candidates); a network that gives other than one logit per row is refused."""
+    calls, block = out.shape
+    if logits.numel() != calls * width:
+        raise ValueError(f"the network gave logits of shape {tuple(logits.shape[1:])} for {width} rows; it must "
+                         "give one logit per row")
+    torch.sum(logits.as_strided((calls, m, block), (width, block, 1)).double(), dim=1, out=out)
 
 
 def _refresh_observations(observed, held, beside, firsts, together):
-    """Give slot j of observed (d, slots, m, block) the observations of its call, whose first case
-    is firsts[j] (see _fill_observations), unless it holds them already; held[j], the first
-    case of the call whose observations slot j holds, is kept up to date."""
+    """Give slot j (observed[j], (d, m, block)) the observations of its call, whose first case is
+    firsts[j] (see _fill_observations), unless it holds them already; held[j], the first case
+    of the call whose observations slot j holds, is kept up to date."""
     for j, first in enumerate(firsts):
         if held[j] != first:
-            _fill_observations(observed[:, j], beside, first, together)
+            _fill_observations(observed[j], beside, first, together)
             held[j] = first
 
 
@@ -447,13 +457,6 @@ def _fill_observations(observed, beside, first, together):
     d, m, block = observed.shape
     cases = beside[first:first + together]
     observed.view(d, m, together, block // together)[:, :, :cases.shape[0]].copy_(cases.permute(1, 2, 0, 3))
-
-
-def _real_candidates(start, block, span, n, cases, together):
-    """Candidates of the call starting at slot `start` that are not padding."""
-    if together:
-        return min(together, cases - start // span) * n
-    return max(0, min(block, n - start % span))
 
 
 def exact_scores(log_likelihood, observations, points, chunk_rows=EVAL_BLOCK_ROWS):
@@ -565,10 +568,11 @@ def summarise_block(scores, log_measure, points, truth_scores, levels):
     return weighted_summary(scores, log_measure, points, truth_scores, levels)[0]
 
 
-def weighted_summary(scores, log_measure, points, truth_scores, levels, order=None):
+def weighted_summary(scores, log_measure, points, truth_scores, levels, other=None):
     """summarise_block's summaries, the normalised weights q (B, K) of the candidates and their
-    density order (B, K); `order` (another target's on the same points) is used where it orders
-    these scores too."""
+    ranking: density order (B, K) and the levels' region sizes (B, L). `other`, another target's
+    summary and ranking on the same points: its order is used where it orders these scores
+    too, and its bounds where every region holds the same points."""
     n, count = scores.shape
     # Each coordinate as a contiguous row (B, p, K), the layout the bounds' reductions run along.
     columns = points.T.contiguous().expand(n, -1, -1) if points.dim() == 2 else point_columns(points)
@@ -577,7 +581,7 @@ def weighted_summary(scores, log_measure, points, truth_scores, levels, order=No
     log_normalizer = torch.logsumexp(log_mass, dim=1)
     q = log_mass.sub_(log_normalizer[:, None]).exp_()
     ess = 1.0 / (q * q).sum(dim=1)
-    order = _density_order(scores, order)
+    order = _density_order(scores, None if other is None else other[1][0])
     sorted_scores = torch.gather(scores, 1, order)
     sorted_q = torch.gather(q, 1, order)
     running = torch.cumsum(sorted_q, dim=1)
@@ -599,7 +603,7 @@ def weighted_summary(scores, log_measure, points, truth_scores, levels, order=No
     # With its ties (such as its own lattice point) the mass reaches credibility_upper.
     credibility = _mass_above(ascending, cumulative, truth_scores, "left")
     credibility_upper = _mass_above(ascending, cumulative, truth_scores, "right")
-    lower, upper = region_bounds(columns, scores, threshold)
+    lower, upper = _bounds(columns, scores, threshold, (order, size), other)
     summary = {
         "lower": lower, "upper": upper, "mass": mass, "threshold": threshold,
         "covered": truth_scores[:, None] >= threshold,
@@ -608,7 +612,15 @@ def weighted_summary(scores, log_measure, points, truth_scores, levels, order=No
         "log_normalizer": log_normalizer, "region_ess": region_ess,
         "credibility": credibility, "credibility_upper": credibility_upper,
     }
-    return summary, q, order
+    return summary, q, (order, size)
+
+
+def _bounds(columns, scores, threshold, ranking, other):
+    """region_bounds, or those of another target (its summary and ranking) where every region is the
+    same prefix of one density order: the same points."""
+    if other is not None and ranking[0] is other[1][0] and torch.equal(ranking[1], other[1][1]):
+        return other[0]["lower"], other[0]["upper"]
+    return region_bounds(columns, scores, threshold)
 
 
 def host_summary(summary):

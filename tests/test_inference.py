@@ -321,12 +321,22 @@ def test_each_call_holds_one_case_or_whole_cases_with_their_observations_beside(
         slots = torch.arange(start, start + block)
         case, position = slots // span, slots % span
         real = (case < cases) & (position < n)
-        assert int(real.sum()) == inf._real_candidates(start, block, span, n, cases, together)
         assert len(set(case[real].tolist())) <= max(together, 1)     # one case, or whole cases together
         expected = x[case[real]].permute(2, 1, 0)                   # each candidate's case's, (d, m, candidates)
         assert torch.equal(observed[:, :, real], expected)
         found[case[real], position[real]] += 1
     assert bool((found == 1).all())
+
+
+def test_a_network_giving_more_than_one_logit_per_row_is_refused():
+    net = small_network(2, 2)
+    gen = torch.Generator().manual_seed(8)
+    obs, points = torch.randn(15, 2, generator=gen), torch.rand(40, 2, generator=gen, dtype=torch.float64)
+    with pytest.raises(ValueError, match="one logit per row"):
+        inf.ensemble_scores(lambda rows: net(rows).expand(-1, 2), obs, points, inf.EVAL_BLOCK_ROWS)
+    column = inf.ensemble_scores(lambda rows: net(rows), obs, points, inf.EVAL_BLOCK_ROWS)     # (rows, 1) is one
+    assert torch.equal(column, inf.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs, points,
+                                                   inf.EVAL_BLOCK_ROWS))
 
 
 def test_a_network_that_needs_contiguous_rows_is_given_them():
@@ -650,3 +660,21 @@ def test_coverage_metrics_report_the_randomised_lattice_coverage():
     assert entry["lattice"] == pytest.approx((0.7 - 0.5) / 0.4 / 2) and entry["joint"] == 0.5
     assert entry["lattice_interval"] == pytest.approx(inf.wilson_interval(0.5, 2))
     json.dumps(entry)
+
+
+def test_a_second_target_on_the_same_points_gives_what_it_gives_alone():
+    # A constant log prior keeps the first target's order and regions (both are reused); a slope
+    # reorders the points, and the summary is made afresh.
+    generator = torch.Generator().manual_seed(3)
+    points = torch.rand(4, 300, 2, generator=generator, dtype=torch.float64)
+    scores = -40 * ((points - 0.5) ** 2).sum(dim=2)
+    log_measure = torch.zeros(4, 300, dtype=torch.float64)
+    first, _, ranking = inf.weighted_summary(scores, log_measure, points, scores[:, 0], LEVELS)
+    for second, kept in ((scores + 3.0, True), (scores + 5 * points[..., 0], False)):
+        alone = inf.weighted_summary(second, log_measure, points, second[:, 0], LEVELS)[0]
+        beside, _, (order, _) = inf.weighted_summary(second, log_measure, points, second[:, 0], LEVELS,
+                                                     (first, ranking))
+        assert (order is ranking[0]) == kept
+        assert alone.keys() == beside.keys()
+        for key, value in alone.items():
+            assert torch.equal(value, beside[key]), key
