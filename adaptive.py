@@ -271,9 +271,9 @@ def _case_draws(seeds, count, p, device):
 
     A stream's scramble, as the engine makes it: a random shift and random lower-triangular
     bit matrices L_d (unit diagonal) from a generator seeded with its seed; bit 29 − q of
-    direction j of dimension d is the parity of row q of L_d and of the plain direction. Its
-    point i is shift ^ (the directions of the bits set in gray(i)) over 2^30, the first one
-    rounded as the engine rounds it (in the default dtype).
+    direction j of dimension d is the parity of the bits that row q of L_d shares with the
+    plain direction. Its point i is shift ^ (the directions of the bits set in gray(i)) over
+    2^30, the first one rounded as the engine rounds it (in the default dtype).
     """
     base = torch.quasirandom.SobolEngine(p).sobolstate                  # (p, 30), unscrambled
     shift_bits, rows = [], []
