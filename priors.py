@@ -168,33 +168,28 @@ class Prior:
         theta = torch.as_tensor(theta, dtype=torch.float64)
         if theta.shape[-1:] != (len(self._coordinates),):
             raise ValueError(f"theta has shape {tuple(theta.shape)}; expected (..., {len(self._coordinates)})")
-        if all(c.family == "uniform" for c in self._coordinates):
-            return self._uniform_log_prob(theta)
+        if self._inside_uniform_box(theta):
+            # One constant: the coordinates' −log widths summed in order, as the sum below does.
+            log_density = 0.0
+            for c in self._coordinates:
+                log_density += -math.log(c.width)
+            return torch.full(theta.shape[:-1], log_density, dtype=torch.float64, device=theta.device)
         total = self._coordinates[0].log_prob(theta[..., 0])
         for j, coordinate in enumerate(self._coordinates[1:], start=1):
             total += coordinate.log_prob(theta[..., j])      # each coordinate's result is a fresh tensor
         return total
 
-    def _uniform_log_prob(self, theta):
-        """log_prob of a prior uniform on every coordinate: one constant on the box (the
-        coordinates' −log widths summed in order, as the general sum does), −inf off it."""
-        log_density = 0.0
-        for c in self._coordinates:
-            log_density += -math.log(c.width)
-        constant = torch.full(theta.shape[:-1], log_density, dtype=torch.float64, device=theta.device)
-        # Values all inside the box (an analysis' candidates) need no comparison one by one.
-        if theta.numel():
-            lows, highs = torch.tensor([[c.low, c.high] for c in self._coordinates], dtype=torch.float64).T
-            rows = theta if theta.dim() > 1 else theta[None]
-            leading = tuple(range(rows.dim() - 1))
-            extremes = torch.stack([rows.amin(dim=leading), rows.amax(dim=leading)]).cpu()
-            if bool((extremes[0] >= lows).all() and (extremes[1] <= highs).all()):     # NaN fails both
-                return constant
-        inside = None
-        for j, c in enumerate(self._coordinates):
-            within = (theta[..., j] >= c.low) & (theta[..., j] <= c.high)   # NaN fails both
-            inside = within if inside is None else inside.logical_and_(within)
-        return constant.masked_fill_(~inside, -math.inf)
+    def _inside_uniform_box(self, theta):
+        """Whether the prior is uniform on every coordinate and all values lie inside its box (an
+        analysis' candidates do): their log density is then one constant, with no comparison
+        value by value (NaN fails)."""
+        if not theta.numel() or any(c.family != "uniform" for c in self._coordinates):
+            return False
+        rows = theta if theta.dim() > 1 else theta[None]
+        leading = tuple(range(rows.dim() - 1))
+        lowest, highest = torch.stack([rows.amin(dim=leading), rows.amax(dim=leading)]).cpu()
+        lows, highs = torch.tensor([[c.low, c.high] for c in self._coordinates], dtype=torch.float64).T
+        return bool((lowest >= lows).all() and (highest <= highs).all())
 
     def describe(self):
         """JSON-able description: one entry per inferred name."""
