@@ -418,31 +418,32 @@ def main(argv=None):
     if probes.PROBLEM:
         print(f"nnpd: settings error: {probes.PROBLEM}", file=sys.stderr)
         return 2
-    try:
-        status = run_action(arguments)
-        sys.stdout.flush()      # here, not at exit, so that a reader who left is noticed below
-        return status
-    except BrokenPipeError:     # `nnpd plan | head`: the reader left; before OSError, of which it is one
-        # What is still buffered goes nowhere, so the flush at exit cannot fail again.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return 1
-    except SettingsError as error:
-        print(f"nnpd: settings error: {one_line(error)}", file=sys.stderr)
-        return 2
-    except (LaunchError, DamagedArtifact) as error:
-        print(f"nnpd: error: {one_line(error)}", file=sys.stderr)
-        return 1
-    except OSError as error:
-        if disk_problem(error) is None:
-            raise
-        print(f"nnpd: error: {disk_problem(error)}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt as error:
-        message = one_line(error) or "interrupted"
-        then = "" if "same command" in message else "; everything committed so far is kept, and the same command resumes"
-        print(f"nnpd: {message}{then}", file=sys.stderr)
-        return 143 if runtime.STOP.requested == "SIGTERM" else 130
+    with runtime.STOP.handling():     # until the end is printed: see runtime.StopRequest
+        try:
+            status = run_action(arguments)
+            sys.stdout.flush()      # here, not at exit, so that a reader who left is noticed below
+            return status
+        except BrokenPipeError:     # `nnpd plan | head`: the reader left; before OSError, of which it is one
+            # What is still buffered goes nowhere, so the flush at exit cannot fail again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            return 1
+        except SettingsError as error:
+            print(f"nnpd: settings error: {one_line(error)}", file=sys.stderr)
+            return 2
+        except (LaunchError, DamagedArtifact) as error:
+            print(f"nnpd: error: {one_line(error)}", file=sys.stderr)
+            return 1
+        except OSError as error:
+            if disk_problem(error) is None:
+                raise
+            print(f"nnpd: error: {disk_problem(error)}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt as error:
+            message = one_line(error) or "interrupted"
+            then = "" if "same command" in message else "; everything committed so far is kept, and the same command resumes"
+            print(f"nnpd: {message}{then}", file=sys.stderr)
+            return 143 if runtime.STOP.requested == "SIGTERM" else 130
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(runtime.exit_status(main()))

@@ -144,7 +144,9 @@ class StopRequest:
     its state). Slurm signals every process of a step and torchrun passes the signal on
     again, so each worker gets SIGTERM twice, a fraction of a millisecond apart, and srun
     sends it once more when the first node's launcher exits. A second Ctrl-C (SIGINT after
-    SIGINT) always interrupts.
+    SIGINT) always interrupts. install/uninstall pairs nest: the command line keeps its
+    handlers until it has printed how the launch ended, since a repeat that met the default
+    handler after the launch's own pair would kill the worker before it says what it saved.
     """
 
     REPEAT_SECONDS = 2.0
@@ -154,9 +156,16 @@ class StopRequest:
         self.requested_at = None
         self.polled = False
         self.previous = {}
+        self.depth = 0
 
     def install(self):
-        """Handle SIGTERM and SIGINT (only possible in the main thread; elsewhere nothing changes)."""
+        """Handle SIGTERM and SIGINT (only possible in the main thread; elsewhere nothing changes).
+
+        Inside another pair this changes nothing: the outer handlers and request stay.
+        """
+        self.depth += 1
+        if self.depth > 1:
+            return
         self.requested = self.requested_at = None
         if threading.current_thread() is not threading.main_thread():
             return
@@ -164,10 +173,22 @@ class StopRequest:
             self.previous[signum] = signal.signal(signum, self.handle)
 
     def uninstall(self):
-        """Put the previous handlers back."""
+        """Put the previous handlers back (at the end of the outermost pair)."""
+        self.depth = max(self.depth - 1, 0)
+        if self.depth:
+            return
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
         self.previous = {}
+
+    @contextlib.contextmanager
+    def handling(self):
+        """install() for the duration of a block, uninstall() after it."""
+        self.install()
+        try:
+            yield self
+        finally:
+            self.uninstall()
 
     def handle(self, signum, frame):
         """The signal handler."""
@@ -201,6 +222,17 @@ STOP = StopRequest()
 def request_stop():
     """Ask this process to stop as SIGTERM would (used when the launcher died)."""
     signal.raise_signal(signal.SIGTERM)
+
+
+def exit_status(status: int) -> int:
+    """`status`, once a process that a signal stopped ignores that signal from here on.
+
+    The process is about to exit, and a repeat of the signal (Slurm and torchrun each send
+    SIGTERM) meeting the default handler would kill the interpreter's exit.
+    """
+    if STOP.requested is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(getattr(signal, STOP.requested), signal.SIG_IGN)
+    return status
 
 
 @dataclass

@@ -149,6 +149,22 @@ def test_sigterm_saves_and_exits_with_one_line_then_resumes_bitwise(tmp_path, re
     assert_bitwise_equal(weights(tmp_path / "out"), reference["single"])
 
 
+def test_sigterm_repeated_until_the_launch_has_exited_changes_nothing(tmp_path):
+    """Slurm, torchrun and srun each send SIGTERM: a repeat, even one arriving while the launch
+    prints how it ended or while the interpreter exits, must not kill it with the default action."""
+    process = start(command(settings_for(tmp_path)))
+    wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state", process=process)
+    first = time.monotonic()
+    while process.poll() is None and time.monotonic() - first < 1.0:    # inside the 2 s repeat window
+        process.send_signal(signal.SIGTERM)
+        time.sleep(0.002)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr                            # -15: a repeat met the default handler
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and "training stopped on request" in lines[0] and "its state was saved" in lines[0], stderr
+    assert saved_states(tmp_path / "out")
+
+
 def test_a_killed_ddp_launch_resumes_bitwise(tmp_path, reference):
     settings = settings_for(tmp_path, DDP)
     process = start(command(settings, workers=2))

@@ -324,6 +324,18 @@ def test_a_first_signal_outside_training_interrupts_at_once(stop_request):
     signal.raise_signal(signal.SIGTERM)                  # its repeat does not interrupt the clean-up
 
 
+def test_pairs_nest_and_the_outer_one_keeps_handlers_and_request_until_it_ends():
+    """The command line's pair outlives the launch's own, so a repeat arriving while the end is printed is absorbed."""
+    before = signal.getsignal(signal.SIGTERM)
+    request = runtime.StopRequest()
+    with request.handling():                             # the command line's pair
+        with request.polling(), request.handling():      # the launch's own, with training inside it
+            signal.raise_signal(signal.SIGTERM)
+        assert signal.getsignal(signal.SIGTERM) == request.handle and request.requested == "SIGTERM"
+        signal.raise_signal(signal.SIGTERM)              # a repeat: neither the default action nor an interruption
+    assert signal.getsignal(signal.SIGTERM) is before and request.requested == "SIGTERM"
+
+
 def test_an_index_less_cuda_device_gets_the_current_gpus_index(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     assert runtime.Runtime(device=torch.device("cuda")).device == torch.device("cuda", 2)
