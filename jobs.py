@@ -170,7 +170,7 @@ def write_data(job, writer):
         arrays = job.experiment.sample_data(job.member)
     for name, array in arrays.items():
         writer.array(name, array)
-    return {"rows": {name: int(array.shape[0]) for name, array in arrays.items() if name.endswith("_labels")}}
+    return {"rows": {name: int(array.shape[0]) for name, array in arrays.items() if name.endswith(("_labels", "_x"))}}
 
 
 def write_model(writer, state, history):

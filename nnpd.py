@@ -118,7 +118,7 @@ def runtime_warnings(profile):
     _, world, local_rank = runtime.launch_environment()
     device = runtime.resolve_device(runtime_settings["device"], local_rank, world)
     for configuration in profile.configurations:
-        runtime.check_precision(configuration.settings["training"].get("precision", "off"), device)
+        runtime.check_precision(configuration.settings.get("training", {}).get("precision", "off"), device)
     found = []
     if runtime_settings["parallel"] == "ddp" and world == 1:
         found.append("runtime.parallel=\"ddp\" in a single process trains as one process; launch with "

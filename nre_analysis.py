@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 import adaptive
+import contrast
 import inference
 import nre_figures
 import priors
@@ -385,9 +386,13 @@ def build_exact(ctx, writer):
 
 
 def split_pairs(ctx):
-    """The test split's inputs and labels as tensors."""
-    return (torch.from_numpy(np.asarray(ctx.data.array("test_inputs"))),
-            torch.from_numpy(np.asarray(ctx.data.array("test_labels"))))
+    """The test split's inputs and labels as tensors: its fixed pairs, or each simulation (label 1)
+    followed by x re-paired with the θ of one other simulation drawn once (label 0; contrast.py)."""
+    if "test_x.npy" not in ctx.data.files:
+        return (torch.from_numpy(np.asarray(ctx.data.array("test_inputs"))),
+                torch.from_numpy(np.asarray(ctx.data.array("test_labels"))))
+    x, theta = (torch.from_numpy(np.asarray(ctx.data.array(name))) for name in ("test_x", "test_theta"))
+    return contrast.fixed_pairs(x, theta, runtime.derived_seed(ctx.settings["seed"], "test pairs"))
 
 
 def build_test_predictions(ctx, writer):

@@ -15,18 +15,25 @@ The settings name it (`"experiment": "pendulum:Pendulum"`) with the kit's analys
 (`"analysis": "nre_analysis:NREAnalysis"`), and nnpd supplies the rest: the cohort (each
 prior of `cohort.priors` times `cohort.replicas`), the bundled prior families by name
 (`uniform`, `normal`, `exponential`, `grid`; see priors.py) or a study's own prior objects
-(`custom_priors = {"name": object}` on the class), balanced joint and product training pairs,
-the network (networks.py, inputs standardised on the training data unless
-`model.standardize` is False), training through the bundled trainer, and the whole
-analysis (nre_analysis.py). docs/extending.md walks through a complete example.
+(`custom_priors = {"name": object}` on the class), the training data (every simulation a
+joint pair, re-paired with other rows' θ in every batch: contrast.py), the network
+(networks.py, inputs standardised on the training data unless `model.standardize` is
+False), training through the bundled trainer with a measured default recipe
+(`KIT_MODEL`, `KIT_TRAINING`; docs/training.md), and the whole analysis (nre_analysis.py).
+docs/extending.md walks through a complete example.
 
-Training settings sections: `cohort`, `priors`, `data`, `model`, `training`, and an
-optional `problem` of the study's own (`self.settings["problem"]`, part of every key).
+Training settings sections: `cohort`, `priors`, `data`, and optionally `model` (the whole
+network; without it `KIT_MODEL`), `training` (the keys it names replace `KIT_TRAINING`'s)
+and a `problem` of the study's own (`self.settings["problem"]`, part of every key).
 """
+import hashlib
 import sys
+from pathlib import Path
 
+import numpy as np
 import torch
 
+import contrast
 import networks
 import posterior
 import priors
@@ -37,6 +44,15 @@ from study import Experiment
 
 SPLITS = ("train", "validation", "test")
 MAX_ROWS = 10**9
+# "batch": data.* count simulations, each a joint pair re-paired in every batch (contrast.py);
+# "fixed": the earlier meaning, half joint and half product pairs, each a simulation, fixed for every epoch.
+PAIRINGS = ("batch", "fixed")
+DATA_KEYS = SPLITS + ("pairing", "bank")
+# The network and training a study gets when it writes no `model` / `training` section: chosen
+# on the posterior-quality benchmark (bench/bench_posterior_quality.py; docs/training.md).
+KIT_MODEL = {"kind": "residual", "width": 50, "blocks": 2, "activation": "relu"}
+KIT_TRAINING = {"objective": "contrastive", "classes": 5, "gamma": 1.0, "selection": "objective",
+                "batch_size": 200, "learning_rate": 5e-4, "epochs": 500, "patience": 20}
 
 
 class Problem:
@@ -48,8 +64,8 @@ class Problem:
     the box and the bundled priors' hyper-parameters of one parameter.
     """
 
-    def __init__(self, parameters, simulate, log_likelihood, where):
-        """Check the declared parameters and find the observation's dimension by one simulation."""
+    def __init__(self, parameters, simulate, log_likelihood, where, dimension=None):
+        """Check the declared parameters and find the observation's dimension by one simulation (or take it)."""
         if not isinstance(parameters, dict) or not parameters:
             raise SettingsError(f"{where}.parameters: declare the parameters as {{name: (low, high)}} "
                                 "or {name: (low, high, lattice step)}")
@@ -62,7 +78,7 @@ class Problem:
         self.grid_step = None if None in steps else torch.tensor(steps, dtype=torch.float64)
         self.simulate = simulate
         self.log_likelihood = log_likelihood
-        self.dimension = observation_dimension(simulate, (self.low + self.high) / 2, where)
+        self.dimension = dimension or observation_dimension(simulate, (self.low + self.high) / 2, where)
 
     def parameter(self, name):
         """The box and prior hyper-parameters of one parameter."""
@@ -108,6 +124,13 @@ def observation_dimension(simulate, theta, where):
     return int(x.shape[1])
 
 
+def sample_joint(problem, prior, rows, generator):
+    """`rows` simulations: θ from the prior, x simulated at it; float32 (x, θ) as the trainer reads them."""
+    theta = prior.sample(rows, generator)
+    x = problem.simulate(theta, generator)
+    return x.to(torch.float32), theta.to(torch.float32)
+
+
 def sample_pairs(problem, prior, rows, generator):
     """Balanced, shuffled joint (label 1) and product (label 0) pairs: inputs [x, theta].
 
@@ -127,23 +150,66 @@ def sample_pairs(problem, prior, rows, generator):
     return inputs[order], labels[order].to(torch.float32)
 
 
-def sample_training_data(problem, prior, data_settings, seed):
-    """Train/validation/test pairs as numpy arrays, each split from its own generator."""
-    arrays = {}
+def sample_training_data(problem, prior, data_settings, seed, bank=None):
+    """Train/validation/test arrays as numpy arrays, each split from its own generator (or the bank's rows).
+
+    Joint pairs `<split>_x`, `<split>_theta` (data.pairing "batch"), or fixed pairs
+    `<split>_inputs`, `<split>_labels` ("fixed"). A bank (x, θ) gives the splits in order:
+    the first data.train rows, then data.validation, then data.test.
+    """
+    arrays, used = {}, 0
+    pairing = data_settings.get("pairing", "batch")
     for split in SPLITS:
-        rows = check_rows(require(data_settings, split, "data"), f"data.{split}")
+        rows = check_rows(require(data_settings, split, "data"), f"data.{split}", pairing)
+        if bank is not None:
+            x, theta = (torch.as_tensor(a[used:used + rows]).to(torch.float32) for a in bank)
+            arrays[f"{split}_x"], arrays[f"{split}_theta"], used = x.numpy(), theta.numpy(), used + rows
+            continue
         generator = runtime.seeded_generator(seed, "split", split)
-        inputs, labels = sample_pairs(problem, prior, rows, generator)
-        arrays[f"{split}_inputs"] = inputs.numpy()
-        arrays[f"{split}_labels"] = labels.numpy()
+        if pairing == "batch":
+            x, theta = sample_joint(problem, prior, rows, generator)
+            arrays[f"{split}_x"], arrays[f"{split}_theta"] = x.numpy(), theta.numpy()
+        else:
+            inputs, labels = sample_pairs(problem, prior, rows, generator)
+            arrays[f"{split}_inputs"], arrays[f"{split}_labels"] = inputs.numpy(), labels.numpy()
     return arrays
 
 
-def check_rows(rows, path):
-    """Split sizes are positive even integers (half joint, half product pairs)."""
-    if integer(rows, path, 2, MAX_ROWS) % 2:
-        raise SettingsError(f"{path}: expected a positive even number of rows, got {rows!r}")
+def check_rows(rows, path, pairing="fixed"):
+    """Split sizes: at least two simulations, and even for fixed pairs (half joint, half product)."""
+    if integer(rows, path, 2, MAX_ROWS) % 2 and pairing == "fixed":
+        raise SettingsError(f"{path}: expected a positive even number of rows for data.pairing \"fixed\", got {rows!r}")
     return rows
+
+
+def read_bank(spec, parameters, where="data.bank"):
+    """A simulation bank (x (n, d), θ (n, p)) as float64 arrays, from an .npz with arrays "x" and "theta"
+    or {"x": "x.npy", "theta": "theta.npy"}; paths relative to the current directory."""
+    try:
+        if isinstance(spec, str):
+            with np.load(Path(spec), allow_pickle=False) as bank:
+                x, theta = bank["x"], bank["theta"]
+        elif isinstance(spec, dict) and set(spec) == {"x", "theta"}:
+            x, theta = (np.load(Path(spec[name]), allow_pickle=False) for name in ("x", "theta"))
+        else:
+            raise SettingsError(f'{where}: expected "bank.npz" (arrays "x" and "theta") or '
+                                f'{{"x": "x.npy", "theta": "theta.npy"}}, got {spec!r}')
+    except (OSError, ValueError, KeyError, EOFError) as error:
+        raise SettingsError(f"{where}: cannot read {spec!r} as arrays x and theta ({error})") from None
+    if x.ndim != 2 or theta.shape != (x.shape[0], parameters) or not all(
+            np.issubdtype(a.dtype, np.number) and not np.iscomplexobj(a) and np.isfinite(a).all() for a in (x, theta)):
+        raise SettingsError(f"{where}: x {x.shape} and theta {theta.shape} must be finite real numbers of shapes "
+                            f"(n, d) and (n, {parameters}), one simulation per row")
+    return x.astype(np.float64), theta.astype(np.float64)
+
+
+def bank_digest(bank):
+    """The content hash of a bank: its recipe key, so a moved or renamed bank file keeps its models."""
+    digest = hashlib.sha256()
+    for array in bank:
+        digest.update(str(array.shape).encode())
+        digest.update(np.ascontiguousarray(array).tobytes())
+    return digest.hexdigest()
 
 
 def check_cohort(settings, prior_objects):
@@ -161,9 +227,15 @@ def check_cohort(settings, prior_objects):
             raise SettingsError(f"cohort.priors[{i}]: {name!r} is not defined in priors "
                                 f"(defined: {', '.join(known) or 'none'})")
     data = require(settings, "data", "settings")
-    known_keys(data, SPLITS, "data")
+    known_keys(data, DATA_KEYS, "data")
+    pairing = data.get("pairing", "batch")
+    if not isinstance(pairing, str) or pairing not in PAIRINGS:
+        raise SettingsError(f'data.pairing: {pairing!r} is not valid; use "batch" (every simulation a joint pair, '
+                            're-paired in every batch) or "fixed" (half joint, half product pairs, as before)')
     for split in SPLITS:
-        check_rows(require(data, split, "data"), f"data.{split}")
+        check_rows(require(data, split, "data"), f"data.{split}", pairing)
+    if data.get("bank") is not None and pairing == "fixed":
+        raise SettingsError('data.bank: a bank holds joint simulations; use it with data.pairing "batch"')
 
 
 class Study(Experiment):
@@ -173,14 +245,15 @@ class Study(Experiment):
     custom_priors = {}       # a study's own prior objects by name, beside the bundled families in settings
     standardize = True       # model.standardize when the settings leave it out
     log_likelihood = None    # define log_likelihood(self, x, theta) for the exact target
-    SECTIONS = ("cohort", "priors", "data", "model", "training")
-    OPTIONAL_SECTIONS = ("problem",)
-    DATA_SOURCES = (priors, sample_training_data, runtime.derived_seed)
-    MODEL_SOURCES = (networks, trainer, runtime.derived_seed)
+    SECTIONS = ("cohort", "priors", "data")
+    OPTIONAL_SECTIONS = ("problem", "model", "training")
+    DATA_SOURCES = (priors, sample_training_data, sample_joint, runtime.derived_seed)
+    MODEL_SOURCES = (networks, trainer, contrast, runtime.derived_seed)
 
     def __init__(self, settings):
         self.settings = settings
         self._problem = None
+        self._bank = None
 
     @property
     def SCIENCE_SOURCES(self):
@@ -192,12 +265,36 @@ class Study(Experiment):
         raise NotImplementedError(f"{type(self).__name__} must define simulate(theta, generator)")
 
     def validate(self):
-        """Check the problem, the cohort and its priors, the data sizes and the model."""
-        self.problem()
+        """Check the problem, the cohort and its priors, the data sizes and bank, the model and training."""
         check_cohort(self.settings, self.custom_priors)
+        self.problem()
         for member in self.members()[:len(self.settings["cohort"]["priors"])]:
             self.prior(member)
-        networks.check_model_settings(self.settings["model"])
+        if self.bank() is not None:
+            rows = sum(self.settings["data"][split] for split in SPLITS)
+            if rows > len(self.bank()[0]):
+                raise SettingsError(f"data.bank: holds {len(self.bank()[0])} simulations; data.train + validation + "
+                                    f"test ask for {rows}")
+        networks.check_model_settings(self.model_settings())
+        training = trainer.check_training_settings(self.training_settings())
+        if training["objective"] == "contrastive" and self.settings["data"].get("pairing", "batch") == "fixed":
+            raise SettingsError('training.objective "contrastive" re-pairs joint simulations: it needs data.pairing '
+                                '"batch"')
+
+    def model_settings(self):
+        """The `model` section, or the kit's network (KIT_MODEL) when the settings have none."""
+        return self.settings.get("model", KIT_MODEL)
+
+    def training_settings(self):
+        """The kit's recipe (KIT_TRAINING) with the keys of the `training` section in its place."""
+        return {**KIT_TRAINING, **self.settings.get("training", {})}
+
+    def bank(self):
+        """The simulation bank named by data.bank, read once (None without one)."""
+        spec = self.settings["data"].get("bank")
+        if spec is not None and self._bank is None:
+            self._bank = read_bank(spec, len(self.parameters or ()))
+        return self._bank
 
     def members(self):
         """The cohort: every prior in `cohort.priors` times `cohort.replicas`."""
@@ -207,7 +304,8 @@ class Study(Experiment):
 
     def make_problem(self):
         """The problem from the declared parameters, simulate and log_likelihood."""
-        return Problem(self.parameters, self.simulate, self.log_likelihood, type(self).__name__)
+        return Problem(self.parameters, self.simulate, self.log_likelihood, type(self).__name__,
+                       None if self.bank() is None else self.bank()[0].shape[1])
 
     def problem(self, member=None):
         """The simulator and its parameters (the same for every member), built once."""
@@ -239,35 +337,42 @@ class Study(Experiment):
         return problem.dimension + problem.parameter_count
 
     def data_recipe(self, member):
-        """The settings the member's training data depends on."""
-        return {"problem": self.problem_recipe(), "prior": self.prior_recipe(member), "data": self.settings["data"],
+        """The settings the member's training data depends on (a bank by its content, not its path)."""
+        data = dict(self.settings["data"])
+        if self.bank() is not None:
+            data["bank"] = {"sha256": bank_digest(self.bank())}
+        return {"problem": self.problem_recipe(), "prior": self.prior_recipe(member), "data": data,
                 "seed": self.settings["seed"], "member": member["name"]}
 
     def sample_data(self, member):
-        """Balanced train/validation/test pairs under the member's prior."""
+        """Train/validation/test simulations under the member's prior (or the bank's), see sample_training_data."""
         seed = runtime.derived_seed(self.settings["seed"], "data", member["name"])
-        return sample_training_data(self.problem(), self.prior(member), self.settings["data"], seed)
+        return sample_training_data(self.problem(), self.prior(member), self.settings["data"], seed, self.bank())
 
     def model_recipe(self, member):
         """The settings the member's model depends on (besides its data key and the backend)."""
-        return {"model": self.settings["model"], "training": self.settings["training"],
+        return {"model": self.model_settings(), "training": self.training_settings(),
                 "seed": self.settings["seed"], "member": member["name"], "input_size": self.input_size()}
 
     def build_model(self, member):
         """A freshly initialised network, identical for a given seed and member."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(runtime.derived_seed(self.settings["seed"], "init", member["name"]))
-            return networks.build_network(self.settings["model"], self.input_size(), self.standardize)
+            return networks.build_network(self.model_settings(), self.input_size(), self.standardize)
 
     def train(self, member, model, data, rt, hooks=None):
         """Fit the input standardisation, then train with the bundled trainer; returns (state dict, history)."""
         tensors = trainer.training_tensors(data)          # read once, for the fit and the training
-        networks.fit_standardization(model, tensors["train_inputs"])
+        if "train_x" in tensors:
+            inputs = torch.cat([tensors["train_x"], tensors["train_theta"]], dim=1)
+        else:
+            inputs = tensors["train_inputs"]
+        networks.fit_standardization(model, inputs)
         return super().train(member, model, tensors, rt, hooks)
 
     def workload(self, member):
-        """Training examples seen and network size: the training cost estimate."""
-        epochs = trainer.check_training_settings(self.settings["training"])["epochs"]
+        """Training examples seen and network size: the training cost estimate (at most `epochs` epochs)."""
+        epochs = trainer.check_training_settings(self.training_settings())["epochs"]
         return {**super().workload(member), "training_examples": self.settings["data"]["train"] * epochs}
 
     def posterior(self, member, model, analysis_settings, observations, truth=None, device="cpu", case=0):

@@ -81,10 +81,14 @@ class Experiment:
         """The member's prior, for the analysis (ctx.prior)."""
         return None
 
+    def training_settings(self):
+        """The `training` settings the bundled trainer reads (a study may fill in defaults of its own)."""
+        return require(self.settings, "training", "settings_training.py")
+
     def train(self, member, model, data, rt, hooks=None):
         """Train with the bundled trainer on the `training` settings; returns (CPU state dict, history)."""
         seed = runtime.derived_seed(self.settings["seed"], "train", member["name"])
-        return trainer.train(model, data, self.settings["training"], rt, seed, hooks)
+        return trainer.train(model, data, self.training_settings(), rt, seed, hooks)
 
     def workload(self, member):
         """The training cost estimate plan shows: examples seen and the network's size."""
@@ -197,7 +201,8 @@ def load_study(training_settings, analysis_settings):
     experiment = experiment_class(training_settings)
     check_members(experiment, spec, "experiment")
     if uses_bundled_trainer(experiment):
-        trainer.check_training_settings(require(training_settings, "training", "settings_training.py"))
+        trainer.check_training_settings(experiment.training_settings() if isinstance(experiment, Experiment)
+                                        else require(training_settings, "training", "settings_training.py"))
     experiment.validate()
     analysis_spec = analysis_settings["analysis"]
     analysis_class = load_class(analysis_spec, "analysis")

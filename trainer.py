@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch.optim.adam import adam as adam_update
 from torch.optim.adamw import adamw as adamw_update
 
+import contrast
 import probes
 import runtime
 from inference import classification_metrics
@@ -40,10 +41,13 @@ TRAINING_DEFAULTS = {
     "objective": "bce",
     "balance_weight": 100.0,
     "selection": "bce",
+    "classes": 5,
+    "gamma": 1.0,
+    "patience": None,
 }
 OPTIMIZERS = ("adam", "adamw")
 CHECKPOINTS = ("best", "last")
-OBJECTIVES = ("bce", "balanced")
+OBJECTIVES = ("bce", "balanced", "contrastive")
 # Which validation loss `checkpoint: "best"` minimises: the BCE, or the trained objective.
 SELECTIONS = ("bce", "objective")
 # The phases of one training step (_step) and of DDP's gradient all-reduce within its backward pass.
@@ -109,8 +113,13 @@ def check_training_settings(training_settings: dict) -> dict:
     if not isinstance(s["selection"], str) or s["selection"] not in SELECTIONS:
         raise SettingsError(f"training.selection: {s['selection']!r} is not valid; use \"bce\" (keep the epoch of "
                             "the lowest validation BCE) or \"objective\" (of the lowest validation objective)")
+    integer(s["classes"], "training.classes", 2, 1000)
+    number(s["gamma"], "training.gamma", 0, 1e6, low_open=True)
+    if s["patience"] is not None:
+        integer(s["patience"], "training.patience", 1, 10**6)
     s["betas"] = [float(b) for b in betas]
     s["balance_weight"] = float(s["balance_weight"])
+    s["gamma"] = float(s["gamma"])
     return s
 
 
@@ -199,6 +208,8 @@ class TrainingState:
     # Generator state before the current epoch's permutation, so a resume redraws it.
     epoch_rng: torch.Tensor | None = None
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    # The training's seed: joint pairs draw each batch's atoms from it (contrast.batch_atoms).
+    seed: int = 0
     # This rank's per-batch loss sums (and clipped gradient norms) of the epoch in progress.
     batch_losses: torch.Tensor | None = None
     norms: torch.Tensor | None = None
@@ -650,29 +661,52 @@ class _HookRunner:
 # ---------------------------------------------------------------- the loop
 
 
+# Fixed pairs: network inputs [x, θ] with labels (1 joint, 0 product), used as given every epoch.
 TRAINING_ARRAYS = ("train_inputs", "train_labels", "validation_inputs", "validation_labels")
+# Joint pairs: simulations (x, θ), re-paired with other rows' θ in every batch (contrast.py).
+JOINT_ARRAYS = ("train_x", "train_theta", "validation_x", "validation_theta")
 
 
 def training_tensors(data) -> dict:
-    """The four training arrays as tensors, from a dict of arrays or tensors, or the data artifact `train` receives."""
+    """The training arrays as tensors, from a dict of arrays or tensors, or the data artifact `train` receives."""
+    names = TRAINING_ARRAYS + JOINT_ARRAYS
     if callable(getattr(data, "array", None)):      # a store artifact: its arrays, checked as they are read
-        data = {name: data.array(name) for name in TRAINING_ARRAYS if f"{name}.npy" in data.files}
+        data = {name: data.array(name) for name in names if f"{name}.npy" in data.files}
     if not isinstance(data, dict):
         raise TypeError(f"training data must be a dict of arrays or the data artifact train() receives, "
                         f"not {type(data).__name__}")
     return {name: value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
-            for name, value in data.items() if name in TRAINING_ARRAYS}
+            for name, value in data.items() if name in names}
 
 
-def _check_data(data: dict) -> None:
-    """Refuse data the trainer cannot use, naming the key."""
-    for key in TRAINING_ARRAYS:
+def _check_data(data: dict) -> bool:
+    """Refuse data the trainer cannot use, naming the key; True for joint pairs, False for fixed ones."""
+    joint = "train_x" in data
+    for key in JOINT_ARRAYS if joint else TRAINING_ARRAYS:
         if key not in data:
             raise KeyError(f"training data lacks {key!r}")
     for part in ("train", "validation"):
+        if joint:
+            x, theta = data[f"{part}_x"], data[f"{part}_theta"]
+            if x.ndim != 2 or theta.ndim != 2 or x.shape[0] != theta.shape[0] or x.shape[0] < 2:
+                raise ValueError(f"{part} data must be at least two rows of (rows, d) x and (rows, p) theta")
+            continue
         inputs, labels = data[f"{part}_inputs"], data[f"{part}_labels"]
         if inputs.ndim != 2 or labels.ndim != 1 or inputs.shape[0] != labels.shape[0] or inputs.shape[0] == 0:
             raise ValueError(f"{part} data must be non-empty (rows, features) inputs with (rows,) labels")
+    return joint
+
+
+def contrast_classes(settings: dict) -> int:
+    """Atoms per joint pair: `classes` for the contrastive objective, one re-paired row for the binary ones."""
+    return settings["classes"] if settings["objective"] == "contrastive" else 1
+
+
+def joint_validation(x, theta, settings: dict, seed: int) -> tuple:
+    """The validation set as (inputs, None, columns): each row with its atoms, drawn once for every epoch."""
+    columns = contrast_classes(settings) + 1
+    atoms = contrast.fixed_atoms(x.shape[0], columns - 1, seed).to(x.device)
+    return contrast.pair_rows(x, theta, torch.arange(x.shape[0], device=x.device), atoms), None, columns
 
 
 def balance_defect(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -688,8 +722,9 @@ def balance_defect(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return (probability[joint].mean() + probability[~joint].mean() - 1).item()
 
 
-def validation_objective(bce: float, balance: float, settings: dict) -> float:
-    """The trained objective on the validation set: its BCE, plus for "balanced" λ times the squared defect.
+def validation_objective(bce: float, balance: float, settings: dict, contrastive: float | None = None) -> float:
+    """The trained objective on the validation set: its BCE, plus for "balanced" λ times the squared defect,
+    or for "contrastive" the mean NRE-C loss of the validation rows and their fixed atoms.
 
     The defect is that of the whole validation set, not a mean over batches of batch_size
     rows: a batch's squared defect also holds the batch mean's sampling variance, which falls
@@ -697,31 +732,46 @@ def validation_objective(bce: float, balance: float, settings: dict) -> float:
     """
     if settings["objective"] == "balanced":
         return bce + settings["balance_weight"] * balance**2
+    if settings["objective"] == "contrastive":
+        return contrastive
     return bce
 
 
-def _validate(model, inputs, labels, device, precision) -> dict:
-    """Validation metrics of the unwrapped model, with its balance defect; a non-finite logit is an error."""
+def _validate(model, validation: tuple, device, settings: dict) -> dict:
+    """Validation metrics of the unwrapped model, with its balance defect; a non-finite logit is an error.
+
+    `validation` is (inputs, labels, None) for fixed pairs, or (inputs, None, K + 1) for
+    joint pairs each followed by its K atoms: their BCE metrics are those of each joint
+    row against its first re-paired row, and the contrastive loss reads all K + 1.
+    """
+    inputs, labels, columns = validation
     was_training = model.training
     model.eval()
-    with torch.no_grad(), _autocast(device, precision):
+    with torch.no_grad(), _autocast(device, settings["precision"]):
         logits = torch.cat([model(chunk).float().reshape(-1) for chunk in inputs.split(VALIDATION_CHUNK)])
     model.train(was_training)
     if not bool(torch.isfinite(logits).all()):
         raise FloatingPointError("non-finite validation logit; the model diverged (lower training.learning_rate?)")
-    # Both metrics work on the host in float64: copy there once.
-    logits, labels = logits.to("cpu", torch.float64), labels.to("cpu", torch.float64)
-    return {**classification_metrics(logits, labels), "balance": balance_defect(logits, labels)}
+    # The metrics work on the host in float64: copy there once.
+    logits, contrastive = logits.to("cpu", torch.float64), None
+    if columns is not None:
+        grid = logits.reshape(-1, columns)
+        if settings["objective"] == "contrastive":
+            contrastive = contrast.contrastive_losses(grid, settings["gamma"]).mean().item()
+        logits, labels = grid[:, :2].reshape(-1), contrast.binary_labels(grid.shape[0], "cpu")
+    labels = labels.to("cpu", torch.float64)
+    return {**classification_metrics(logits, labels), "balance": balance_defect(logits, labels),
+            "contrastive": contrastive}
 
 
-def _shared_validation(model, vx, vy, precision, rt) -> dict:
+def _shared_validation(model, validation, settings, rt) -> dict:
     """Validate on rank 0 only (DDP) and share the result, errors included, with every rank."""
     if not rt.ddp:
-        return _validate(model, vx, vy, rt.device, precision)
+        return _validate(model, validation, rt.device, settings)
     outcome = None
     if rt.is_main:
         try:
-            outcome = _validate(model, vx, vy, rt.device, precision)
+            outcome = _validate(model, validation, rt.device, settings)
         except FloatingPointError as error:
             outcome = {"error": str(error)}
     outcome = runtime.broadcast_object(rt, outcome)
@@ -766,12 +816,19 @@ def _balance_terms(logits: torch.Tensor, labels: torch.Tensor, weight: float, rt
     return surrogate, weight * gap**2
 
 
-def batch_loss(logits: torch.Tensor, labels: torch.Tensor, batch_len: int, settings: dict, rt: runtime.Runtime):
+def batch_loss(logits: torch.Tensor, labels: torch.Tensor | None, batch_len: int, settings: dict,
+               rt: runtime.Runtime):
     """This rank's loss to back-propagate for its shard of a global batch, and the shard's record.
 
     The record sums to the global batch's objective times its rows over ranks: the shard's
     BCE sum, plus (under DDP on rank 0 only) the balancing regulariser times the batch's rows.
+    For "contrastive" (labels None) a row is a joint pair's K + 1 logits and the record the
+    sum of their NRE-C losses.
     """
+    if settings["objective"] == "contrastive":
+        losses = contrast.contrastive_losses(logits.reshape(-1, settings["classes"] + 1), settings["gamma"])
+        loss_sum, shard_len = losses.sum(), losses.shape[0]
+        return loss_sum / max(shard_len, 1) * loss_scale(shard_len, batch_len, rt.train_world_size), loss_sum.detach()
     shard_len = labels.shape[0]
     loss_sum = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
     # The shard mean times loss_scale: an empty shard (sum 0, scale 0) still joins the
@@ -815,8 +872,27 @@ def _step(state: TrainingState, net, params, shard: tuple, batch_len: int, index
     state.batch_losses[index] = record
 
 
-def _run_epoch(state: TrainingState, net, x, y, settings, rt, runner: _HookRunner):
-    """The rest of the current epoch; returns this rank's per-batch loss sums and gradient norms."""
+def _joint_shard(state: TrainingState, xs, thetas, batch: tuple, index: int, settings, rt) -> tuple:
+    """This rank's rows of a global batch of joint pairs, each followed by its atoms' re-paired rows.
+
+    Returns ((inputs, labels), loss units of the global batch): labels 1/0 and 2B units for
+    the binary objectives, no labels and B units (one NRE-C loss per pair) for "contrastive".
+    """
+    start, stop = batch
+    atoms = contrast.batch_atoms(start, stop, contrast_classes(settings), state.seed, state.epoch, index)
+    part = shard_slice(stop - start, rt.rank if rt.ddp else 0, rt.train_world_size)
+    own = torch.arange(start, stop)[part]
+    inputs = contrast.pair_rows(xs[start:stop][part], thetas, own.to(xs.device), atoms[part].to(xs.device))
+    if settings["objective"] == "contrastive":
+        return (inputs, None), stop - start
+    return (inputs, contrast.binary_labels(own.shape[0], xs.device)), 2 * (stop - start)
+
+
+def _run_epoch(state: TrainingState, net, x, y, settings, rt, runner: _HookRunner, joint: bool):
+    """The rest of the current epoch; returns this rank's per-batch loss sums and gradient norms.
+
+    `y` holds the labels of fixed pairs, or the θ of joint pairs (x then being their x).
+    """
     rows, device = x.shape[0], rt.device
     perm = state.permutation(rows).to(device)
     # One gather per epoch makes every global batch a contiguous view.
@@ -829,13 +905,33 @@ def _run_epoch(state: TrainingState, net, x, y, settings, rt, runner: _HookRunne
     params = [p for p in state.model.parameters() if p.requires_grad]
     for index in range(state.position, len(batches)):
         start, stop = batches[index]
-        part = shard_slice(stop - start, rt.rank if rt.ddp else 0, rt.train_world_size)
-        _step(state, net, params, (xs[start:stop][part], ys[start:stop][part]), stop - start, index, settings, rt)
+        if joint:
+            shard, units = _joint_shard(state, xs, ys, (start, stop), index, settings, rt)
+        else:
+            part = shard_slice(stop - start, rt.rank if rt.ddp else 0, rt.train_world_size)
+            shard, units = (xs[start:stop][part], ys[start:stop][part]), stop - start
+        _step(state, net, params, shard, units, index, settings, rt)
         state.position = index + 1
         runner.after_step(state)
     # With float16 an overflowing norm is the scaler's business: it skips that step.
     norms = None if state.scaler.is_enabled() else state.norms
     return state.batch_losses, norms
+
+
+def selection_scores(history: dict) -> list:
+    """Per epoch, the validation loss that chooses the kept epoch and stops training (training.selection)."""
+    if history["selection"] == "objective":
+        return list(history["validation_objective"])
+    return [metrics["bce"] for metrics in history["validation"]]
+
+
+def patience_exhausted(history: dict, settings: dict) -> bool:
+    """True when the selected validation loss has not improved for `patience` epochs (never without patience)."""
+    scores = selection_scores(history)
+    if settings["patience"] is None or not scores:
+        return False
+    best = min(range(len(scores)), key=scores.__getitem__)      # the first epoch of the lowest loss
+    return len(scores) - 1 - best >= settings["patience"]
 
 
 def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, settings, rt) -> dict:
@@ -852,14 +948,17 @@ def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, s
     train_loss = total.item() / history["rows_per_epoch"]
     history["train_loss"].append(train_loss)
     with probes.phase("train.validation", device=rt.device):
-        metrics = _shared_validation(state.model, *validation, settings["precision"], rt)
+        metrics = _shared_validation(state.model, validation, settings, rt)
     balance = metrics.pop("balance")
-    objective = validation_objective(metrics["bce"], balance, settings)
+    objective = validation_objective(metrics["bce"], balance, settings, metrics.pop("contrastive"))
     history["validation"].append(metrics)
     history["validation_objective"].append(objective)
     history["validation_balance"].append(balance)
-    score = objective if settings["selection"] == "objective" else metrics["bce"]
-    last = state.epoch + 1 == settings["epochs"]
+    score = selection_scores(history)[-1]
+    converged = patience_exhausted(history, settings)
+    if converged:
+        history["stopped_epoch"] = state.epoch + 1
+    last = state.epoch + 1 == settings["epochs"] or converged
     if (settings["checkpoint"] == "best" and score < state.best_bce) or (
         settings["checkpoint"] == "last" and last
     ):
@@ -871,14 +970,20 @@ def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, s
     return {"train_loss": train_loss, **metrics, "objective": objective, "balance": balance}
 
 
-def _train_epochs(state: TrainingState, net, tensors: tuple, settings: dict, rt, runner: _HookRunner) -> None:
-    """The epoch loop: train, close and report each epoch, saving and stopping where agreed."""
-    x, y, vx, vy = tensors
-    while state.epoch < settings["epochs"]:
+def _train_epochs(state: TrainingState, net, tensors: tuple, validation: tuple, settings: dict, rt,
+                  runner: _HookRunner) -> None:
+    """The epoch loop: train, close and report each epoch, saving and stopping where agreed.
+
+    It ends after `epochs`, or earlier once the selected validation loss has not improved
+    for `patience` epochs (decided from the history, so a resumed training ends alike).
+    """
+    x, y = tensors
+    joint = validation[1] is None
+    while state.epoch < settings["epochs"] and not patience_exhausted(state.history, settings):
         began = time.monotonic()
-        batch_losses, norms = _run_epoch(state, net, x, y, settings, rt, runner)
+        batch_losses, norms = _run_epoch(state, net, x, y, settings, rt, runner, joint)
         stop = runner.drain()
-        metrics = _close_epoch(state, batch_losses, norms, (vx, vy), settings, rt)
+        metrics = _close_epoch(state, batch_losses, norms, validation, settings, rt)
         record = {**metrics, "seconds": time.monotonic() - began, "epochs": settings["epochs"]}
         runner.epoch_done(state, stop, record)
 
@@ -956,11 +1061,15 @@ def _new_history(settings: dict, rows: int, rt: runtime.Runtime) -> dict:
         "validation_objective": [],
         "validation_balance": [],
         "selection": settings["selection"],
+        # Loss terms per epoch (train_loss is their mean): the rows of fixed pairs, twice the
+        # joint pairs (each and its re-paired row) under "bce"/"balanced", the pairs under "contrastive".
         "rows_per_epoch": rows,
         "global_batch_size": settings["batch_size"],
         "world_size": rt.train_world_size,
         "selected_epoch": None,
         "epochs": settings["epochs"],
+        "patience": settings["patience"],
+        "stopped_epoch": None,      # the epoch after which `patience` ended training, if it did
     }
 
 
@@ -974,6 +1083,7 @@ def _new_state(model, settings: dict, rt: runtime.Runtime, seed: int, rows: int)
         scaler=torch.amp.GradScaler(device.type, enabled=settings["precision"] == "float16"),
         generator=runtime.seeded_generator(seed, "permutation"),
         device=device,
+        seed=seed,
         history=_new_history(settings, rows, rt),
     )
 
@@ -1031,15 +1141,20 @@ def _train(model, data: dict, training_settings: dict, rt: runtime.Runtime, seed
     device = rt.device
     runtime.check_precision(settings["precision"], device)
     data = training_tensors(data)
-    _check_data(data)
+    joint = _check_data(data)
+    if settings["objective"] == "contrastive" and not joint:
+        raise ValueError('training.objective "contrastive" needs joint pairs (train_x, train_theta, validation_x, '
+                         'validation_theta), not fixed pairs with labels')
     with probes.phase("train.setup"):
-        given = tuple(data[name] for name in TRAINING_ARRAYS)
+        given = tuple(data[name] for name in (JOINT_ARRAYS if joint else TRAINING_ARRAYS))
         tensors = tuple(tensor.to(device=device, dtype=torch.float32) for tensor in given)
+        validation = joint_validation(*tensors[2:], settings, seed) if joint else (*tensors[2:], None)
         model = model.to(device)
         model.train()
         net = _wrapped(model, rt)
         rows = int(tensors[0].shape[0])
-        state = _new_state(model, settings, rt, seed, rows)
+        binary_pairs = joint and settings["objective"] != "contrastive"    # each joint row and its re-paired row
+        state = _new_state(model, settings, rt, seed, 2 * rows if binary_pairs else rows)
         keeps_state = hooks is not None and (hooks.load_state is not None or hooks.saving)
         # Hashed as given (on the host, as the store loads it), not copied back from the GPU.
         identity = _identity(settings, seed, rt, given) if keeps_state else None
@@ -1049,5 +1164,5 @@ def _train(model, data: dict, training_settings: dict, rt: runtime.Runtime, seed
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(runtime.derived_seed(seed, "dropout", rt.rank if rt.ddp else 0))
         runner.resume(state)
-        _train_epochs(state, net, tensors, settings, rt, runner)
+        _train_epochs(state, net, tensors[:2], validation, settings, rt, runner)
     return state.best_weights, state.history

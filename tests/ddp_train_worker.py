@@ -2,6 +2,7 @@
 
 Usage: ddp_train_worker.py OUTPUT_FILE MODE ROWS BATCH EPOCHS DEVICE [ARGUMENT...]
   train                 the BCE objective at batch BATCH and the balanced one at BALANCED_BATCH
+  joint                 joint pairs re-paired in every batch: BCE at BATCH, contrastive at BALANCED_BATCH
   fail                  rank 1 raises after a few batches
   preempt DIR STEP...   the uninterrupted resumable recipe, then one run per STEP whose rank 1
                         asks to stop after STEP steps, saving at every flag exchange to
@@ -56,6 +57,23 @@ def objective_settings(batch: int, epochs: int) -> dict:
             "balanced": {**common, "batch_size": BALANCED_BATCH, "objective": "balanced", "balance_weight": 3.0}}
 
 
+def make_joint_data(rows: int, seed: int = SEED) -> dict:
+    """Joint simulations (x (rows, 2), θ (rows, 1)): x scattered about θ, for re-pairing in every batch."""
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.rand(rows + 40, 1, generator=g) * 4 - 2
+    x = torch.cat([theta, -theta], 1) + 0.5 * torch.randn(rows + 40, 2, generator=g)
+    return {"train_x": x[:rows], "train_theta": theta[:rows], "validation_x": x[rows:],
+            "validation_theta": theta[rows:]}
+
+
+def joint_settings(batch: int, epochs: int) -> dict:
+    """The recipes of the `joint` mode: BCE on re-paired batches, and contrastive NRE with three atoms."""
+    common = {"epochs": epochs, "learning_rate": 0.02, "checkpoint": "last"}
+    return {"bce": {**common, "batch_size": batch},
+            "contrastive": {**common, "batch_size": BALANCED_BATCH, "objective": "contrastive", "classes": 3,
+                            "gamma": 2.0}}
+
+
 def save_atomically(state: dict, path: str) -> None:
     """Write to a temporary file, fsync, then rename over the target."""
     with open(f"{path}.tmp", "wb") as handle:
@@ -80,11 +98,12 @@ class FailOnRank(torch.nn.Module):
         return self.inner(x)
 
 
-def train_objectives(rt, rows, batch, epochs) -> dict:
-    """Both objectives' weights and histories."""
+def train_objectives(rt, rows, batch, epochs, joint=False) -> dict:
+    """Both objectives' weights and histories, on fixed pairs or on joint ones."""
     results = {}
-    for name, settings in objective_settings(batch, epochs).items():
-        weights, history = trainer.train(make_model(), make_data(rows), settings, rt, seed=SEED)
+    recipes, data = (joint_settings, make_joint_data) if joint else (objective_settings, make_data)
+    for name, settings in recipes(batch, epochs).items():
+        weights, history = trainer.train(make_model(), data(rows), settings, rt, seed=SEED)
         results[name] = {"weights": weights, "history": history}
     return results
 
@@ -141,8 +160,8 @@ def resume(rt, rows, epochs, files) -> dict:
 
 def run_mode(rt, mode, rows, batch, epochs, arguments):
     """The mode's result (rank 0's is saved)."""
-    if mode == "train":
-        return train_objectives(rt, rows, batch, epochs)
+    if mode in ("train", "joint"):
+        return train_objectives(rt, rows, batch, epochs, joint=mode == "joint")
     if mode == "preempt":
         return preempt(rt, rows, epochs, arguments[0], arguments[1:])
     if mode == "resume":

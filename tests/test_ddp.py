@@ -73,10 +73,10 @@ def _check_matches_single_process(tmp_path, device, tolerance):
         _assert_close_training(ddp, weights, history, worker, tolerance)
 
 
-def _assert_close_training(ddp, weights, history, worker, tolerance):
+def _assert_close_training(ddp, weights, history, worker, tolerance, rows=ROWS):
     """DDP's losses, validation and weights equal one process's within `tolerance`."""
     assert history["world_size"] == 1
-    assert ddp["history"]["rows_per_epoch"] == history["rows_per_epoch"] == ROWS
+    assert ddp["history"]["rows_per_epoch"] == history["rows_per_epoch"] == rows
     assert ddp["history"]["train_loss"] == pytest.approx(history["train_loss"], abs=tolerance)
     assert history["train_loss"][-1] < history["train_loss"][0]  # it really trained
     for a, b in zip(ddp["history"]["validation"], history["validation"]):
@@ -92,6 +92,22 @@ def test_two_gloo_ranks_reproduce_single_process_training(tmp_path):
     """Weights and per-epoch losses of 2-rank CPU DDP match one process within float tolerance,
     for the BCE and the balanced objective (unequal and empty shards, a one-class last batch)."""
     _check_matches_single_process(tmp_path, "cpu", 1e-5)
+
+
+def test_two_gloo_ranks_reproduce_re_paired_and_contrastive_training(tmp_path):
+    """Joint pairs re-paired in every batch: every rank derives the global batch's atoms, so 2-rank
+    DDP equals one process for BCE and contrastive NRE, with unequal and empty shards."""
+    done, _, output = _torchrun(tmp_path, "joint")
+    launched = _result(done, output)
+    worker = _worker_module()
+    rt = runtime.Runtime(device=torch.device("cpu"))
+    for name, settings in worker.joint_settings(BATCH, EPOCHS).items():
+        weights, history = trainer.train(worker.make_model(), worker.make_joint_data(ROWS), settings, rt,
+                                         seed=worker.SEED)
+        rows = ROWS if name == "contrastive" else 2 * ROWS     # a loss per pair, or per row and re-paired row
+        _assert_close_training(launched["result"][name], weights, history, worker, 1e-5, rows)
+        objectives = launched["result"][name]["history"]["validation_objective"]
+        assert objectives == pytest.approx(history["validation_objective"], abs=1e-5)
 
 
 @pytest.mark.cuda

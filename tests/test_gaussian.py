@@ -144,7 +144,8 @@ def test_check_settings_accepts_valid_and_names_each_bad_setting():
         (("cohort", "priors"), [], r"^cohort\.priors: expected a non-empty list"),
         (("priors", "mixed"), {"family": "normal", "by_parameter": {"std:1": "grid"}},
          r"^priors\.mixed\.by_parameter: 'std:1' is not an inferred parameter"),
-        (("data", "train"), 1023, r"^data\.train: expected a positive even number of rows, got 1023"),
+        (("data", "train"), 1, r"^data\.train: expected an integer from 2 to 1e\+09, got 1"),
+        (("data", "pairing"), "half", r"^data\.pairing: 'half' is not valid; use \"batch\""),
         (("data", "test"), 0, r"^data\.test: expected an integer from 2"),
         (("model", "input_size"), 3, r"^model\.input_size: the input size is derived"),
         (("model", "kind"), "cnn", r"^model\.kind: 'cnn' is not valid"),
@@ -352,17 +353,23 @@ def test_training_data_is_deterministic_and_splits_independent():
     first = nre_study.sample_training_data(problem, prior, sizes, seed=11)
     again = nre_study.sample_training_data(problem, prior, sizes, seed=11)
     other = nre_study.sample_training_data(problem, prior, sizes, seed=12)
-    assert sorted(first) == sorted(f"{s}_{k}" for s in ("train", "validation", "test")
-                                   for k in ("inputs", "labels"))
+    assert sorted(first) == sorted(f"{s}_{k}" for s in ("train", "validation", "test") for k in ("x", "theta"))
     for key, array in first.items():
         assert isinstance(array, np.ndarray) and array.dtype == np.float32
         np.testing.assert_array_equal(array, again[key])
-        assert not np.array_equal(array, other[key]) or key.endswith("labels")
-    assert first["train_inputs"].shape == (64, 2) and first["test_labels"].sum() == 32
-    assert not np.array_equal(first["train_inputs"], first["validation_inputs"])
-    assert not np.array_equal(first["validation_inputs"], first["test_inputs"])
+        assert not np.array_equal(array, other[key])
+    assert first["train_x"].shape == (64, 1) and first["train_theta"].shape == (64, 1)
+    assert not np.array_equal(first["train_x"], first["validation_x"])
+    assert not np.array_equal(first["validation_theta"], first["test_theta"])
+    # Every row is a joint simulation: x ~ N(θ, 2) at its own θ (the fixed std of problem_settings()).
+    residual = (first["train_x"] - first["train_theta"]) / 2
+    assert abs(residual.mean()) < 0.6 and 0.6 < residual.std() < 1.4
+    # An odd split is fine for joint simulations; fixed pairs (the earlier meaning) keep halves.
+    assert nre_study.sample_training_data(problem, prior, dict(sizes, train=3), seed=1)["train_x"].shape == (3, 1)
+    fixed = nre_study.sample_training_data(problem, prior, dict(sizes, pairing="fixed"), seed=11)
+    assert fixed["train_inputs"].shape == (64, 2) and fixed["test_labels"].sum() == 32
     with pytest.raises(SettingsError, match=r"^data\.validation: expected a positive even"):
-        nre_study.sample_training_data(problem, prior, dict(sizes, validation=3), seed=1)
+        nre_study.sample_training_data(problem, prior, dict(sizes, validation=3, pairing="fixed"), seed=1)
 
 
 def test_bayes_optimal_logit_normalises_over_an_exact_lattice_prior():

@@ -214,7 +214,8 @@ def test_a_network_returning_a_column_of_logits_trains_and_is_analysed(tmp_path)
     result = main_in_process("run", "--settings-dir", str(folder))
     assert result.returncode == 0, result.stderr
     metrics = json.loads(next(root.glob("runs/*/*/metrics.json")).read_text())
-    assert metrics["pairwise"]["pairs"] == 32 and metrics["classification"]["auc"] > 0.5
+    # Every test simulation is a joint pair: pairwise compares each with the next one's θ.
+    assert metrics["pairwise"]["pairs"] == 64 and metrics["classification"]["auc"] > 0.5
 
 
 def data_source_digest(folder, module):

@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 import torch
 
+import contrast
 import inference
 import results
+import runtime
 from conftest import REPO, main_in_process, run_cli
 from store import restore
 
@@ -134,8 +136,9 @@ def test_restore_gives_the_analysed_model(trained, monkeypatch):
     run = next(root.glob("runs/*/uniform-r0-*"))
     restored = restore(run, device="cpu")
     assert not restored.model.training and restored.metrics == metrics["uniform"]
-    inputs = torch.from_numpy(np.asarray(restored.array("training-data", "test_inputs")))
-    labels = torch.from_numpy(np.asarray(restored.array("training-data", "test_labels")))
+    # The classification metric scores each test simulation and its x re-paired with another's θ.
+    x, theta = (torch.from_numpy(np.asarray(restored.array("training-data", f"test_{name}"))) for name in ("x", "theta"))
+    inputs, labels = contrast.fixed_pairs(x, theta, runtime.derived_seed(restored.settings["seed"], "test pairs"))
     with torch.no_grad():
         logits = restored.model(inputs)
     assert logits.shape == (len(inputs),)

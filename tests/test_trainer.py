@@ -455,7 +455,7 @@ def test_a_resumed_objective_selection_keeps_the_same_epoch_and_weights():
     assert all(torch.equal(resumed[0][k], reference[0][k]) for k in reference[0])
 
 
-def test_the_model_key_differs_between_selections_and_an_absent_selection_keeps_it(tmp_path):
+def test_the_model_key_differs_between_selections_and_an_absent_one_is_the_kits_default(tmp_path):
     import jobs
     import nnpd
     from conftest import write_settings
@@ -473,8 +473,9 @@ def test_the_model_key_differs_between_selections_and_an_absent_selection_keeps_
     absent = model_keys('settings["training"].pop("selection", None)\n')
     bce = model_keys('settings["training"]["selection"] = "bce"\n')
     objective = model_keys('settings["training"]["selection"] = "objective"\n')
-    assert all("selection" not in recipe["experiment"]["training"] for recipe in seen[0])
-    assert len(set(objective)) == len(objective) and not set(objective) & (set(bce) | set(absent))
+    # A kit study's model recipe holds its resolved training settings: the kit's recipe filled in.
+    assert all(recipe["experiment"]["training"]["selection"] == "objective" for recipe in seen[0])
+    assert len(set(objective)) == len(objective) and set(objective) == set(absent) and not set(objective) & set(bce)
 
 
 # ---------------------------------------------------------------- CUDA (skipped without a GPU)
@@ -490,3 +491,127 @@ def test_single_gpu_training(precision):
     weights, history = _train({"epochs": 3, "learning_rate": 0.02, "precision": precision, "gradient_clip": 1.0}, rt=rt)
     assert history["train_loss"][-1] < history["train_loss"][0]
     assert all(t.device.type == "cpu" for t in weights.values())
+
+
+# ---------------------------------------------------------------- joint pairs, contrastive NRE, patience
+
+
+def _joint_data(rows=240, validation=60, seed=3):
+    """Joint simulations of a 1-parameter problem: x (2 numbers) scattered about (θ, −θ)."""
+    g = torch.Generator().manual_seed(seed)
+    theta = torch.rand(rows + validation, 1, generator=g) * 4 - 2
+    x = torch.cat([theta, -theta], 1) + 0.4 * torch.randn(rows + validation, 2, generator=g)
+    return {"train_x": x[:rows], "train_theta": theta[:rows], "validation_x": x[rows:],
+            "validation_theta": theta[rows:]}
+
+
+def _joint_model(seed=0):
+    """A small classifier of rows [x (2), θ (1)]."""
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(3, 24), torch.nn.Tanh(), torch.nn.Linear(24, 1), torch.nn.Flatten(0))
+
+
+@given(rows=st.integers(2, 300), batch_size=st.integers(1, 64), classes=st.integers(1, 6), seed=st.integers(0, 99),
+       epoch=st.integers(0, 3))
+@settings(max_examples=60, deadline=None)
+def test_batch_atoms_are_other_rows_of_the_batch_and_depend_only_on_seed_epoch_and_batch(
+        rows, batch_size, classes, seed, epoch):
+    import contrast
+
+    for index, (start, stop) in enumerate(trainer.epoch_batches(rows, batch_size)):
+        atoms = contrast.batch_atoms(start, stop, classes, seed, epoch, index)
+        assert atoms.shape == (stop - start, classes)
+        own = torch.arange(start, stop)[:, None]
+        assert bool((atoms != own).all())                        # never the row's own θ
+        if stop - start >= 2:
+            assert bool(((atoms >= start) & (atoms < stop)).all())
+        else:                                                     # a one-row batch borrows a neighbour
+            assert atoms.unique().tolist() == [start - 1 if start else 1]
+        assert torch.equal(atoms, contrast.batch_atoms(start, stop, classes, seed, epoch, index))
+
+
+def test_batch_atoms_are_new_in_every_epoch_and_batch_and_cover_the_batch():
+    import contrast
+
+    draws = [contrast.batch_atoms(0, 200, 1, 5, epoch, batch) for epoch in range(2) for batch in range(2)]
+    assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1:])
+    counts = torch.bincount(torch.cat(draws).reshape(-1), minlength=200)
+    assert counts.min() >= 0 and counts.max() < 12 and (counts > 0).float().mean() > 0.9
+
+
+def test_contrastive_loss_equals_the_classification_it_defines():
+    import contrast
+
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(7, 4, generator=g, dtype=torch.float64) * 2
+    for gamma in (0.5, 1.0, 3.0):
+        k = logits.shape[1] - 1
+        ratio = logits.exp()
+        # Class 0: all K atoms from the product; class 1: the joint θ_i with K − 1 atoms.
+        p_marginal = k / (k + gamma * ratio[:, 1:].sum(1))
+        p_joint = gamma * ratio[:, 0] / (k + gamma * ratio[:, :k].sum(1))
+        want = -(torch.log(p_marginal) / (1 + gamma) + gamma / (1 + gamma) * torch.log(p_joint))
+        torch.testing.assert_close(contrast.contrastive_losses(logits, gamma), want)
+    # One atom with γ = 1 is half the binary cross-entropy of the pair.
+    pair = logits[:, :2]
+    bce = torch.nn.functional.softplus(-pair[:, 0]) + torch.nn.functional.softplus(pair[:, 1])
+    torch.testing.assert_close(contrast.contrastive_losses(pair, 1.0), bce / 2)
+
+
+def test_joint_pairs_train_every_objective_and_record_the_contrastive_validation_loss():
+    import contrast
+
+    data = _joint_data()
+    histories = {}
+    for objective in ("bce", "contrastive"):
+        settings = {"epochs": 8, "batch_size": 32, "learning_rate": 0.01, "objective": objective, "classes": 3}
+        weights, history = trainer.train(_joint_model(), data, settings, CPU, seed=4)
+        assert history["validation"][-1]["auc"] > 0.8 and history["train_loss"][-1] < history["train_loss"][0]
+        histories[objective] = history
+        model = _joint_model()
+        model.load_state_dict(weights)
+        # The recorded objective is that of the validation rows with their atoms, fixed from the seed.
+        atoms = contrast.fixed_atoms(60, settings["classes"] if objective == "contrastive" else 1, 4)
+        rows = contrast.pair_rows(data["validation_x"], data["validation_theta"], torch.arange(60), atoms)
+        with torch.no_grad():
+            grid = model(rows).double().reshape(60, -1)
+        selected = history["selected_epoch"] - 1
+        if objective == "contrastive":
+            want = contrast.contrastive_losses(grid, 1.0).mean().item()
+        else:
+            want = torch.nn.functional.binary_cross_entropy_with_logits(grid.reshape(-1), torch.tensor([1.0, 0.0]).repeat(60).double()).item()
+        assert history["validation_objective"][selected] == pytest.approx(want, rel=1e-5)
+    assert histories["bce"]["rows_per_epoch"] == 480 and histories["contrastive"]["rows_per_epoch"] == 240
+    with pytest.raises(ValueError, match="contrastive.*needs joint pairs"):
+        trainer.train(_model(), _data(), {"objective": "contrastive"}, CPU, 0)
+
+
+def test_patience_stops_training_once_the_selected_loss_stops_improving_and_resumes_exactly():
+    import io
+
+    settings = {"epochs": 60, "batch_size": 16, "learning_rate": 0.05, "patience": 3}
+    states = []
+
+    def keep(state):
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        states.append(buffer.getvalue())
+
+    saving = trainer.TrainingHooks(save_state=keep, save_seconds=math.inf)
+    weights, history = trainer.train(_joint_model(), _joint_data(), settings, CPU, 0, hooks=saving)
+    bces = [v["bce"] for v in history["validation"]]
+    stopped = history["stopped_epoch"]
+    assert stopped == len(bces) < 60 and len(states) == stopped
+    best = bces.index(min(bces))
+    assert stopped - 1 - best == 3 and history["selected_epoch"] == best + 1
+    assert all(e - bces.index(min(bces[:e + 1])) < 3 for e in range(stopped - 1))   # no earlier stop was due
+    for saved in (states[stopped - 2], states[stopped - 1]):      # the epoch before the stop, and the stop's own
+        resumed = trainer.train(_joint_model(), _joint_data(), settings, CPU, 0, hooks=trainer.TrainingHooks(
+            load_state=lambda saved=saved: torch.load(io.BytesIO(saved), weights_only=True)))
+        assert resumed[1] == history
+        assert all(torch.equal(resumed[0][k], weights[k]) for k in weights)
+    with pytest.raises(SettingsError, match=r"^training\.patience: expected an integer from 1"):
+        trainer.check_training_settings({"patience": 0})
+    for key, value in (("classes", 1), ("gamma", 0), ("objective", "nre-b")):
+        with pytest.raises(SettingsError, match=rf"^training\.{key}"):
+            trainer.check_training_settings({key: value})
