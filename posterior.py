@@ -2,7 +2,7 @@
 
     r = restore("outputs/smoke/runs/baseline-…/uniform-r0-…")
     post = r.posterior(x_o)          # x_o: one observation (d,) or an ensemble (m, d)
-    post.sample(1000, seed=0)        # (1000, p), with post.ess the effective sample size
+    post.sample(1000, seed=0)        # (1000, p) independent draws; post.sampling says how they were made
     post.hpd(0.95)                   # {"threshold", "mass", "lower", "upper"}
     post.mode(), post.mean(), post.cov(), post.log_prob(theta)
 
@@ -12,6 +12,20 @@ as every analysis case, so for a case's observations and truth the HPD bounds ar
 analysis' own. The density is p(θ | x_o) ∝ r(x_o, θ) p(θ), the learned ratio of every
 observation of the ensemble times the member's prior, normalised with the candidates'
 measure weights; on lattice axes it is a mass per lattice point.
+
+Samples (`sample`, see rejection_sample) are fresh points, not candidates: a Gaussian
+mixture is fitted to the weighted candidates and refitted on its own weighted draws,
+widened and mixed with a wider copy and the uniform box, and its draws are accepted by
+rejection against the largest importance weight seen. What is exact: every accepted draw
+is an independent draw of the density p(θ | x_o) itself (the model's, evaluated at that
+point, not interpolated between candidates) wherever p/q stays below that largest weight;
+what is approximated: a region the proposal almost never visits and where p/q would
+exceed it is under-drawn, as with any rejection sampler whose bound is estimated. When
+rejection would need more than `budget` proposal draws per draw asked, the draws are
+an importance resample of the proposal's draws instead and a warning names the setting
+to raise; `post.sampling` says which happened. An enumerated lattice is drawn exactly
+from its masses; a design with lattice axes that is not enumerated is importance-resampled
+from its candidates. `c2st` scores a sample against a reference (0.5: indistinguishable).
 """
 
 import math
