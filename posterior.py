@@ -274,7 +274,8 @@ def proposal_draws(proposal, box, count, generator):
     untruncated one over a constant, which rejection sampling does not need.
     """
     mixture, log_uniform = proposal
-    shares = torch.cat([mixture.log_shares, torch.tensor([log_uniform]) + torch.log(box.high - box.low).sum()]).exp()
+    log_volume = float(torch.log(box.high - box.low).sum())
+    shares = torch.cat([mixture.log_shares, torch.tensor([log_uniform + log_volume], dtype=torch.float64)]).exp()
     choice = torch.multinomial(shares, count, replacement=True, generator=generator)
     p = box.low.numel()
     gaussian = torch.randn(count, p, dtype=torch.float64, generator=generator)
@@ -347,7 +348,7 @@ def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET)
     """
     proposal, components, evaluations = fit_proposal(log_prob, points, masses, box, generator)
     p = box.low.numel()
-    kept, kept_log_w, kept_log_u = torch.empty(0, p, dtype=torch.float64), torch.empty(0), torch.empty(0)
+    kept, kept_log_w, kept_log_u = (torch.empty(shape, dtype=torch.float64) for shape in ((0, p), (0,), (0,)))
     slots, log_total = torch.empty(n, p, dtype=torch.float64), torch.tensor(-math.inf, dtype=torch.float64)
     log_bound, proposed, chunk = -math.inf, 0, min(CHUNK, max(1024, 2 * n))
     while kept.shape[0] < n and proposed < budget * max(n, BUDGET_FLOOR):
