@@ -1,0 +1,244 @@
+"""The posterior sampler against exact posterior draws, judged by the classifier two-sample test (C2ST).
+
+The posteriors here are built by posterior.from_scores, the path a trained model's takes
+(for_observation), with the exact likelihood in place of the network, so what is tested is
+the candidate design and the sampler alone.
+"""
+import math
+import types
+import warnings
+
+import pytest
+import torch
+
+import posterior as post
+import settings_analysis
+
+BOX = 5.0           # prior sds either side of the prior's mean: the truncation is negligible
+DRAWS = 2000
+
+
+def box_problem(p, half=BOX):
+    """The names and box a posterior needs, for p parameters on [−half, half]^p."""
+    bound = torch.full((p,), float(half), dtype=torch.float64)
+    return types.SimpleNamespace(names=[f"theta{j}" for j in range(p)], low=-bound, high=bound)
+
+
+def normal_prior_scores(log_likelihood, half=BOX):
+    """A score function of the analysis' targets: the log-likelihood (ratio) and, under a standard normal
+    prior truncated to the box, the unnormalised log posterior (−inf outside the box)."""
+    def score_fn(theta):
+        ratio = log_likelihood(theta)
+        inside = (theta.abs() <= half).all(dim=1)
+        prior = torch.where(inside, -0.5 * (theta * theta).sum(dim=1), torch.tensor(-math.inf, dtype=torch.float64))
+        return {"ratio": ratio, "posterior": ratio + prior}
+
+    return score_fn
+
+
+def adaptive_settings(candidate_count, coarse_count, stages):
+    """The default analysis settings with an adaptive design of this size."""
+    analysis = settings_analysis.make_settings("default")
+    analysis["inference"]["candidates"].update(kind="adaptive", candidate_count=candidate_count,
+                                               coarse_count=coarse_count, refinement_stages=stages)
+    return analysis
+
+
+def old_resampling(posterior, n, seed=0):
+    """Importance resampling: the candidates drawn with replacement by their masses (what sample() did before
+    it drew fresh points)."""
+    index = torch.multinomial(posterior.masses, n, replacement=True, generator=torch.Generator().manual_seed(seed))
+    return posterior.points[index]
+
+
+# ---------------------------------------------------------------- a linear Gaussian in ten parameters
+
+SIGMA = 1.0         # x = θ + N(0, σ²): the posterior sd σ/√(1 + σ²) ≈ 0.71 of the prior's 1
+X10 = torch.tensor([0.8, -1.1, 0.3, 1.9, -0.4, 0.0, -2.0, 1.2, 0.5, -0.7], dtype=torch.float64)
+
+
+def gaussian_posterior():
+    """The ten-parameter linear Gaussian's posterior on 16,384 adaptive candidates, five refined passes: the
+    default profile's 10,240 leave ten parameters with too few effective candidates to sample from."""
+    score_fn = normal_prior_scores(lambda theta: -0.5 * (((X10 - theta) / SIGMA) ** 2).sum(dim=1))
+    return post.from_scores(box_problem(10), [None] * 10, score_fn, adaptive_settings(16384, 1024, 5), seed=1)
+
+
+def gaussian_reference(n, seed):
+    """Exact i.i.d. draws of that posterior, N(x/(1 + σ²), σ²/(1 + σ²)) per axis: the box lies more than five
+    posterior sds from every mean, so its cut (under 1e-7 of the mass) is left out."""
+    scale = 1 / (1 + SIGMA ** 2)
+    noise = torch.randn(n, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
+    return X10 * scale + SIGMA * math.sqrt(scale) * noise
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread, as analyses run: small operations stay fast on busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def gaussian(one_thread):
+    """The ten-parameter posterior, built once."""
+    return gaussian_posterior()
+
+
+def test_the_sampler_matches_exact_draws_of_a_ten_parameter_gaussian_where_resampling_does_not(gaussian):
+    draws = gaussian.sample(DRAWS, seed=0)
+    assert gaussian.sampling["method"] == "rejection" and gaussian.sampling["warning"] is None
+    reference = gaussian_reference(DRAWS, seed=5)
+    score = post.c2st(draws, reference)
+    assert score <= 0.55, score
+    # The same exact posterior resampled from the candidates: a few hundred effective points, repeated.
+    old = old_resampling(gaussian, DRAWS)
+    assert torch.unique(old, dim=0).shape[0] < DRAWS / 2
+    assert post.c2st(old, reference) > score + 0.15
+
+
+def test_draws_are_distinct_and_deterministic_from_their_seed(gaussian):
+    first, again, other = gaussian.sample(500, seed=3), gaussian.sample(500, seed=3), gaussian.sample(500, seed=4)
+    assert torch.equal(first, again) and not torch.equal(first, other)
+    assert torch.unique(first, dim=0).shape[0] == 500 and gaussian.sampling["distinct_fraction"] == 1.0
+    assert bool((first.abs() <= BOX).all())
+    info = gaussian.sampling
+    assert info["draws"] == 500 and 0.05 < info["acceptance"] <= 1 and info["evaluations"] >= 500
+
+
+# ---------------------------------------------------------------- four modes in five parameters
+
+NOISE = 0.5
+HALF = 3.0          # the box of the four-mode problem, in prior sds: the references truncate exactly too
+# x0..x2 see θ0..θ2 through a mixing matrix; x3 and x4 see only θ3² and θ4², so ±θ3, ±θ4 fit alike.
+MIXING = torch.tensor([[1.0, 0.5, 0.0], [0.0, 1.0, -0.5], [0.3, 0.0, 1.0]], dtype=torch.float64)
+X5 = torch.tensor([0.4, -0.6, 1.0, 1.44, 2.25], dtype=torch.float64)       # squares of ±1.2 and ±1.5
+
+
+def four_mode_log_likelihood(theta):
+    """log p(x | θ) of the five-parameter problem, up to a constant."""
+    linear = theta[:, :3] @ MIXING.T
+    squares = theta[:, 3:] ** 2
+    return -0.5 * (((X5[:3] - linear) ** 2).sum(dim=1) + ((X5[3:] - squares) ** 2).sum(dim=1)) / NOISE ** 2
+
+
+def four_mode_posterior():
+    """The four-mode posterior on a 10,240-point adaptive design (the default profile's)."""
+    score_fn = normal_prior_scores(four_mode_log_likelihood, half=HALF)
+    return post.from_scores(box_problem(5, HALF), [None] * 5, score_fn, adaptive_settings(10240, 1024, 3), seed=1)
+
+
+def four_mode_reference(n, seed):
+    """Exact i.i.d. draws of the four-mode posterior.
+
+    Likelihood and prior factor into the linear block (θ0..θ2) and each of θ3, θ4, so the
+    posterior does too. The block is Gaussian: precision I + AᵀA/σ², drawn exactly and
+    kept inside the box (rejection, which truncates exactly). θ3 and θ4 are symmetric about
+    0: |θ| is drawn by rejection from the half-normal prior, accepted with probability
+    exp(−(x − θ²)²/(2σ²)) ≤ 1 (exact rejection: the envelope is the prior itself), then
+    given a fair random sign.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    precision = torch.eye(3, dtype=torch.float64) + MIXING.T @ MIXING / NOISE ** 2
+    covariance = torch.linalg.inv(precision)
+    mean = covariance @ MIXING.T @ X5[:3] / NOISE ** 2
+    factor = torch.linalg.cholesky(covariance)
+    block = torch.empty(0, 3, dtype=torch.float64)
+    while block.shape[0] < n:
+        fresh = mean + torch.randn(n, 3, dtype=torch.float64, generator=generator) @ factor.T
+        block = torch.cat([block, fresh[(fresh.abs() <= HALF).all(dim=1)]])
+    return torch.cat([block[:n]] + [symmetric_draws(x, n, generator)[:, None] for x in X5[3:].tolist()], dim=1)
+
+
+def symmetric_draws(x, n, generator):
+    """n exact draws of the density ∝ exp(−(x − t²)²/(2σ²) − t²/2) on [−HALF, HALF] (see four_mode_reference)."""
+    kept = torch.empty(0, dtype=torch.float64)
+    while kept.shape[0] < n:
+        t = torch.randn(20 * n, dtype=torch.float64, generator=generator).abs()
+        accept = torch.rand(20 * n, dtype=torch.float64, generator=generator) < torch.exp(
+            -0.5 * ((x - t * t) / NOISE) ** 2)
+        kept = torch.cat([kept, t[accept & (t <= HALF)]])
+    sign = torch.randint(0, 2, (n,), generator=generator) * 2 - 1
+    return kept[:n] * sign
+
+
+@pytest.fixture(scope="module")
+def four_modes(one_thread):
+    """The four-mode posterior, built once."""
+    return four_mode_posterior()
+
+
+def test_the_sampler_matches_exact_draws_of_four_modes_where_resampling_does_not(four_modes):
+    draws = four_modes.sample(DRAWS, seed=0)
+    assert four_modes.sampling["method"] == "rejection" and four_modes.sampling["components"] >= 4
+    reference = four_mode_reference(DRAWS, seed=5)
+    score = post.c2st(draws, reference)
+    assert score <= 0.55, score
+    # Each mode holds a quarter of the mass: four standard errors of 2,000 draws is 0.039.
+    quadrants = torch.bincount(((draws[:, 3] > 0) * 2 + (draws[:, 4] > 0)).long(), minlength=4) / DRAWS
+    assert torch.all((quadrants - 0.25).abs() < 0.039), quadrants
+    assert post.c2st(old_resampling(four_modes, DRAWS), reference) > score + 0.05
+
+
+# ---------------------------------------------------------------- when independent draws cost too much
+
+def test_draws_that_would_exceed_the_budget_fall_back_with_a_warning_naming_the_setting(gaussian):
+    # About four proposal draws per accepted one here (acceptance near 0.25): a budget of
+    # one per draw asked runs out first.
+    with pytest.warns(UserWarning, match="raise inference.candidates.candidate_count"):
+        draws = gaussian.sample(DRAWS, seed=0, budget=1)
+    info = gaussian.sampling
+    assert draws.shape == (DRAWS, 10) and info["method"] == "resampled-proposal" and info["warning"]
+    assert info["acceptance"] < 1 and info["evaluations"] <= 3 * post.PILOT + max(DRAWS, post.BUDGET_FLOOR) + post.CHUNK
+    # The fallback resamples fresh proposal draws, far more effective than the candidates.
+    assert torch.unique(draws, dim=0).shape[0] > 0.5 * DRAWS
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gaussian.sample(DRAWS, seed=0)      # the default budget suffices: no warning
+    assert gaussian.sampling["warning"] is None
+
+
+# ---------------------------------------------------------------- the classifier two-sample test
+
+def test_c2st_is_a_half_for_one_distribution_one_for_disjoint_ones_and_deterministic():
+    generator = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(1500, 5, dtype=torch.float64, generator=generator) for _ in range(2))
+    same = post.c2st(a, b, seed=2)
+    assert 0.44 <= same <= 0.56 and post.c2st(a, b, seed=2) == same
+    assert post.c2st(a + 6.0, b) >= 0.99
+    assert post.c2st(a + 0.5, b) > 0.6          # a shift of half an sd is seen
+
+
+def lattice_posterior(steps, kind="adaptive"):
+    """A posterior on [0, 10]^p with these lattice steps (None: a continuous axis), its mode near 4.3."""
+    def score_fn(theta):
+        ratio = -0.5 * (((theta - 4.3) / 0.5) ** 2).sum(dim=1)
+        return {"ratio": ratio, "posterior": ratio}
+
+    p = len(steps)
+    problem = types.SimpleNamespace(names=[f"k{j}" for j in range(p)], low=torch.zeros(p, dtype=torch.float64),
+                                    high=torch.full((p,), 10.0, dtype=torch.float64))
+    return post.from_scores(problem, steps, score_fn, adaptive_settings(4096, 512, 3), seed=1)
+
+
+def test_an_enumerated_lattice_draws_exactly_from_its_masses_without_a_warning():
+    lattice = lattice_posterior([0.2])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # its draws repeat by nature
+        draws = lattice.sample(4000, seed=0)
+    assert lattice.enumerated and lattice.sampling["method"] == "lattice" and lattice.sampling["acceptance"] is None
+    frequency = (draws[:, None, 0] == lattice.points[None, :, 0]).double().mean(dim=0)
+    assert torch.allclose(frequency, lattice.masses, atol=4 * math.sqrt(0.25 / 4000))
+
+
+def test_a_design_with_a_lattice_axis_resamples_and_warns_beyond_its_effective_candidates():
+    mixed = lattice_posterior([0.2, None])
+    assert not mixed.enumerated and 100 < mixed.ess < 4000
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        mixed.sample(int(mixed.ess), seed=0)
+    with pytest.warns(UserWarning, match="candidate_count"):
+        mixed.sample(4000, seed=0)
+    assert mixed.sampling["method"] == "resampled" and mixed.sampling["distinct_fraction"] < 1
