@@ -318,7 +318,10 @@ def finish_launch(launch, planned, trained, used):
         runs.clean_up(root, launch.store, set(fields["runs"]), entries)
     runs.copy_settings(root, profile)
     if launch.stage != "train":
-        print(results.table(results.read_runs(root, fields["runs"]), study.report_layout(profile.analysis)[0]), flush=True)
+        records = results.read_runs(root, fields["runs"])
+        lines = [results.table(records, study.report_layout(profile.analysis)[0]),
+                 *results.warning_lines(records, study.report_warnings(profile.analysis))]
+        print("\n".join(lines), flush=True)
 
 
 def verify(profile=None, settings_dir=None):
@@ -346,6 +349,7 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
     if not any(record.metrics is not None for record in records):
         raise LaunchError(f"{root}: no analysed runs yet; run `python nnpd.py run --profile {loaded.name}` first")
     notes, (columns, panels) = [], study.report_layout(loaded.analysis)
+    notes += results.warning_lines(records, study.report_warnings(loaded.analysis))
     if csv_path:
         notes.append(f"{results.write_csv(records, csv_path)} rows written to {csv_path}")
     if plot and jobs.matplotlib_missing():

@@ -20,7 +20,7 @@ import torch
 import adaptive
 import inference
 import runtime
-from nre_analysis import learned_scoring
+from nre_analysis import check_inference_settings, learned_scoring
 
 MIN_ESS = 100            # effective candidates below which sampling is refused: too few to resample from
 
@@ -128,7 +128,9 @@ def for_observation(problem, prior, model, analysis_settings, observations, seed
     that case's design. Without a truth, the box's centre stands in (it changes nothing
     but the truth-only fields of the analysis' summary).
     """
-    settings = analysis_settings["inference"]
+    # Every key the analysis settings leave out (all of them for a run never analysed) takes its default.
+    settings = check_inference_settings((analysis_settings or {}).get("inference", {}), problem.parameter_count,
+                                        callable(getattr(problem, "log_likelihood", None)))
     x = observation_ensemble(observations, problem.dimension)
     candidates = dict(settings["candidates"])
     if any(step is not None for step in prior.lattice_steps):
