@@ -349,7 +349,6 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
     if not any(record.metrics is not None for record in records):
         raise LaunchError(f"{root}: no analysed runs yet; run `python nnpd.py run --profile {loaded.name}` first")
     notes, (columns, panels) = [], study.report_layout(loaded.analysis)
-    notes += results.warning_lines(records, study.report_warnings(loaded.analysis))
     if csv_path:
         notes.append(f"{results.write_csv(records, csv_path)} rows written to {csv_path}")
     if plot and jobs.matplotlib_missing():
@@ -361,7 +360,8 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
             write_bytes_atomic(root / "report" / "comparison.png", png)
         notes.append(f"figure written to {root / 'report' / 'comparison.png'}" if png is not None else
                      "--plot: nothing to draw (no analysed run has a metric of the figure); no figure written")
-    return results.table(records, columns), notes
+    warnings_found = results.warning_lines(records, study.report_warnings(loaded.analysis))
+    return "\n".join([results.table(records, columns), *warnings_found]), notes
 
 
 # ---------------------------------------------------------------- command line

@@ -5,12 +5,14 @@ settings, and an analysis file holding nothing but the analysis class. One model
 deliberately flat (one epoch on a few rows at a learning rate too small to move it). `train`, `run` and
 `infer` are the real command line: infer after train alone in a fresh process, the rest in-process.
 """
+import copy
 import json
 import textwrap
 
 import numpy as np
 import pytest
 
+import settings_analysis
 from conftest import main_in_process, run_cli
 from nre_analysis import check_inference_settings
 from settings import SettingsError
@@ -169,3 +171,9 @@ def test_every_inference_key_has_a_default_sized_for_the_parameters():
     assert given["candidates"]["candidate_count"] == 512 and given["targets"][-1] == "exact"
     with pytest.raises(SettingsError, match="inference.observations"):
         check_inference_settings({"observations": 0}, 1)
+
+
+@pytest.mark.parametrize("profile", settings_analysis.PROFILES)
+def test_settings_that_spell_out_every_key_are_unchanged_so_their_keys_are_too(profile):
+    given = settings_analysis.make_settings(profile)["inference"]
+    assert check_inference_settings(copy.deepcopy(given), 3) == given
