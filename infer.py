@@ -5,6 +5,9 @@ Writes, beside the observations file (or into `--output`), `<stem>-<member>.post
 and with `--plot` `<stem>-<member>.corner.png`. The observations are one observation (d,)
 or an ensemble of m observations (m, d) of the same parameters; `--truth FILE.npy` (p,)
 marks known parameters on the corner plot. A bad file or shape changes nothing on disk.
+A nearly flat posterior (nre_analysis.flatness) gets one line saying so, kept under "flat" in
+the JSON too. A run only trained, never analysed, is scored with the study's default analysis
+settings (nre_analysis.INFERENCE_DEFAULTS).
 """
 import io
 import json
@@ -12,7 +15,9 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import torch
 
+import nre_analysis
 from store import restore, write_bytes_atomic
 
 DEFAULT_SAMPLES = 1000
@@ -45,7 +50,8 @@ def read_array(path, what):
 def command(arguments):
     """The infer command: its files, or one line saying what is wrong with the input (exit status 2)."""
     try:
-        print("\n".join(f"written: {path}" for path in infer(arguments)))
+        written, warning = infer(arguments)
+        print("\n".join([f"written: {path}" for path in written] + [f"warning: {warning}"] * bool(warning)))
     except InferError as error:
         print(f"nnpd: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
@@ -53,7 +59,7 @@ def command(arguments):
 
 
 def infer(arguments):
-    """Compute the posterior and write its files; returns the paths written."""
+    """Compute the posterior and write its files; returns the paths written and the flat posterior's line or None."""
     if not arguments.run or not arguments.observations:
         raise InferError("infer needs a run folder and --observations FILE.npy")
     if arguments.samples < 1:
@@ -76,7 +82,8 @@ def infer(arguments):
     folder = Path(arguments.output) if arguments.output else Path(arguments.observations).parent
     stem = f"{Path(arguments.observations).stem}-{restored.member.get('name', 'run')}"
     summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),
-               "shape": list(observations.shape), "samples": int(arguments.samples), **posterior.summary()}
+               "shape": list(observations.shape), "samples": int(arguments.samples), **posterior.summary(),
+               "flat": flat_report(restored, posterior)}
     written = [folder / f"{stem}.posterior.json", folder / f"{stem}.samples.npy"]
     write_bytes_atomic(written[0], (json.dumps(summary, indent=2) + "\n").encode())
     buffer = io.BytesIO()
@@ -85,7 +92,14 @@ def infer(arguments):
     if figure is not None:
         written.append(folder / f"{stem}.corner.png")
         write_bytes_atomic(written[-1], figure)
-    return written
+    return written, summary["flat"]["warning"]
+
+
+def flat_report(restored, posterior):
+    """Whether the posterior is nearly flat (nre_analysis.flatness): its sds against the prior's, with the AUC."""
+    prior_sd = nre_analysis.prior_sds(restored.experiment.prior(restored.member), len(posterior.names))
+    sds = torch.sqrt(torch.diagonal(posterior.cov()))
+    return nre_analysis.flatness(posterior.names, sds, prior_sd, nre_analysis.selected_auc(restored.history))
 
 
 def corner_png(posterior, samples, truth):

@@ -433,8 +433,9 @@ def cohort_figures(launch, jobs, trained):
         members = [job for job in jobs if job.configuration is configuration]
         if not members:
             continue
-        contexts = [study.Context(job.settings, settings, job.member, job.experiment, job.analysis, launch.rt,
-                                  launch.root / job.run, launch.store,
+        # Each job's analysis settings, with its study's defaults filled in: the products' keys read them.
+        contexts = [study.Context(job.settings, job.analysis.settings, job.member, job.experiment, job.analysis,
+                                  launch.rt, launch.root / job.run, launch.store,
                                   *(trained.get(job.run) or trained_artifacts(launch, job))) for job in members]
         folder = launch.root / "runs" / configuration.name / "plots"
         if folder.exists():

@@ -318,7 +318,10 @@ def finish_launch(launch, planned, trained, used):
         runs.clean_up(root, launch.store, set(fields["runs"]), entries)
     runs.copy_settings(root, profile)
     if launch.stage != "train":
-        print(results.table(results.read_runs(root, fields["runs"]), study.report_layout(profile.analysis)[0]), flush=True)
+        records = results.read_runs(root, fields["runs"])
+        lines = [results.table(records, study.report_layout(profile.analysis)[0]),
+                 *results.warning_lines(records, study.report_warnings(profile.analysis))]
+        print("\n".join(lines), flush=True)
 
 
 def verify(profile=None, settings_dir=None):
@@ -357,7 +360,8 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
             write_bytes_atomic(root / "report" / "comparison.png", png)
         notes.append(f"figure written to {root / 'report' / 'comparison.png'}" if png is not None else
                      "--plot: nothing to draw (no analysed run has a metric of the figure); no figure written")
-    return results.table(records, columns), notes
+    warnings_found = results.warning_lines(records, study.report_warnings(loaded.analysis))
+    return "\n".join([results.table(records, columns), *warnings_found]), notes
 
 
 # ---------------------------------------------------------------- command line

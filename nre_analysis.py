@@ -13,6 +13,7 @@ Metrics: classification, bias, coverage, width, resolution, posterior, exact_ref
 expected_coverage, pairwise, reweighting, normalization (docs/results.md says what each holds).
 """
 import contextlib
+import copy
 import math
 import statistics
 from typing import NamedTuple
@@ -50,9 +51,66 @@ INFERENCE_SCHEMA = {
     "targets": list, "levels": list,
 }
 
+# What a study's `inference` section may leave out (docs/extending.md tabulates every key). The None
+# entries are each study's own (study_defaults): the candidate sizes from its parameter count, the
+# targets from whether it gives an exact likelihood.
+INFERENCE_DEFAULTS = {
+    "truths": {"kind": "sobol", "sobol_truths": 512, "truth_points_per_axis": 7, "max_grid_truths": 1024,
+               "truth_margin_fraction": 0.0, "align_truths_to_grid": False, "repeats": 1},
+    "observations": 1,
+    "candidates": {"kind": "adaptive", "candidate_count": None, "coarse_count": None, "refinement_stages": 3,
+                   "candidate_points_per_axis": 64, "native_grid_prior": True, "max_enumerated": 100_000},
+    "targets": None,
+    "levels": [0.68, 0.95],
+    "chunk_rows": 1 << 24,
+    "precision": "float32",
+    "retain": "diagnostic",
+    "diagnostic_cases": 4,
+}
+# The default adaptive design per parameter: a coarse pass of 128 points and 1,024 in all, so the
+# last refined pass keeps half the points. By the coarse-pass rule of plan's warning (README, "The
+# bundled study") 128·p coarse points reach posteriors whose sd is above about 0.5% of the box's
+# width at p = 1, 1.7% at p = 2, 4.7% at p = 6 and 6.2% at p = 10, at 1,024·p network rows a case.
+COARSE_PER_PARAMETER = 128
+CANDIDATES_PER_PARAMETER = 1024
+
 
 # Counts beyond a billion (points, cases, rows) are surely typos.
 MAX_COUNT = 10**9
+
+
+def default_design_sizes(parameter_count):
+    """The default adaptive design's sizes for p parameters (see COARSE_PER_PARAMETER)."""
+    return {"candidate_count": CANDIDATES_PER_PARAMETER * parameter_count,
+            "coarse_count": COARSE_PER_PARAMETER * parameter_count}
+
+
+def default_targets(likelihood):
+    """Every target the study can score: the exact one only with an exact likelihood."""
+    return ["ratio", "posterior"] + ["exact"] * bool(likelihood)
+
+
+def with_defaults(given, defaults):
+    """`given` with the keys it leaves out taken from `defaults`, one level of sections deep; a new dict.
+
+    Only a missing key takes its default: a key given as None is checked (and refused) as given.
+    """
+    if not isinstance(given, dict):
+        return given                  # check_value names what is wrong with it
+    filled = {key: copy.deepcopy(value) for key, value in defaults.items() if key not in given}
+    for key, value in given.items():
+        inner = defaults.get(key)
+        filled[key] = {**copy.deepcopy(inner), **value} if isinstance(inner, dict) and isinstance(value, dict) \
+            else value
+    return filled
+
+
+def study_defaults(parameter_count, likelihood):
+    """INFERENCE_DEFAULTS for one study: its None entries filled from the parameter count and the likelihood."""
+    defaults = copy.deepcopy(INFERENCE_DEFAULTS)
+    defaults["candidates"].update(default_design_sizes(parameter_count))
+    defaults["targets"] = default_targets(likelihood)
+    return defaults
 
 
 def check_value(value, rule, path):
@@ -61,9 +119,8 @@ def check_value(value, rule, path):
         if not isinstance(value, dict):
             raise SettingsError(f"{path}: expected a dict with keys {', '.join(rule)}")
         unknown = sorted(set(value) - set(rule))
-        missing = sorted(set(rule) - set(value))
-        if unknown or missing:
-            raise SettingsError(f"{path}: unknown keys {unknown} / missing keys {missing}; expected {', '.join(rule)}")
+        if unknown:
+            raise SettingsError(f"{path}: unknown keys {unknown}; expected some of {', '.join(rule)}")
         for key, sub_rule in rule.items():
             check_value(value[key], sub_rule, f"{path}.{key}")
     elif isinstance(rule, tuple):
@@ -77,10 +134,12 @@ def check_value(value, rule, path):
         raise SettingsError(f"{path}: expected a {rule.__name__}, got {value!r}")
 
 
-def check_inference_settings(settings):
-    """Validate the `inference` section of the analysis settings."""
-    if isinstance(settings, dict):      # optional: settings files written before it still work
-        settings.setdefault("precision", "float32")
+def check_inference_settings(settings, parameter_count, likelihood=True):
+    """The `inference` section with every default filled in (INFERENCE_DEFAULTS), checked; returns a new dict.
+
+    `parameter_count` sizes the default design; `likelihood` says whether the exact target is a default.
+    """
+    settings = with_defaults(settings, study_defaults(parameter_count, likelihood))
     check_value(settings, INFERENCE_SCHEMA, "inference")
     for key in ("observations", "chunk_rows"):
         if settings[key] < 1:
@@ -96,6 +155,7 @@ def check_inference_settings(settings):
     if not levels or any(not is_number(v) or not 0 < v < 1 for v in levels) \
             or sorted(set(levels)) != list(levels):
         raise SettingsError(f"inference.levels: increasing enclosed masses strictly between 0 and 1; got {levels!r}")
+    return settings
 
 
 def candidate_lattice(ctx):
@@ -565,10 +625,82 @@ def metric_resolution(ctx):
 
 
 def metric_posterior(ctx):
-    """Bias, coverage and width of the posterior target, or that it is off."""
+    """Bias, coverage, width and resolution of the posterior target, and whether it is flat; or that it is off."""
     if "posterior" not in ctx.analysis_settings["inference"]["targets"]:
         return {"enabled": False}
-    return {"enabled": True, **target_report(ctx, ctx.require("learned"), "posterior")}
+    return {"enabled": True, **target_report(ctx, ctx.require("learned"), "posterior"), "flat": case_flatness(ctx)}
+
+
+# A learned posterior is flat when some parameter's sd is above FLAT_SD_SHARE of its prior's sd: the
+# observations narrowed it by less than half. That is worth a line whatever the model; its validation
+# AUC says which cause is likely. Below HIGH_AUC the network barely tells joint from marginal pairs,
+# so it has learned little; at or above it the model discriminates, so these observations say little
+# about that parameter (or the candidates missed the posterior: the resolution warning says so).
+FLAT_SD_SHARE = 0.5
+HIGH_AUC = 0.75
+PRIOR_DRAWS = 20_000     # draws of the prior's sds: a relative error of about 0.5%
+FLAT_CASES = 4           # analysis cases whose posterior the `posterior` metric checks for flatness
+
+
+def prior_sds(prior, parameter_count):
+    """The prior's marginal sds (p,), from PRIOR_DRAWS draws of a fixed stream."""
+    draws = prior.sample(PRIOR_DRAWS, torch.Generator().manual_seed(0))
+    return torch.as_tensor(draws, dtype=torch.float64).reshape(-1, parameter_count).std(0)
+
+
+def selected_auc(history):
+    """The validation AUC of the epoch whose weights were kept (selected_epoch counts from 1), or None."""
+    epoch, validation = history.get("selected_epoch"), history.get("validation") or []
+    if not isinstance(epoch, int) or not 1 <= epoch <= len(validation):
+        return None
+    return validation[epoch - 1].get("auc")
+
+
+def flat_cause(auc):
+    """Why a posterior is likely flat, from the model's validation AUC."""
+    if auc is None:
+        return "the model's validation AUC is unknown"
+    if auc < HIGH_AUC:
+        return (f"the model barely tells joint from marginal pairs (validation AUC {auc:.2f}, below {HIGH_AUC}), "
+                "so it has learned little: train longer or on more data")
+    return (f"the model tells joint from marginal pairs well (validation AUC {auc:.2f}), so the observations say "
+            "little about them (or the candidates missed the posterior)")
+
+
+def flatness(names, posterior_sds, prior_sd, auc):
+    """Whether a posterior is flat (see FLAT_SD_SHARE): each parameter's sd over the prior's, and one line or None."""
+    shares = [float(a) / float(b) if float(b) > 0 else None for a, b in zip(posterior_sds, prior_sd)]
+    flat = [name for name, share in zip(names, shares) if share is not None and share > FLAT_SD_SHARE]
+    warning = None
+    if flat:
+        warning = (f"the posterior is nearly flat in {', '.join(flat)}: its sd is above {FLAT_SD_SHARE:g} of the "
+                   f"prior's; {flat_cause(auc)}")
+    return {"flat": bool(flat), "parameters": flat, "sd_share": shares, "validation_auc": auc, "warning": warning}
+
+
+def case_flatness(ctx):
+    """Flatness of the learned posterior of the first FLAT_CASES cases, each refined as its analysis was.
+
+    `warning` is one line when at least half of them are flat, else None.
+    """
+    from posterior import for_observation          # posterior.py builds on this module
+    truths = ctx.require("truths").array("truths")
+    observations = ctx.require("observations").array("observations")
+    names, cases = ctx.problem.names, min(FLAT_CASES, len(truths))
+    prior_sd, auc = prior_sds(ctx.prior, len(names)), selected_auc(ctx.model_artifact.json("history"))
+    reports = []
+    for case in range(cases):
+        posterior = for_observation(ctx.problem, ctx.prior, ctx.model, ctx.analysis_settings, observations[case],
+                                    ctx.settings["seed"], truth=truths[case], device=ctx.runtime.device, case=case)
+        reports.append(flatness(names, torch.sqrt(torch.diagonal(posterior.cov())), prior_sd, auc))
+    flat = [report for report in reports if report["flat"]]
+    parameters = [name for name in names if any(name in report["parameters"] for report in flat)]
+    warning = None
+    if flat and 2 * len(flat) >= cases:
+        warning = (f"{len(flat)} of {cases} checked cases have a nearly flat posterior (in {', '.join(parameters)}: "
+                   f"sd above {FLAT_SD_SHARE:g} of the prior's); {flat_cause(auc)}")
+    return {"cases": cases, "flat_cases": len(flat), "parameters": parameters, "validation_auc": auc,
+            "sd_share": [report["sd_share"] for report in reports], "warning": warning}
 
 
 def metric_exact_reference(ctx):
@@ -654,13 +786,15 @@ def posterior_share(problem, lattice, observations, scale=1.0):
 class NREAnalysis(Analysis):
     """The whole analysis of a ratio-estimator study: products, metrics and figures."""
 
-    SECTIONS = ("inference",)
+    SECTIONS = ()
+    OPTIONAL_SECTIONS = ("inference",)      # every key has a default (INFERENCE_DEFAULTS)
     # lat68 / lat95: the randomised coverage, nominal for the exact likelihood on lattice priors too.
     REPORT_COLUMNS = (("cov68", "coverage.0.68.joint"), ("lat68", "coverage.0.68.lattice"),
                       ("cov95", "coverage.0.95.joint"), ("lat95", "coverage.0.95.lattice"),
                       ("width68", "width.0.68.mean"), ("bias rmse", "bias.rmse"), ("test AUC", "classification.auc"))
     FIGURE_METRICS = (("joint 68% coverage", "coverage.0.68"), ("68% width", "width.0.68.mean"),
                       ("bias RMSE", "bias.rmse"))
+    REPORT_WARNINGS = ("posterior.flat.warning",)     # lines `run` and `report` print under the table
     WORKLOAD_ADVICE = "reduce inference.truths, inference.candidates or inference.observations"
 
     products = {
@@ -696,7 +830,7 @@ class NREAnalysis(Analysis):
         "coverage": Metric(metric_coverage, needs=("learned", "truths")),
         "width": Metric(metric_width, needs=("learned",)),
         "resolution": Metric(metric_resolution, needs=("learned",)),
-        "posterior": Metric(metric_posterior, needs=("learned", "truths")),
+        "posterior": Metric(metric_posterior, needs=("learned", "truths", "observations")),
         "exact_reference": Metric(metric_exact_reference, needs=("exact", "learned", "truths")),
         "expected_coverage": Metric(metric_expected_coverage, needs=("learned",)),
         "pairwise": Metric(metric_pairwise, needs=("pairwise",)),
@@ -715,17 +849,31 @@ class NREAnalysis(Analysis):
     }
 
     def __init__(self, settings, experiment):
-        self.settings = settings
         self.experiment = experiment
+        self.settings = self.with_defaults(settings)
         # The inference code (its designs, refinement and summaries) and the problem's (its
         # simulator and likelihood: the truths' observations, the exact target) shape the
         # products, so their sources enter every product's key.
         self.SOURCES = ((inference, adaptive, priors, runtime.derived_seed)
                         + tuple(getattr(experiment, "SCIENCE_SOURCES", ())))
 
+    def with_defaults(self, settings):
+        """The analysis settings with the defaults of `inference` and `metrics` filled in for this study."""
+        problem = self.experiment.problem()
+        likelihood = callable(getattr(problem, "log_likelihood", None))
+        inference_settings = check_inference_settings(settings.get("inference", {}), problem.parameter_count,
+                                                      likelihood)
+        return {**settings, "inference": inference_settings,
+                "metrics": settings.get("metrics", self.default_metrics(inference_settings["targets"], likelihood))}
+
+    def default_metrics(self, targets, likelihood):
+        """Every metric the targets and the study's likelihood allow."""
+        return [name for name in self.metrics if (likelihood or name not in LIKELIHOOD_METRICS)
+                and ("ratio" in targets or name not in self.NEEDS_RATIO)
+                and ("exact" in targets or name != "exact_reference")]
+
     def validate(self):
-        """Check the inference settings and that every selected metric can be computed."""
-        check_inference_settings(self.settings["inference"])
+        """Check that every selected metric can be computed (the inference settings were checked when filled)."""
         self.check_adaptive_sizes()
         targets = self.settings["inference"]["targets"]
         self.check_likelihood(targets)

@@ -38,7 +38,7 @@ import torch
 import adaptive
 import inference
 import runtime
-from nre_analysis import learned_scoring
+from nre_analysis import check_inference_settings, learned_scoring
 
 MIN_ESS = 100            # effective candidates below which sampling is refused: too few to fit or resample from
 COMPONENT_CHOICES = (1, 2, 4, 8)   # mixture sizes tried on the weighted candidates
@@ -475,7 +475,9 @@ def for_observation(problem, prior, model, analysis_settings, observations, seed
     that case's design. Without a truth, the box's centre stands in (it changes nothing
     but the truth-only fields of the analysis' summary).
     """
-    settings = analysis_settings["inference"]
+    # Every key the analysis settings leave out (all of them for a run never analysed) takes its default.
+    settings = check_inference_settings((analysis_settings or {}).get("inference", {}), problem.parameter_count,
+                                        callable(getattr(problem, "log_likelihood", None)))
     x = observation_ensemble(observations, problem.dimension)
     score_fn = host_scores(learned_scoring(model, torch.device(device), prior, x[None], score_targets(settings),
                                            settings, inference.Evaluations()))

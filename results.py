@@ -205,6 +205,13 @@ def table(records, columns=()):
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
 
 
+def warning_lines(records, paths=()):
+    """One line per analysed run and warning found at a metric path (the analysis class's REPORT_WARNINGS)."""
+    return [f"warning: {record.swept} {record.prior}: {lookup(record.metrics, path)}"
+            for record in records if record.metrics is not None for path in paths
+            if isinstance(lookup(record.metrics, path), str)]
+
+
 def knob_value(settings, knob):
     """The value a dotted knob path has in resolved settings (the baseline's value for a swept knob)."""
     node = settings

@@ -390,9 +390,15 @@ def check_training(settings, where="settings_training.py"):
 
 
 def check_analysis(settings, where="settings_analysis.py"):
-    """Structure, sections, no Choice and class reference of analysis settings."""
+    """Structure, sections, no Choice and class reference of analysis settings; fills the framework's defaults.
+
+    Only `analysis` is required: the other framework sections default to ANALYSIS_DEFAULTS, and
+    `metrics` to what the analysis class selects (study.load_study).
+    """
     check_structure(settings, where)
-    check_sections(settings, ANALYSIS_SECTIONS, where)
+    check_sections(settings, ("analysis",), where)
+    for section, value in ANALYSIS_DEFAULTS.items():
+        settings.setdefault(section, copy.deepcopy(value))
     path = _first_choice_path(settings)
     if path is not None:
         _fail(where, path, "analysis is not swept; remove the Choice, edit "
@@ -414,6 +420,11 @@ PARALLEL_MODES = ("jobs", "ddp")
 DEVICE_FORMS = '"auto", "cpu", "cuda" or "cuda:N" (N = GPU index)'
 LIMITS = ("max_model_evaluations", "max_saved_bytes", "max_candidate_points")
 PLOT_FORMATS = ("png", "pdf", "svg")
+# The framework's analysis sections a settings_analysis.py may leave out. The limits are the bundled
+# profiles' own: they let the default profile's largest analysis through and stop a typo's.
+LIMIT_DEFAULTS = {"max_model_evaluations": 2e12, "max_saved_bytes": 8e9, "max_candidate_points": 2e6}
+PLOTTING_DEFAULTS = {"format": "png", "dpi": 120}
+ANALYSIS_DEFAULTS = {"verification": LIMIT_DEFAULTS, "plots": [], "cohort_plots": [], "plotting": PLOTTING_DEFAULTS}
 
 
 def check_runtime(runtime_settings):
@@ -459,15 +470,16 @@ def check_seed(seed):
 
 def check_analysis_framework(analysis):
     """The analysis sections the framework reads: limits, figure format, selected names."""
-    limits = analysis["verification"]
-    known_keys(limits, LIMITS, "verification")
+    known_keys(analysis["verification"], LIMITS, "verification")
+    analysis["verification"] = limits = {**LIMIT_DEFAULTS, **analysis["verification"]}
     for name in LIMITS:
-        number(require(limits, name, "verification"), f"verification.{name}", 0, 1e18, low_open=True)
-    plotting = analysis["plotting"]
-    known_keys(plotting, ("format", "dpi"), "plotting")
-    one_of(plotting.get("format", "png"), PLOT_FORMATS, "plotting.format")
-    integer(plotting.get("dpi", 120), "plotting.dpi", 1, 2400)
-    name_list(analysis["metrics"], "metrics", allow_empty=False)
+        number(limits[name], f"verification.{name}", 0, 1e18, low_open=True)
+    known_keys(analysis["plotting"], tuple(PLOTTING_DEFAULTS), "plotting")
+    analysis["plotting"] = plotting = {**PLOTTING_DEFAULTS, **analysis["plotting"]}
+    one_of(plotting["format"], PLOT_FORMATS, "plotting.format")
+    integer(plotting["dpi"], "plotting.dpi", 1, 2400)
+    if "metrics" in analysis:       # else the analysis class chooses them (study.load_study)
+        name_list(analysis["metrics"], "metrics", allow_empty=False)
     name_list(analysis["plots"], "plots")
     name_list(analysis["cohort_plots"], "cohort_plots")
 

@@ -834,18 +834,24 @@ class Restored:
     def posterior(self, observations, truth=None, device=None):
         """The posterior of the run's model for an observation (d,) or ensemble (m, d), as its analysis computed.
 
-        For studies whose experiment gives one (those on the study kit: see posterior.py);
-        it needs the run's analysis settings, so the run must have been analysed.
+        For studies whose experiment gives one (those on the study kit: see posterior.py). It uses
+        the run's analysis settings when it was analysed, and the study's defaults when it was only trained.
         """
         if not callable(getattr(self.experiment, "posterior", None)):
             raise TypeError(f"{type(self.experiment).__name__} gives no posterior (studies on the study kit do)")
-        analysis = self.json("analysis") or {}
-        if not isinstance(analysis.get("settings"), dict) or analysis.get("checksum") != record_checksum(analysis):
-            raise ValueError(f"{self.run_dir}: its analysis settings are unknown (never analysed, or "
-                             "analysis.json is damaged); run `python nnpd.py analyze` first")
         device = device or next(self.model.parameters()).device
-        return self.experiment.posterior(self.member, self.model, analysis["settings"], observations,
+        return self.experiment.posterior(self.member, self.model, self.analysis_settings(), observations,
                                          truth=truth, device=device)
+
+    def analysis_settings(self):
+        """The analysis settings of the run's analysis, or {} (every default) for a run never analysed."""
+        analysis = self.json("analysis")
+        if analysis is None:
+            return {}
+        if not isinstance(analysis.get("settings"), dict) or analysis.get("checksum") != record_checksum(analysis):
+            raise ValueError(f"{self.run_dir}: analysis.json is damaged (its settings are unreadable); run "
+                             "`python nnpd.py analyze` again, or delete analysis.json to use the default settings")
+        return analysis["settings"]
 
     def array(self, artifact, name, mmap=False):
         """An array of one of the run's artifacts."""

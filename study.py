@@ -113,6 +113,7 @@ class Analysis:
     plots = {}
     cohort_plots = {}
     REPORT_COLUMNS = ()        # (heading, metric path) pairs `nnpd.py report` tabulates
+    REPORT_WARNINGS = ()       # metric paths of one-line warnings `run` and `report` print under the table
     FIGURE_METRICS = ()        # (title, metric path) panels of `report --plot`
     WORKLOAD_ADVICE = "reduce the analysis"   # what to change when a limit is exceeded
 
@@ -206,10 +207,14 @@ def load_study(training_settings, analysis_settings):
     experiment.validate()
     analysis_spec = analysis_settings["analysis"]
     analysis_class = load_class(analysis_spec, "analysis")
-    check_study_sections(analysis_settings, ANALYSIS_SECTIONS, analysis_class, "settings_analysis.py")
+    # `metrics` may be left to the analysis class: every metric it defines unless it fills its own default.
+    check_study_sections({"metrics": None, **analysis_settings}, ANALYSIS_SECTIONS, analysis_class,
+                         "settings_analysis.py")
     analysis = analysis_class(analysis_settings, experiment)
     check_members(analysis, analysis_spec, "analysis")
-    check_graph(analysis.products, analysis.metrics, list(analysis_settings["metrics"]))
+    chosen = getattr(analysis, "settings", analysis_settings)
+    chosen.setdefault("metrics", list(analysis.metrics))
+    check_graph(analysis.products, analysis.metrics, list(chosen["metrics"]))
     analysis.validate()
     return experiment, analysis
 
@@ -218,6 +223,11 @@ def report_layout(analysis_settings):
     """The analysis class's report columns and comparison panels (`nnpd.py report`)."""
     analysis = load_class(analysis_settings["analysis"], "analysis")
     return tuple(getattr(analysis, "REPORT_COLUMNS", ())), tuple(getattr(analysis, "FIGURE_METRICS", ()))
+
+
+def report_warnings(analysis_settings):
+    """The metric paths whose one-line warnings the report prints under its table (REPORT_WARNINGS)."""
+    return tuple(getattr(load_class(analysis_settings["analysis"], "analysis"), "REPORT_WARNINGS", ()))
 
 
 def experiment_sources(experiment, which):

@@ -138,10 +138,12 @@ def test_a_bad_example_setting_is_one_line_naming_it(tmp_path):
 def test_the_kit_figures_are_drawn(tmp_path):
     pytest.importorskip("matplotlib")
     settings = patched_settings(tmp_path, {
-        '"plots": [],': '"plots": ["diagnostic_cases", "expected_coverage"],',
-        '"cohort_plots": [],': '"cohort_plots": ["priors"],', '"sobol_truths": 1000': '"sobol_truths": 64',
+        '"analysis": "nre_analysis:NREAnalysis",': '"analysis": "nre_analysis:NREAnalysis", "plots": '
+        '["diagnostic_cases", "expected_coverage"], "cohort_plots": ["priors"], "metrics": ["classification", '
+        '"bias", "coverage", "width", "resolution", "posterior", "exact_reference", "expected_coverage"],',
+        '"sobol_truths": 1000': '"sobol_truths": 64',
         '"train": 8192, "validation": 1024, "test": 512': '"train": 1024, "validation": 128, "test": 128',
-        '"epochs": 8': '"epochs": 1', ', "pairwise", "reweighting", "normalization"]': ']'})
+        '"epochs": 8': '"epochs": 1'})
     result = run_example("run", cwd=tmp_path, settings_dir=settings)
     assert result.returncode == 0, result.stdout + result.stderr
     figures = sorted(tmp_path.glob("outputs/decay-quick/runs/*/*/plots/*.png"))
