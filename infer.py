@@ -7,8 +7,12 @@ or an ensemble of m observations (m, d) of the same parameters; `--truth FILE.np
 marks known parameters on the corner plot. A bad file or shape changes nothing on disk.
 A nearly flat posterior (nre_analysis.flatness) gets one line saying so, kept under "flat" in
 the JSON too. A run only trained, never analysed, is scored with the study's default analysis
-settings (nre_analysis.INFERENCE_DEFAULTS).
+settings (nre_analysis.INFERENCE_DEFAULTS). One line says how the samples were drawn
+(Posterior.sampling), with a warning when they could not be made independent; with
+`--reference FILE.npy` (n, p) draws of a reference posterior, one line gives the C2ST of the
+samples against them (0.5: indistinguishable; posterior.c2st), kept under "c2st" in the JSON.
 """
+import warnings
 import io
 import json
 import sys
@@ -18,6 +22,7 @@ import numpy as np
 import torch
 
 import nre_analysis
+import posterior as posterior_module
 from store import restore, write_bytes_atomic
 
 DEFAULT_SAMPLES = 1000
@@ -34,6 +39,8 @@ def add_arguments(parser):
     parser.add_argument("--truth", metavar="FILE.npy", help="infer: known parameters (p,) to mark on the corner plot")
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="infer: posterior samples to draw")
     parser.add_argument("--output", metavar="DIR", help="infer: where to write (default: beside the observations)")
+    parser.add_argument("--reference", metavar="FILE.npy",
+                        help="infer: reference posterior draws (n, p) to score the samples against (C2ST)")
 
 
 def read_array(path, what):
@@ -50,8 +57,8 @@ def read_array(path, what):
 def command(arguments):
     """The infer command: its files, or one line saying what is wrong with the input (exit status 2)."""
     try:
-        written, warning = infer(arguments)
-        print("\n".join([f"written: {path}" for path in written] + [f"warning: {warning}"] * bool(warning)))
+        written, lines = infer(arguments)
+        print("\n".join([f"written: {path}" for path in written] + lines))
     except InferError as error:
         print(f"nnpd: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
@@ -59,13 +66,14 @@ def command(arguments):
 
 
 def infer(arguments):
-    """Compute the posterior and write its files; returns the paths written and the flat posterior's line or None."""
+    """Compute the posterior and write its files; returns the paths written and the lines to print."""
     if not arguments.run or not arguments.observations:
         raise InferError("infer needs a run folder and --observations FILE.npy")
     if arguments.samples < 1:
         raise InferError(f"--samples {arguments.samples}: draw at least one sample")
     observations = read_array(arguments.observations, "--observations")
     truth = read_array(arguments.truth, "--truth") if arguments.truth else None
+    reference = read_array(arguments.reference, "--reference") if arguments.reference else None
     try:
         restored = restore(arguments.run)
     except (OSError, ValueError) as error:
@@ -75,7 +83,13 @@ def infer(arguments):
         if truth is not None and truth.shape != (len(posterior.names),):
             raise InferError(f"--truth {arguments.truth}: shape {truth.shape}, expected ({len(posterior.names)},) "
                              f"for {', '.join(posterior.names)}")
-        samples = posterior.sample(arguments.samples, seed=0).numpy()
+        if reference is not None and (reference.ndim != 2 or reference.shape[1] != len(posterior.names)
+                                      or reference.shape[0] < 10):
+            raise InferError(f"--reference {arguments.reference}: shape {reference.shape}, expected (n, "
+                             f"{len(posterior.names)}) draws, n >= 10, for {', '.join(posterior.names)}")
+        with warnings.catch_warnings():     # the sampling line below says it once
+            warnings.simplefilter("ignore")
+            samples = posterior.sample(arguments.samples, seed=0).numpy()
     except (ValueError, TypeError) as error:
         raise InferError(str(error)) from None
     figure = corner_png(posterior, samples, truth) if arguments.plot else None
@@ -83,7 +97,9 @@ def infer(arguments):
     stem = f"{Path(arguments.observations).stem}-{restored.member.get('name', 'run')}"
     summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),
                "shape": list(observations.shape), "samples": int(arguments.samples), **posterior.summary(),
-               "flat": flat_report(restored, posterior)}
+               "flat": flat_report(restored, posterior), "sampling": posterior.sampling}
+    if reference is not None:
+        summary["c2st"] = posterior_module.c2st(samples, reference, seed=0)
     written = [folder / f"{stem}.posterior.json", folder / f"{stem}.samples.npy"]
     write_bytes_atomic(written[0], (json.dumps(summary, indent=2) + "\n").encode())
     buffer = io.BytesIO()
@@ -92,7 +108,19 @@ def infer(arguments):
     if figure is not None:
         written.append(folder / f"{stem}.corner.png")
         write_bytes_atomic(written[-1], figure)
-    return written, summary["flat"]["warning"]
+    lines = [sampling_line(posterior.sampling)]
+    lines += [f"warning: {text}" for text in (posterior.sampling["warning"], summary["flat"]["warning"]) if text]
+    if reference is not None:
+        lines.append(f"c2st: {summary['c2st']:.3f} against {len(reference)} reference draws (0.5: indistinguishable)")
+    return written, lines
+
+
+def sampling_line(sampling):
+    """How the samples were drawn, in one line."""
+    line = f"samples: {sampling['draws']} by {sampling['method']}, {sampling['distinct_fraction']:.0%} distinct"
+    if sampling["acceptance"] is not None:
+        line += f", acceptance {sampling['acceptance']:.2g} of {sampling['evaluations']} proposal evaluations"
+    return line
 
 
 def flat_report(restored, posterior):

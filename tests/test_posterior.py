@@ -175,3 +175,26 @@ def test_infer_names_a_missing_run(tmp_path, capsys):
     assert nnpd.main(["infer", str(tmp_path / "nowhere"), "--observations", str(tmp_path / "x.npy")]) == 2
     assert "not a run folder" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
+
+
+def test_infer_says_how_it_sampled_and_scores_the_samples_against_a_reference(analysed, tmp_path, capsys):
+    run = next(analysed.glob("runs/*/uniform-r0-*"))
+    restored = restore(run)
+    observation = restored.array("observations", "observations")[2]
+    np.save(tmp_path / "x.npy", observation)
+    own = restored.posterior(observation).sample(2000, seed=5).numpy()     # the posterior's own draws: C2ST ≈ 0.5
+    np.save(tmp_path / "same.npy", own)
+    np.save(tmp_path / "far.npy", own + 6 * own.std(0))                   # shifted by six sds: C2ST ≈ 1
+    scores = {}
+    for name in ("same", "far"):
+        assert nnpd.main(["infer", str(run), "--observations", str(tmp_path / "x.npy"), "--samples", "2000",
+                          "--reference", str(tmp_path / f"{name}.npy"), "--output", str(tmp_path / name)]) == 0
+        out = capsys.readouterr().out
+        assert re.search(r"^samples: 2000 by rejection, 100% distinct, acceptance", out, re.M), out
+        scores[name] = json.loads(next((tmp_path / name).glob("*.posterior.json")).read_text())["c2st"]
+        assert f"c2st: {scores[name]:.3f} against 2000 reference draws" in out
+    assert scores["same"] < 0.56 and scores["far"] > 0.95
+    np.save(tmp_path / "wide.npy", np.zeros((20, 3)))
+    assert nnpd.main(["infer", str(run), "--observations", str(tmp_path / "x.npy"), "--reference",
+                      str(tmp_path / "wide.npy")]) == 2
+    assert "--reference" in capsys.readouterr().err and not list(tmp_path.glob("x-*"))
