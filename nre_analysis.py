@@ -954,6 +954,14 @@ class NREAnalysis(Analysis):
                      + targets * (retained * (per_case + 1) + cases * (2 * levels * p + 3 * levels + p + 7)))
         return {"model_evaluations": int(evaluations), "saved_bytes": int(saved), "candidate_points": int(per_case)}
 
+    def plan_errors(self):
+        """What stops the analysis (not the training) before any compute: a study with no simulator, trained
+        on a bank, cannot simulate the observations of its truths."""
+        if self.experiment.problem().simulate is not None:
+            return []
+        return [f"{type(self.experiment).__name__} defines no simulate(theta, generator): the analysis simulates "
+                "observations at its truths; `train` on data.bank and `infer` work without it"]
+
     def plan_warnings(self):
         """One line per candidate design predicted to under-resolve the posteriors, before any compute:
         a fixed design too sparse for them, or an adaptive design whose coarse pass is."""

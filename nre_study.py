@@ -60,7 +60,8 @@ class Problem:
 
     `names`, `low`, `high` (float64 (p,)), `grid_step` ((p,), or None unless every
     parameter has a lattice step), `dimension` (of one observation), `simulate(theta,
-    generator)`, `log_likelihood(x, theta)` (None without one) and `parameter(name)`:
+    generator)` (None for a study trained on a bank alone), `log_likelihood(x, theta)`
+    (None without one) and `parameter(name)`:
     the box and the bundled priors' hyper-parameters of one parameter.
     """
 
@@ -78,7 +79,11 @@ class Problem:
         self.grid_step = None if None in steps else torch.tensor(steps, dtype=torch.float64)
         self.simulate = simulate
         self.log_likelihood = log_likelihood
-        self.dimension = dimension or observation_dimension(simulate, (self.low + self.high) / 2, where)
+        found = None if simulate is None else observation_dimension(simulate, (self.low + self.high) / 2, where)
+        if None not in (found, dimension) and found != dimension:
+            raise SettingsError(f"data.bank: its x has {dimension} numbers per row where {where}.simulate returns "
+                                f"{found}")
+        self.dimension = found or dimension
 
     def parameter(self, name):
         """The box and prior hyper-parameters of one parameter."""
@@ -304,8 +309,12 @@ class Study(Experiment):
 
     def make_problem(self):
         """The problem from the declared parameters, simulate and log_likelihood."""
-        return Problem(self.parameters, self.simulate, self.log_likelihood, type(self).__name__,
-                       None if self.bank() is None else self.bank()[0].shape[1])
+        simulates = type(self).simulate is not Study.simulate
+        if not simulates and self.bank() is None:
+            raise SettingsError(f"{type(self).__name__} must define simulate(theta, generator), or train on "
+                                "simulations it already has (data.bank)")
+        return Problem(self.parameters, self.simulate if simulates else None, self.log_likelihood,
+                       type(self).__name__, None if self.bank() is None else self.bank()[0].shape[1])
 
     def problem(self, member=None):
         """The simulator and its parameters (the same for every member), built once."""

@@ -467,6 +467,12 @@ def score_targets(settings):
     return targets if "posterior" in targets else ["posterior"]
 
 
+def inference_settings(problem, analysis_settings):
+    """The analysis' `inference` settings, every key they leave out (all for a run never analysed) at its default."""
+    return check_inference_settings((analysis_settings or {}).get("inference", {}), len(problem.names),
+                                    callable(getattr(problem, "log_likelihood", None)))
+
+
 def for_observation(problem, prior, model, analysis_settings, observations, seed, truth=None, device="cpu", case=0):
     """The posterior of `model` (a member's trained network) for an observation (see the module's docstring).
 
@@ -475,9 +481,7 @@ def for_observation(problem, prior, model, analysis_settings, observations, seed
     that case's design. Without a truth, the box's centre stands in (it changes nothing
     but the truth-only fields of the analysis' summary).
     """
-    # Every key the analysis settings leave out (all of them for a run never analysed) takes its default.
-    settings = check_inference_settings((analysis_settings or {}).get("inference", {}), problem.parameter_count,
-                                        callable(getattr(problem, "log_likelihood", None)))
+    settings = inference_settings(problem, analysis_settings)
     x = observation_ensemble(observations, problem.dimension)
     score_fn = host_scores(learned_scoring(model, torch.device(device), prior, x[None], score_targets(settings),
                                            settings, inference.Evaluations()))
@@ -493,7 +497,7 @@ def from_scores(problem, lattice_steps, score_fn, analysis_settings, seed, truth
     −inf outside the prior's support). A trained model's posterior is built through here,
     and so is one of an exact likelihood, which checks the candidates and the sampler alone.
     """
-    settings = analysis_settings["inference"]
+    settings = inference_settings(problem, analysis_settings)
     candidates = dict(settings["candidates"])
     if any(step is not None for step in lattice_steps):
         candidates["native_grid_prior"] = True      # a lattice prior has no density between its points

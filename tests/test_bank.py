@@ -1,0 +1,136 @@
+"""A simulation bank: a kit study trains on (x, θ) arrays a researcher already has (data.bank)."""
+import numpy as np
+import pytest
+import torch
+
+import nre_study
+import runtime
+from settings import SettingsError
+
+CPU = runtime.Runtime(device=torch.device("cpu"))
+SIZES = {"train": 300, "validation": 100, "test": 50}
+
+
+class Line(nre_study.Study):
+    """x = slope · (−1, 0, 1) + offset + noise."""
+
+    parameters = {"slope": (-1.0, 1.0), "offset": (-1.0, 1.0)}
+
+    def simulate(self, theta, generator):
+        noise = torch.randn(theta.shape[0], 3, generator=generator, dtype=torch.float64)
+        return theta[:, :1] * torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) + theta[:, 1:] + 0.3 * noise
+
+
+class BankOnly(nre_study.Study):
+    """The same parameters with no simulator: only a bank can train it."""
+
+    parameters = Line.parameters
+
+
+def settings(**data):
+    """Kit settings of one uniform-prior member, training briefly."""
+    return {"seed": 5, "cohort": {"priors": ["uniform"], "replicas": 1}, "priors": {"uniform": {"family": "uniform"}},
+            "data": {**SIZES, **data}, "training": {"epochs": 2, "batch_size": 64}}
+
+
+def simulated_bank(path):
+    """The arrays the kit simulates for the member, saved in the splits' order as a bank."""
+    study = Line(settings())
+    arrays = study.sample_data(study.members()[0])
+    x = np.concatenate([arrays[f"{split}_x"] for split in nre_study.SPLITS]).astype(np.float64)
+    theta = np.concatenate([arrays[f"{split}_theta"] for split in nre_study.SPLITS]).astype(np.float64)
+    np.savez(path, x=x, theta=theta)
+    return study, arrays
+
+
+def train(study):
+    """The member's weights, trained on its data as a launch would."""
+    member = study.members()[0]
+    weights, _ = study.train(member, study.build_model(member), study.sample_data(member), CPU)
+    return weights
+
+
+def test_a_bank_trains_the_same_model_as_the_same_simulations(tmp_path):
+    simulated, arrays = simulated_bank(tmp_path / "bank.npz")
+    banked = Line(settings(bank=str(tmp_path / "bank.npz")))
+    banked.validate()
+    again = banked.sample_data(banked.members()[0])
+    assert sorted(again) == sorted(arrays) and all(np.array_equal(again[k], arrays[k]) for k in arrays)
+    one, two = train(simulated), train(banked)
+    assert all(torch.equal(one[k], two[k]) for k in one)
+
+
+def test_a_bank_is_keyed_by_its_content_not_its_path(tmp_path):
+    simulated_bank(tmp_path / "bank.npz")
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "bank.npz").rename(tmp_path / "moved" / "renamed.npz")
+    member = {"name": "uniform-r0", "prior": "uniform", "replica": 0}
+    moved = Line(settings(bank=str(tmp_path / "moved" / "renamed.npz"))).data_recipe(member)
+    simulated_bank(tmp_path / "bank.npz")
+    assert Line(settings(bank=str(tmp_path / "bank.npz"))).data_recipe(member) == moved
+    with np.load(tmp_path / "bank.npz") as bank:
+        np.savez(tmp_path / "other.npz", x=bank["x"] + 1, theta=bank["theta"])
+    assert Line(settings(bank=str(tmp_path / "other.npz"))).data_recipe(member) != moved
+
+
+def test_a_study_without_a_simulator_trains_on_its_bank(tmp_path):
+    _, arrays = simulated_bank(tmp_path / "bank.npz")
+    with pytest.raises(SettingsError, match=r"must define simulate\(theta, generator\), or train on .* \(data\.bank\)"):
+        BankOnly(settings()).validate()
+    study = BankOnly(settings(bank=str(tmp_path / "bank.npz")))
+    study.validate()
+    assert study.problem().dimension == 3 and study.problem().simulate is None
+    data = study.sample_data(study.members()[0])
+    assert all(np.array_equal(data[k], arrays[k]) for k in arrays)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda p: np.savez(p, x=np.zeros((600, 3)), theta=np.zeros((600, 3))), r"theta \(600, 3\) must be .* \(n, 2\)"),
+    (lambda p: np.savez(p, x=np.zeros((100, 3)), theta=np.zeros((100, 2))), "holds 100 simulations; .* ask for 450"),
+    (lambda p: np.savez(p, x=np.full((600, 3), np.nan), theta=np.zeros((600, 2))), "must be finite real numbers"),
+    (lambda p: np.savez(p, y=np.zeros(3)), "cannot read"),
+    (lambda p: np.savez(p, x=np.zeros((600, 4)), theta=np.zeros((600, 2))), "x has 4 numbers per row where Line"),
+    (lambda p: p.write_bytes(b"not a bank"), "cannot read"),
+])
+def test_a_bad_bank_is_refused_naming_the_setting(tmp_path, make, message):
+    path = tmp_path / "bank.npz"
+    make(path)
+    with pytest.raises(SettingsError, match=rf"^data\.bank: .*{message}"):
+        Line(settings(bank=str(path))).validate()
+    with pytest.raises(SettingsError, match=r"^data\.bank: a bank holds joint simulations"):
+        Line(settings(bank=str(path), pairing="fixed")).validate()
+
+
+BANK_STUDY = '''
+import nre_study
+
+
+class BankOnly(nre_study.Study):
+    parameters = {"slope": (-1.0, 1.0), "offset": (-1.0, 1.0)}
+'''
+
+
+def test_the_command_line_trains_a_bank_study_refuses_its_analysis_and_infers(tmp_path):
+    import json
+
+    from conftest import main_in_process, write_settings
+
+    simulated_bank(tmp_path / "bank.npz")
+    module = f"bank_{tmp_path.name}"
+    training = (f'settings["experiment"] = "{module}:BankOnly"\ndel settings["problem"]\n'
+                f'settings["cohort"]["priors"] = ["uniform"]\n'
+                f'settings["data"] = {{**{SIZES!r}, "bank": {str(tmp_path / "bank.npz")!r}}}\n')
+    folder = write_settings(tmp_path / "settings", tmp_path / "out", training,
+                            'settings = {"analysis": "nre_analysis:NREAnalysis"}\n')
+    (folder / f"{module}.py").write_text(BANK_STUDY)
+    refused = main_in_process("run", "--settings-dir", str(folder))
+    assert refused.returncode == 2 and "BankOnly defines no simulate(theta, generator)" in refused.stderr
+    assert not (tmp_path / "out").exists()
+    trained = main_in_process("train", "--settings-dir", str(folder))
+    assert trained.returncode == 0, trained.stderr
+    run = next((tmp_path / "out").glob("runs/*/uniform-r0-*"))
+    np.save(tmp_path / "x.npy", np.array([0.5, 0.2, -0.1]))
+    inferred = main_in_process("infer", str(run), "--observations", str(tmp_path / "x.npy"), "--samples", "200")
+    assert inferred.returncode == 0, inferred.stderr
+    summary = json.loads((tmp_path / f"x-uniform-r0.posterior.json").read_text())
+    assert summary["parameters"] == ["slope", "offset"] and len(summary["mean"]) == 2
