@@ -102,8 +102,8 @@ EDGE = exact_posterior(1, truth=torch.tensor([0.3], dtype=torch.float64))[0]
 LATTICE = exact_posterior(1, {"family": "grid"})[0]
 
 
-def test_a_posterior_too_poorly_resolved_to_resample_is_refused():
-    posterior, _ = exact_posterior(3, kind="sobol")    # 4096 fixed points over [0, 10]^3: few near the mass
+def test_a_posterior_too_poorly_resolved_to_sample_is_refused():
+    posterior, _ = exact_posterior(5, kind="sobol")    # 4096 fixed points over [0, 10]^5: about 2 effective
     with pytest.raises(post.PosteriorError, match="effective candidates"):
         posterior.sample(10, 0)
 

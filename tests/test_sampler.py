@@ -58,8 +58,8 @@ X10 = torch.tensor([0.8, -1.1, 0.3, 1.9, -0.4, 0.0, -2.0, 1.2, 0.5, -0.7], dtype
 
 
 def gaussian_posterior():
-    """The ten-parameter linear Gaussian's posterior on 16,384 adaptive candidates, five refined passes: the
-    default profile's 10,240 leave ten parameters with too few effective candidates to sample from."""
+    """The ten-parameter linear Gaussian's posterior on 16,384 adaptive candidates, five refined passes: more
+    effective candidates than the default design's, so the old resampling has its best chance."""
     score_fn = normal_prior_scores(lambda theta: -0.5 * (((X10 - theta) / SIGMA) ** 2).sum(dim=1))
     return post.from_scores(box_problem(10), [None] * 10, score_fn, adaptive_settings(16384, 1024, 5), seed=1)
 
@@ -97,6 +97,16 @@ def test_the_sampler_matches_exact_draws_of_a_ten_parameter_gaussian_where_resam
     old = old_resampling(gaussian, DRAWS)
     assert torch.unique(old, dim=0).shape[0] < DRAWS / 2
     assert post.c2st(old, reference) > score + 0.15
+
+
+def test_the_default_design_of_a_run_never_analysed_samples_ten_parameters_as_well():
+    # {}: every inference key at its default, as `infer` right after `train` has it.
+    score_fn = normal_prior_scores(lambda theta: -0.5 * (((X10 - theta) / SIGMA) ** 2).sum(dim=1))
+    posterior = post.from_scores(box_problem(10), [None] * 10, score_fn, {}, seed=2)
+    assert posterior.ess < post.MIN_ESS          # too few effective candidates to resample them ...
+    draws = posterior.sample(DRAWS, seed=0)      # ... but enough to place the proposal
+    assert posterior.sampling["method"] == "rejection" and posterior.sampling["warning"] is None
+    assert post.c2st(draws, gaussian_reference(DRAWS, seed=6)) <= 0.55
 
 
 def test_draws_are_distinct_and_deterministic_from_their_seed(gaussian):
