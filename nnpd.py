@@ -101,6 +101,9 @@ def make_plan(profile):
         if mine and hasattr(mine[0].analysis, "plan_errors"):
             analysis_errors.extend(f"configuration {configuration.name}: {error}"
                                    for error in mine[0].analysis.plan_errors())
+        if mine and hasattr(mine[0].experiment, "plan_warnings"):
+            warnings_found.extend(f"configuration {configuration.name}: {warning}"
+                                  for warning in mine[0].experiment.plan_warnings())
         if mine and hasattr(mine[0].analysis, "plan_warnings"):
             warnings_found.extend(f"configuration {configuration.name}: {warning}"
                                   for warning in mine[0].analysis.plan_warnings())

@@ -37,6 +37,7 @@ import contrast
 import networks
 import posterior
 import priors
+import runs
 import runtime
 import trainer
 from settings import SettingsError, integer, known_keys, name_list, number, require
@@ -388,6 +389,19 @@ class Study(Experiment):
         """The member's posterior for an observation, from its trained `model` (see posterior.py)."""
         return posterior.for_observation(self.problem(), self.prior(member), model, analysis_settings, observations,
                                          self.settings["seed"], truth=truth, device=device, case=case)
+
+    def plan_warnings(self):
+        """One line when the output root holds models of the earlier data meaning that these settings retrain."""
+        if "pairing" in self.settings["data"]:
+            return []
+        root = Path(self.settings["output"]["root"])
+        earlier = [run for run in sorted(root.glob("runs/*/*/artifacts.json")) if run.is_file()
+                   and (root / str(runs.read_json(run, {}).get("training-data")) / "train_labels.npy").is_file()]
+        if not earlier:
+            return []
+        return [f"{len(earlier)} model(s) in {root} were trained when data.train counted fixed pairs, half joint and "
+                "half product; it now counts simulations, each a joint pair re-paired in every batch, so they are "
+                'retrained: set data.pairing = "fixed" to keep them (docs/training.md)']
 
     def describe(self, member):
         """A JSON description of the member's problem and prior for run.json."""

@@ -282,3 +282,18 @@ def test_the_bundled_trainer_takes_the_data_artifact_train_receives(tmp_path):
     assert all(torch.equal(weights[0][k], other[k]) for other in weights[1:] for k in weights[0])
     with pytest.raises(TypeError, match="dict of arrays or the data artifact"):
         trainer.train(torch.nn.Linear(3, 1), [1, 2], settings, rt, 0)
+
+
+def test_plan_says_in_one_line_when_models_of_the_earlier_data_meaning_will_be_retrained(tmp_path):
+    folder, _, root = kit_study(tmp_path, training='settings["data"]["pairing"] = "fixed"\n')
+    assert main_in_process("train", "--settings-dir", str(folder)).returncode == 0
+    planned = main_in_process("plan", "--settings-dir", str(folder))
+    assert planned.returncode == 0, planned.stderr
+    kept = json.loads(planned.stdout)
+    assert not any("fixed pairs" in warning for warning in kept["warnings"])
+    source = (folder / "settings_training.py").read_text()
+    (folder / "settings_training.py").write_text(source.replace('settings["data"]["pairing"] = "fixed"', "pass"))
+    planned = main_in_process("plan", "--settings-dir", str(folder))
+    assert planned.returncode == 0, planned.stderr
+    notes = [warning for warning in json.loads(planned.stdout)["warnings"] if "fixed pairs" in warning]
+    assert len(notes) == 1 and "1 model(s)" in notes[0] and 'data.pairing = "fixed"' in notes[0]
