@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+import contrast
 import inference
+import runtime
 from conftest import REPO, main_in_process
 from store import restore
 
@@ -110,8 +112,8 @@ def test_restore_gives_the_model_that_was_analysed(trained, monkeypatch):
     monkeypatch.setattr(sys, "path", list(sys.path))      # restore adds the study's folder; undo it afterwards
     run = next(root.glob("runs/*/log-uniform-r0-*"))
     restored = restore(run, device="cpu")
-    inputs = torch.from_numpy(np.asarray(restored.array("training-data", "test_inputs")))
-    labels = torch.from_numpy(np.asarray(restored.array("training-data", "test_labels")))
+    x, theta = (torch.from_numpy(np.asarray(restored.array("training-data", f"test_{name}"))) for name in ("x", "theta"))
+    inputs, labels = contrast.fixed_pairs(x, theta, runtime.derived_seed(restored.settings["seed"], "test pairs"))
     with torch.no_grad():
         again = inference.classification_metrics(restored.model(inputs), labels)
     assert again == pytest.approx(restored.metrics["classification"], rel=1e-6)
