@@ -15,6 +15,9 @@ samples against them (0.5: indistinguishable; posterior.c2st), kept under "c2st"
 import warnings
 import io
 import json
+import os
+import re
+import stat
 import sys
 from pathlib import Path
 
@@ -23,9 +26,11 @@ import torch
 
 import nre_analysis
 import posterior as posterior_module
-from store import restore, write_bytes_atomic
+from store import ROOT_MARKER, restore, write_bytes_atomic
 
 DEFAULT_SAMPLES = 1000
+MAX_SAMPLES = 10**7         # samples infer draws at most (10^7 rows of p float64 fit in memory for modest p)
+MAX_ELEMENTS = 10**8        # numbers infer reads from one .npy file
 
 
 class InferError(ValueError):
@@ -44,14 +49,49 @@ def add_arguments(parser):
 
 
 def read_array(path, what):
-    """A numeric array from a .npy file, or an InferError naming the file."""
+    """A real numeric array from a regular .npy file, or an InferError naming the file.
+
+    The file's type is checked before it is opened (a FIFO would block the open for ever),
+    and its header's size before its data are read.
+    """
     try:
-        array = np.load(Path(path), allow_pickle=False)
+        kind = os.stat(path).st_mode
+    except OSError as error:
+        raise InferError(f"{what} {path}: cannot be read ({error.strerror})") from None
+    if not stat.S_ISREG(kind):
+        raise InferError(f"{what} {path}: not a regular file; give a .npy file saved with numpy.save")
+    try:
+        mapped = np.load(Path(path), allow_pickle=False, mmap_mode="r")
+        if not isinstance(mapped, np.ndarray):
+            raise ValueError("an .npz archive, not one array")
+        if mapped.size > MAX_ELEMENTS:
+            raise InferError(f"{what} {path}: holds {mapped.size:,} numbers, over the {MAX_ELEMENTS:,} infer reads")
+        array = np.array(mapped)
     except (OSError, ValueError, EOFError) as error:
         raise InferError(f"{what} {path}: not a readable .npy file of numbers ({error}); save one with numpy.save")
-    if not np.issubdtype(array.dtype, np.number):
-        raise InferError(f"{what} {path}: holds {array.dtype}, not numbers")
+    if not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array):
+        raise InferError(f"{what} {path}: holds {array.dtype}, not real numbers")
+    if not np.isfinite(array).all():
+        raise InferError(f"{what} {path}: holds NaN or infinite values")
     return array
+
+
+def output_folder(arguments):
+    """Where infer writes: an existing folder, or one to make, never inside an nnpd output root."""
+    folder = Path(arguments.output) if arguments.output else Path(arguments.observations).parent
+    if folder.exists() and not folder.is_dir():
+        raise InferError(f"--output {folder}: exists and is not a folder; name a folder")
+    for place in (folder.absolute(), *folder.absolute().parents):
+        if (place / ROOT_MARKER).is_file():
+            raise InferError(f"{folder}: inside the output root {place}, which nnpd manages; write elsewhere "
+                             "(--output DIR)")
+    return folder
+
+
+def file_stem(observations, member):
+    """`<observations' stem>-<member>`, the member's name cut to safe characters (it comes from run.json)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", str(member)).strip(".") or "run"
+    return f"{Path(observations).stem}-{name.replace('..', '_')}"
 
 
 def command(arguments):
@@ -69,11 +109,12 @@ def infer(arguments):
     """Compute the posterior and write its files; returns the paths written and the lines to print."""
     if not arguments.run or not arguments.observations:
         raise InferError("infer needs a run folder and --observations FILE.npy")
-    if arguments.samples < 1:
-        raise InferError(f"--samples {arguments.samples}: draw at least one sample")
+    if not 1 <= arguments.samples <= MAX_SAMPLES:
+        raise InferError(f"--samples {arguments.samples}: draw from 1 to {MAX_SAMPLES:,} samples")
     observations = read_array(arguments.observations, "--observations")
     truth = read_array(arguments.truth, "--truth") if arguments.truth else None
     reference = read_array(arguments.reference, "--reference") if arguments.reference else None
+    folder = output_folder(arguments)
     try:
         restored = restore(arguments.run)
     except (OSError, ValueError) as error:
@@ -93,8 +134,7 @@ def infer(arguments):
     except (ValueError, TypeError) as error:
         raise InferError(str(error)) from None
     figure = corner_png(posterior, samples, truth) if arguments.plot else None
-    folder = Path(arguments.output) if arguments.output else Path(arguments.observations).parent
-    stem = f"{Path(arguments.observations).stem}-{restored.member.get('name', 'run')}"
+    stem = file_stem(arguments.observations, restored.member.get("name", "run"))
     summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),
                "shape": list(observations.shape), "samples": int(arguments.samples), **posterior.summary(),
                "flat": flat_report(restored, posterior), "sampling": posterior.sampling}

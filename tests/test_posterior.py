@@ -1,7 +1,9 @@
 """A trained model's posterior for one observation: against the analytic posterior, the analysis' own bounds,
 and the `infer` command."""
+import io
 import json
 import math
+import os
 import re
 
 import numpy as np
@@ -198,3 +200,60 @@ def test_infer_says_how_it_sampled_and_scores_the_samples_against_a_reference(an
     assert nnpd.main(["infer", str(run), "--observations", str(tmp_path / "x.npy"), "--reference",
                       str(tmp_path / "wide.npy")]) == 2
     assert "--reference" in capsys.readouterr().err and not list(tmp_path.glob("x-*"))
+
+
+def _infer(run, observations, *extra):
+    """The infer command line in-process: (exit status, the one stderr line)."""
+    result = main_in_process("infer", str(run), "--observations", str(observations), *map(str, extra))
+    return result.returncode, result.stderr.strip()
+
+
+def test_infer_refuses_hostile_inputs_in_one_line_and_writes_nothing(analysed, tmp_path):
+    run = next(analysed.glob("runs/*/uniform-r0-*"))
+    good = tmp_path / "x.npy"
+    np.save(good, np.array([5.0]))
+    os.mkfifo(tmp_path / "fifo.npy")                          # opening it would block for ever
+    np.save(tmp_path / "complex.npy", np.array([5.0 + 1j]))
+    np.save(tmp_path / "nan.npy", np.array([np.nan]))
+    header = io.BytesIO()
+    np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (10**12, 1)})
+    (tmp_path / "huge.npy").write_bytes(header.getvalue())     # a header claiming 10^12 rows, no data
+    (tmp_path / "afile").write_text("not a folder")
+    cases = [((tmp_path / "fifo.npy",), "not a regular file"),
+             ((good, "--truth", tmp_path / "fifo.npy"), "not a regular file"),
+             ((tmp_path / "complex.npy",), "not real numbers"),
+             ((good, "--truth", tmp_path / "nan.npy"), "NaN or infinite"),
+             ((tmp_path / "huge.npy",), "not a readable .npy file|over the"),
+             ((good, "--samples", 10**12), "draw from 1 to 10,000,000 samples"),
+             ((good, "--output", tmp_path / "afile"), "exists and is not a folder"),
+             ((good, "--output", run), "inside the output root"),
+             ((good, "--output", next(analysed.glob("cache/model/*"))), "inside the output root")]
+    before = sorted(p.name for p in tmp_path.iterdir())
+    for arguments, message in cases:
+        status, line = _infer(run, *arguments)
+        assert status == 2 and len(line.splitlines()) == 1 and line.startswith("nnpd: error:"), (arguments, line)
+        assert re.search(message, line), (arguments, line)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert not list(run.glob("x-*")) and not list(analysed.glob("cache/model/*/x-*"))
+
+
+def test_infer_names_its_files_from_a_safe_cut_of_the_member_name(analysed, tmp_path):
+    import shutil
+
+    from store import record_checksum
+
+    source = next(analysed.glob("runs/*/uniform-r0-*"))
+    copy = tmp_path / "root"
+    shutil.copytree(analysed, copy, symlinks=True)
+    run = copy / source.relative_to(analysed)
+    record = json.loads((run / "run.json").read_text())
+    record["member"]["name"] = "../../escape"
+    record["checksum"] = record_checksum(record)
+    (run / "run.json").write_text(json.dumps(record))
+    (tmp_path / "obs").mkdir()
+    np.save(tmp_path / "obs" / "x.npy", np.array([5.0]))
+    status, line = _infer(run, tmp_path / "obs" / "x.npy", "--samples", "50")
+    assert status == 0, line
+    assert sorted(p.name for p in (tmp_path / "obs").iterdir()) == ["x-___escape.posterior.json",
+                                                                     "x-___escape.samples.npy", "x.npy"]
+    assert not list(tmp_path.glob("*escape*")) and not list(tmp_path.parent.glob("*escape*"))
