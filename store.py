@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import sys
 import time
 import warnings
@@ -593,9 +594,13 @@ class Store:
         """The bytes save_scratch kept for (name, key), or None; DamagedArtifact when damaged or another key's."""
         path = self.scratch_file(name, key)
         try:
-            data = path.read_bytes()
+            kind = os.lstat(path).st_mode
         except FileNotFoundError:
             return None
+        if not stat.S_ISREG(kind):      # a FIFO would block the read for ever, a folder fail every save
+            moved = self._clear_scratch(path)
+            raise DamagedArtifact(f"{path}: not a regular file; {moved}, and the build starts afresh")
+        data = path.read_bytes()
         header, _, payload = data[len(SCRATCH_MAGIC):].partition(b"\n")
         try:
             header = json.loads(header) if data.startswith(SCRATCH_MAGIC) else None
@@ -614,7 +619,17 @@ class Store:
     def drop_scratch(self, name, key):
         """Forget the saved state of a build once its artifact is committed."""
         with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.scratch_file(name, key))
+            self._clear_scratch(self.scratch_file(name, key))
+
+    @staticmethod
+    def _clear_scratch(path):
+        """Remove what lies at a scratch path: a file or a node is unlinked, a folder moved aside (never deleted)."""
+        if stat.S_ISDIR(os.lstat(path).st_mode):
+            aside = path.with_name(f"{path.name}.moved-{secrets.token_hex(4)}")
+            os.rename(path, aside)
+            return f"moved aside to {aside.name}"
+        os.unlink(path)
+        return "removed"
 
     def find(self, name, key):
         """Return the committed artifact for key, None if absent; DamagedArtifact if damaged."""

@@ -218,6 +218,29 @@ def test_training_states_carry_their_key_and_checksum(tmp_path):
         s.load_scratch("model", key)
 
 
+@pytest.mark.parametrize("make", ["fifo", "folder"])
+def test_a_non_regular_file_where_a_training_state_belongs_is_cleared_not_read(tmp_path, make):
+    # A FIFO blocked the read for ever; a folder failed every save, so the model was never committed.
+    s = Store(tmp_path)
+    key = "c" * 64
+    path = s.scratch_file("model", key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if make == "fifo":
+        os.mkfifo(path)
+    else:
+        (path / "inside").mkdir(parents=True)
+    with pytest.raises(DamagedArtifact, match="not a regular file"):
+        s.load_scratch("model", key)
+    assert not path.exists()
+    assert [p.name.split(".moved-")[0] for p in path.parent.iterdir()] == ([path.name] if make == "folder" else [])
+    s.save_scratch("model", key, b"state")
+    assert s.load_scratch("model", key) == b"state"
+    path.unlink()
+    path.mkdir()
+    s.drop_scratch("model", key)                               # a committed build forgets it all the same
+    assert not path.exists()
+
+
 def test_truncation_found_by_fast_check_moved_aside_and_rebuilt(tmp_path):
     s = Store(tmp_path)
     art = s.get("data", {"k": 1}, build_xy)
