@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 import time
 import traceback
 import zipfile
@@ -84,12 +85,28 @@ def owns_root(root):
 
 
 def root_errors(root):
-    """What a launch would refuse about the output root (for `plan`), found without writing anything."""
+    """What a launch would refuse about the output root (for `plan`), found leaving nothing behind."""
     try:
         owns_root(root)
+        check_creatable(root)
     except LaunchError as error:
         return [str(error)]
     return []
+
+
+def check_creatable(root):
+    """A root that does not exist yet must be one a launch can create: a folder made and removed at once
+    in its nearest existing ancestor says so (permissions alone do not: root may write nowhere in /proc)."""
+    if root.exists():
+        return
+    ancestor = next(place for place in root.absolute().parents if place.exists())
+    try:
+        if not ancestor.is_dir():
+            raise NotADirectoryError(f"{ancestor} is not a folder")
+        os.rmdir(tempfile.mkdtemp(prefix=".nnpd-probe-", dir=ancestor))
+    except OSError as error:
+        raise LaunchError(f"output.root {str(root)!r} cannot be created ({error.strerror or error}); choose a "
+                          "folder you can write") from None
 
 
 def claim_root(root, create):
@@ -104,6 +121,7 @@ def claim_root(root, create):
         return
     # A new root appears at once with its marker, so a launch starting beside this one
     # never sees it half made.
+    check_creatable(root)
     root.parent.mkdir(parents=True, exist_ok=True)
     building = root.with_name(f".{root.name}.tmp-{os.getpid()}-{time.time_ns():x}")
     write_json_atomic(building / ROOT_MARKER, {"created": now_iso(), "by": "nnpd"})

@@ -262,6 +262,18 @@ def test_plan_reports_the_roots_a_launch_refuses(tmp_path, root, words):
     assert not (folder / "~").exists()
 
 
+def test_plan_refuses_a_root_it_could_not_create_and_run_says_so_in_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("x")
+    roots = [tmp_path / "a-file" / "out"] + ([Path("/proc/forbidden")] if Path("/proc").is_dir() else [])
+    for root in roots:
+        planned = plan_in(tmp_path, root, "")
+        assert planned.returncode == 2 and "cannot be created" in one_error_line(planned), planned.stderr
+        ran = main_in_process("run", "--settings-dir", str(tmp_path / "s"), cwd=tmp_path)
+        assert ran.returncode != 0 and "cannot be created" in one_error_line(ran)
+        assert "Traceback" not in ran.stderr and not root.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "s"]       # the probe left nothing
+
+
 def test_plan_reports_a_folder_nnpd_does_not_own(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("x")
