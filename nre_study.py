@@ -48,6 +48,8 @@ MAX_ROWS = 10**9
 # "batch": data.* count simulations, each a joint pair re-paired in every batch (contrast.py);
 # "fixed": the earlier meaning, half joint and half product pairs, each a simulation, fixed for every epoch.
 PAIRINGS = ("batch", "fixed")
+BOX_DRAWS = 20_000          # prior draws plan checks against the parameter box
+BOX_MASS_WARNING = 0.001    # the share outside the box above which plan warns
 DATA_KEYS = SPLITS + ("pairing", "bank")
 # The network and training a study gets when it writes no `model` / `training` section: chosen
 # on the posterior-quality benchmark (bench/bench_posterior_quality.py; docs/training.md).
@@ -120,13 +122,29 @@ def parameter_values(name, value, where):
 
 
 def observation_dimension(simulate, theta, where):
-    """The width d of one observation, from simulating two rows; a wrong shape names the study."""
+    """The width d of one observation, from simulating two rows twice with one seed.
+
+    A wrong shape names the study; so does a simulator whose draws do not follow its
+    generator (it draws from torch's or numpy's global stream), which would silently break
+    every cached and resumed result (docs/extending.md shows the seeding wrapper).
+    """
     rows = theta.expand(2, -1).clone()
     x = simulate(rows, torch.Generator().manual_seed(0))
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise SettingsError(f"{where}.simulate: for 2 parameter rows it returned {shape}; it must return a "
                             "tensor (2, d), one observation of d numbers per row")
+    numpy_state = np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.rand(1)                               # move the global streams: a simulator reading them differs
+        np.random.random_sample()
+        again = simulate(rows.clone(), torch.Generator().manual_seed(0))
+    np.random.set_state(numpy_state)
+    same = isinstance(again, torch.Tensor) and again.shape == x.shape
+    if not (same and bool(((again == x) | (again.isnan() & x.isnan())).all())):
+        raise SettingsError(f"{where}.simulate: two calls with generators of the same seed gave different "
+                            "observations; draw every random number from the `generator` argument (for a simulator "
+                            "on torch's or numpy's global stream, see docs/extending.md)")
     return int(x.shape[1])
 
 
@@ -391,6 +409,27 @@ class Study(Experiment):
                                          self.settings["seed"], truth=truth, device=device, case=case)
 
     def plan_warnings(self):
+        """Lines for plan: priors with mass outside the parameter box, models of the earlier data meaning."""
+        return self.box_warnings() + self.pairing_warnings()
+
+    def box_warnings(self):
+        """One line per prior whose draws leave the parameter box more than BOX_MASS_WARNING of the time.
+
+        Training pairs drawn there teach the network outside the region every posterior is
+        computed on, which is cut at the box's edge (docs/extending.md: choosing a box).
+        """
+        problem, found = self.problem(), []
+        for member in self.members()[:len(self.settings["cohort"]["priors"])]:
+            theta = self.prior(member).sample(BOX_DRAWS, runtime.seeded_generator(self.settings["seed"], "box check"))
+            outside = ~((theta >= problem.low) & (theta <= problem.high)).all(dim=1)
+            share = float(outside.double().mean())
+            if share > BOX_MASS_WARNING:
+                found.append(f"prior {member['prior']!r}: {share:.1%} of its draws fall outside the parameter box "
+                             f"(e.g. θ = {[round(v, 4) for v in theta[outside][0].tolist()]}); widen `parameters` "
+                             "until it holds nearly all the prior's mass (docs/extending.md)")
+        return found
+
+    def pairing_warnings(self):
         """One line when the output root holds models of the earlier data meaning that these settings retrain."""
         if "pairing" in self.settings["data"]:
             return []
