@@ -5,27 +5,26 @@ Writes, beside the observations file (or into `--output`), `<stem>-<member>.post
 and with `--plot` `<stem>-<member>.corner.png`. The observations are one observation (d,)
 or an ensemble of m observations (m, d) of the same parameters; `--truth FILE.npy` (p,)
 marks known parameters on the corner plot. A bad file or shape changes nothing on disk.
-A nearly flat posterior (nre_analysis.flatness) gets one line saying so, kept under "flat" in
+A nearly flat posterior (Posterior.flatness) gets one line saying so, kept under "flat" in
 the JSON too. A run only trained, never analysed, is scored with the study's default analysis
-settings (nre_analysis.INFERENCE_DEFAULTS). One line says how the samples were drawn
+settings (the kit's INFERENCE_DEFAULTS, nre_analysis.py). One line says how the samples were drawn
 (Posterior.sampling), with a warning when they could not be made independent; with
 `--reference FILE.npy` (n, p) draws of a reference posterior, one line gives the C2ST of the
-samples against them (0.5: indistinguishable; posterior.c2st), kept under "c2st" in the JSON.
+samples against them (0.5: indistinguishable; c2st.py), kept under "c2st" in the JSON.
 """
-import warnings
 import io
 import json
 import os
 import re
 import stat
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
-import torch
 
-import nre_analysis
-import posterior as posterior_module
+import trainer
+from c2st import c2st
 from store import ROOT_MARKER, restore, write_bytes_atomic
 
 DEFAULT_SAMPLES = 1000
@@ -119,55 +118,58 @@ def infer(arguments):
         restored = restore(arguments.run)
     except (OSError, ValueError) as error:
         raise InferError(f"{arguments.run}: {error}") from None
-    try:
-        posterior = restored.posterior(observations)
-        if truth is not None and truth.shape != (len(posterior.names),):
-            raise InferError(f"--truth {arguments.truth}: shape {truth.shape}, expected ({len(posterior.names)},) "
-                             f"for {', '.join(posterior.names)}")
-        if reference is not None and (reference.ndim != 2 or reference.shape[1] != len(posterior.names)
-                                      or reference.shape[0] < 10):
-            raise InferError(f"--reference {arguments.reference}: shape {reference.shape}, expected (n, "
-                             f"{len(posterior.names)}) draws, n >= 10, for {', '.join(posterior.names)}")
-        with warnings.catch_warnings():     # the sampling line below says it once
-            warnings.simplefilter("ignore")
-            samples = posterior.sample(arguments.samples, seed=0).numpy()
-    except (ValueError, TypeError) as error:
-        raise InferError(str(error)) from None
+    posterior, samples = posterior_samples(restored, observations, truth, reference, arguments)
     figure = corner_png(posterior, samples, truth) if arguments.plot else None
-    stem = file_stem(arguments.observations, restored.member.get("name", "run"))
     summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),
                "shape": list(observations.shape), "samples": int(arguments.samples), **posterior.summary(),
-               "flat": flat_report(restored, posterior), "sampling": posterior.sampling}
+               "flat": posterior.flatness(trainer.kept_validation(restored.history).get("auc")),
+               "sampling": posterior.sampling}
     if reference is not None:
-        summary["c2st"] = posterior_module.c2st(samples, reference, seed=0)
-    written = [folder / f"{stem}.posterior.json", folder / f"{stem}.samples.npy"]
+        summary["c2st"] = c2st(samples, reference, seed=0)
+    stem = folder / file_stem(arguments.observations, restored.member.get("name", "run"))
+    return write_outputs(stem, summary, samples, figure), report_lines(summary, reference)
+
+
+def posterior_samples(restored, observations, truth, reference, arguments):
+    """The run's posterior for the observations and its samples; a shape that does not fit is an InferError."""
+    try:
+        posterior = restored.posterior(observations)
+        p, names = len(posterior.names), ", ".join(posterior.names)
+        if truth is not None and truth.shape != (p,):
+            raise InferError(f"--truth {arguments.truth}: shape {truth.shape}, expected ({p},) for {names}")
+        if reference is not None and (reference.ndim != 2 or reference.shape[1] != p or reference.shape[0] < 10):
+            raise InferError(f"--reference {arguments.reference}: shape {reference.shape}, expected (n, {p}) "
+                             f"draws, n >= 10, for {names}")
+        with warnings.catch_warnings():     # the sampling line says it once
+            warnings.simplefilter("ignore")
+            return posterior, posterior.sample(arguments.samples, seed=0).numpy()
+    except (ValueError, TypeError) as error:
+        raise InferError(str(error)) from None
+
+
+def write_outputs(stem, summary, samples, figure):
+    """The summary JSON, the samples and the corner plot (when drawn), each written atomically; their paths."""
+    written = [stem.with_name(f"{stem.name}.posterior.json"), stem.with_name(f"{stem.name}.samples.npy")]
     write_bytes_atomic(written[0], (json.dumps(summary, indent=2) + "\n").encode())
     buffer = io.BytesIO()
     np.save(buffer, samples)
     write_bytes_atomic(written[1], buffer.getvalue())
     if figure is not None:
-        written.append(folder / f"{stem}.corner.png")
+        written.append(stem.with_name(f"{stem.name}.corner.png"))
         write_bytes_atomic(written[-1], figure)
-    lines = [sampling_line(posterior.sampling)]
-    lines += [f"warning: {text}" for text in (posterior.sampling["warning"], summary["flat"]["warning"]) if text]
-    if reference is not None:
-        lines.append(f"c2st: {summary['c2st']:.3f} against {len(reference)} reference draws (0.5: indistinguishable)")
-    return written, lines
+    return written
 
 
-def sampling_line(sampling):
-    """How the samples were drawn, in one line."""
+def report_lines(summary, reference):
+    """What infer prints besides the files: how it sampled, its warnings, the C2ST against a reference."""
+    sampling = summary["sampling"]
     line = f"samples: {sampling['draws']} by {sampling['method']}, {sampling['distinct_fraction']:.0%} distinct"
     if sampling["acceptance"] is not None:
         line += f", acceptance {sampling['acceptance']:.2g} of {sampling['evaluations']} proposal evaluations"
-    return line
-
-
-def flat_report(restored, posterior):
-    """Whether the posterior is nearly flat (nre_analysis.flatness): its sds against the prior's, with the AUC."""
-    prior_sd = nre_analysis.prior_sds(restored.experiment.prior(restored.member), len(posterior.names))
-    sds = torch.sqrt(torch.diagonal(posterior.cov()))
-    return nre_analysis.flatness(posterior.names, sds, prior_sd, nre_analysis.selected_auc(restored.history))
+    lines = [line] + [f"warning: {text}" for text in (sampling["warning"], summary["flat"]["warning"]) if text]
+    if reference is not None:
+        lines.append(f"c2st: {summary['c2st']:.3f} against {len(reference)} reference draws (0.5: indistinguishable)")
+    return lines
 
 
 def corner_png(posterior, samples, truth):

@@ -12,7 +12,6 @@ workers taking disjoint jobs (`runtime.parallel="jobs"`) or training each model 
 """
 import argparse
 import contextlib
-import errno
 import json
 import os
 import shutil
@@ -34,7 +33,7 @@ import timings
 from jobs import Job, Launch
 from runs import LaunchError
 from settings import SettingsError
-from store import DISK_FULL, ROOT_MARKER, DamagedArtifact, Store, disk_full_line, write_bytes_atomic
+from store import ROOT_MARKER, DamagedArtifact, Store, disk_problem, write_bytes_atomic
 
 ACTIONS = ("plan", "train", "analyze", "run", "verify", "report", "infer")
 CODE_DIR = Path(__file__).resolve().parent
@@ -98,15 +97,10 @@ def make_plan(profile):
         found.extend(mine)
         for job in mine:
             analysis_errors.extend(workload_errors(job, profile.analysis["verification"]))
-        if mine and hasattr(mine[0].analysis, "plan_errors"):
-            analysis_errors.extend(f"configuration {configuration.name}: {error}"
-                                   for error in mine[0].analysis.plan_errors())
-        if mine and hasattr(mine[0].experiment, "plan_warnings"):
-            warnings_found.extend(f"configuration {configuration.name}: {warning}"
-                                  for warning in mine[0].experiment.plan_warnings())
-        if mine and hasattr(mine[0].analysis, "plan_warnings"):
-            warnings_found.extend(f"configuration {configuration.name}: {warning}"
-                                  for warning in mine[0].analysis.plan_warnings())
+        for job in mine[:1]:     # a study's own lines, once per configuration
+            stops, notes = study.plan_notes(job.experiment, job.analysis)
+            analysis_errors.extend(f"configuration {configuration.name}: {line}" for line in stops)
+            warnings_found.extend(f"configuration {configuration.name}: {line}" for line in notes)
     folders = [job.run for job in found]
     repeated = sorted({run for run in folders if folders.count(run) > 1})
     if repeated:
@@ -325,9 +319,8 @@ def finish_launch(launch, planned, trained, used):
     runs.copy_settings(root, profile)
     if launch.stage != "train":
         records = results.read_runs(root, fields["runs"])
-        lines = [results.table(records, study.report_layout(profile.analysis)[0]),
-                 *results.warning_lines(records, study.report_warnings(profile.analysis))]
-        print("\n".join(lines), flush=True)
+        print(results.report_text(records, study.report_layout(profile.analysis)[0],
+                                  study.report_warnings(profile.analysis)), flush=True)
 
 
 def verify(profile=None, settings_dir=None):
@@ -366,8 +359,7 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
             write_bytes_atomic(root / "report" / "comparison.png", png)
         notes.append(f"figure written to {root / 'report' / 'comparison.png'}" if png is not None else
                      "--plot: nothing to draw (no analysed run has a metric of the figure); no figure written")
-    warnings_found = results.warning_lines(records, study.report_warnings(loaded.analysis))
-    return "\n".join([results.table(records, columns), *warnings_found]), notes
+    return results.report_text(records, columns, study.report_warnings(loaded.analysis)), notes
 
 
 # ---------------------------------------------------------------- command line
@@ -387,16 +379,6 @@ def parse_arguments(argv):
 def one_line(error):
     """An error's message on one line."""
     return " ".join(str(error).split())
-
-
-def disk_problem(error, root=None):
-    """A one-line explanation of a full or unwritable disk, or None for other OS errors."""
-    where = error.filename or root or "the output root"
-    if error.errno in DISK_FULL:
-        return disk_full_line(where)
-    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-        return f"cannot write {where}: it is not writable ({error.strerror}); fix the permissions or output.root"
-    return None
 
 
 def run_action(arguments):

@@ -648,14 +648,6 @@ def prior_sds(prior, parameter_count):
     return torch.as_tensor(draws, dtype=torch.float64).reshape(-1, parameter_count).std(0)
 
 
-def selected_auc(history):
-    """The validation AUC of the epoch whose weights were kept (selected_epoch counts from 1), or None."""
-    epoch, validation = history.get("selected_epoch"), history.get("validation") or []
-    if not isinstance(epoch, int) or not 1 <= epoch <= len(validation):
-        return None
-    return validation[epoch - 1].get("auc")
-
-
 def flat_cause(auc):
     """Why a posterior is likely flat, from the model's validation AUC."""
     if auc is None:
@@ -683,16 +675,16 @@ def case_flatness(ctx):
 
     `warning` is one line when at least half of them are flat, else None.
     """
-    from posterior import for_observation          # posterior.py builds on this module
     truths = ctx.require("truths").array("truths")
     observations = ctx.require("observations").array("observations")
     names, cases = ctx.problem.names, min(FLAT_CASES, len(truths))
-    prior_sd, auc = prior_sds(ctx.prior, len(names)), selected_auc(ctx.model_artifact.json("history"))
+    auc = trainer.kept_validation(ctx.model_artifact.json("history")).get("auc")
     reports = []
     for case in range(cases):
-        posterior = for_observation(ctx.problem, ctx.prior, ctx.model, ctx.analysis_settings, observations[case],
-                                    ctx.settings["seed"], truth=truths[case], device=ctx.runtime.device, case=case)
-        reports.append(flatness(names, torch.sqrt(torch.diagonal(posterior.cov())), prior_sd, auc))
+        # The study's posterior (posterior.py builds on this module, so it is reached through the study).
+        posterior = ctx.experiment.posterior(ctx.member, ctx.model, ctx.analysis_settings, observations[case],
+                                             truth=truths[case], device=ctx.runtime.device, case=case)
+        reports.append(posterior.flatness(auc))
     flat = [report for report in reports if report["flat"]]
     parameters = [name for name in names if any(name in report["parameters"] for report in flat)]
     warning = None

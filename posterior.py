@@ -25,7 +25,7 @@ rejection would need more than `budget` proposal draws per draw asked, the draws
 an importance resample of the proposal's draws instead and a warning names the setting
 to raise; `post.sampling` says which happened. An enumerated lattice is drawn exactly
 from its masses; a design with lattice axes that is not enumerated is importance-resampled
-from its candidates. `c2st` scores a sample against a reference (0.5: indistinguishable).
+from its candidates (c2st.py scores samples against reference draws).
 """
 
 import math
@@ -38,7 +38,7 @@ import torch
 import adaptive
 import inference
 import runtime
-from nre_analysis import check_inference_settings, learned_scoring
+from nre_analysis import check_inference_settings, flatness, learned_scoring, prior_sds
 
 MIN_ESS = 100            # effective candidates below which resampling them is refused: too few to draw from
 # ... and below which even a proposal fit is refused. A fit from fewer is refitted on its own
@@ -79,6 +79,7 @@ class Posterior:
         self._summary = summary                     # the analysis-style summary at `levels`, probes included
         self.box = box                              # the prior's support (adaptive.Box); None: the candidates' hull
         self.sampling = None                        # how the last sample() drew (see sample)
+        self.prior_sd = None                        # the prior's marginal sds (p,), for flatness(); set by for_observation
 
     def log_prob(self, theta):
         """log p(θ | x_o) at rows θ (n, p): −inf outside the prior's support."""
@@ -145,6 +146,13 @@ class Posterior:
         if info["acceptance"] is None:
             return ""
         return f", acceptance {info['acceptance']:.2g} over {info['evaluations']} evaluations"
+
+    def flatness(self, validation_auc=None):
+        """Whether the posterior is nearly flat against its prior, with one line saying why (nre_analysis.flatness).
+
+        `validation_auc`, the model's, names the likely cause.
+        """
+        return flatness(self.names, torch.sqrt(torch.diagonal(self.cov())), self.prior_sd, validation_auc)
 
     def hpd(self, level):
         """The HPD region holding `level` of the mass: its score threshold, attained mass and per-axis bounds."""
@@ -381,71 +389,6 @@ def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET)
 
 # ---------------------------------------------------------------- the classifier two-sample test
 
-C2ST_EPOCHS = 20         # passes over the training folds: enough to learn a shift or memorise repeated rows
-C2ST_BATCH = 512
-C2ST_RATE = 5e-3
-
-
-def _classifier(width, hidden, generator):
-    """A two-hidden-layer ReLU network's parameters, drawn as torch.nn.Linear draws them, from `generator`."""
-    parameters = []
-    for fan_in, fan_out in ((width, hidden), (hidden, hidden), (hidden, 1)):
-        bound = 1 / math.sqrt(fan_in)
-        for shape in ((fan_in, fan_out), (fan_out,)):
-            parameters.append((torch.rand(shape, generator=generator) * 2 - 1).mul_(bound).requires_grad_())
-    return parameters
-
-
-def _logits(parameters, x):
-    """The classifier's logits (n,) at rows x (n, width)."""
-    w1, b1, w2, b2, w3, b3 = parameters
-    return (torch.relu(torch.relu(x @ w1 + b1) @ w2 + b2) @ w3 + b3)[:, 0]
-
-
-def _fold_accuracy(x, y, test, generator):
-    """Held-out accuracy on rows `test` of a classifier trained by Adam in minibatches on the other rows."""
-    train = torch.ones(x.shape[0], dtype=torch.bool)
-    train[test] = False
-    train_x, train_y = x[train], y[train]
-    parameters = _classifier(x.shape[1], 10 * x.shape[1], generator)
-    optimizer = torch.optim.Adam(parameters, lr=C2ST_RATE)
-    for _ in range(C2ST_EPOCHS):
-        for batch in torch.randperm(train_x.shape[0], generator=generator).split(C2ST_BATCH):
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(_logits(parameters, train_x[batch]),
-                                                                        train_y[batch])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    with torch.no_grad():
-        return float(((_logits(parameters, x[test]) > 0).float() == y[test]).float().mean())
-
-
-def c2st(samples, reference, folds=5, seed=0):
-    """Classifier two-sample test: the k-fold cross-validated accuracy of an MLP telling samples from reference
-    (0.5: indistinguishable, 1.0: disjoint).
-
-    As the field computes it (sbibm's C2ST): both sets standardised by the reference's mean
-    and sd, labelled 0 and 1, a classifier of two hidden layers of 10·dim ReLU units, the
-    accuracy averaged over the folds. Plain torch, seeded and on one thread: the same inputs
-    and seed give the same value. Cheaper than sbibm's (C2ST_EPOCHS minibatch epochs, not
-    training to convergence), so it sees repeated rows less: 10,000 draws resampled from
-    3,500 distinct exact ones score about 0.64 here.
-    """
-    a = torch.as_tensor(np.asarray(samples), dtype=torch.float64).reshape(len(samples), -1)
-    b = torch.as_tensor(np.asarray(reference), dtype=torch.float64).reshape(len(reference), -1)
-    mean, sd = b.mean(dim=0), b.std(dim=0).clamp(min=1e-12)
-    x = ((torch.cat([a, b]) - mean) / sd).float()
-    y = torch.cat([torch.zeros(a.shape[0]), torch.ones(b.shape[0])])
-    generator = torch.Generator().manual_seed(int(seed))
-    order = torch.randperm(x.shape[0], generator=generator)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)        # small matrices: more threads only contend (ten times slower on busy cores)
-    try:
-        return sum(_fold_accuracy(x, y, order[k::folds], generator) for k in range(folds)) / folds
-    finally:
-        torch.set_num_threads(threads)
-
-
 def observation_ensemble(observations, dimension):
     """An observation as an ensemble (m, d) float64, or a PosteriorError naming the expected shapes."""
     x = torch.as_tensor(np.asarray(observations, dtype=np.float64))
@@ -491,7 +434,9 @@ def for_observation(problem, prior, model, analysis_settings, observations, seed
     x = observation_ensemble(observations, problem.dimension)
     score_fn = host_scores(learned_scoring(model, torch.device(device), prior, x[None], score_targets(settings),
                                            settings, inference.Evaluations()))
-    return from_scores(problem, prior.lattice_steps, score_fn, analysis_settings, seed, truth, case)
+    posterior = from_scores(problem, prior.lattice_steps, score_fn, analysis_settings, seed, truth, case)
+    posterior.prior_sd = prior_sds(prior, problem.parameter_count)
+    return posterior
 
 
 def from_scores(problem, lattice_steps, score_fn, analysis_settings, seed, truth=None, case=0):

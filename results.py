@@ -205,6 +205,11 @@ def table(records, columns=()):
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
 
 
+def report_text(records, columns=(), warning_paths=()):
+    """The table, then one line per warning of the analysed runs: what `run` and `report` print."""
+    return "\n".join([table(records, columns), *warning_lines(records, warning_paths)])
+
+
 def warning_lines(records, paths=()):
     """One line per analysed run and warning found at a metric path (the analysis class's REPORT_WARNINGS)."""
     return [f"warning: {record.swept} {record.prior}: {lookup(record.metrics, path)}"

@@ -56,6 +56,16 @@ class LaunchError(RuntimeError):
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
+def disk_problem(error, root=None):
+    """A one-line explanation of a full or unwritable disk, or None for other OS errors."""
+    where = error.filename or root or "the output root"
+    if error.errno in DISK_FULL:
+        return disk_full_line(where)
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        return f"cannot write {where}: it is not writable ({error.strerror}); fix the permissions or output.root"
+    return None
+
+
 def disk_full_line(where):
     """The one line that says a write into `where` found the disk full."""
     return f"cannot write {where}: the disk is full (or a file size limit was reached); free space and re-run"

@@ -173,6 +173,15 @@ def check_study_sections(settings, framework, study_class, where):
         raise SettingsError(f"{where}: {'; '.join(found)}; {study_class.__name__} reads: {allowed}")
 
 
+def plan_notes(experiment, analysis):
+    """A study's own lines at plan, from its optional plan_errors() and plan_warnings(): (lines that stop the
+    analysis, warnings)."""
+    def said(part, name):
+        """The lines of a part's optional method."""
+        return list(getattr(part, name)()) if hasattr(part, name) else []
+    return said(analysis, "plan_errors"), said(experiment, "plan_warnings") + said(analysis, "plan_warnings")
+
+
 def uses_bundled_trainer(experiment):
     """Whether the experiment's train() is the default or calls the bundled trainer by name."""
     train = getattr(type(experiment), "train", None)

@@ -918,6 +918,14 @@ def _run_epoch(state: TrainingState, net, x, y, settings, rt, runner: _HookRunne
     return state.batch_losses, norms
 
 
+def kept_validation(history: dict) -> dict:
+    """The validation metrics (bce, accuracy, auc) of the kept epoch (selected_epoch counts from 1), or {}."""
+    epoch, validation = history.get("selected_epoch"), history.get("validation") or []
+    if not isinstance(epoch, int) or not 1 <= epoch <= len(validation) or not isinstance(validation[epoch - 1], dict):
+        return {}
+    return validation[epoch - 1]
+
+
 def selection_scores(history: dict) -> list:
     """Per epoch, the validation loss that chooses the kept epoch and stops training (training.selection)."""
     if history["selection"] == "objective":

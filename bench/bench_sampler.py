@@ -28,6 +28,7 @@ import posterior as post  # noqa: E402
 import priors  # noqa: E402
 import settings_analysis  # noqa: E402
 import test_sampler  # noqa: E402
+from c2st import c2st  # noqa: E402
 from test_posterior import ExactLogit, OBSERVATIONS  # noqa: E402
 from test_resolution import study_problem  # noqa: E402
 
@@ -59,7 +60,7 @@ def c2st_rows(draws):
             drawn = sample()
             cost = time.process_time() - started
             started = time.process_time()
-            score = post.c2st(drawn, exact)
+            score = c2st(drawn, exact)
             print(f"{name:<26}{label:<22}{score:>7.3f}{torch.unique(drawn, dim=0).shape[0]:>10}{cost:>8.2f}"
                   f"{time.process_time() - started:>8.2f}")
         print(f"{'':<26}(candidates' ESS {posterior.ess:.0f}; sampler: {posterior.sampling['method']}, acceptance {posterior.sampling['acceptance']:.3f}, "

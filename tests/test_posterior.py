@@ -158,7 +158,7 @@ def test_infer_writes_a_summary_samples_and_a_corner_plot(analysed, tmp_path):
 
 @pytest.mark.parametrize("content, message", [
     (np.zeros((3, 2)), r"shape \(3, 2\): expected finite numbers of shape \(1,\)"),
-    (np.array([np.nan]), "expected finite numbers"),
+    (np.array([np.nan]), "NaN or infinite"),
     (b"not numpy", "not a readable .npy file"),
 ])
 def test_infer_refuses_a_bad_observation_with_one_line_and_writes_nothing(analysed, tmp_path, capsys, content, message):

@@ -13,6 +13,7 @@ import torch
 
 import posterior as post
 import settings_analysis
+from c2st import c2st
 
 BOX = 5.0           # prior sds either side of the prior's mean: the truncation is negligible
 DRAWS = 2000
@@ -91,12 +92,12 @@ def test_the_sampler_matches_exact_draws_of_a_ten_parameter_gaussian_where_resam
     draws = gaussian.sample(DRAWS, seed=0)
     assert gaussian.sampling["method"] == "rejection" and gaussian.sampling["warning"] is None
     reference = gaussian_reference(DRAWS, seed=5)
-    score = post.c2st(draws, reference)
+    score = c2st(draws, reference)
     assert score <= 0.55, score
     # The same exact posterior resampled from the candidates: a few hundred effective points, repeated.
     old = old_resampling(gaussian, DRAWS)
     assert torch.unique(old, dim=0).shape[0] < DRAWS / 2
-    assert post.c2st(old, reference) > score + 0.15
+    assert c2st(old, reference) > score + 0.15
 
 
 def test_the_default_design_of_a_run_never_analysed_samples_ten_parameters_as_well():
@@ -106,7 +107,7 @@ def test_the_default_design_of_a_run_never_analysed_samples_ten_parameters_as_we
     assert posterior.ess < post.MIN_ESS          # too few effective candidates to resample them ...
     draws = posterior.sample(DRAWS, seed=0)      # ... but enough to place the proposal
     assert posterior.sampling["method"] == "rejection" and posterior.sampling["warning"] is None
-    assert post.c2st(draws, gaussian_reference(DRAWS, seed=6)) <= 0.55
+    assert c2st(draws, gaussian_reference(DRAWS, seed=6)) <= 0.55
 
 
 def test_draws_are_distinct_and_deterministic_from_their_seed(gaussian):
@@ -184,12 +185,12 @@ def test_the_sampler_matches_exact_draws_of_four_modes_where_resampling_does_not
     draws = four_modes.sample(DRAWS, seed=0)
     assert four_modes.sampling["method"] == "rejection" and four_modes.sampling["components"] >= 4
     reference = four_mode_reference(DRAWS, seed=5)
-    score = post.c2st(draws, reference)
+    score = c2st(draws, reference)
     assert score <= 0.55, score
     # Each mode holds a quarter of the mass: four standard errors of 2,000 draws is 0.039.
     quadrants = torch.bincount(((draws[:, 3] > 0) * 2 + (draws[:, 4] > 0)).long(), minlength=4) / DRAWS
     assert torch.all((quadrants - 0.25).abs() < 0.039), quadrants
-    assert post.c2st(old_resampling(four_modes, DRAWS), reference) > score + 0.05
+    assert c2st(old_resampling(four_modes, DRAWS), reference) > score + 0.05
 
 
 # ---------------------------------------------------------------- when independent draws cost too much
@@ -215,10 +216,10 @@ def test_draws_that_would_exceed_the_budget_fall_back_with_a_warning_naming_the_
 def test_c2st_is_a_half_for_one_distribution_one_for_disjoint_ones_and_deterministic():
     generator = torch.Generator().manual_seed(0)
     a, b = (torch.randn(1500, 5, dtype=torch.float64, generator=generator) for _ in range(2))
-    same = post.c2st(a, b, seed=2)
-    assert 0.44 <= same <= 0.56 and post.c2st(a, b, seed=2) == same
-    assert post.c2st(a + 6.0, b) >= 0.99
-    assert post.c2st(a + 0.5, b) > 0.6          # a shift of half an sd is seen
+    same = c2st(a, b, seed=2)
+    assert 0.44 <= same <= 0.56 and c2st(a, b, seed=2) == same
+    assert c2st(a + 6.0, b) >= 0.99
+    assert c2st(a + 0.5, b) > 0.6          # a shift of half an sd is seen
 
 
 def lattice_posterior(steps, kind="adaptive"):
