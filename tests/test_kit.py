@@ -205,8 +205,9 @@ def test_a_network_with_two_outputs_is_refused_at_plan_naming_the_study(tmp_path
 
 def test_a_network_returning_a_column_of_logits_trains_and_is_analysed(tmp_path):
     module = module_name(tmp_path)
-    folder, _, root = kit_study(tmp_path, extra=TWO_LOGITS, training=f'settings["experiment"] = "{module}:ColumnLogits"\n',
-                                analysis='settings["metrics"] += ["pairwise"]\n')
+    folder, _, root = kit_study(tmp_path, extra=TWO_LOGITS, analysis='settings["metrics"] += ["pairwise"]\n',
+                                training=f'settings["experiment"] = "{module}:ColumnLogits"\n'
+                                         'settings["training"]["epochs"] = 10\n')
     with open(folder / f"{module}.py", "a") as handle:      # pairwise needs the exact likelihood
         handle.write("\n    def log_likelihood(self, x, theta):\n"
                      "        mean = theta[..., :1] * torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) + theta[..., 1:]\n"

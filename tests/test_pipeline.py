@@ -9,8 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+import contrast
 import jobs
 import nnpd
+import runtime
 from conftest import REPO, run_cli, write_settings
 from store import Store, restore
 
@@ -68,7 +70,7 @@ def check_metrics_of_a_tiny_run(run):
     assert abs(exact["mean_ratio"] - 1.0) <= 4 * exact["standard_error"]
     weighted = metrics["reweighting"]["sliced_wasserstein"]
     assert all(value > 0 for value in weighted.values())
-    assert metrics["pairwise"]["pairs"] == 32
+    assert metrics["pairwise"]["pairs"] == 64      # every test simulation is a joint pair
     assert json.loads((run / "analysis.json").read_text())["state"] == "complete"
     assert 0.0 <= metrics["classification"]["accuracy"] <= 1.0
 
@@ -169,7 +171,8 @@ def test_restore_on_cpu_after_moving_the_output_root(study_dir, tmp_path, monkey
     assert restored.history["epochs"] == 2 and len(restored.history["train_loss"]) == 2
     assert restored.settings["training"]["epochs"] == 2
     data = restored.artifacts["training-data"]
-    inputs = torch.from_numpy(data.array("test_inputs"))
+    x, theta = (torch.from_numpy(data.array(f"test_{name}")) for name in ("x", "theta"))
+    inputs, _ = contrast.fixed_pairs(x, theta, runtime.derived_seed(restored.settings["seed"], "test pairs"))
     logits = restored.model(inputs).detach()
     stored = restored.array("test_predictions", "logits")
     np.testing.assert_allclose(logits.numpy(), stored, rtol=1e-5, atol=1e-5)

@@ -165,7 +165,7 @@ def test_a_flipped_byte_is_moved_aside_by_verify_and_rebuilt_by_the_next_launch(
     settings = copy_root(trained, tmp_path)
     root = tmp_path / "out"
     metrics = {p: p.read_text() for p in root.glob("runs/*/*/metrics.json")}
-    target = next(root.glob("cache/training-data/*/test_inputs.npy"))
+    target = next(root.glob("cache/training-data/*/test_x.npy"))
     flip_a_byte(target)
     checked = main_in_process("verify", "--settings-dir", str(settings))
     assert checked.returncode == 1 and str(target.parent) in json.loads(checked.stdout)["damaged"]
@@ -292,4 +292,4 @@ def test_a_full_disk_ends_with_one_line_naming_the_path(tmp_path):
     assert "disk is full" in line and str(tmp_path / "out") in line
     assert not list((tmp_path / "out").glob("cache/*/*/artifact.json"))     # nothing partial committed
     assert main_in_process("train", "--settings-dir", str(settings)).returncode == 0  # space back: it completes
-    assert np.load(next((tmp_path / "out").glob("cache/training-data/*/train_inputs.npy"))).shape[0] == 20_000
+    assert np.load(next((tmp_path / "out").glob("cache/training-data/*/train_x.npy"))).shape[0] == 20_000

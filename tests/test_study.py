@@ -92,8 +92,9 @@ def test_fingerprint_follows_helpers_but_not_unrelated_code(tmp_path, monkeypatc
 def learned_product_digest(framework):
     """The source part of the learned product's key, in a fresh interpreter importing the framework from
     the folder `framework`."""
-    code = (f"import sys; sys.path.insert(0, {str(framework)!r}); import nre_analysis, study; "
-            "analysis = nre_analysis.NREAnalysis({}, object()); "
+    code = (f"import sys, types; sys.path.insert(0, {str(framework)!r}); import nre_analysis, study; "
+            "problem = types.SimpleNamespace(parameter_count=1, log_likelihood=None); "
+            "analysis = nre_analysis.NREAnalysis({}, types.SimpleNamespace(problem=lambda: problem)); "
             "print(study.source_fingerprint(nre_analysis.build_learned, *analysis.SOURCES))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     return result.stdout.strip()
