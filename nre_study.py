@@ -311,7 +311,10 @@ class Study(Experiment):
 
     def training_settings(self):
         """The kit's recipe (KIT_TRAINING) with the keys of the `training` section in its place."""
-        return {**KIT_TRAINING, **self.settings.get("training", {})}
+        training = self.settings.get("training", {})
+        if not isinstance(training, dict):
+            raise SettingsError(f"training: expected a dict of training settings, got {type(training).__name__}")
+        return {**KIT_TRAINING, **training}
 
     def bank(self):
         """The simulation bank named by data.bank, read once (None without one)."""
