@@ -64,11 +64,9 @@ class Ring(nre_study.Study):
         return torch.cat(kept)[:n]
 
 
-def slcp_covariance(theta):
-    """The 2 × 2 covariance (..., 2, 2) of θ: sds θ3², θ4², correlation tanh θ5."""
-    s1, s2, rho = theta[..., 2] ** 2, theta[..., 3] ** 2, torch.tanh(theta[..., 4])
-    off = rho * s1 * s2
-    return torch.stack([torch.stack([s1 * s1, off], -1), torch.stack([off, s2 * s2], -1)], -2)
+def slcp_scales(theta):
+    """The sds θ3², θ4² and the correlation tanh θ5 of rows θ (..., 5), each (...)."""
+    return theta[..., 2] ** 2, theta[..., 3] ** 2, torch.tanh(theta[..., 4])
 
 
 class Slcp(nre_study.Study):
@@ -77,20 +75,23 @@ class Slcp(nre_study.Study):
     parameters = {f"t{i + 1}": (-SLCP_BOX, SLCP_BOX) for i in range(5)}
 
     def simulate(self, theta, generator):
-        """SLCP_DRAWS Gaussian draws per row, flattened to (n, 2 · SLCP_DRAWS)."""
-        chol = torch.linalg.cholesky(slcp_covariance(theta))
-        unit = torch.randn(len(theta), SLCP_DRAWS, 2, dtype=torch.float64, generator=generator)
-        draws = theta[:, None, :2] + (chol[:, None] @ unit[..., None])[..., 0]
-        return draws.reshape(len(theta), -1)
+        """SLCP_DRAWS Gaussian draws per row, flattened to (n, 2 · SLCP_DRAWS); written out, so sd 0 is allowed."""
+        s1, s2, rho = slcp_scales(theta[:, None])
+        z1, z2 = torch.randn(2, len(theta), SLCP_DRAWS, dtype=torch.float64, generator=generator)
+        first = theta[:, None, 0] + s1 * z1
+        second = theta[:, None, 1] + s2 * (rho * z1 + (1 - rho ** 2).sqrt() * z2)
+        return torch.stack([first, second], -1).reshape(len(theta), -1)
 
     def log_likelihood(self, x, theta):
         """Exact log p(x | θ), broadcasting x (..., 8) against θ (..., 5)."""
-        cov = slcp_covariance(theta)
         draws = x.reshape(*x.shape[:-1], SLCP_DRAWS, 2)
-        centred = draws - theta[..., None, :2]
-        solved = torch.linalg.solve(cov[..., None, :, :], centred[..., None])[..., 0]
-        quadratic = (centred * solved).sum((-1, -2))
-        return -0.5 * quadratic - 0.5 * SLCP_DRAWS * torch.logdet(cov) - SLCP_DRAWS * math.log(2 * math.pi)
+        s1, s2, rho = slcp_scales(theta[..., None, :])
+        u = (draws[..., 0] - theta[..., None, 0]) / s1
+        v = (draws[..., 1] - theta[..., None, 1]) / s2
+        one_minus = 1 - rho ** 2
+        terms = (-math.log(2 * math.pi) - s1.log() - s2.log() - 0.5 * one_minus.log()
+                 - (u * u - 2 * rho * u * v + v * v) / (2 * one_minus))
+        return terms.sum(-1)
 
     def reference(self, x_o, n, generator):
         """n exact draws (see slcp_reference)."""
