@@ -12,9 +12,11 @@ Three problems with exact reference posteriors (bench/posterior_problems.py):
 Each method gets the same budget of 10,000 simulator calls. sbi is given the bench's own
 (θ, x) pairs, drawn from the prior with a seed, through `append_simulations`; nnpd trains
 a kit study written into a temporary settings folder that leaves out the `model` and
-`training` sections (its default recipe) and, until the kit can train on given
+`training` sections (its default recipe; while the kit still requires them, the
+STAND_IN_RECIPE below, named in the output) and, until the kit can train on given
 simulations, simulates its own with the same budget: data.train 9,000 + data.validation
-1,000 (the 256 test pairs are not a training budget). One CPU thread each. For every
+1,000 (the 256 test pairs are not a training budget; the kit of today makes half of each
+split product pairs, one simulation each). One CPU thread each. For every
 observation (10, drawn at prior truths) each method draws 10,000 posterior samples: nnpd
 by `restore(run).posterior(x_o).sample(...)`, sbi by its default `build_posterior()`
 sampler. Each is scored by C2ST against 10,000 exact reference draws computed here
@@ -26,8 +28,14 @@ noise, for all three problems), and in 2-D the marginal CDFs are within the KS n
 
 C2ST: the 5-fold cross-validated accuracy of a small MLP separating the method's samples
 from the reference draws, both standardised by the reference's mean and sd; 0.5 is a
-perfect posterior, 1.0 a disjoint one. nnpd's `posterior.c2st` is used when it exists,
+perfect posterior, 1.0 a disjoint one (what an observation scores when nnpd refuses to
+sample it, too few effective candidates; the table counts those). nnpd's `posterior.c2st` is used when it exists,
 else the same definition here, for all three methods alike.
+
+CPU seconds (one thread): nnpd's training is its whole `train` command (start-up, its
+own simulations, training, store commits), sbi's runs from constructing NRE_A / NRE_C to
+`build_posterior()` in its process; sampling is per observation, 10,000 draws, nnpd's
+from `posterior(x_o)` (the candidate design refined for x_o) to its draws.
 
 Targets, per problem: nnpd's mean C2ST at most the better of NRE_A and NRE_C, and nnpd's
 sampling at least 5× faster per observation (CPU seconds, 10,000 draws) than the faster
