@@ -409,7 +409,7 @@ def verdict(methods):
     """PASS when nnpd's mean C2ST is at most the better sbi method's and it samples ≥ 5× faster than both."""
     ran = {name: m for name, m in methods.items() if "c2st" in m}
     if "nnpd" not in ran or not any(name in ran for name in SBI_METHODS):
-        return {"pass": False, "why": "a method did not finish"}
+        return {"pass": False, "why": "nnpd or both sbi methods did not run or finish"}
     nnpd = ran["nnpd"]
     best = min(np.mean(m["c2st"]) for name, m in ran.items() if name != "nnpd")
     fastest = min(np.mean(m["sample_cpu_seconds"]) for name, m in ran.items() if name != "nnpd")
@@ -428,9 +428,9 @@ def table(results):
              "|---|---|---|---|---|---|"]
     for name, result in results.items():
         for method in METHODS:
-            m = result["methods"].get(method, {})
-            if "c2st" not in m:
-                lines.append(f"| {name} | {result['parameters']} | {method} | failed | | |")
+            m = result["methods"].get(method)
+            if m is None or "c2st" not in m:
+                lines.append(f"| {name} | {result['parameters']} | {method} | {'not run' if m is None else 'failed'} | | |")
                 continue
             refused = f" ({len(m['refused'])} refused: 1.0)" if m.get("refused") else ""
             lines.append(f"| {name} | {result['parameters']} | {method} | {np.mean(m['c2st']):.3f} ± "
