@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 # own index, where PIP_INDEX_URL / PIP_EXTRA_INDEX_URL in the environment are honoured.
 TORCH_INDEX_URL ?=
 
-.PHONY: setup test smoke bench clean
+.PHONY: setup test smoke bench bench-sbi bench-posterior clean
 
 setup: $(VENV)/.ready
 
@@ -38,8 +38,17 @@ test: setup
 smoke: setup
 	$(PY) nnpd.py run --profile smoke
 
+# The posterior-quality bench is left out: it needs sbi and hours of CPU (bench-posterior).
 bench: setup
-	for b in bench/bench_*.py; do $(PY) $$b || exit 1; done
+	for b in $(filter-out bench/bench_posterior_quality.py,$(wildcard bench/bench_*.py)); do $(PY) $$b || exit 1; done
+
+# sbi only in the bench's own venv, bench/.venv-sbi, over .venv's torch (never a dependency of nnpd).
+bench-sbi: setup
+	$(PY) bench/bench_posterior_quality.py --sbi-setup
+
+# nnpd against sbi's NRE_A and NRE_C on exact posteriors; ARGS="--quick" for a fast check.
+bench-posterior: bench-sbi
+	OMP_NUM_THREADS=1 $(PY) bench/bench_posterior_quality.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) outputs build *.egg-info .pytest_cache _probes.*.so
+	rm -rf $(VENV) bench/.venv-sbi outputs build *.egg-info .pytest_cache _probes.*.so

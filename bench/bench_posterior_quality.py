@@ -1,0 +1,479 @@
+"""Posterior quality: nnpd against sbi 0.27's NRE_A and NRE_C, side by side, on exact posteriors.
+
+Three problems with exact reference posteriors (bench/posterior_problems.py):
+
+  ring     2 parameters: a thin ring cut by a wide band, two thin curved arcs (bimodal);
+  slcp     5 parameters, four modes: 4 draws of a 2-D Gaussian with mean (θ1, θ2), sds
+           θ3², θ4², correlation tanh θ5, uniform prior on [-3, 3]^5;
+  linear   10 parameters: x = A θ + noise, prior N(0, 1) per parameter truncated at ±5 sd
+           (the mass cut off is about 6e-6 of the prior and far less of a posterior, so the
+           truncation is negligible; sbi is given the untruncated normal).
+
+Each method gets the same budget of 10,000 simulator calls. sbi is given the bench's own
+(θ, x) pairs, drawn from the prior with a seed, through `append_simulations`; nnpd trains
+a kit study written into a temporary settings folder that leaves out the `model` and
+`training` sections (its default recipe; while the kit still requires them, the
+STAND_IN_RECIPE below, named in the output) and, until the kit can train on given
+simulations, simulates its own with the same budget: data.train 9,000 + data.validation
+1,000 (the 256 test pairs are not a training budget; the kit of today makes half of each
+split product pairs, one simulation each). One CPU thread each. For every
+observation (10, drawn at prior truths) each method draws 10,000 posterior samples: nnpd
+by `restore(run).posterior(x_o).sample(...)`, sbi by its default `build_posterior()`
+sampler. Each is scored by C2ST against 10,000 exact reference draws computed here
+(rejection or conjugate sampling, see posterior_problems.py). `--check-references`
+checks them two ways on the first observation: Metropolis chains of the exact likelihood
+started at the draws leave an exact sample's moments where they are (they did, within
+noise, for all three problems), and in 2-D the marginal CDFs are within the KS noise of a
+1,000 × 1,000 grid's (gaps 0.005 to 0.012 for 10,000 draws, where 0.0136 is the 95% bound).
+
+C2ST: the 5-fold cross-validated accuracy of a small MLP separating the method's samples
+from the reference draws, both standardised by the reference's mean and sd; 0.5 is a
+perfect posterior, 1.0 a disjoint one (what an observation scores when nnpd refuses to
+sample it, too few effective candidates; the table counts those). nnpd's `posterior.c2st` is used when it exists,
+else the same definition here, for all three methods alike.
+
+CPU seconds (one thread): nnpd's training is its whole `train` command (start-up, its
+own simulations, training, store commits), sbi's runs from constructing NRE_A / NRE_C to
+`build_posterior()` in its process; sampling is per observation, 10,000 draws, nnpd's
+from `posterior(x_o)` (the candidate design refined for x_o) to its draws.
+
+Targets, per problem: nnpd's mean C2ST at most the better of NRE_A and NRE_C, and nnpd's
+sampling at least 5× faster per observation (CPU seconds, 10,000 draws) than the faster
+of sbi's samplers. Prints a markdown table and PASS/FAIL per problem; writes a JSON.
+
+sbi lives only in bench/.venv-sbi (`make bench-sbi`, or made on first use): a venv over
+nnpd's .venv that reuses its torch (pinned by a constraints file), run in a subprocess
+that exchanges .npy files with this one, so nnpd's environment never imports sbi.
+
+    make bench-sbi                                              # once: the sbi venv
+    python bench/bench_posterior_quality.py --quick             # minutes: 2 observations, small budget
+    nice -n 10 python bench/bench_posterior_quality.py          # the full bench (hours on one CPU)
+    python bench/bench_posterior_quality.py --problems ring slcp --observations 4 --json out.json
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(REPO))        # run as a script from anywhere
+sys.path.insert(0, str(BENCH))
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+import posterior  # noqa: E402
+import posterior_problems  # noqa: E402
+import runtime  # noqa: E402
+from store import restore  # noqa: E402
+
+SBI_VENV = BENCH / ".venv-sbi"
+SBI_PYTHON = SBI_VENV / "bin" / "python"
+SBI_REQUIREMENT = "sbi==0.27.0"
+SBI_METHODS = ("NRE_A", "NRE_C")
+METHODS = ("nnpd",) + SBI_METHODS
+SPEEDUP_TARGET = 5.0
+# Used only while the kit refuses a study without `model` and `training` sections: a
+# plain MLP, and about as many epochs as sbi's early stopping trained on ring (127 for
+# NRE_A, 2,000 simulations). The JSON and the table say when it was used.
+STAND_IN_RECIPE = {"model": {"kind": "mlp", "hidden": [64, 64, 64], "activation": "relu"},
+                   "training": {"epochs": 100, "batch_size": 128, "learning_rate": 1e-3}}
+# The analysis nnpd's posterior reads: the bundled default profile's adaptive design,
+# one tiny truth set (the bench draws its own observations), one cheap metric.
+CANDIDATES = {"kind": "adaptive", "candidate_count": 10_240, "candidate_points_per_axis": 32,
+              "native_grid_prior": False, "max_enumerated": 100_000, "coarse_count": 1024, "refinement_stages": 3}
+# Sampling needs 100 effective candidates. With the default profile's 10,240 points, 2 of
+# 10 thin ring posteriors kept 95 (40,960 kept 340 and more, in 0.05 CPU s) and a 10-D one
+# as few as 2 (163,840 kept 200 to 700, in 0.3 CPU s).
+DESIGN_SIZES = {"ring": (40_960, 1024), "slcp": (40_960, 4096), "linear": (163_840, 4096)}
+C2ST_EPOCHS, C2ST_BATCH = 100, 256
+
+
+def parse_args(argv=None):
+    """Command line: problems, sizes, quick mode, output."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--problems", nargs="+", choices=list(posterior_problems.PROBLEMS),
+                        default=list(posterior_problems.PROBLEMS))
+    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
+                        help="a subset while developing (the targets need nnpd and an sbi method)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a fast check: 2 observations, 2,000 simulations, 2,000 samples and reference draws")
+    parser.add_argument("--observations", type=int, help="observations per problem (default 10; quick 2)")
+    parser.add_argument("--simulations", type=int, help="simulator calls per method (default 10,000; quick 2,000)")
+    parser.add_argument("--samples", type=int, help="posterior and reference draws (default 10,000; quick 2,000)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, default=BENCH / "out" / "posterior_quality.json")
+    parser.add_argument("--keep", type=Path, help="work in this folder and keep it (settings, runs, .npy files)")
+    parser.add_argument("--check-references", action="store_true",
+                        help="check the first observation's reference: exact-likelihood Metropolis chains from it keep its "
+                             "moments, and in 2-D its marginal CDFs against a fine grid's")
+    parser.add_argument("--sbi-setup", action="store_true", help="only create bench/.venv-sbi and exit")
+    args = parser.parse_args(argv)
+    quick = args.quick
+    args.observations = args.observations or (2 if quick else 10)
+    args.simulations = args.simulations or (2000 if quick else 10_000)
+    args.samples = args.samples or (2000 if quick else 10_000)
+    return args
+
+
+# ---------------------------------------------------------------- sbi's environment
+
+
+def ensure_sbi_venv():
+    """Create bench/.venv-sbi once: nnpd's torch reused and pinned, sbi installed beside it."""
+    if SBI_PYTHON.exists() and subprocess.run([str(SBI_PYTHON), "-c", "import sbi"], capture_output=True).returncode == 0:
+        return
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(SBI_VENV)], check=True)
+    # --system-site-packages reaches the base interpreter's packages, not those of nnpd's
+    # .venv, where torch may live: a .pth file adds nnpd's site-packages behind sbi's own.
+    here = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    there = subprocess.run([str(SBI_PYTHON), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                           capture_output=True, text=True, check=True).stdout.strip()
+    Path(there, "nnpd-venv.pth").write_text(here + "\n")
+    constraints = SBI_VENV / "constraints.txt"
+    constraints.write_text(f"torch=={torch.__version__}\n")     # never a second torch
+    subprocess.run([str(SBI_PYTHON), "-m", "pip", "install", "-c", str(constraints), SBI_REQUIREMENT], check=True)
+    version = subprocess.run([str(SBI_PYTHON), "-c", "import torch; print(torch.__version__, torch.__file__)"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    if version[0] != torch.__version__ or not version[1].startswith(here):
+        raise RuntimeError(f"{SBI_VENV} sees torch {version} instead of nnpd's {torch.__version__} in {here}")
+
+
+def run_sbi(method, folder):
+    """One sbi method on the simulations in `folder`, in its own venv's python; its samples and timings."""
+    # In `folder`: sbi writes its training logs (sbi-logs/) under the working directory.
+    completed = subprocess.run([str(SBI_PYTHON), str(BENCH / "sbi_runner.py"), str(folder), method],
+                               env=single_thread_env(), capture_output=True, text=True, cwd=folder)
+    if completed.returncode:
+        raise RuntimeError(f"{method} failed:\n{completed.stderr[-2000:]}")
+    timings = json.loads((folder / f"{method}.json").read_text())
+    return {"samples": np.load(folder / f"{method}-samples.npy"), "train_cpu_seconds": timings["train_cpu_seconds"],
+            "sample_cpu_seconds": timings["sample_cpu_seconds"], "epochs": timings.get("epochs")}
+
+
+def single_thread_env():
+    """The environment of a child process, held to one thread."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+# ---------------------------------------------------------------- nnpd's side
+
+
+def settings_files(name, study, folder, args, recipe):
+    """Write the study module and both settings files of one problem into `folder`."""
+    folder.mkdir(parents=True, exist_ok=True)
+    # The module is copied, not imported from bench/: the kit checks that the module it
+    # names defines the class itself, and its source enters the keys.
+    shutil.copy(BENCH / "posterior_problems.py", folder / "posterior_problems.py")
+    train = 2 * round(0.45 * args.simulations)          # even splits: 90% training, 10% validation
+    training = {
+        "experiment": f"posterior_problems:{type(study).__name__}",
+        "output": {"root": str(folder / "outputs")},
+        "seed": args.seed,
+        "cohort": {"priors": ["prior"], "replicas": 1},
+        "priors": {"prior": posterior_problems.kit_prior(study)},
+        "data": {"train": train, "validation": args.simulations - train, "test": 256},
+        "runtime": {"device": "cpu", "parallel": "jobs", "cpu_threads": 1},
+        **recipe,
+    }
+    analysis = {
+        "analysis": "nre_analysis:NREAnalysis",
+        "inference": {
+            "truths": {"kind": "sobol", "sobol_truths": 2, "truth_points_per_axis": 2, "max_grid_truths": 4,
+                       "truth_margin_fraction": 0.0, "align_truths_to_grid": False, "repeats": 1},
+            "observations": 1, "candidates": design(name), "targets": ["posterior"], "levels": [0.68, 0.95],
+            "chunk_rows": 1 << 24, "retain": "diagnostic", "diagnostic_cases": 0},
+        "verification": {"max_model_evaluations": 1e12, "max_saved_bytes": 1e10, "max_candidate_points": 1e7},
+        "metrics": ["classification"], "plots": [], "cohort_plots": [], "plotting": {"format": "png", "dpi": 120},
+    }
+    for file, settings in (("settings_training.py", training), ("settings_analysis.py", analysis)):
+        (folder / file).write_text(f'"""Bench settings for {name} (written by bench_posterior_quality.py)."""\n'
+                                   f'DEFAULT_PROFILE = "bench"\nPROFILES = ("bench",)\nSETTINGS = {settings!r}\n\n\n'
+                                   'def make_settings(profile):\n    """The one profile."""\n'
+                                   '    import copy\n    return copy.deepcopy(SETTINGS)\n')
+
+
+def design(name):
+    """The adaptive candidate design of one problem (DESIGN_SIZES)."""
+    count, coarse = DESIGN_SIZES[name]
+    return {**CANDIDATES, "candidate_count": count, "coarse_count": coarse}
+
+
+def nnpd_command(stage, folder):
+    """Run one nnpd stage on the settings in `folder`; returns (completed process, child CPU seconds)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    completed = subprocess.run([sys.executable, str(REPO / "nnpd.py"), stage, "--settings-dir", str(folder)],
+                               env=single_thread_env(), capture_output=True, text=True, cwd=folder)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return completed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def default_recipe_accepted(name, study, folder, args):
+    """Whether the kit plans the study without `model` and `training`; the settings are written either way."""
+    settings_files(name, study, folder, args, {})
+    completed, _ = nnpd_command("plan", folder)
+    if completed.returncode == 0:
+        return True
+    refusal = completed.stdout + completed.stderr
+    if completed.returncode != 2 or not any(f"{section}" in refusal for section in ("model", "training")):
+        raise RuntimeError(f"nnpd plan failed for {name}:\n{completed.stdout[-1500:]}{completed.stderr[-1500:]}")
+    settings_files(name, study, folder, args, STAND_IN_RECIPE)
+    return False
+
+
+def train_nnpd(name, study, simulations, observations, folder, args):
+    """nnpd's default recipe on a budget of len(simulations) simulator calls; its samples and timings.
+
+    `simulations` are the (θ, x) pairs sbi trains on. The kit cannot yet train on given
+    pairs, so it simulates its own, with the same budget; when it can, this function names
+    them in `data` and nothing else changes.
+    """
+    default = default_recipe_accepted(name, study, folder, args)
+    completed, train_seconds = nnpd_command("train", folder)
+    if completed.returncode:
+        raise RuntimeError(f"nnpd train failed:\n{completed.stdout[-1500:]}{completed.stderr[-1500:]}")
+    completed, _ = nnpd_command("analyze", folder)     # the posterior reads the analysis settings
+    if completed.returncode:
+        raise RuntimeError(f"nnpd analyze failed:\n{completed.stdout[-1500:]}{completed.stderr[-1500:]}")
+    run_dir = next(path.parent for path in (folder / "outputs" / "runs").glob("*/*/run.json"))
+    restored = restore(run_dir)
+    samples, sample_seconds, refused = [], [], {}
+    for i, x_o in enumerate(observations):
+        start = time.process_time()
+        try:
+            drawn = restored.posterior(x_o).sample(args.samples, seed=args.seed + i).numpy()
+        except posterior.PosteriorError as error:      # too few effective candidates: no samples
+            drawn, refused[i] = None, str(error)
+        sample_seconds.append(time.process_time() - start)
+        samples.append(drawn)
+    return {"samples": samples, "train_cpu_seconds": train_seconds, "sample_cpu_seconds": sample_seconds,
+            "refused": refused, "recipe": "default" if default else f"stand-in {STAND_IN_RECIPE}"}
+
+
+# ---------------------------------------------------------------- C2ST
+
+
+def c2st(samples, reference, folds=5, seed=0):
+    """nnpd's posterior.c2st when it exists, else local_c2st: one definition for every method."""
+    shared = getattr(posterior, "c2st", None)
+    if shared is not None:
+        return float(shared(samples, reference, folds=folds, seed=seed))
+    return local_c2st(samples, reference, folds=folds, seed=seed)
+
+
+def local_c2st(samples, reference, folds=5, seed=0):
+    """Mean held-out accuracy over `folds` folds of an MLP (two hidden layers of 10 p) telling samples from reference.
+
+    Both sets are standardised by the reference's mean and sd; 0.5: indistinguishable.
+    """
+    samples = torch.as_tensor(np.asarray(samples), dtype=torch.float64)
+    reference = torch.as_tensor(np.asarray(reference), dtype=torch.float64)
+    mean, sd = reference.mean(0), reference.std(0).clamp_min(1e-12)
+    inputs = ((torch.cat([samples, reference]) - mean) / sd).float()
+    labels = torch.cat([torch.zeros(len(samples)), torch.ones(len(reference))])
+    generator = torch.Generator().manual_seed(seed)
+    chunks = torch.randperm(len(inputs), generator=generator).chunk(folds)
+    accuracies = []
+    for k, held_out in enumerate(chunks):
+        train = torch.cat([chunk for j, chunk in enumerate(chunks) if j != k])
+        network = fit_classifier(inputs[train], labels[train], generator)
+        with torch.no_grad():
+            predicted = (network(inputs[held_out])[:, 0] > 0).float()
+        accuracies.append(float((predicted == labels[held_out]).float().mean()))
+    return float(np.mean(accuracies))
+
+
+def fit_classifier(inputs, labels, generator):
+    """A small ReLU MLP fitted by Adam on the BCE for C2ST_EPOCHS epochs."""
+    p = inputs.shape[1]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(torch.randint(0, 2**62, (), generator=generator)))
+        network = torch.nn.Sequential(torch.nn.Linear(p, 10 * p), torch.nn.ReLU(), torch.nn.Linear(10 * p, 10 * p),
+                                      torch.nn.ReLU(), torch.nn.Linear(10 * p, 1))
+    optimizer = torch.optim.Adam(network.parameters(), lr=1e-3)
+    for _ in range(C2ST_EPOCHS):
+        for batch in torch.randperm(len(inputs), generator=generator).split(C2ST_BATCH):
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(network(inputs[batch])[:, 0], labels[batch])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+    return network
+
+
+# ---------------------------------------------------------------- the exact references
+
+
+def check_reference(study, x_o, reference, generator, steps=300):
+    """Exact-likelihood Metropolis chains started at every reference draw: an exact sample keeps its moments."""
+    low, high = posterior_problems.bounds(study)
+    normal = isinstance(study, posterior_problems.Linear)
+
+    def log_target(theta):
+        """Unnormalised log posterior: likelihood times prior, −inf outside the box."""
+        value = study.log_likelihood(x_o, theta) - (0.5 * (theta ** 2).sum(-1) if normal else 0.0)
+        inside = ((theta >= low) & (theta <= high)).all(-1)
+        return torch.where(inside, value, torch.full_like(value, -math.inf))
+
+    current = reference.clone()
+    log_current = log_target(current)
+    step = 0.3 * reference.std(0)
+    for _ in range(steps):
+        proposal = current + step * torch.randn(current.shape, dtype=torch.float64, generator=generator)
+        log_proposal = log_target(proposal)
+        accept = torch.rand(len(current), dtype=torch.float64, generator=generator).log() < log_proposal - log_current
+        current[accept], log_current[accept] = proposal[accept], log_proposal[accept]
+    # |θ| too: the modes of ring and slcp are mirror images, so the means alone say little.
+    check = {what: [values.mean(0).tolist(), values.abs().mean(0).tolist(), values.std(0).tolist()]
+             for what, values in (("reference", reference), ("after_chains", current))}
+    if len(low) == 2:
+        check["grid_ks"] = grid_ks(log_target, reference, low, high)
+    return check
+
+
+def grid_ks(log_target, reference, low, high, points=1000):
+    """Per axis, the largest gap between the reference's marginal CDF and a fine grid's (2-D problems)."""
+    axes = [torch.linspace(float(a), float(b), points + 1, dtype=torch.float64) for a, b in zip(low, high)]
+    middles = [(axis[1:] + axis[:-1]) / 2 for axis in axes]
+    grid = torch.stack(torch.meshgrid(*middles, indexing="ij"), -1)
+    mass = torch.softmax(log_target(grid.reshape(-1, 2)), 0).reshape(points, points)
+    gaps = []
+    for axis, marginal in enumerate((mass.sum(1), mass.sum(0))):
+        edges = axes[axis][1:]
+        empirical = torch.searchsorted(reference[:, axis].sort().values.contiguous(), edges, right=True) / len(reference)
+        gaps.append(float((empirical - marginal.cumsum(0)).abs().max()))
+    return gaps
+
+
+# ---------------------------------------------------------------- one problem
+
+
+def seeded(args, *labels):
+    """A generator for one named stream of the bench."""
+    return torch.Generator().manual_seed(runtime.derived_seed(args.seed, "posterior-quality", *labels))
+
+
+def bench_problem(name, args, workdir):
+    """Simulations, observations and references of one problem; every method's samples, scores and timings."""
+    study = posterior_problems.PROBLEMS[name]({})
+    theta = posterior_problems.prior_draws(study, args.simulations, seeded(args, name, "theta"))
+    x = study.simulate(theta, seeded(args, name, "x"))
+    truths = posterior_problems.prior_draws(study, args.observations, seeded(args, name, "truths"))
+    observations = study.simulate(truths, seeded(args, name, "observations"))
+    start = time.process_time()
+    references = [study.reference(x_o, args.samples, seeded(args, name, "reference", i))
+                  for i, x_o in enumerate(observations)]
+    result = {"parameters": len(study.parameters), "reference_cpu_seconds": time.process_time() - start,
+              "truths": truths.tolist(), "observations": observations.tolist(), "methods": {}}
+    if args.check_references:
+        result["reference_check"] = check_reference(study, observations[0], references[0], seeded(args, name, "check"))
+        print(f"{name}: reference check {json.dumps(result['reference_check'])}", flush=True)
+    folder = workdir / name
+    folder.mkdir(parents=True, exist_ok=True)
+    np.save(folder / "theta.npy", theta.numpy())
+    np.save(folder / "x.npy", x.numpy())
+    np.save(folder / "observations.npy", observations.numpy())
+    (folder / "job.json").write_text(json.dumps({"prior": posterior_problems.sbi_prior(study),
+                                                 "samples": args.samples, "seed": args.seed}))
+    for method in args.methods:
+        print(f"{name}: {method} ...", flush=True)
+        try:
+            if method == "nnpd":
+                outcome = train_nnpd(name, study, (theta, x), observations, folder / "nnpd", args)
+            else:
+                outcome = run_sbi(method, folder)
+        except Exception as error:         # one method failing still leaves the others' rows
+            print(f"{name}: {method} failed: {error}", flush=True)
+            result["methods"][method] = {"error": str(error)}
+            continue
+        # An observation without samples (nnpd refusing to resample) scores 1.0, a disjoint posterior.
+        scores = [1.0 if samples is None else c2st(samples, reference, seed=args.seed)
+                  for samples, reference in zip(outcome.pop("samples"), references)]
+        result["methods"][method] = {**outcome, "c2st": scores}
+        print(f"{name}: {method} C2ST {np.mean(scores):.3f}", flush=True)
+    result["verdict"] = verdict(result["methods"])
+    return result
+
+
+def verdict(methods):
+    """PASS when nnpd's mean C2ST is at most the better sbi method's and it samples ≥ 5× faster than both."""
+    ran = {name: m for name, m in methods.items() if "c2st" in m}
+    if "nnpd" not in ran or not any(name in ran for name in SBI_METHODS):
+        return {"pass": False, "why": "nnpd or both sbi methods did not run or finish"}
+    nnpd = ran["nnpd"]
+    best = min(np.mean(m["c2st"]) for name, m in ran.items() if name != "nnpd")
+    fastest = min(np.mean(m["sample_cpu_seconds"]) for name, m in ran.items() if name != "nnpd")
+    speedup = fastest / max(np.mean(nnpd["sample_cpu_seconds"]), 1e-9)
+    quality = float(np.mean(nnpd["c2st"])) <= best
+    return {"pass": bool(quality and speedup >= SPEEDUP_TARGET), "quality": bool(quality),
+            "best_sbi_c2st": float(best), "speedup": float(speedup)}
+
+
+# ---------------------------------------------------------------- report
+
+
+def table(results):
+    """The markdown table of every problem and method, then PASS/FAIL lines."""
+    lines = ["| problem | p | method | C2ST mean ± sd | train CPU s | sample CPU s / obs |",
+             "|---|---|---|---|---|---|"]
+    for name, result in results.items():
+        for method in METHODS:
+            m = result["methods"].get(method)
+            if m is None or "c2st" not in m:
+                lines.append(f"| {name} | {result['parameters']} | {method} | {'not run' if m is None else 'failed'} | | |")
+                continue
+            refused = f" ({len(m['refused'])} refused: 1.0)" if m.get("refused") else ""
+            lines.append(f"| {name} | {result['parameters']} | {method} | {np.mean(m['c2st']):.3f} ± "
+                         f"{np.std(m['c2st']):.3f}{refused} | {m['train_cpu_seconds']:.1f} | "
+                         f"{np.mean(m['sample_cpu_seconds']):.2f} |")
+    lines.append("")
+    recipes = {m["recipe"] for r in results.values() for m in r["methods"].values() if "recipe" in m}
+    lines += [f"nnpd recipe: {recipe}" for recipe in sorted(recipes)]
+    for name, result in results.items():
+        v = result["verdict"]
+        detail = v.get("why") or (f"C2ST {'≤' if v['quality'] else '>'} best sbi {v['best_sbi_c2st']:.3f}; "
+                                  f"sampling {v['speedup']:.1f}× faster (target {SPEEDUP_TARGET:g}×)")
+        lines.append(f"{name}: {'PASS' if v['pass'] else 'FAIL'} ({detail})")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    """Run the chosen problems, print the table, write the JSON."""
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    if args.sbi_setup or set(args.methods) & set(SBI_METHODS):
+        ensure_sbi_venv()
+    if args.sbi_setup:
+        return 0
+    print(f"c2st: {'posterior.c2st' if getattr(posterior, 'c2st', None) else 'the bench local definition'}; "
+          f"{args.simulations} simulations, {args.observations} observations, {args.samples} draws", flush=True)
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="nnpd-posterior-quality-") as scratch:
+        workdir = (args.keep or Path(scratch)).resolve()
+        for name in args.problems:
+            results[name] = bench_problem(name, args, workdir)
+            write_json(args, results)       # after every problem: a long run keeps what it finished
+    print(table(results))
+    return 0 if all(r["verdict"]["pass"] for r in results.values()) else 1
+
+
+def write_json(args, results):
+    """The results so far, with the run's sizes."""
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    sizes = {k: v for k, v in vars(args).items() if k in ("quick", "observations", "simulations", "samples", "seed")}
+    args.json.write_text(json.dumps({"sizes": sizes, "c2st": "posterior.c2st" if getattr(posterior, "c2st", None)
+                                     else "local", "problems": results}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
