@@ -9,31 +9,31 @@ Three problems with exact reference posteriors (bench/posterior_problems.py):
            (the mass cut off is about 6e-6 of the prior and far less of a posterior, so the
            truncation is negligible; sbi is given the untruncated normal).
 
-Each method gets the same budget of 10,000 simulator calls. sbi is given the bench's own
-(θ, x) pairs, drawn from the prior with a seed, through `append_simulations`; nnpd trains
-a kit study written into a temporary settings folder that leaves out the `model` and
-`training` sections (its default recipe; while the kit still requires them, the
-STAND_IN_RECIPE below, named in the output) and, until the kit can train on given
-simulations, simulates its own with the same budget: data.train 9,000 + data.validation
-1,000 (the 256 test pairs are not a training budget; the kit of today makes half of each
-split product pairs, one simulation each). One CPU thread each. For every
-observation (10, drawn at prior truths) each method draws 10,000 posterior samples: nnpd
-by `restore(run).posterior(x_o).sample(...)`, sbi by its default `build_posterior()`
-sampler. Each is scored by C2ST against 10,000 exact reference draws computed here
-(rejection or conjugate sampling, see posterior_problems.py). `--check-references`
+Each method gets the same budget of 10,000 simulator calls, the same (θ, x) pairs drawn
+here from the prior with a seed: sbi through `append_simulations`, nnpd as a simulation
+bank (`data.bank`, 9,000 for training and 1,000 for validation, as sbi splits them; two
+more simulations fill the kit's test split, which trains nothing). nnpd's study writes no
+`model`, `training` or inference settings: its documented defaults, `python nnpd.py
+train`, then `restore(run).posterior(x_o).sample(n)` with the default design for the
+parameter box. One CPU thread each. For every observation (10, drawn at prior truths) each
+method draws 10,000 posterior samples, sbi by its default `build_posterior()` sampler.
+Each is scored by C2ST against 10,000 exact reference draws computed here (rejection or
+conjugate sampling, see posterior_problems.py). `--check-references`
 checks them two ways on the first observation: Metropolis chains of the exact likelihood
 started at the draws leave an exact sample's moments where they are (they did, within
 noise, for all three problems), and in 2-D the marginal CDFs are within the KS noise of a
 1,000 × 1,000 grid's (gaps 0.005 to 0.012 for 10,000 draws, where 0.0136 is the 95% bound).
 
-C2ST: the 5-fold cross-validated accuracy of a small MLP separating the method's samples
-from the reference draws, both standardised by the reference's mean and sd; 0.5 is a
-perfect posterior, 1.0 a disjoint one (what an observation scores when nnpd refuses to
-sample it, too few effective candidates; the table counts those). nnpd's `posterior.c2st` is used when it exists,
-else the same definition here, for all three methods alike.
+C2ST (c2st.py, trained C2ST_EPOCHS epochs): the 5-fold cross-validated accuracy of a
+small MLP separating the method's samples from the reference draws, both standardised by
+the reference's mean and sd; 0.5 is a perfect posterior, 1.0 a disjoint one (what an
+observation scores when nnpd refuses to sample it; the table counts those). The same
+definition for all three methods. sbi's results depend only on the seed and the sizes:
+`--reuse-sbi DIR` takes its samples and timings from an earlier run's `--keep` folder and
+scores them anew beside nnpd's.
 
-CPU seconds (one thread): nnpd's training is its whole `train` command (start-up, its
-own simulations, training, store commits), sbi's runs from constructing NRE_A / NRE_C to
+CPU seconds (one thread): nnpd's training is its whole `train` command (start-up, reading
+the bank, training, store commits), sbi's runs from constructing NRE_A / NRE_C to
 `build_posterior()` in its process; sampling is per observation, 10,000 draws, nnpd's
 from `posterior(x_o)` (the candidate design refined for x_o) to its draws.
 
@@ -75,6 +75,7 @@ import torch  # noqa: E402
 import posterior  # noqa: E402
 import posterior_problems  # noqa: E402
 import runtime  # noqa: E402
+from c2st import c2st  # noqa: E402
 from store import restore  # noqa: E402
 
 SBI_VENV = BENCH / ".venv-sbi"
@@ -83,20 +84,10 @@ SBI_REQUIREMENT = "sbi==0.27.0"
 SBI_METHODS = ("NRE_A", "NRE_C")
 METHODS = ("nnpd",) + SBI_METHODS
 SPEEDUP_TARGET = 5.0
-# Used only while the kit refuses a study without `model` and `training` sections: a
-# plain MLP, and about as many epochs as sbi's early stopping trained on ring (127 for
-# NRE_A, 2,000 simulations). The JSON and the table say when it was used.
-STAND_IN_RECIPE = {"model": {"kind": "mlp", "hidden": [64, 64, 64], "activation": "relu"},
-                   "training": {"epochs": 100, "batch_size": 128, "learning_rate": 1e-3}}
-# The analysis nnpd's posterior reads: the bundled default profile's adaptive design,
-# one tiny truth set (the bench draws its own observations), one cheap metric.
-CANDIDATES = {"kind": "adaptive", "candidate_count": 10_240, "candidate_points_per_axis": 32,
-              "native_grid_prior": False, "max_enumerated": 100_000, "coarse_count": 1024, "refinement_stages": 3}
-# Sampling needs 100 effective candidates. With the default profile's 10,240 points, 2 of
-# 10 thin ring posteriors kept 95 (40,960 kept 340 and more, in 0.05 CPU s) and a 10-D one
-# as few as 2 (163,840 kept 200 to 700, in 0.3 CPU s).
-DESIGN_SIZES = {"ring": (40_960, 1024), "slcp": (40_960, 4096), "linear": (163_840, 4096)}
+# The bench's C2ST trains each fold's classifier longer than `infer --reference` does (closer
+# to training to convergence, as sbibm does): it tells close posteriors apart better.
 C2ST_EPOCHS, C2ST_BATCH = 100, 256
+TEST_SIMULATIONS = 2        # the kit's data.test: held out for the classification metric, not trained on
 
 
 def parse_args(argv=None):
@@ -118,6 +109,12 @@ def parse_args(argv=None):
                         help="check the first observation's reference: exact-likelihood Metropolis chains from it keep its "
                              "moments, and in 2-D its marginal CDFs against a fine grid's")
     parser.add_argument("--sbi-setup", action="store_true", help="only create bench/.venv-sbi and exit")
+    parser.add_argument("--nnpd-training", type=json.loads, metavar="JSON", default=None,
+                        help='a `training` section for nnpd instead of its defaults, to compare recipes: '
+                             '\'{"objective": "bce"}\' (the keys it names replace the kit recipe\'s)')
+    parser.add_argument("--reuse-sbi", type=Path, metavar="DIR",
+                        help="take sbi's samples and timings from the --keep folder of an earlier run of the same "
+                             "seed and sizes (they depend on nothing else), scoring them anew beside nnpd's")
     args = parser.parse_args(argv)
     quick = args.quick
     args.observations = args.observations or (2 if quick else 10)
@@ -170,44 +167,37 @@ def single_thread_env():
 # ---------------------------------------------------------------- nnpd's side
 
 
-def settings_files(name, study, folder, args, recipe):
-    """Write the study module and both settings files of one problem into `folder`."""
+def settings_files(name, study, folder, args, bank):
+    """Write the study module, both settings files and the simulation bank of one problem into `folder`.
+
+    The settings name no `model` or `training` section (the kit's recipe) and no inference
+    settings (the default design for the parameter box); data.bank holds the simulations
+    sbi trains on, 90% for training and 10% for validation, as sbi splits them.
+    """
     folder.mkdir(parents=True, exist_ok=True)
     # The module is copied, not imported from bench/: the kit checks that the module it
     # names defines the class itself, and its source enters the keys.
     shutil.copy(BENCH / "posterior_problems.py", folder / "posterior_problems.py")
-    train = 2 * round(0.45 * args.simulations)          # even splits: 90% training, 10% validation
+    theta, x = bank
+    np.savez(folder / "bank.npz", theta=theta.numpy(), x=x.numpy())
+    validation = args.simulations // 10
     training = {
         "experiment": f"posterior_problems:{type(study).__name__}",
         "output": {"root": str(folder / "outputs")},
         "seed": args.seed,
         "cohort": {"priors": ["prior"], "replicas": 1},
         "priors": {"prior": posterior_problems.kit_prior(study)},
-        "data": {"train": train, "validation": args.simulations - train, "test": 256},
+        "data": {"train": args.simulations - validation, "validation": validation, "test": TEST_SIMULATIONS,
+                 "bank": str(folder / "bank.npz")},
         "runtime": {"device": "cpu", "parallel": "jobs", "cpu_threads": 1},
-        **recipe,
+        **({"training": args.nnpd_training} if args.nnpd_training else {}),
     }
-    analysis = {
-        "analysis": "nre_analysis:NREAnalysis",
-        "inference": {
-            "truths": {"kind": "sobol", "sobol_truths": 2, "truth_points_per_axis": 2, "max_grid_truths": 4,
-                       "truth_margin_fraction": 0.0, "align_truths_to_grid": False, "repeats": 1},
-            "observations": 1, "candidates": design(name), "targets": ["posterior"], "levels": [0.68, 0.95],
-            "chunk_rows": 1 << 24, "retain": "diagnostic", "diagnostic_cases": 0},
-        "verification": {"max_model_evaluations": 1e12, "max_saved_bytes": 1e10, "max_candidate_points": 1e7},
-        "metrics": ["classification"], "plots": [], "cohort_plots": [], "plotting": {"format": "png", "dpi": 120},
-    }
+    analysis = {"analysis": "nre_analysis:NREAnalysis"}
     for file, settings in (("settings_training.py", training), ("settings_analysis.py", analysis)):
         (folder / file).write_text(f'"""Bench settings for {name} (written by bench_posterior_quality.py)."""\n'
                                    f'DEFAULT_PROFILE = "bench"\nPROFILES = ("bench",)\nSETTINGS = {settings!r}\n\n\n'
                                    'def make_settings(profile):\n    """The one profile."""\n'
                                    '    import copy\n    return copy.deepcopy(SETTINGS)\n')
-
-
-def design(name):
-    """The adaptive candidate design of one problem (DESIGN_SIZES)."""
-    count, coarse = DESIGN_SIZES[name]
-    return {**CANDIDATES, "candidate_count": count, "coarse_count": coarse}
 
 
 def nnpd_command(stage, folder):
@@ -219,96 +209,49 @@ def nnpd_command(stage, folder):
     return completed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
-def default_recipe_accepted(name, study, folder, args):
-    """Whether the kit plans the study without `model` and `training`; the settings are written either way."""
-    settings_files(name, study, folder, args, {})
-    completed, _ = nnpd_command("plan", folder)
-    if completed.returncode == 0:
-        return True
-    refusal = completed.stdout + completed.stderr
-    if completed.returncode != 2 or not any(f"{section}" in refusal for section in ("model", "training")):
-        raise RuntimeError(f"nnpd plan failed for {name}:\n{completed.stdout[-1500:]}{completed.stderr[-1500:]}")
-    settings_files(name, study, folder, args, STAND_IN_RECIPE)
-    return False
-
-
-def train_nnpd(name, study, simulations, observations, folder, args):
-    """nnpd's default recipe on a budget of len(simulations) simulator calls; its samples and timings.
-
-    `simulations` are the (θ, x) pairs sbi trains on. The kit cannot yet train on given
-    pairs, so it simulates its own, with the same budget; when it can, this function names
-    them in `data` and nothing else changes.
-    """
-    default = default_recipe_accepted(name, study, folder, args)
+def train_nnpd(name, study, bank, observations, folder, args):
+    """nnpd's documented defaults on the bank's simulations: `train`, then restore(run).posterior(x_o).sample(n)."""
+    settings_files(name, study, folder, args, bank)
     completed, train_seconds = nnpd_command("train", folder)
     if completed.returncode:
         raise RuntimeError(f"nnpd train failed:\n{completed.stdout[-1500:]}{completed.stderr[-1500:]}")
-    completed, _ = nnpd_command("analyze", folder)     # the posterior reads the analysis settings
-    if completed.returncode:
-        raise RuntimeError(f"nnpd analyze failed:\n{completed.stdout[-1500:]}{completed.stderr[-1500:]}")
     run_dir = next(path.parent for path in (folder / "outputs" / "runs").glob("*/*/run.json"))
     restored = restore(run_dir)
-    samples, sample_seconds, refused = [], [], {}
+    samples, sample_seconds, refused, methods = [], [], {}, []
     for i, x_o in enumerate(observations):
         start = time.process_time()
         try:
-            drawn = restored.posterior(x_o).sample(args.samples, seed=args.seed + i).numpy()
+            post = restored.posterior(x_o)
+            drawn = post.sample(args.samples, seed=args.seed + i).numpy()
+            methods.append(post.sampling["method"])
         except posterior.PosteriorError as error:      # too few effective candidates: no samples
             drawn, refused[i] = None, str(error)
         sample_seconds.append(time.process_time() - start)
         samples.append(drawn)
+    history = restored.history
     return {"samples": samples, "train_cpu_seconds": train_seconds, "sample_cpu_seconds": sample_seconds,
-            "refused": refused, "recipe": "default" if default else f"stand-in {STAND_IN_RECIPE}"}
+            "refused": refused, "sampling": methods, "epochs": len(history["train_loss"]),
+            "selected_epoch": history["selected_epoch"]}
+
+
+def reused_sbi(method, folder, args):
+    """sbi's samples and timings kept by an earlier run (--reuse-sbi), or None when it kept none."""
+    kept = args.reuse_sbi / folder.name
+    if not (kept / f"{method}-samples.npy").is_file():
+        return None
+    for name in (f"{method}-samples.npy", f"{method}.json"):
+        shutil.copy(kept / name, folder / name)
+    timings = json.loads((folder / f"{method}.json").read_text())
+    return {"samples": np.load(folder / f"{method}-samples.npy"), "train_cpu_seconds": timings["train_cpu_seconds"],
+            "sample_cpu_seconds": timings["sample_cpu_seconds"], "epochs": timings.get("epochs"), "reused": str(kept)}
 
 
 # ---------------------------------------------------------------- C2ST
 
 
-def c2st(samples, reference, folds=5, seed=0):
-    """nnpd's posterior.c2st when it exists, else local_c2st: one definition for every method."""
-    shared = getattr(posterior, "c2st", None)
-    if shared is not None:
-        return float(shared(samples, reference, folds=folds, seed=seed))
-    return local_c2st(samples, reference, folds=folds, seed=seed)
-
-
-def local_c2st(samples, reference, folds=5, seed=0):
-    """Mean held-out accuracy over `folds` folds of an MLP (two hidden layers of 10 p) telling samples from reference.
-
-    Both sets are standardised by the reference's mean and sd; 0.5: indistinguishable.
-    """
-    samples = torch.as_tensor(np.asarray(samples), dtype=torch.float64)
-    reference = torch.as_tensor(np.asarray(reference), dtype=torch.float64)
-    mean, sd = reference.mean(0), reference.std(0).clamp_min(1e-12)
-    inputs = ((torch.cat([samples, reference]) - mean) / sd).float()
-    labels = torch.cat([torch.zeros(len(samples)), torch.ones(len(reference))])
-    generator = torch.Generator().manual_seed(seed)
-    chunks = torch.randperm(len(inputs), generator=generator).chunk(folds)
-    accuracies = []
-    for k, held_out in enumerate(chunks):
-        train = torch.cat([chunk for j, chunk in enumerate(chunks) if j != k])
-        network = fit_classifier(inputs[train], labels[train], generator)
-        with torch.no_grad():
-            predicted = (network(inputs[held_out])[:, 0] > 0).float()
-        accuracies.append(float((predicted == labels[held_out]).float().mean()))
-    return float(np.mean(accuracies))
-
-
-def fit_classifier(inputs, labels, generator):
-    """A small ReLU MLP fitted by Adam on the BCE for C2ST_EPOCHS epochs."""
-    p = inputs.shape[1]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(int(torch.randint(0, 2**62, (), generator=generator)))
-        network = torch.nn.Sequential(torch.nn.Linear(p, 10 * p), torch.nn.ReLU(), torch.nn.Linear(10 * p, 10 * p),
-                                      torch.nn.ReLU(), torch.nn.Linear(10 * p, 1))
-    optimizer = torch.optim.Adam(network.parameters(), lr=1e-3)
-    for _ in range(C2ST_EPOCHS):
-        for batch in torch.randperm(len(inputs), generator=generator).split(C2ST_BATCH):
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(network(inputs[batch])[:, 0], labels[batch])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-    return network
+def score(samples, reference, seed):
+    """nnpd's C2ST (c2st.py) at the bench's training length: one definition for every method."""
+    return float(c2st(samples, reference, seed=seed, epochs=C2ST_EPOCHS, batch=C2ST_BATCH))
 
 
 # ---------------------------------------------------------------- the exact references
@@ -389,15 +332,17 @@ def bench_problem(name, args, workdir):
         print(f"{name}: {method} ...", flush=True)
         try:
             if method == "nnpd":
-                outcome = train_nnpd(name, study, (theta, x), observations, folder / "nnpd", args)
+                extra = posterior_problems.prior_draws(study, TEST_SIMULATIONS, seeded(args, name, "test theta"))
+                bank = (torch.cat([theta, extra]), torch.cat([x, study.simulate(extra, seeded(args, name, "test x"))]))
+                outcome = train_nnpd(name, study, bank, observations, folder / "nnpd", args)
             else:
-                outcome = run_sbi(method, folder)
+                outcome = (args.reuse_sbi and reused_sbi(method, folder, args)) or run_sbi(method, folder)
         except Exception as error:         # one method failing still leaves the others' rows
             print(f"{name}: {method} failed: {error}", flush=True)
             result["methods"][method] = {"error": str(error)}
             continue
         # An observation without samples (nnpd refusing to resample) scores 1.0, a disjoint posterior.
-        scores = [1.0 if samples is None else c2st(samples, reference, seed=args.seed)
+        scores = [1.0 if samples is None else score(samples, reference, args.seed)
                   for samples, reference in zip(outcome.pop("samples"), references)]
         result["methods"][method] = {**outcome, "c2st": scores}
         print(f"{name}: {method} C2ST {np.mean(scores):.3f}", flush=True)
@@ -437,8 +382,6 @@ def table(results):
                          f"{np.std(m['c2st']):.3f}{refused} | {m['train_cpu_seconds']:.1f} | "
                          f"{np.mean(m['sample_cpu_seconds']):.2f} |")
     lines.append("")
-    recipes = {m["recipe"] for r in results.values() for m in r["methods"].values() if "recipe" in m}
-    lines += [f"nnpd recipe: {recipe}" for recipe in sorted(recipes)]
     for name, result in results.items():
         v = result["verdict"]
         detail = v.get("why") or (f"C2ST {'≤' if v['quality'] else '>'} best sbi {v['best_sbi_c2st']:.3f}; "
@@ -455,8 +398,8 @@ def main(argv=None):
         ensure_sbi_venv()
     if args.sbi_setup:
         return 0
-    print(f"c2st: {'posterior.c2st' if getattr(posterior, 'c2st', None) else 'the bench local definition'}; "
-          f"{args.simulations} simulations, {args.observations} observations, {args.samples} draws", flush=True)
+    print(f"c2st: c2st.py, {C2ST_EPOCHS} epochs; {args.simulations} simulations, {args.observations} observations, "
+          f"{args.samples} draws", flush=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="nnpd-posterior-quality-") as scratch:
         workdir = (args.keep or Path(scratch)).resolve()
@@ -471,8 +414,8 @@ def write_json(args, results):
     """The results so far, with the run's sizes."""
     args.json.parent.mkdir(parents=True, exist_ok=True)
     sizes = {k: v for k, v in vars(args).items() if k in ("quick", "observations", "simulations", "samples", "seed")}
-    args.json.write_text(json.dumps({"sizes": sizes, "c2st": "posterior.c2st" if getattr(posterior, "c2st", None)
-                                     else "local", "problems": results}, indent=1))
+    args.json.write_text(json.dumps({"sizes": sizes, "c2st": f"c2st.py, {C2ST_EPOCHS} epochs", "problems": results},
+                                    indent=1))
 
 
 if __name__ == "__main__":
