@@ -980,6 +980,23 @@ def _read_run_record(run_dir):
     return run
 
 
+def _read_references(run_dir):
+    """artifacts.json: artifact name -> path relative to the output root, the model's among them."""
+    path = run_dir / "artifacts.json"
+    if not path.is_file():          # missing, or not a regular file (a FIFO would block the read)
+        raise FileNotFoundError(f"{run_dir}: no artifacts.json (the record of its trained model); run train to "
+                                "make it again")
+    try:
+        references = json.loads(path.read_text())
+    except ValueError:
+        references = None
+    if not (isinstance(references, dict) and "model" in references
+            and all(isinstance(key, str) and isinstance(value, str) for key, value in references.items())):
+        raise ValueError(f"{path}: damaged (not a record of the run's artifacts with its model); run train to make "
+                         "it again")
+    return references
+
+
 def restore(run_dir, device="cpu", experiment=None):
     """Reopen a finished run with its trained model on `device` (CPU by default) in eval mode.
 
@@ -994,7 +1011,7 @@ def restore(run_dir, device="cpu", experiment=None):
     run_dir = Path(run_dir).resolve()
     run = _read_run_record(run_dir)
     root = find_root(run_dir)
-    references = json.loads((run_dir / "artifacts.json").read_text())
+    references = _read_references(run_dir)
     artifacts, missing, store = {}, [], Store(root)
     for name, relative in references.items():
         path = (root / relative).resolve()

@@ -257,3 +257,33 @@ def test_infer_names_its_files_from_a_safe_cut_of_the_member_name(analysed, tmp_
     assert sorted(p.name for p in (tmp_path / "obs").iterdir()) == ["x-___escape.posterior.json",
                                                                      "x-___escape.samples.npy", "x.npy"]
     assert not list(tmp_path.glob("*escape*")) and not list(tmp_path.parent.glob("*escape*"))
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda run: (run / "artifacts.json").write_text("[1, 2]"), "artifacts.json: damaged"),
+    (lambda run: (run / "artifacts.json").unlink(), "no artifacts.json"),
+    (lambda run: ((run / "artifacts.json").unlink(), os.mkfifo(run / "artifacts.json")), "no artifacts.json"),
+    (lambda run: _recorded(run / "analysis.json", lambda record: record["settings"]["inference"]["candidates"]
+                           .update(candidate_count=1e10)), "candidate_count"),
+])
+def test_infer_answers_a_damaged_run_record_in_one_line(analysed, tmp_path, change, message):
+    import shutil
+
+    copy = tmp_path / "root"
+    shutil.copytree(analysed, copy, symlinks=True)
+    run = next(copy.glob("runs/*/uniform-r0-*"))
+    change(run)
+    np.save(tmp_path / "x.npy", np.array([5.0]))
+    status, line = _infer(run, tmp_path / "x.npy", "--samples", "20")
+    assert status == 2 and len(line.splitlines()) == 1 and re.search(message, line), line
+    assert "Traceback" not in line and not list(tmp_path.glob("x-*"))
+
+
+def _recorded(path, edit):
+    """Edit a run record and give it a matching checksum (what a careful attacker would do)."""
+    from store import record_checksum
+
+    record = json.loads(path.read_text())
+    edit(record)
+    record["checksum"] = record_checksum(record)
+    path.write_text(json.dumps(record))
