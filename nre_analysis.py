@@ -786,7 +786,7 @@ class NREAnalysis(Analysis):
                       ("width68", "width.0.68.mean"), ("bias rmse", "bias.rmse"), ("test AUC", "classification.auc"))
     FIGURE_METRICS = (("joint 68% coverage", "coverage.0.68"), ("68% width", "width.0.68.mean"),
                       ("bias RMSE", "bias.rmse"))
-    REPORT_WARNINGS = ("posterior.flat.warning",)     # lines `run` and `report` print under the table
+    REPORT_WARNINGS = ("resolution.warning", "posterior.flat.warning")   # lines `run` and `report` print
     WORKLOAD_ADVICE = "reduce inference.truths, inference.candidates or inference.observations"
 
     products = {

@@ -298,3 +298,18 @@ def test_plan_says_in_one_line_when_models_of_the_earlier_data_meaning_will_be_r
     assert planned.returncode == 0, planned.stderr
     notes = [warning for warning in json.loads(planned.stdout)["warnings"] if "fixed pairs" in warning]
     assert len(notes) == 1 and "1 model(s)" in notes[0] and 'data.pairing = "fixed"' in notes[0]
+
+
+def test_run_and_report_print_every_resolution_warning_under_the_table(tmp_path):
+    # 16 fixed points over the box cannot resolve a posterior this narrow: every case is under-resolved.
+    folder, _, root = kit_study(tmp_path, noise=0.02, analysis='settings["inference"]["candidates"].update('
+                                'kind="sobol", candidate_count=16)\nsettings["metrics"] += ["resolution"]\n')
+    ran = main_in_process("run", "--settings-dir", str(folder))
+    assert ran.returncode == 0, ran.stderr
+    metrics = json.loads(next(root.glob("runs/*/*/metrics.json")).read_text())
+    warning = metrics["resolution"]["warning"]
+    assert isinstance(warning, str)
+    line = f"warning: baseline uniform: {warning}"
+    assert line in ran.stdout.splitlines()
+    reported = main_in_process("report", "--settings-dir", str(folder))
+    assert reported.returncode == 0 and line in reported.stdout.splitlines()
