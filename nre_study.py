@@ -28,6 +28,7 @@ and a `problem` of the study's own (`self.settings["problem"]`, part of every ke
 """
 import hashlib
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -40,7 +41,7 @@ import priors
 import runs
 import runtime
 import trainer
-from settings import SettingsError, integer, known_keys, name_list, number, require
+from settings import SettingsError, integer, known_keys, name_list, number, one_of, require
 from study import Experiment
 
 SPLITS = ("train", "validation", "test")
@@ -50,7 +51,10 @@ MAX_ROWS = 10**9
 PAIRINGS = ("batch", "fixed")
 BOX_DRAWS = 20_000          # prior draws plan checks against the parameter box
 BOX_MASS_WARNING = 0.001    # the share outside the box above which plan warns
-DATA_KEYS = SPLITS + ("pairing", "bank")
+DATA_KEYS = SPLITS + ("pairing", "bank", "invalid")
+# data.invalid: what a simulation with a NaN or infinite number does, "error" (the sampling
+# fails, naming the share and a θ) or "drop" (the others are kept; data.* still count calls).
+INVALID = ("error", "drop")
 # The network and training a study gets when it writes no `model` / `training` section: chosen
 # on the posterior-quality benchmark (bench/bench_posterior_quality.py; docs/training.md).
 KIT_MODEL = {"kind": "residual", "width": 50, "blocks": 2, "activation": "relu"}
@@ -181,22 +185,40 @@ def sample_training_data(problem, prior, data_settings, seed, bank=None):
     `<split>_inputs`, `<split>_labels` ("fixed"). A bank (x, θ) gives the splits in order:
     the first data.train rows, then data.validation, then data.test.
     """
-    arrays, used = {}, 0
+    arrays, used, dropped = {}, 0, []
     pairing = data_settings.get("pairing", "batch")
     for split in SPLITS:
         rows = check_rows(require(data_settings, split, "data"), f"data.{split}", pairing)
-        if bank is not None:
-            x, theta = (torch.as_tensor(a[used:used + rows]).to(torch.float32) for a in bank)
-            arrays[f"{split}_x"], arrays[f"{split}_theta"], used = x.numpy(), theta.numpy(), used + rows
-            continue
-        generator = runtime.seeded_generator(seed, "split", split)
-        if pairing == "batch":
-            x, theta = sample_joint(problem, prior, rows, generator)
+        if bank is not None or pairing == "batch":
+            if bank is not None:
+                x, theta = (torch.as_tensor(a[used:used + rows]).to(torch.float32) for a in bank)
+                used += rows
+            else:
+                x, theta = sample_joint(problem, prior, rows, runtime.seeded_generator(seed, "split", split))
+            x, theta = valid_simulations(x, theta, f"data.{split}", data_settings.get("invalid", "error"))
             arrays[f"{split}_x"], arrays[f"{split}_theta"] = x.numpy(), theta.numpy()
+            dropped.append(rows - len(x))
         else:
-            inputs, labels = sample_pairs(problem, prior, rows, generator)
+            inputs, labels = sample_pairs(problem, prior, rows, runtime.seeded_generator(seed, "split", split))
             arrays[f"{split}_inputs"], arrays[f"{split}_labels"] = inputs.numpy(), labels.numpy()
+    if any(dropped):
+        arrays["dropped_simulations"] = np.array(dropped, dtype=np.int64)     # per split, in SPLITS' order
     return arrays
+
+
+def valid_simulations(x, theta, path, policy):
+    """The simulations whose x is finite; the others fail the sampling (policy "error") or are dropped ("drop")."""
+    invalid = ~torch.isfinite(x).all(dim=1)
+    count = int(invalid.sum())
+    if not count:
+        return x, theta
+    line = (f"{path}: {count:,} of {len(x):,} simulations ({count / len(x):.2%}) returned NaN or infinite values, "
+            f"e.g. at θ = {[round(v, 6) for v in theta[invalid][0].tolist()]}")
+    if policy == "error" or count > len(x) - 2:
+        raise ValueError(f"{line}; fix the simulator there, or set data.invalid = \"drop\" to train on the others "
+                         "(data.* still count every simulator call)")
+    warnings.warn(f"{line}: dropped (data.invalid = \"drop\")", stacklevel=2)
+    return x[~invalid], theta[~invalid]
 
 
 def check_rows(rows, path, pairing="fixed"):
@@ -220,9 +242,11 @@ def read_bank(spec, parameters, where="data.bank"):
                                 f'{{"x": "x.npy", "theta": "theta.npy"}}, got {spec!r}')
     except (OSError, ValueError, KeyError, EOFError) as error:
         raise SettingsError(f"{where}: cannot read {spec!r} as arrays x and theta ({error})") from None
+    # Non-finite x are the simulator's invalid simulations, for data.invalid to decide; θ must be finite.
     if x.ndim != 2 or theta.shape != (x.shape[0], parameters) or not all(
-            np.issubdtype(a.dtype, np.number) and not np.iscomplexobj(a) and np.isfinite(a).all() for a in (x, theta)):
-        raise SettingsError(f"{where}: x {x.shape} and theta {theta.shape} must be finite real numbers of shapes "
+            np.issubdtype(a.dtype, np.number) and not np.iscomplexobj(a) for a in (x, theta)) \
+            or not np.isfinite(theta).all():
+        raise SettingsError(f"{where}: x {x.shape} and theta {theta.shape} must be real numbers (θ finite) of shapes "
                             f"(n, d) and (n, {parameters}), one simulation per row")
     return x.astype(np.float64), theta.astype(np.float64)
 
@@ -258,6 +282,7 @@ def check_cohort(settings, prior_objects):
                             're-paired in every batch) or "fixed" (half joint, half product pairs, as before)')
     for split in SPLITS:
         check_rows(require(data, split, "data"), f"data.{split}", pairing)
+    one_of(data.get("invalid", "error"), INVALID, "data.invalid")
     if data.get("bank") is not None and pairing == "fixed":
         raise SettingsError('data.bank: a bank holds joint simulations; use it with data.pairing "batch"')
 

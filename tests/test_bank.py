@@ -87,7 +87,7 @@ def test_a_study_without_a_simulator_trains_on_its_bank(tmp_path):
 @pytest.mark.parametrize("make, message", [
     (lambda p: np.savez(p, x=np.zeros((600, 3)), theta=np.zeros((600, 3))), r"theta \(600, 3\) must be .* \(n, 2\)"),
     (lambda p: np.savez(p, x=np.zeros((100, 3)), theta=np.zeros((100, 2))), "holds 100 simulations; .* ask for 450"),
-    (lambda p: np.savez(p, x=np.full((600, 3), np.nan), theta=np.zeros((600, 2))), "must be finite real numbers"),
+    (lambda p: np.savez(p, x=np.zeros((600, 3)), theta=np.full((600, 2), np.nan)), r"must be real numbers \(θ finite\)"),
     (lambda p: np.savez(p, y=np.zeros(3)), "cannot read"),
     (lambda p: np.savez(p, x=np.zeros((600, 4)), theta=np.zeros((600, 2))), "x has 4 numbers per row where Line"),
     (lambda p: p.write_bytes(b"not a bank"), "cannot read"),

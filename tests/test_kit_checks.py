@@ -89,3 +89,31 @@ def test_plan_warns_of_prior_mass_outside_the_box_with_the_share():
     assert len(lines) == 1 and lines[0].startswith("prior 'lognormal': ")
     share = float(lines[0].split(": ")[1].split("%")[0]) / 100
     assert share == pytest.approx(1 - torch.distributions.Normal(0, 1).cdf(torch.tensor(np.log(3.0))).item(), abs=0.01)
+
+
+class SometimesInvalid(Seeded):
+    """Returns NaN for mu above 2.4: 10% of a uniform prior's draws on [-3, 3]."""
+
+    def simulate(self, theta, generator):
+        x = super().simulate(theta, generator)
+        x[theta[:, 0] > 2.4] = float("nan")
+        return x
+
+
+def test_invalid_simulations_fail_the_sampling_with_the_share_and_a_theta_or_are_dropped():
+    member = {"name": "uniform-r0", "prior": "uniform", "replica": 0}
+    with pytest.raises(ValueError, match=r"^data\.train: \d+ of 100 simulations \(\d+\.\d+%\) returned NaN or "
+                                         r"infinite values, e\.g\. at θ = \[2\.[4-9]\d*\]; .*data\.invalid = \"drop\""):
+        SometimesInvalid(settings()).sample_data(member)
+    dropping = settings()
+    dropping["data"]["invalid"] = "drop"
+    study = SometimesInvalid(dropping)
+    study.validate()
+    with pytest.warns(UserWarning, match=r"data\.train: .* dropped"):
+        arrays = study.sample_data(member)
+    dropped = arrays["dropped_simulations"]
+    assert dropped.shape == (3,) and dropped[0] > 0
+    assert len(arrays["train_x"]) == 100 - dropped[0] and np.isfinite(arrays["train_x"]).all()
+    assert (arrays["train_theta"] <= 2.4).all()
+    with pytest.raises(SettingsError, match=r"^data\.invalid: 'skip' is not valid"):
+        SometimesInvalid({**dropping, "data": {**dropping["data"], "invalid": "skip"}}).validate()
