@@ -515,7 +515,7 @@ def _load_module(path):
     sys.dont_write_bytecode = True  # also for anything the settings file imports
     sys.modules[name] = module  # dataclasses and pickling look modules up here
     try:
-        with _no_exit() as pressed:
+        with _no_exit() as pressed, _siblings_first(path.parent):
             code = compile(path.read_text(encoding="utf-8"), str(path), "exec")
             exec(code, module.__dict__)
     except BaseException as error:
@@ -525,6 +525,23 @@ def _load_module(path):
         sys.modules.pop(name, None)
         sys.dont_write_bytecode = writes_bytecode
     return module
+
+
+@contextlib.contextmanager
+def _siblings_first(folder):
+    """While a settings file runs, `import settings_training` (or `settings_analysis`) finds its sibling in
+    `folder`, not nnpd's own file first on the import path; the import path and modules are put back after."""
+    stems = (Path(TRAINING_FILE).stem, Path(ANALYSIS_FILE).stem)
+    siblings = [stem for stem in stems if (folder / f"{stem}.py").is_file()]
+    saved_path, saved = list(sys.path), {stem: sys.modules.pop(stem) for stem in siblings if stem in sys.modules}
+    sys.path.insert(0, str(folder))
+    try:
+        yield
+    finally:
+        sys.path[:] = saved_path
+        for stem in siblings:
+            sys.modules.pop(stem, None)
+        sys.modules.update(saved)
 
 
 def _refuse_exit(status=0):

@@ -313,3 +313,20 @@ def test_run_and_report_print_every_resolution_warning_under_the_table(tmp_path)
     assert line in ran.stdout.splitlines()
     reported = main_in_process("report", "--settings-dir", str(folder))
     assert reported.returncode == 0 and line in reported.stdout.splitlines()
+
+
+def test_a_settings_file_importing_its_sibling_gets_the_sibling_not_nnpds_own(tmp_path):
+    # The study's analysis settings take the profile names from its own training settings.
+    folder, _, root = kit_study(tmp_path, training='settings["seed"] = 17\n')
+    training = folder / "settings_training.py"
+    training.write_text(training.read_text().replace('PROFILES = ("smoke", "default", "paper")',
+                                                     'PROFILES = ("smoke", "mine")'))
+    analysis = folder / "settings_analysis.py"
+    analysis.write_text(analysis.read_text().replace('PROFILES = ("smoke", "default", "paper")',
+                                                     'from settings_training import PROFILES'))
+    planned = main_in_process("plan", "--settings-dir", str(folder), "--profile", "mine")
+    assert planned.returncode == 0, planned.stderr
+    import settings_analysis
+    import settings_training
+    assert settings_training.PROFILES == settings_analysis.PROFILES == ("smoke", "default", "paper")
+    assert str(folder) not in sys.path
