@@ -381,6 +381,12 @@ def one_line(error):
     return " ".join(str(error).split())
 
 
+def format_warning(message, category, filename, lineno, line=None):
+    """nnpd's warnings as `nnpd: warning:`, a study's or a library's as `file:line: warning:` (not nnpd's)."""
+    own = Path(filename).resolve().parent == Path(__file__).resolve().parent
+    return f"{'nnpd' if own else f'{Path(filename).name}:{lineno}'}: warning: {one_line(message)}\n"
+
+
 def run_action(arguments):
     """Carry out one action; returns the exit status."""
     if arguments.action == "plan":
@@ -406,7 +412,7 @@ def run_action(arguments):
 def main(argv=None):
     """Run the command line; returns the exit status."""
     arguments = parse_arguments(sys.argv[1:] if argv is None else argv)
-    warnings.formatwarning = lambda message, *_, **__: f"nnpd: warning: {one_line(message)}\n"
+    warnings.formatwarning = format_warning
     if probes.PROBLEM:
         print(f"nnpd: settings error: {probes.PROBLEM}", file=sys.stderr)
         return 2

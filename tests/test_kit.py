@@ -330,3 +330,18 @@ def test_a_settings_file_importing_its_sibling_gets_the_sibling_not_nnpds_own(tm
     import settings_training
     assert settings_training.PROFILES == settings_analysis.PROFILES == ("smoke", "default", "paper")
     assert str(folder) not in sys.path
+
+
+def test_a_simulators_warning_is_shown_as_the_studys_not_nnpds(tmp_path):
+    module = module_name(tmp_path)
+    folder, _, _ = kit_study(tmp_path, extra='''
+        class Warns(Line):
+            def simulate(self, theta, generator):
+                import warnings
+                warnings.warn("my simulator is unsure")
+                return super().simulate(theta, generator)
+        ''', training=f'settings["experiment"] = "{module}:Warns"\n')
+    result = main_in_process("train", "--settings-dir", str(folder))
+    assert result.returncode == 0, result.stderr
+    lines = [line for line in result.stderr.splitlines() if "my simulator is unsure" in line]
+    assert lines and all(line.startswith(f"{module}.py:") and ": warning: " in line for line in lines), lines
