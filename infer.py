@@ -67,7 +67,8 @@ def read_array(path, what):
             raise InferError(f"{what} {path}: holds {mapped.size:,} numbers, over the {MAX_ELEMENTS:,} infer reads")
         array = np.array(mapped)
     except (OSError, ValueError, EOFError) as error:
-        raise InferError(f"{what} {path}: not a readable .npy file of numbers ({error}); save one with numpy.save")
+        why = "it holds pickled Python objects, which infer never loads" if "pickle" in str(error) else error
+        raise InferError(f"{what} {path}: not a readable .npy file of numbers ({why}); save one with numpy.save")
     if not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array):
         raise InferError(f"{what} {path}: holds {array.dtype}, not real numbers")
     if not np.isfinite(array).all():
@@ -116,8 +117,8 @@ def infer(arguments):
     folder = output_folder(arguments)
     try:
         restored = restore(arguments.run)
-    except (OSError, ValueError) as error:
-        raise InferError(f"{arguments.run}: {error}") from None
+    except (OSError, ValueError) as error:      # restore's messages name the run folder or file
+        raise InferError(str(error)) from None
     posterior, samples = posterior_samples(restored, observations, truth, reference, arguments)
     figure = corner_png(posterior, samples, truth) if arguments.plot else None
     summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),

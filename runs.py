@@ -62,7 +62,8 @@ def refuse_wrong_root(root):
     """Refuse roots that are surely a mistake: the filesystem root, the home folder, a file."""
     resolved = root.resolve()
     if resolved == Path(resolved.anchor) or resolved == Path.home().resolve():
-        raise LaunchError(f"output.root {str(root)!r} is {resolved}; choose a folder of its own, "
+        what = "your home folder" if resolved == Path.home().resolve() else "the filesystem's root"
+        raise LaunchError(f"output.root {str(root)!r} is {resolved}, {what}; choose a folder of its own, "
                           "e.g. \"outputs/<profile>\"")
     if root.exists() and not root.is_dir():
         raise LaunchError(f"output.root {str(root)!r} exists and is not a folder; choose a folder of its own")

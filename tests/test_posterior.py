@@ -175,7 +175,8 @@ def test_infer_refuses_a_bad_observation_with_one_line_and_writes_nothing(analys
 def test_infer_names_a_missing_run(tmp_path, capsys):
     np.save(tmp_path / "x.npy", np.zeros(1))
     assert nnpd.main(["infer", str(tmp_path / "nowhere"), "--observations", str(tmp_path / "x.npy")]) == 2
-    assert "not a run folder" in capsys.readouterr().err
+    line = capsys.readouterr().err.strip()
+    assert "not a run folder" in line and line.count(str(tmp_path / "nowhere")) == 1      # the path said once
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
 
 

@@ -252,7 +252,8 @@ def plan_in(folder, root, words):
     return main_in_process("plan", "--settings-dir", str(write_settings(folder / "s", root)), cwd=folder)
 
 
-@pytest.mark.parametrize("root, words", [("/", "choose a folder of its own"), ("~", "choose a folder of its own"),
+@pytest.mark.parametrize("root, words", [("/", "the filesystem's root; choose a folder of its own"),
+                                         ("~", "your home folder; choose a folder of its own"),
                                          ("/dev/null", "not a folder")])
 def test_plan_reports_the_roots_a_launch_refuses(tmp_path, root, words):
     folder, result = tmp_path, plan_in(tmp_path, root, words)
