@@ -7,7 +7,7 @@ or an ensemble of m observations (m, d) of the same parameters; `--truth FILE.np
 marks known parameters on the corner plot. A bad file or shape changes nothing on disk.
 A nearly flat posterior (Posterior.flatness) gets one line saying so, kept under "flat" in
 the JSON too. A run only trained, never analysed, is scored with the study's default analysis
-settings (the kit's INFERENCE_DEFAULTS, nre_analysis.py). One line says how the samples were drawn
+settings on posterior.POSTERIOR_CANDIDATES' design. One line says how the samples were drawn
 (Posterior.sampling), with a warning when they could not be made independent; with
 `--reference FILE.npy` (n, p) draws of a reference posterior, one line gives the C2ST of the
 samples against them (0.5: indistinguishable; c2st.py), kept under "c2st" in the JSON.
