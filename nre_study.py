@@ -58,7 +58,7 @@ INVALID = ("error", "drop")
 # The network and training a study gets when it writes no `model` / `training` section: chosen
 # on the posterior-quality benchmark (bench/bench_posterior_quality.py; docs/training.md).
 KIT_MODEL = {"kind": "residual", "width": 50, "blocks": 2, "activation": "relu"}
-KIT_TRAINING = {"objective": "contrastive", "classes": 5, "gamma": 1.0, "selection": "objective",
+KIT_TRAINING = {"objective": "contrastive", "classes": 10, "gamma": 1.0, "selection": "objective",
                 "batch_size": 200, "learning_rate": 5e-4, "epochs": 500, "patience": 20}
 
 
