@@ -100,14 +100,18 @@ def test_the_sampler_matches_exact_draws_of_a_ten_parameter_gaussian_where_resam
     assert c2st(old, reference) > score + 0.15
 
 
-def test_the_default_design_of_a_run_never_analysed_samples_ten_parameters_as_well():
-    # {}: every inference key at its default, as `infer` right after `train` has it.
+def test_the_rejection_sampler_needs_only_enough_effective_candidates_to_place_its_proposal():
+    # The analysis' default design (1,024·p points, a coarse pass of 128·p): too few effective candidates
+    # to resample them, enough to place the proposal; rejection keeps the draws exact.
     score_fn = normal_prior_scores(lambda theta: -0.5 * (((X10 - theta) / SIGMA) ** 2).sum(dim=1))
-    posterior = post.from_scores(box_problem(10), [None] * 10, score_fn, {}, seed=2)
-    assert posterior.ess < post.MIN_ESS          # too few effective candidates to resample them ...
-    draws = posterior.sample(DRAWS, seed=0)      # ... but enough to place the proposal
-    assert posterior.sampling["method"] == "rejection" and posterior.sampling["warning"] is None
+    sparse = post.from_scores(box_problem(10), [None] * 10, score_fn, adaptive_settings(10240, 1280, 3), seed=2)
+    assert sparse.ess < post.MIN_ESS
+    draws = sparse.sample(DRAWS, seed=0)
+    assert sparse.sampling["method"] == "rejection" and sparse.sampling["warning"] is None
     assert c2st(draws, gaussian_reference(DRAWS, seed=6)) <= 0.55
+    # {}: every inference key at its default, as `infer` right after `train` has it: a larger design.
+    default = post.from_scores(box_problem(10), [None] * 10, score_fn, {}, seed=2)
+    assert default.ess > max(sparse.ess, post.MIN_ESS)
 
 
 def test_draws_are_distinct_and_deterministic_from_their_seed(gaussian):
