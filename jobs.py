@@ -150,6 +150,8 @@ def keep_watch(launch, interval=2.0, grace=10.0):
 
 # ---------------------------------------------------------------- recipes
 
+DATA_SPLITS = ("train", "validation", "test")     # the order of a data artifact's per-split counts
+
 def data_recipe(job):
     """The training data's recipe: no backend identity, so CPU and CUDA share data."""
     return {"experiment": job.experiment.data_recipe(job.member),
@@ -170,7 +172,10 @@ def write_data(job, writer):
         arrays = job.experiment.sample_data(job.member)
     for name, array in arrays.items():
         writer.array(name, array)
-    return {"rows": {name: int(array.shape[0]) for name, array in arrays.items() if name.endswith(("_labels", "_x"))}}
+    metadata = {"rows": {name: int(array.shape[0]) for name, array in arrays.items() if name.endswith(("_labels", "_x"))}}
+    if "dropped_simulations" in arrays:       # the kit's invalid simulations dropped, per split (docs/training.md)
+        metadata["dropped_simulations"] = dict(zip(DATA_SPLITS, map(int, arrays["dropped_simulations"])))
+    return metadata
 
 
 def write_model(writer, state, history):
@@ -206,6 +211,9 @@ def get_trained(launch, job):
         launch.log(f"data    {job.run}: reused", every_worker=True)
     model = get_model(launch, job, data, recipe)
     if launch.owner and not current:
+        dropped = (data.metadata or {}).get("dropped_simulations")
+        if dropped:          # run.json says what the model was trained without; the report repeats it
+            runs.add_to_record(run_dir / "run.json", dropped_simulations=dropped)
         runs.write_artifacts(launch.root, run_dir, {"training-data": data, "model": model})
         runs.write_status(run_dir, "trained", worker=rt.rank, data=data.key, model=model.key,
                           selected_epoch=model.metadata.get("selected_epoch"))

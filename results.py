@@ -34,6 +34,7 @@ class RunRecord:
     analysis: str
     metrics: dict | None
     history: dict | None = None     # the trained model's history (history.json of its model artifact)
+    dropped: dict | None = None     # invalid simulations dropped per split (data.invalid = "drop"), from run.json
 
     @property
     def prior(self):
@@ -74,7 +75,8 @@ def read_runs(root, runs=None):
             run=str(folder.relative_to(root)), configuration=run.get("configuration", folder.parent.name),
             knob=run.get("knob"), value=run.get("value"), member=run.get("member") or {},
             settings=run.get("settings") or {}, status=_read(folder / "status.json").get("state", "none"),
-            analysis=analysis, metrics=metrics, history=model_history(root, folder)))
+            analysis=analysis, metrics=metrics, history=model_history(root, folder),
+            dropped=run.get("dropped_simulations") if isinstance(run.get("dropped_simulations"), dict) else None))
     return records
 
 
@@ -161,7 +163,9 @@ def rows(records):
                       "knob": record.knob or "baseline",
                       "value": setting_text(record.value) if record.knob else "",
                       **{knob: setting_text(swept_value(record, knob)) for knob in knobs},
-                      **training_columns(record.history), **flatten(record.metrics)})
+                      **training_columns(record.history),
+                      **{f"dropped_{split}": count for split, count in (record.dropped or {}).items()},
+                      **flatten(record.metrics)})
     return found
 
 
@@ -207,7 +211,7 @@ def table(records, columns=()):
 
 def report_text(records, columns=(), warning_paths=()):
     """The table, then one line per warning of the analysed runs: what `run` and `report` print."""
-    return "\n".join([table(records, columns), *warning_lines(records, warning_paths)])
+    return "\n".join([table(records, columns), *warning_lines(records, warning_paths), *dropped_lines(records)])
 
 
 def warning_lines(records, paths=()):
@@ -215,6 +219,18 @@ def warning_lines(records, paths=()):
     return [f"warning: {record.swept} {record.prior}: {lookup(record.metrics, path)}"
             for record in records if record.metrics is not None for path in paths
             if isinstance(lookup(record.metrics, path), str)]
+
+
+def dropped_lines(records):
+    """One line per analysed run trained without some invalid simulations (data.invalid = "drop")."""
+    lines = []
+    for record in records:
+        counts = {split: count for split, count in (record.dropped or {}).items() if is_number(count) and count > 0}
+        if record.metrics is not None and counts:
+            splits = ", ".join(f"{split} {count:,}" for split, count in counts.items())
+            lines.append(f"note: {record.swept} {record.prior}: {sum(counts.values()):,} invalid simulations "
+                         f"dropped ({splits}; data.invalid = \"drop\")")
+    return lines
 
 
 def knob_value(settings, knob):

@@ -294,6 +294,11 @@ def write_record(path, record):
     write_json_atomic(path, {**record, "checksum": record_checksum(record)})
 
 
+def add_to_record(path, **fields):
+    """Add fields to a checksummed record (run.json) that nnpd wrote earlier, keeping its checksum true."""
+    write_record(path, {**read_json(path, {}), **fields})
+
+
 def start_run(root, run, record, worker):
     """Create the run folder with run.json (with its checksum) and a `running` status; clear old analysis."""
     run_dir = root / run

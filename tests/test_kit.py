@@ -345,3 +345,26 @@ def test_a_simulators_warning_is_shown_as_the_studys_not_nnpds(tmp_path):
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stderr.splitlines() if "my simulator is unsure" in line]
     assert lines and all(line.startswith(f"{module}.py:") and ": warning: " in line for line in lines), lines
+
+
+def test_dropped_invalid_simulations_are_kept_in_run_json_and_named_by_the_report(tmp_path):
+    module = module_name(tmp_path)
+    folder, _, root = kit_study(tmp_path, extra='''
+        class SometimesNaN(Line):
+            def simulate(self, theta, generator):
+                x = super().simulate(theta, generator)
+                x[theta[:, 0] > 0.8] = float("nan")       # a tenth of the uniform prior's draws
+                return x
+        ''', training=f'settings["experiment"] = "{module}:SometimesNaN"\nsettings["data"]["invalid"] = "drop"\n')
+    ran = main_in_process("run", "--settings-dir", str(folder))
+    assert ran.returncode == 0, ran.stderr
+    record = json.loads(next(root.glob("runs/*/*/run.json")).read_text())
+    dropped = record["dropped_simulations"]
+    assert set(dropped) == {"train", "validation", "test"} and dropped["train"] > 0
+    data = next(root.glob("cache/training-data/*"))
+    train_x = np.load(data / "train_x.npy")
+    assert len(train_x) == record["settings"]["data"]["train"] - dropped["train"]
+    line = f"note: baseline uniform: {sum(dropped.values()):,} invalid simulations dropped"
+    assert any(entry.startswith(line) for entry in ran.stdout.splitlines()), ran.stdout
+    reported = main_in_process("report", "--settings-dir", str(folder))
+    assert reported.returncode == 0 and any(entry.startswith(line) for entry in reported.stdout.splitlines())
