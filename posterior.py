@@ -62,6 +62,11 @@ PILOT = 4096             # draws per refit
 CHUNK = 8192             # proposal draws scored at once: bounds the sampler's memory
 BUDGET = 25              # proposal draws allowed per draw asked: an acceptance below 1/25 falls back
 BUDGET_FLOOR = 1024      # fewer draws asked are budgeted as this many
+# An importance resample of proposal draws whose draws are this share distinct or more (an effective
+# size of about five times the draws) is as good as independent draws: on a four-mode 5-parameter
+# posterior, 94% distinct draws and exact rejection draws of the same learned posterior scored the
+# same C2ST against the reference (0.900 and 0.895). Fewer distinct draws are warned of.
+DISTINCT_ENOUGH = 0.9
 
 
 class PosteriorError(ValueError):
@@ -99,9 +104,10 @@ class Posterior:
         candidates (see rejection_sample), every draw a fresh point. An enumerated lattice:
         exact draws from its masses. A design with lattice axes, or a rejection sampler
         over its budget (proposal draws per draw asked, BUDGET by default): importance
-        resampling, with a warning naming the setting to raise (repeated draws on lattice
-        axes only warn beyond the effective candidates). Refused when too few candidates
-        are effective to fit or resample from.
+        resampling, with a warning naming the setting to raise when the draws repeat (on
+        lattice axes, beyond the effective candidates; of the proposal's draws, when fewer
+        than DISTINCT_ENOUGH of them are distinct). Refused when too few candidates are
+        effective to fit or resample from.
 
         `self.sampling` is then a dict: `method` ("rejection", "lattice", "resampled" or
         "resampled-proposal"), `draws`, `distinct_fraction` (distinct rows over draws),
@@ -138,7 +144,8 @@ class Posterior:
                 "warning": None}
         # A lattice's draws repeat by nature; elsewhere a repeat is a draw that is not independent.
         repeated = distinct < samples.shape[0] and not (info["method"] == "resampled" and samples.shape[0] <= self.ess)
-        if info["method"] == "resampled-proposal" or (info["method"] != "lattice" and repeated):
+        resampled_few = info["method"] == "resampled-proposal" and distinct < DISTINCT_ENOUGH * samples.shape[0]
+        if resampled_few or (info["method"] not in ("lattice", "resampled-proposal") and repeated):
             info["warning"] = (f"posterior samples: {distinct} distinct of {samples.shape[0]} ({info['method']}"
                                f"{self._acceptance_note(info)}): not independent draws; raise "
                                "inference.candidates.candidate_count for a closer proposal, or sample()'s budget")

@@ -123,6 +123,18 @@ def test_draws_are_distinct_and_deterministic_from_their_seed(gaussian):
     assert info["draws"] == 500 and 0.05 < info["acceptance"] <= 1 and info["evaluations"] >= 500
 
 
+def test_a_proposal_resample_warns_only_when_its_draws_repeat_beyond_the_distinct_share(gaussian):
+    # Budget fallbacks: 950 of 1,000 distinct is as good as independent; 800 of 1,000 is warned of.
+    fresh = gaussian_reference(1000, seed=9)
+    for distinct, warned in ((950, False), (800, True)):
+        draws = torch.cat([fresh[:distinct], fresh[:1000 - distinct]])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gaussian._sampled(draws, {"method": "resampled-proposal", "acceptance": 0.01, "evaluations": 25_000})
+        assert gaussian.sampling["distinct_fraction"] == distinct / 1000
+        assert bool(caught) is warned and (gaussian.sampling["warning"] is not None) is warned
+
+
 # ---------------------------------------------------------------- four modes in five parameters
 
 NOISE = 0.5
