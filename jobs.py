@@ -166,9 +166,10 @@ def model_recipe(job, data_key, identity):
             "versions": study.library_versions()}
 
 
-def write_data(job, writer):
-    """Build the training-data artifact."""
-    with probes.phase("data.sample"):
+def write_data(launch, job, writer):
+    """Build the training-data artifact, showing the progress the study reports (study.report_progress)."""
+    progress = CaseProgress(launch, job.run, stage="data   ", unit="simulations")
+    with probes.phase("data.sample"), study.progress_to(progress):
         arrays = job.experiment.sample_data(job.member)
     for name, array in arrays.items():
         writer.array(name, array)
@@ -206,7 +207,7 @@ def get_trained(launch, job):
     data = find_intact(store, "training-data", data_key)
     if data is None:
         launch.log(f"data    {job.run}: sampling", every_worker=True)
-        data = store.get("training-data", recipe_of_data, build=lambda writer: write_data(job, writer))
+        data = store.get("training-data", recipe_of_data, build=lambda writer: write_data(launch, job, writer))
     else:
         launch.log(f"data    {job.run}: reused", every_worker=True)
     model = get_model(launch, job, data, recipe)
@@ -371,22 +372,22 @@ def analyze_model(launch, job, data, model):
 
 
 class CaseProgress:
-    """How far a long product is: cases done, rate and time left.
+    """How far a long step is (an analysis product, a data split): units done, rate and time left.
 
     On a terminal one line updates in place (at most twice a second); otherwise a plain
-    line is printed at each quarter, so logs stay short. Products done within a couple of
+    line is printed at each quarter, so logs stay short. Steps done within a couple of
     seconds show nothing.
     """
 
     QUIET_SECONDS = 2.0
 
-    def __init__(self, launch, run):
-        self.launch, self.run = launch, run
+    def __init__(self, launch, run, stage="analyze", unit="cases"):
+        self.launch, self.run, self.stage, self.unit = launch, run, stage, unit
         self.started, self.shown, self.last = {}, {}, 0.0
         self.tty = sys.stdout.isatty()
 
     def __call__(self, what, done, total):
-        """Show that `done` of `total` cases of `what` are done."""
+        """Show that `done` of `total` units of `what` are done."""
         now = time.monotonic()
         started = self.started.setdefault(what, now)
         quarter = 4 * done // max(total, 1)
@@ -397,7 +398,7 @@ class CaseProgress:
         self.shown[what], self.last = quarter, now
         rate = done / (now - started) if now > started and done else 0.0
         left = f", {(total - done) / rate:.0f} s left" if rate and done < total else ""
-        line = f"analyze {self.run}: {what} {done}/{total} cases, {rate:.1f} cases/s{left}"
+        line = f"{self.stage} {self.run}: {what} {done:,}/{total:,} {self.unit}, {rate:,.1f} {self.unit}/s{left}"
         if self.tty:
             end = "\n" if done >= total else ""
             print(f"\r[nnpd {time.strftime('%H:%M:%S')}] {line}\033[K", end=end, flush=True)

@@ -42,9 +42,11 @@ import runs
 import runtime
 import trainer
 from settings import SettingsError, integer, known_keys, name_list, number, one_of, require
+import study
 from study import Experiment
 
 SPLITS = ("train", "validation", "test")
+SIMULATION_CHUNK = 4096     # simulations per simulator call: progress between calls, and bounded memory
 MAX_ROWS = 10**9
 # "batch": data.* count simulations, each a joint pair re-paired in every batch (contrast.py);
 # "fixed": the earlier meaning, half joint and half product pairs, each a simulation, fixed for every epoch.
@@ -159,6 +161,19 @@ def sample_joint(problem, prior, rows, generator):
     return x.to(torch.float32), theta.to(torch.float32)
 
 
+def simulate_split(problem, prior, rows, seed, split):
+    """A split's joint simulations, SIMULATION_CHUNK rows per simulator call, each chunk from its own
+    stream (the first from the split's), with progress reported between calls."""
+    parts = []
+    study.report_progress(f"data.{split}", 0, rows)       # the clock of its rate starts here
+    for chunk, start in enumerate(range(0, rows, SIMULATION_CHUNK)):
+        labels = ("split", split) if chunk == 0 else ("split", split, "chunk", chunk)
+        parts.append(sample_joint(problem, prior, min(SIMULATION_CHUNK, rows - start),
+                                  runtime.seeded_generator(seed, *labels)))
+        study.report_progress(f"data.{split}", start + len(parts[-1][0]), rows)
+    return torch.cat([x for x, _ in parts]), torch.cat([theta for _, theta in parts])
+
+
 def sample_pairs(problem, prior, rows, generator):
     """Balanced, shuffled joint (label 1) and product (label 0) pairs: inputs [x, theta].
 
@@ -194,7 +209,7 @@ def sample_training_data(problem, prior, data_settings, seed, bank=None):
                 x, theta = (torch.as_tensor(a[used:used + rows]).to(torch.float32) for a in bank)
                 used += rows
             else:
-                x, theta = sample_joint(problem, prior, rows, runtime.seeded_generator(seed, "split", split))
+                x, theta = simulate_split(problem, prior, rows, seed, split)
             x, theta = valid_simulations(x, theta, f"data.{split}", data_settings.get("invalid", "error"))
             arrays[f"{split}_x"], arrays[f"{split}_theta"] = x.numpy(), theta.numpy()
             dropped.append(rows - len(x))

@@ -9,6 +9,8 @@ anything is computed: its sections, its members, the bundled trainer's settings 
 trains with it, the product graph, and that its network returns one logit per row.
 The study kit (nre_study.py) is one such study, written once for any simulator.
 """
+import contextlib
+import contextvars
 import functools
 import hashlib
 import inspect
@@ -131,6 +133,27 @@ class Analysis:
 
 ANALYSIS_MEMBERS = ("products", "metrics", "plots", "cohort_plots", "validate", "workload", "SOURCES")
 EXPERIMENT_SOURCES = ("DATA_SOURCES", "MODEL_SOURCES")
+
+
+_PROGRESS = contextvars.ContextVar("nnpd_progress", default=None)
+
+
+@contextlib.contextmanager
+def progress_to(reporter):
+    """Within the block, report_progress calls reporter(what, done, total): nnpd's progress lines."""
+    token = _PROGRESS.set(reporter)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
+
+
+def report_progress(what, done, total):
+    """A study's progress through a long step (e.g. `sample_data` simulating a split in chunks): nnpd shows
+    rows done, rate and time left in its log; outside nnpd's launches this does nothing."""
+    reporter = _PROGRESS.get()
+    if reporter is not None:
+        reporter(what, done, total)
 
 
 def load_class(spec, setting):

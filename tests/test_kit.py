@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+import nre_study
 import runtime
 import trainer
 from conftest import REPO, main_in_process, write_settings
@@ -368,3 +369,26 @@ def test_dropped_invalid_simulations_are_kept_in_run_json_and_named_by_the_repor
     assert any(entry.startswith(line) for entry in ran.stdout.splitlines()), ran.stdout
     reported = main_in_process("report", "--settings-dir", str(folder))
     assert reported.returncode == 0 and any(entry.startswith(line) for entry in reported.stdout.splitlines())
+
+
+def test_a_slow_simulator_shows_data_progress_with_rate_and_time_left(tmp_path):
+    module = module_name(tmp_path)
+    chunk = nre_study.SIMULATION_CHUNK
+    folder, _, _ = kit_study(tmp_path, extra='''
+        import time
+
+        class Slow(Line):
+            def simulate(self, theta, generator):
+                if len(theta) > 2:              # not plan's contract checks, which simulate two rows
+                    time.sleep(0.8)
+                return super().simulate(theta, generator)
+        ''', training=f'settings["experiment"] = "{module}:Slow"\nsettings["data"]["train"] = {4 * chunk}\n'
+                      'settings["training"] = {"epochs": 1}\n')
+    trained = main_in_process("train", "--settings-dir", str(folder))
+    assert trained.returncode == 0, trained.stderr
+    lines = [line for line in trained.stdout.splitlines() if "] data    runs/" in line and "data.train" in line]
+    # Four chunks of 0.8 s: quiet for the first 2 s, then a line at the third quarter and at the end.
+    assert any(f"data.train {3 * chunk:,}/{4 * chunk:,} simulations" in line and "simulations/s" in line
+               and "s left" in line for line in lines), trained.stdout
+    assert f"data.train {4 * chunk:,}/{4 * chunk:,} simulations" in lines[-1]
+

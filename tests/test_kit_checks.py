@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import nre_study
+import runtime
+import study
 from settings import SettingsError
 
 
@@ -117,3 +119,25 @@ def test_invalid_simulations_fail_the_sampling_with_the_share_and_a_theta_or_are
     assert (arrays["train_theta"] <= 2.4).all()
     with pytest.raises(SettingsError, match=r"^data\.invalid: 'skip' is not valid"):
         SometimesInvalid({**dropping, "data": {**dropping["data"], "invalid": "skip"}}).validate()
+
+
+def test_a_split_is_simulated_in_chunks_reported_to_nnpd_the_first_from_the_splits_stream():
+    member = {"name": "uniform-r0", "prior": "uniform", "replica": 0}
+    chunk = nre_study.SIMULATION_CHUNK
+    sized = settings()
+    sized["data"]["train"] = chunk + 10
+    kit = Seeded(sized)
+    kit.validate()
+    reported = []
+    with study.progress_to(lambda what, done, total: reported.append((what, done, total))):
+        arrays = kit.sample_data(member)
+    assert reported == [("data.train", 0, chunk + 10), ("data.train", chunk, chunk + 10),
+                        ("data.train", chunk + 10, chunk + 10), ("data.validation", 0, 20), ("data.validation", 20, 20),
+                        ("data.test", 0, 20), ("data.test", 20, 20)]
+    seed = runtime.derived_seed(5, "data", "uniform-r0")
+    first_x, first_theta = nre_study.sample_joint(kit.problem(), kit.prior(member), chunk,
+                                                  runtime.seeded_generator(seed, "split", "train"))
+    assert np.array_equal(arrays["train_x"][:chunk], first_x.numpy())
+    assert np.array_equal(arrays["train_theta"][:chunk], first_theta.numpy())
+    assert arrays["train_x"].shape == (chunk + 10, 2) and not np.array_equal(arrays["train_x"][chunk:], first_x[:10].numpy())
+    study.report_progress("data.train", 1, 2)           # outside a launch: nothing to report to, no error
