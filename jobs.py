@@ -305,6 +305,11 @@ def trained_artifacts(launch, job):
     keys = runs.trained_keys(run_dir)
     if keys is None:
         status = runs.read_json(run_dir / "status.json", {})
+        used = runs.read_json(run_dir / "artifacts.json", {})
+        if status.get("state") == "trained" and Path(str(used.get("model"))).name != status.get("model"):
+            raise LaunchError(f"{run_dir}: its status says trained, but artifacts.json (which names the data and "
+                              f"model the run used) is missing or names others; {fix}: it records them again "
+                              "from the store, retraining nothing the store still holds")
         state = f"state {status['state']}" if status.get("state") else "no run folder"
         raise LaunchError(f"{run_dir}: no trained model ({state}); {fix}")
     backend = runs.read_json(run_dir / "run.json", {}).get("backend")

@@ -193,6 +193,20 @@ def test_a_deleted_artifacts_json_is_rewritten_without_retraining(trained, tmp_p
     assert restore(run).member["prior"] == "uniform"
 
 
+def test_analyze_after_artifacts_json_is_deleted_says_so_and_train_records_them_again(trained, tmp_path):
+    settings = copy_root(trained, tmp_path)
+    root = tmp_path / "out"
+    run = next(root.glob("runs/*/uniform-*"))
+    (run / "artifacts.json").unlink()
+    analyzed = main_in_process("analyze", "--settings-dir", str(settings))
+    assert analyzed.returncode != 0 and "no trained model" not in analyzed.stderr
+    assert "status says trained, but artifacts.json" in analyzed.stderr and "python nnpd.py train" in analyzed.stderr
+    models = {p: p.stat().st_mtime_ns for p in root.glob("cache/model/*/weights.pt")}
+    assert main_in_process("train", "--settings-dir", str(settings)).returncode == 0
+    assert {p: p.stat().st_mtime_ns for p in root.glob("cache/model/*/weights.pt")} == models
+    assert main_in_process("analyze", "--settings-dir", str(settings)).returncode == 0
+
+
 def redo_unreadable(trained, folder, name):
     """In a copy of the trained root in `folder`, make record `name` unreadable, `run`, then `verify`:
     (the run, the record's bytes after it or None, the verify)."""
