@@ -7,13 +7,16 @@ a scheduler records as a failed job. Here that exception ends the launch with on
 the status of a process killed by the signal (143 for SIGTERM, 130 for SIGINT). Every other
 outcome, exit status and output is torchrun's own.
 """
+import os
 import signal
 import sys
+import time
 
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import main as torchrun_main
 
 DEATH_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # those torchrun handles
+WORKER_GRACE = 60.0      # seconds the launch waits for workers still saving after torchrun gave up on them
 
 
 def stopped_line(signum):
@@ -30,12 +33,26 @@ def ignore_further_signals():
         signal.signal(signum, signal.SIG_IGN)
 
 
+def wait_for_workers(seconds=WORKER_GRACE):
+    """Wait, at most `seconds`, until every child process (torchrun's workers) has ended; reap them."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return                        # no child left
+        if pid == 0:
+            time.sleep(0.05)              # children remain, none ended yet
+
+
 def main(argv=None):
     """Run torchrun with these arguments (by default the command line's); returns the exit status."""
     try:
         torchrun_main(sys.argv[1:] if argv is None else argv)
     except SignalException as stop:
         ignore_further_signals()
+        # A repeated signal can interrupt torchrun's own wait for its workers: the line comes after them.
+        wait_for_workers()
         print(stopped_line(stop.sigval), file=sys.stderr, flush=True)
         return 128 + int(stop.sigval)
     return 0

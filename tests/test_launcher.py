@@ -5,6 +5,7 @@ Real torchrun agents and workers on CPU (Gloo), as in tests/test_preemption.py.
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,3 +70,50 @@ def test_any_other_ending_is_torchruns_own(other_endings, tmp_path, arguments, s
     _, endings = made_ahead(other_endings, launch_both, tmp_path, arguments=arguments, status=status, says=says)
     for launcher, returncode, output in endings:                          # the same ending from both
         assert returncode == status and says in output and "nnpd:" not in output, (launcher, output)
+
+
+SLOW_TO_STOP = '''
+import os, signal, sys, time
+from pathlib import Path
+
+
+def stop(signum, frame):
+    time.sleep(3)           # a worker saving its state for a while
+    sys.exit(0)
+
+
+signal.signal(signal.SIGTERM, stop)
+Path(sys.argv[1]).write_text(str(os.getpid()))
+while True:
+    time.sleep(0.1)
+'''
+
+
+def alive(pid):
+    """Whether process `pid` still runs (a zombie has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_repeated_signals_end_the_launch_only_after_its_workers(tmp_path):
+    # Slurm signals every process of a step, and srun forwards the signal again: torchrun's agent is
+    # interrupted while it waits for its workers. The launcher's line still comes after they ended.
+    (tmp_path / "slow.py").write_text(SLOW_TO_STOP)
+    pid_file = tmp_path / "worker.pid"
+    agent = subprocess.Popen([sys.executable, LAUNCHER, "--standalone", "--nproc_per_node=1", "slow.py",
+                              str(pid_file)], env=toy_environment(), cwd=tmp_path, text=True,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_for(lambda: pid_file.is_file() and pid_file.read_text(), "the worker's start", process=agent)
+    worker = int(pid_file.read_text())
+    for _ in range(100):                    # every 20 ms for 2 s, or until the launch has ended
+        if agent.poll() is not None:
+            break
+        agent.send_signal(signal.SIGTERM)
+        time.sleep(0.02)
+    stderr = agent.communicate(timeout=TIMEOUT)[1]
+    ended_with_launch = not alive(worker)
+    assert agent.returncode == 143 and stderr.rstrip().endswith(STOPPED), stderr
+    assert ended_with_launch, "the launcher ended while its worker still ran"
