@@ -5,6 +5,10 @@ With `model.standardize` on, the network sees (input − shift) / scale, where s
 are the means and standard deviations of the training inputs, fitted once before training
 (`fit_standardization`) and kept as buffers in the state dict: every later evaluation, and
 `restore`, applies the same transform.
+
+A study's own embedding network (docs/extending.md, "Your own network") sits between the
+standardisation and the classifier: `Embedded` hands the first d columns of each row (x)
+to the embedding and the classifier sees [embedding(x), θ].
 """
 import torch
 
@@ -88,16 +92,77 @@ def check_model_settings(model, path="model"):
         integer(require(model, "blocks", path), f"{path}.blocks", 0, 1000)
 
 
-def build_network(model_settings, input_size, standardize=True):
-    """The classifier for inputs of width input_size (= d + p); `standardize` is the default of model.standardize."""
-    check_model_settings(model_settings)
+def build_classifier(model_settings, input_size):
+    """The MLP or residual classifier the `model` section describes, for inputs of width input_size."""
     dropout = float(model_settings.get("dropout", 0.0))
     activation = model_settings["activation"]
     if model_settings["kind"] == "mlp":
-        network = MLP(input_size, list(model_settings["hidden"]), activation, dropout)
+        return MLP(input_size, list(model_settings["hidden"]), activation, dropout)
+    return ResidualNet(input_size, model_settings["width"], model_settings["blocks"], activation, dropout)
+
+
+def build_network(model_settings, input_size, standardize=True, embedding=None, observation_size=None):
+    """The network for rows [x, θ] of width input_size (= d + p); `standardize` is the default of model.standardize.
+
+    With an `embedding` (a module mapping x (n, d) to features (n, k); d = observation_size),
+    the classifier reads [embedding(x), θ], of width k + p, and the standardisation still
+    applies to the whole row [x, θ] before it.
+    """
+    check_model_settings(model_settings)
+    if embedding is None:
+        network = build_classifier(model_settings, input_size)
     else:
-        network = ResidualNet(input_size, model_settings["width"], model_settings["blocks"], activation, dropout)
+        features = embedding_features(embedding, observation_size)
+        classifier = build_classifier(model_settings, features + input_size - observation_size)
+        network = Embedded(embedding, classifier, observation_size)
     return Standardized(network, input_size) if model_settings.get("standardize", standardize) else network
+
+
+class Embedded(torch.nn.Module):
+    """A classifier on [embedding(x), θ], for rows [x, θ] whose first `observation_size` columns are x."""
+
+    def __init__(self, embedding, classifier, observation_size):
+        """Keep both networks; their parameters train together."""
+        super().__init__()
+        self.embedding = embedding
+        self.classifier = classifier
+        self.observation_size = observation_size
+
+    def forward(self, inputs):
+        """The classifier's logits of [embedding(x), θ]."""
+        x, theta = inputs[:, :self.observation_size], inputs[:, self.observation_size:]
+        return self.classifier(torch.cat([self.embedding(x), theta], dim=1))
+
+    def extra_repr(self):
+        """The observation's width, shown in the repr."""
+        return f"observation_size={self.observation_size}"
+
+
+def embedding_features(embedding, observation_size, where="embedding()"):
+    """The width k of an embedding's features, from one call on x = zeros (2, observation_size) in eval mode.
+
+    Eval mode and no gradient: the probe draws no dropout noise, so the classifier built
+    after it gets the same initial weights whatever the embedding holds.
+    """
+    if not isinstance(embedding, torch.nn.Module):
+        raise SettingsError(f"{where}: expected a torch.nn.Module mapping x (n, {observation_size}) to features "
+                            f"(n, k), got {type(embedding).__name__}")
+    training = embedding.training
+    embedding.eval()
+    try:
+        with torch.no_grad():
+            features = embedding(torch.zeros(2, observation_size))
+    except Exception as error:          # the study's code: any failure is reported as a settings error
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise SettingsError(f"{where}: calling it on x (2, {observation_size}) failed: {first}") from None
+    finally:
+        embedding.train(training)
+    if not isinstance(features, torch.Tensor) or features.dim() != 2 or features.shape[0] != 2 \
+            or features.shape[1] == 0:
+        shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
+        raise SettingsError(f"{where}: for x (2, {observation_size}) it returned {shape}; it must return features "
+                            "(n, k), one row of k numbers per row of x")
+    return int(features.shape[1])
 
 
 class Standardized(torch.nn.Module):

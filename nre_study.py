@@ -18,7 +18,7 @@ prior of `cohort.priors` times `cohort.replicas`), the bundled prior families by
 (`custom_priors = {"name": object}` on the class), the training data (every simulation a
 joint pair, re-paired with other rows' θ in every batch: contrast.py), the network
 (networks.py, inputs standardised on the training data unless `model.standardize` is
-False), training through the bundled trainer with a measured default recipe
+False; a study's own embedding network for x in front of it, `Study.embedding`), training through the bundled trainer with a measured default recipe
 (`KIT_MODEL`, `KIT_TRAINING`; docs/training.md), and the whole analysis (nre_analysis.py).
 docs/extending.md walks through a complete example.
 
@@ -340,6 +340,7 @@ class Study(Experiment):
                 raise SettingsError(f"data.bank: holds {len(self.bank()[0])} simulations; data.train + validation + "
                                     f"test ask for {rows}")
         networks.check_model_settings(self.model_settings())
+        self.embedding_recipe()
         training = trainer.check_training_settings(self.training_settings())
         if training["objective"] == "contrastive" and self.settings["data"].get("pairing", "batch") == "fixed":
             raise SettingsError('training.objective "contrastive" re-pairs joint simulations: it needs data.pairing '
@@ -422,14 +423,36 @@ class Study(Experiment):
 
     def model_recipe(self, member):
         """The settings the member's model depends on (besides its data key and the backend)."""
-        return {"model": self.model_settings(), "training": self.training_settings(),
-                "seed": self.settings["seed"], "member": member["name"], "input_size": self.input_size()}
+        recipe = {"model": self.model_settings(), "training": self.training_settings(),
+                  "seed": self.settings["seed"], "member": member["name"], "input_size": self.input_size()}
+        embedding = self.embedding_recipe()
+        if embedding is not None:        # only then: the model keys of studies without one stay as they were
+            recipe["embedding"] = embedding
+        return recipe
+
+    def embedding(self):
+        """The study's network from standardised x (n, d) to features (n, k) before the classifier; None: none.
+
+        Override it to return a fresh torch.nn.Module (docs/extending.md, "Your own network").
+        """
+        return None
+
+    def embedding_recipe(self):
+        """What the model key records of the embedding: its repr and feature width (None without one)."""
+        with torch.random.fork_rng(devices=[]):          # building it must not move torch's global stream
+            embedding = self.embedding()
+        if embedding is None:
+            return None
+        where = f"{type(self).__name__}.embedding()"
+        return {"network": repr(embedding),
+                "features": networks.embedding_features(embedding, self.problem().dimension, where)}
 
     def build_model(self, member):
-        """A freshly initialised network, identical for a given seed and member."""
+        """A freshly initialised network (the embedding, then the classifier), identical for a given seed and member."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(runtime.derived_seed(self.settings["seed"], "init", member["name"]))
-            return networks.build_network(self.model_settings(), self.input_size(), self.standardize)
+            return networks.build_network(self.model_settings(), self.input_size(), self.standardize,
+                                          self.embedding(), self.problem().dimension)
 
     def train(self, member, model, data, rt, hooks=None):
         """Fit the input standardisation, then train with the bundled trainer; returns (state dict, history)."""
@@ -452,8 +475,27 @@ class Study(Experiment):
                                          self.settings["seed"], truth=truth, device=device, case=case)
 
     def plan_warnings(self):
-        """Lines for plan: priors with mass outside the parameter box, models of the earlier data meaning."""
-        return self.box_warnings() + self.pairing_warnings()
+        """Lines for plan: priors with mass outside the parameter box, models of the earlier data meaning,
+        a build_model of the study's own that drops the input standardisation."""
+        return self.box_warnings() + self.pairing_warnings() + self.network_warnings()
+
+    def network_warnings(self):
+        """One line when the study's own build_model returns a network the kit cannot standardise.
+
+        Study.train fits the standardisation only of a networks.Standardized; any other network
+        would see raw x and θ while `model.standardize` says otherwise (docs/extending.md).
+        """
+        if type(self).build_model is Study.build_model or \
+                not self.model_settings().get("standardize", self.standardize):
+            return []
+        with torch.random.fork_rng(devices=[]):          # an override may seed torch's global stream
+            model = self.build_model(self.members()[0])
+        if isinstance(model, networks.Standardized):
+            return []
+        return [f"{type(self).__name__}.build_model returns a network without input standardisation (not a "
+                "networks.Standardized), so it sees raw x and θ, and the `model` section shapes it only if it "
+                "reads it; define embedding() instead to keep both, or set standardize = False on the class to "
+                'say so (docs/extending.md, "Your own network")']
 
     def box_warnings(self):
         """One line per prior whose draws leave the parameter box more than BOX_MASS_WARNING of the time.
