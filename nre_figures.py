@@ -17,6 +17,8 @@ import inference
 import results
 
 MAX_AXES = 6   # parameters drawn per figure; the rest are left out
+CUSTOM_PRIOR_DRAWS = 20_000   # draws of a study's own prior per histogram: 400 a bin if flat, about 5% noise
+PRIOR_BINS = 50
 TARGET_TITLES = {"ratio": "learned ratio (flat prior)", "posterior": "learned posterior",
                  "exact": "exact likelihood (flat prior)"}
 # Line styles of the diagnostic densities: the ratio wide and pale, so that a posterior equal to it
@@ -62,27 +64,96 @@ def prior_curve(prior, j, points=400):
 
 
 def draw_priors(contexts, figure):
-    """Each member's prior density per inferred parameter (a lattice's mass per step); the bundled families only."""
+    """Each member's prior density per inferred parameter (a lattice's mass per step), once per prior.
+
+    The bundled families are drawn from their per-coordinate densities; a study's own prior
+    object from its log_prob (one parameter) or a histogram of its draws; a prior that cannot
+    be drawn is named in the legend as not drawable, so no prior is left out unsaid.
+    """
     names = contexts[0].problem.names
     axes = parameter_axes(figure, len(names))[0]
     styles, drawn = member_styles(contexts), set()
     for ctx in contexts:
-        prior_name = ctx.member.get("prior", ctx.member["name"])
-        if not hasattr(ctx.prior, "coordinate_log_prob") or prior_name in drawn:
-            continue                    # a study's own prior object has no per-coordinate density; replicas share one
+        prior_name = str(ctx.member.get("prior", ctx.member["name"]))
+        if prior_name in drawn:
+            continue                    # replicas share one prior
         drawn.add(prior_name)
         colour = styles[ctx.member["name"]][0]
-        for j, axis in enumerate(axes):
-            x, y, lattice = prior_curve(ctx.prior, j)
-            if lattice:
-                axis.plot(x, y, "o", color=colour, markersize=3, label=f"{prior_name} (lattice: mass / step)")
-            else:
-                axis.plot(x, y, color=colour, label=str(prior_name))
+        if hasattr(ctx.prior, "coordinate_log_prob"):
+            draw_family_prior(axes, ctx.prior, prior_name, colour)
+        else:
+            draw_custom_prior(axes, ctx.prior, ctx.problem, prior_name, colour)
     for j, axis in enumerate(axes):
         axis.set(title=f"prior of {names[j]}", xlabel=names[j], ylabel="prior density")
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize="small")
     figure.suptitle(f"Priors of the members of configuration {configuration_label(contexts[0])}")
+
+
+def draw_family_prior(axes, prior, prior_name, colour):
+    """A bundled prior's exact density (a lattice's mass per step, as points) on each parameter's axis."""
+    for j, axis in enumerate(axes):
+        x, y, lattice = prior_curve(prior, j)
+        if lattice:
+            axis.plot(x, y, "o", color=colour, markersize=3, label=f"{prior_name} (lattice: mass / step)")
+        else:
+            axis.plot(x, y, color=colour, label=prior_name)
+
+
+def draw_custom_prior(axes, prior, problem, prior_name, colour):
+    """A study's own prior object on each parameter's axis, or a legend entry saying why it cannot be drawn."""
+    try:
+        curves = custom_prior_curves(prior, problem, len(axes))
+    except Exception as error:          # any failure of the study's object: name it rather than fail the figure
+        reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        for axis in axes:
+            axis.plot([], [], " ", label=f"{prior_name}: not drawable ({reason[:60]})")
+        return
+    for axis, (x, y, kind) in zip(axes, curves):
+        if kind == "lattice":
+            axis.plot(x, y, "s", color=colour, markersize=3, label=f"{prior_name} (own prior, lattice of "
+                                                                   f"{CUSTOM_PRIOR_DRAWS:,} draws: mass / step)")
+        elif kind == "histogram":
+            axis.stairs(y, x, color=colour, linewidth=1.5,
+                        label=f"{prior_name} (own prior, histogram of {CUSTOM_PRIOR_DRAWS:,} draws)")
+        else:
+            axis.plot(x, y, color=colour, linestyle="-.", label=f"{prior_name} (own prior, from its log_prob)")
+
+
+def custom_prior_curves(prior, problem, count, points=400):
+    """Per parameter, (x, y, kind) of a study's own prior: kind 'density', 'histogram' or 'lattice'.
+
+    With one continuous parameter its log_prob is that parameter's density; otherwise (or
+    when that fails) the marginals come from CUSTOM_PRIOR_DRAWS seeded draws, binned over the
+    parameter's box (mass outside the box is left out, not spread over it). Raises when
+    neither works.
+    """
+    steps = list(getattr(prior, "lattice_steps", None) or [None] * len(problem.names))
+    if not callable(getattr(prior, "sample", None)) and not callable(getattr(prior, "log_prob", None)):
+        raise TypeError("neither sample() nor log_prob()")
+    if len(problem.names) == 1 and steps[0] is None and callable(getattr(prior, "log_prob", None)):
+        x = torch.linspace(float(problem.low[0]), float(problem.high[0]), points, dtype=torch.float64)
+        try:
+            y = torch.exp(torch.as_tensor(prior.log_prob(x[:, None]), dtype=torch.float64).reshape(-1)).numpy()
+        except Exception:               # a log_prob that fails on a grid of values: its draws may still serve
+            y = np.full(points, np.nan)
+        if np.isfinite(y).all() and y.max() > 0:
+            return [(x.numpy(), y, "density")]
+    generator = torch.Generator().manual_seed(0)     # the same histogram on every redraw
+    draws = torch.as_tensor(prior.sample(CUSTOM_PRIOR_DRAWS, generator), dtype=torch.float64)
+    draws = draws.reshape(CUSTOM_PRIOR_DRAWS, len(problem.names)).numpy()
+    return [marginal_curve(draws[:, j], float(problem.low[j]), float(problem.high[j]), steps[j])
+            for j in range(count)]
+
+
+def marginal_curve(values, low, high, step):
+    """(x, y, kind) of one parameter's draws: mass per lattice point over the step, or a density histogram."""
+    n = len(values)
+    if step is not None:
+        x, counts = np.unique(np.round(values, 9), return_counts=True)
+        return x, counts / n / step, "lattice"
+    counts, edges = np.histogram(values, bins=PRIOR_BINS, range=(low, high))
+    return edges, counts / n / np.diff(edges), "histogram"
 
 
 def roc_curve(logits, labels):
