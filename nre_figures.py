@@ -19,6 +19,7 @@ import results
 MAX_AXES = 6   # parameters drawn per figure; the rest are left out
 CUSTOM_PRIOR_DRAWS = 20_000   # draws of a study's own prior per histogram: 400 a bin if flat, about 5% noise
 PRIOR_BINS = 50
+TRUTH_BINS = 20   # bins of bias_width along a parameter with more distinct truths than this
 TARGET_TITLES = {"ratio": "learned ratio (flat prior)", "posterior": "learned posterior",
                  "exact": "exact likelihood (flat prior)"}
 # Line styles of the diagnostic densities: the ratio wide and pale, so that a posterior equal to it
@@ -247,30 +248,67 @@ def draw_estimates(contexts, figure):
 
 
 def draw_bias_width(contexts, figure):
-    """Mean bias and mean width of the first level against the true value, per parameter."""
+    """Mean bias and mean width of the first level against the true value, per parameter.
+
+    A few distinct truths along a parameter (a grid) are drawn one point each, joined in
+    order; many (Sobol truths) are grouped into TRUTH_BINS quantile bins, each drawn at its
+    truths' mean with a band of ±2 standard errors of its means, since joining a thousand
+    single cases in order draws their scatter, not the trend.
+    """
     names = contexts[0].problem.names
     level = contexts[0].analysis_settings["inference"]["levels"][0]
     bias_axes, width_axes = parameter_axes(figure, len(names), rows=2)
     styles = member_styles(contexts)
+    truths = contexts[0].require("truths").array("truths")
+    groups = [truth_groups(truths[:, j]) for j in range(len(bias_axes))]     # truths are shared by every member
     for ctx in contexts:
         colour, style, marker = styles[ctx.member["name"]]
-        truths, modes, lower, upper = ratio_estimates(ctx)
+        _, modes, lower, upper = ratio_estimates(ctx)
         for j, (bias_axis, width_axis) in enumerate(zip(bias_axes, width_axes)):
-            values, group = np.unique(np.round(truths[:, j], 9), return_inverse=True)
-            counts = np.bincount(group)
-            bias = np.bincount(group, weights=modes[:, j] - truths[:, j]) / counts
-            width = np.bincount(group, weights=upper[:, 0, j] - lower[:, 0, j]) / counts
-            bias_axis.plot(values, bias, marker=marker, linestyle=style, color=colour, label=ctx.member["name"])
-            width_axis.plot(values, width, marker=marker, linestyle=style, color=colour, label=ctx.member["name"])
+            group, binned = groups[j]
+            bias, width = modes[:, j] - truths[:, j], upper[:, 0, j] - lower[:, 0, j]
+            for axis, values in ((bias_axis, bias), (width_axis, width)):
+                x, mean, error = group_means(group, truths[:, j], values)
+                axis.plot(x, mean, marker=marker, linestyle=style, color=colour, label=ctx.member["name"])
+                if binned:
+                    axis.fill_between(x, mean - 2 * error, mean + 2 * error, color=colour, alpha=0.2, linewidth=0)
     for j, (bias_axis, width_axis) in enumerate(zip(bias_axes, width_axes)):
+        group, binned = groups[j]
+        how = f"bin means: {group.max() + 1} quantile bins of {len(truths)} truths" if binned else "mean per true value"
         bias_axis.axhline(0, color="gray", linestyle=":", label="no bias")
-        bias_axis.set(title=f"bias of the ratio's mode: {names[j]}", xlabel=f"true {names[j]}",
+        bias_axis.set(title=f"bias of the ratio's mode: {names[j]}", xlabel=f"true {names[j]} ({how})",
                       ylabel=f"mean (mode − truth) of {names[j]}")
-        width_axis.set(title=f"width of the {level:g} region: {names[j]}", xlabel=f"true {names[j]}",
+        width_axis.set(title=f"width of the {level:g} region: {names[j]}", xlabel=f"true {names[j]} ({how})",
                        ylabel=f"mean projected width of {names[j]}")
+    if any(binned for _, binned in groups):
+        for axis in (bias_axes[-1], width_axes[-1]):
+            axis.fill_between([], [], [], color="gray", alpha=0.2, linewidth=0, label="±2 s.e. of a bin's mean")
     bias_axes[-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1))
     width_axes[-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1))
     figure.suptitle(f"Bias and width against the true value, configuration {configuration_label(contexts[0])}")
+
+
+def truth_groups(values, bins=None):
+    """Each truth's group along one parameter (0, 1, ...), and whether the groups are bins rather than values.
+
+    Up to `bins` (TRUTH_BINS) distinct values each form a group; more are cut at quantiles,
+    so every bin holds about as many truths wherever the truths are dense.
+    """
+    bins = bins or TRUTH_BINS
+    distinct, group = np.unique(np.round(values, 9), return_inverse=True)
+    if len(distinct) <= bins:
+        return group.reshape(-1), False
+    edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)))
+    group = np.clip(np.searchsorted(edges, values, side="right") - 1, 0, len(edges) - 2)
+    return np.unique(group, return_inverse=True)[1].reshape(-1), True
+
+
+def group_means(group, truths, values):
+    """Per group, in order of the truth: the truths' mean, the values' mean and its standard error."""
+    counts = np.bincount(group).astype(float)
+    mean = np.bincount(group, weights=values) / counts
+    spread = np.bincount(group, weights=(values - mean[group]) ** 2) / np.maximum(counts - 1, 1)
+    return np.bincount(group, weights=truths) / counts, mean, np.sqrt(spread / counts)
 
 
 def case_design(artifact, candidates, case):
