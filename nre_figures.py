@@ -1,11 +1,12 @@
 """Figures of the study kit's analysis (optional: they need matplotlib).
 
-Cohort figures compare the members of one configuration: their priors, training
-curves and ROC, estimates against truths with highest-density bands, and bias and
-width against the true value. Run figures show the retained diagnostic cases and the
-expected coverage against credibility. Every figure is titled with its configuration
-(and member), its axes are labelled with the parameters' names, and every line and
-marker is in a legend.
+Cohort figures compare the members of one configuration: their priors (a study's own
+prior objects too), training curves and ROC, estimates against truths with
+highest-density bands, and bias and width against the true value (binned over many
+continuous truths). Run figures show the retained diagnostic cases, every parameter of
+each, and the expected coverage against credibility. Every figure is titled with its
+configuration (and member), its axes are labelled with the parameters' names, and every
+line and marker is in a legend (docs/results.md, "Figures").
 """
 import json
 from pathlib import Path
@@ -318,12 +319,12 @@ def case_design(artifact, candidates, case):
     return candidates.array("points"), candidates.array("log_measure")
 
 
-def case_density(artifact, target, candidates, case):
-    """(x, density) of a retained case along the first parameter, sorted along it.
+def case_density(artifact, target, candidates, case, j=0):
+    """(x, density) of a retained case along parameter j, sorted along it.
 
     With one parameter, the normalised density at each candidate (per unit measure: refined
-    designs weigh their points unequally); with more, the marginal density of the first
-    parameter, the mass of the candidates summed over bins of it (about √n bins of n candidates).
+    designs weigh their points unequally); with more, the marginal density of parameter j,
+    the mass of the candidates summed over bins of it (about √n bins of n candidates).
     """
     points, log_measure = case_design(artifact, candidates, case)
     measured = np.isfinite(log_measure)          # refined designs also hold padding and zero-measure probes
@@ -334,12 +335,16 @@ def case_density(artifact, target, candidates, case):
         order = np.argsort(points[:, 0], kind="stable")
         return points[order, 0], np.exp(log_mass - log_measure)[order]
     bins = int(np.clip(np.sqrt(len(points)), 8, 60))
-    mass, edges = np.histogram(points[:, 0], bins=bins, weights=np.exp(log_mass))
+    mass, edges = np.histogram(points[:, j], bins=bins, weights=np.exp(log_mass))
     return (edges[:-1] + edges[1:]) / 2, mass / np.diff(edges)
 
 
 def draw_diagnostic_cases(ctx, figure):
-    """Per retained case, the normalised density of every target along the first parameter, with the truth."""
+    """Per retained case (a column) and parameter (a row), the normalised density of every target, with the truth.
+
+    With several parameters each row is that parameter's marginal density, so every
+    parameter of a case is seen, not the first alone. The figure grows taller with the rows.
+    """
     learned = ctx.require("learned")
     exact = ctx.require("exact") if "exact" in ctx.analysis_settings["inference"]["targets"] else None
     candidates = ctx.require("candidates")
@@ -347,30 +352,34 @@ def draw_diagnostic_cases(ctx, figure):
     if exact is not None:
         sources.append((exact, "exact"))
     cases = min(4, learned.array(f"{sources[0][1]}_scores").shape[0]) if sources else 0
-    axes = figure.subplots(1, max(cases, 1), squeeze=False, sharey=False)[0]
-    truths = ctx.require("truths").array("truths")
-    name = ctx.problem.names[0]
+    names = ctx.problem.names[:MAX_AXES]
     many = len(ctx.problem.names) > 1
-    for case, axis in zip(range(cases), axes):
-        for artifact, target in sources:
-            x, density = case_density(artifact, target, candidates, case)
-            axis.plot(x, density, label=TARGET_TITLES.get(target, target), **TARGET_STYLES.get(target, {}))
-        axis.axvline(truths[case, 0], color="black", linestyle=(0, (1, 2)), linewidth=1.2,
-                     label=f"truth {name}")
-        title = f"{ctx.member['name']}, case {case}: true {name} = {truths[case, 0]:.3g}"
-        if many:                        # the truth's other coordinates, on a second line
-            others = [f"{n} = {v:.3g}" for n, v in zip(ctx.problem.names[1:4], truths[case, 1:4])]
-            title += "\n(" + ", ".join(others) + (", …" if len(ctx.problem.names) > 4 else "") + ")"
-        axis.set_title(title, fontsize="medium")
-        axis.set_xlabel(name)
-    axes[0].set_ylabel(f"{'marginal ' if many else ''}density of {name} (normalised)")
+    figure.set_size_inches(figure.get_figwidth(), max(figure.get_figheight(), 3.0 * len(names)))
+    axes = figure.subplots(len(names), max(cases, 1), squeeze=False, sharey=False)
+    truths = ctx.require("truths").array("truths")
+    for j, name in enumerate(names):
+        for case, axis in zip(range(cases), axes[j]):
+            draw_case(axis, ctx, sources, candidates, case, j, truths[case, j])
+        axes[j][0].set_ylabel(f"{'marginal ' if many else ''}density of {name} (normalised)")
     if cases:
-        axes[0].legend(fontsize="small")
+        axes[0][0].legend(fontsize="small")
+        along = names[0] if not many else "each parameter (rows: marginal densities)"
         title = (f"Retained cases of {ctx.member['name']}, configuration {configuration_label(ctx)}: "
-                 f"density along {name}")
+                 f"density along {along}")
     else:
         title = f"{ctx.member['name']}: no retained case to draw (inference.diagnostic_cases is 0)"
     figure.suptitle(title)
+
+
+def draw_case(axis, ctx, sources, candidates, case, j, truth):
+    """One retained case's densities of every target along parameter j, and its true value."""
+    name = ctx.problem.names[j]
+    for artifact, target in sources:
+        x, density = case_density(artifact, target, candidates, case, j)
+        axis.plot(x, density, label=TARGET_TITLES.get(target, target), **TARGET_STYLES.get(target, {}))
+    axis.axvline(truth, color="black", linestyle=(0, (1, 2)), linewidth=1.2, label=f"truth {name}")
+    axis.set_title(f"{ctx.member['name']}, case {case}: true {name} = {truth:.3g}", fontsize="medium")
+    axis.set_xlabel(name)
 
 
 def draw_expected_coverage(ctx, figure):
