@@ -378,7 +378,8 @@ def draw_case(axis, ctx, sources, candidates, case, j, truth):
         x, density = case_density(artifact, target, candidates, case, j)
         axis.plot(x, density, label=TARGET_TITLES.get(target, target), **TARGET_STYLES.get(target, {}))
     axis.axvline(truth, color="black", linestyle=(0, (1, 2)), linewidth=1.2, label=f"truth {name}")
-    axis.set_title(f"{ctx.member['name']}, case {case}: true {name} = {truth:.3g}", fontsize="medium")
+    # The member is in the figure's title: repeated here, it made neighbouring titles run into each other.
+    axis.set_title(f"case {case}: true {name} = {truth:.3g}", fontsize="medium")
     axis.set_xlabel(name)
 
 

@@ -517,18 +517,19 @@ def draw_corner(figure, posterior, samples, truth, run=None, prior=None):
                     axis.axhline(truth[i], color="tab:red", linewidth=1)
                     axis.plot(truth[j], truth[i], "o", color="tab:red", markersize=4)
             axis.set_xlabel(posterior.names[j])
-    # With several parameters the legend goes to the empty top right, clear of the histograms.
-    axes[0][-1].legend(*axes[0][0].get_legend_handles_labels(), fontsize="x-small",
-                       loc="upper right" if p > 1 else "best")
-    figure.suptitle(f"{corner_title(run, prior)}\nfor the observation: {len(samples)} samples, "
-                    f"{posterior.ess:.0f} effective candidates", fontsize="medium")
+    # The legend stays clear of the histograms: in the empty top right, or below a single panel.
+    handles = axes[0][0].get_legend_handles_labels()
+    if p > 1:
+        axes[0][-1].legend(*handles, fontsize="x-small", loc="upper right")
+    else:
+        axes[0][0].legend(*handles, fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    figure.suptitle(f"{corner_title(run, prior)}; {len(samples)} samples, {posterior.ess:.0f} effective candidates",
+                    fontsize="small")
 
 
 def corner_title(run, prior):
-    """The corner plot's first title line: the run and its prior when known."""
-    if run is None and prior is None:
-        return "Posterior (run and prior not given)"
-    return f"Posterior of run {run or '(not given)'}, prior {prior or '(not given)'}"
+    """The corner plot's title but its counts: the run, then its prior, each when known."""
+    return f"Posterior of run {run or '(not given)'}\nprior {prior or '(not given)'}"
 
 
 def draw_corner_marginal(axis, posterior, values, i, levels):

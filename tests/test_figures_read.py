@@ -195,7 +195,7 @@ def test_diagnostic_cases_draw_every_parameter_a_row_each(two_parameters):
     for index, axis in enumerate(figure.axes):
         j, case = divmod(index, 4)
         assert axis.get_xlabel() == f"mean:{j}"
-        assert axis.get_title() == f"uniform-r0, case {case}: true mean:{j} = {truths[case, j]:.3g}"
+        assert axis.get_title() == f"case {case}: true mean:{j} = {truths[case, j]:.3g}"
         labels = {line.get_label() for line in axis.get_lines()}
         assert {"learned ratio (flat prior)", "learned posterior", "exact likelihood (flat prior)",
                 f"truth mean:{j}"} <= labels
@@ -236,7 +236,7 @@ def test_the_corner_plot_names_its_run_and_prior_and_tells_joint_from_marginal_b
                                  "--plot")
     assert result.returncode == 0, result.stderr
     figure, = figures
-    assert figure.get_suptitle().startswith(f"Posterior of run {run.parent.name}/{run.name}, prior uniform\n")
+    assert figure.get_suptitle().startswith(f"Posterior of run {run.parent.name}/{run.name}\nprior uniform; 2000 samples")
     texts = legend_texts(*figure.axes)
     assert texts == ["samples", "marginal 0.68 HPD interval (from the samples)", "joint 0.68 HPD region, projected",
                      "marginal 0.95 HPD interval (from the samples)", "joint 0.95 HPD region, projected"]
