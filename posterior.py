@@ -493,8 +493,8 @@ def draw_corner(figure, posterior, samples, truth, run=None, prior=None):
     """The corner plot of `Posterior.draw_corner`.
 
     On the diagonal, two kinds of bounds: the joint HPD region's bounds projected on the
-    axis (orange lines; wider than a marginal interval of the same level as soon as there
-    are two parameters), and the marginal HPD interval of that axis alone, the shortest
+    axis (orange lines; with several parameters usually wider than a marginal interval of
+    the same level), and the marginal HPD interval of that axis alone, the shortest single
     interval holding the level's share of its samples (shaded).
     """
     p = len(posterior.names)
@@ -548,9 +548,10 @@ def draw_corner_marginal(axis, posterior, values, i, levels):
 
 
 def marginal_interval(values, level):
-    """The shortest interval holding at least `level` of the samples of one parameter (its marginal HPD interval)."""
+    """The shortest interval holding at least `level` of one parameter's samples: its marginal HPD interval
+    (a single interval, also where the marginal has several modes)."""
     ordered = np.sort(values)
-    inside = min(len(ordered), max(1, math.ceil(level * len(ordered))))
+    inside = min(len(ordered), max(1, math.ceil(level * len(ordered) - 1e-9)))   # 0.07 · 100 is 7.000000000000001
     widths = ordered[inside - 1:] - ordered[:len(ordered) - inside + 1]
     start = int(np.argmin(widths))
     return float(ordered[start]), float(ordered[start + inside - 1])
