@@ -120,7 +120,7 @@ def infer(arguments):
     except (OSError, ValueError) as error:      # restore's messages name the run folder or file
         raise InferError(str(error)) from None
     posterior, samples = posterior_samples(restored, observations, truth, reference, arguments)
-    figure = corner_png(posterior, samples, truth) if arguments.plot else None
+    figure = corner_png(posterior, samples, truth, run_label(restored)) if arguments.plot else None
     summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),
                "shape": list(observations.shape), "samples": int(arguments.samples), **posterior.summary(),
                "flat": posterior.flatness(trainer.kept_validation(restored.history).get("auc")),
@@ -173,15 +173,21 @@ def report_lines(summary, reference):
     return lines
 
 
-def corner_png(posterior, samples, truth):
-    """The corner plot as PNG bytes (needs matplotlib)."""
+def run_label(restored):
+    """(run, prior) naming a restored run on its corner plot: '<configuration folder>/<run folder>' and the prior."""
+    run_dir = Path(restored.run_dir)
+    return f"{run_dir.parent.name}/{run_dir.name}", str(restored.member.get("prior", restored.member.get("name")))
+
+
+def corner_png(posterior, samples, truth, label=(None, None)):
+    """The corner plot as PNG bytes (needs matplotlib), titled with the (run, prior) of `label`."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
         raise InferError("--plot needs matplotlib (pip install matplotlib)") from None
     size = max(5.0, 2.5 * len(posterior.names) + 1.5)
     figure = Figure(figsize=(size, size), layout="constrained")
-    posterior.draw_corner(figure, samples, truth)
+    posterior.draw_corner(figure, samples, truth, run=label[0], prior=label[1])
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", dpi=120)
     return buffer.getvalue()

@@ -1,11 +1,12 @@
 """Figures of the study kit's analysis (optional: they need matplotlib).
 
-Cohort figures compare the members of one configuration: their priors, training
-curves and ROC, estimates against truths with highest-density bands, and bias and
-width against the true value. Run figures show the retained diagnostic cases and the
-expected coverage against credibility. Every figure is titled with its configuration
-(and member), its axes are labelled with the parameters' names, and every line and
-marker is in a legend.
+Cohort figures compare the members of one configuration: their priors (a study's own
+prior objects too), training curves and ROC, estimates against truths with
+highest-density bands, and bias and width against the true value (binned over many
+continuous truths). Run figures show the retained diagnostic cases, every parameter of
+each, and the expected coverage against credibility. Every figure is titled with its
+configuration (and member), its axes are labelled with the parameters' names, and every
+line and marker is in a legend (docs/results.md, "Figures").
 """
 import json
 from pathlib import Path
@@ -17,6 +18,9 @@ import inference
 import results
 
 MAX_AXES = 6   # parameters drawn per figure; the rest are left out
+CUSTOM_PRIOR_DRAWS = 20_000   # draws of a study's own prior per histogram: 400 a bin if flat, about 5% noise
+PRIOR_BINS = 50
+TRUTH_BINS = 20   # bins of bias_width along a parameter with more distinct truths than this
 TARGET_TITLES = {"ratio": "learned ratio (flat prior)", "posterior": "learned posterior",
                  "exact": "exact likelihood (flat prior)"}
 # Line styles of the diagnostic densities: the ratio wide and pale, so that a posterior equal to it
@@ -62,27 +66,96 @@ def prior_curve(prior, j, points=400):
 
 
 def draw_priors(contexts, figure):
-    """Each member's prior density per inferred parameter (a lattice's mass per step); the bundled families only."""
+    """Each member's prior density per inferred parameter (a lattice's mass per step), once per prior.
+
+    The bundled families are drawn from their per-coordinate densities; a study's own prior
+    object from its log_prob (one parameter) or a histogram of its draws; a prior that cannot
+    be drawn is named in the legend as not drawable, so no prior is left out unsaid.
+    """
     names = contexts[0].problem.names
     axes = parameter_axes(figure, len(names))[0]
     styles, drawn = member_styles(contexts), set()
     for ctx in contexts:
-        prior_name = ctx.member.get("prior", ctx.member["name"])
-        if not hasattr(ctx.prior, "coordinate_log_prob") or prior_name in drawn:
-            continue                    # a study's own prior object has no per-coordinate density; replicas share one
+        prior_name = str(ctx.member.get("prior", ctx.member["name"]))
+        if prior_name in drawn:
+            continue                    # replicas share one prior
         drawn.add(prior_name)
         colour = styles[ctx.member["name"]][0]
-        for j, axis in enumerate(axes):
-            x, y, lattice = prior_curve(ctx.prior, j)
-            if lattice:
-                axis.plot(x, y, "o", color=colour, markersize=3, label=f"{prior_name} (lattice: mass / step)")
-            else:
-                axis.plot(x, y, color=colour, label=str(prior_name))
+        if hasattr(ctx.prior, "coordinate_log_prob"):
+            draw_family_prior(axes, ctx.prior, prior_name, colour)
+        else:
+            draw_custom_prior(axes, ctx.prior, ctx.problem, prior_name, colour)
     for j, axis in enumerate(axes):
         axis.set(title=f"prior of {names[j]}", xlabel=names[j], ylabel="prior density")
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize="small")
     figure.suptitle(f"Priors of the members of configuration {configuration_label(contexts[0])}")
+
+
+def draw_family_prior(axes, prior, prior_name, colour):
+    """A bundled prior's exact density (a lattice's mass per step, as points) on each parameter's axis."""
+    for j, axis in enumerate(axes):
+        x, y, lattice = prior_curve(prior, j)
+        if lattice:
+            axis.plot(x, y, "o", color=colour, markersize=3, label=f"{prior_name} (lattice: mass / step)")
+        else:
+            axis.plot(x, y, color=colour, label=prior_name)
+
+
+def draw_custom_prior(axes, prior, problem, prior_name, colour):
+    """A study's own prior object on each parameter's axis, or a legend entry saying why it cannot be drawn."""
+    try:
+        curves = custom_prior_curves(prior, problem, len(axes))
+    except Exception as error:          # any failure of the study's object: name it rather than fail the figure
+        reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
+        for axis in axes:
+            axis.plot([], [], " ", label=f"{prior_name}: not drawable ({reason[:60]})")
+        return
+    for axis, (x, y, kind) in zip(axes, curves):
+        if kind == "lattice":
+            axis.plot(x, y, "s", color=colour, markersize=3, label=f"{prior_name} (own prior, lattice of "
+                                                                   f"{CUSTOM_PRIOR_DRAWS:,} draws: mass / step)")
+        elif kind == "histogram":
+            axis.stairs(y, x, color=colour, linewidth=1.5,
+                        label=f"{prior_name} (own prior, histogram of {CUSTOM_PRIOR_DRAWS:,} draws)")
+        else:
+            axis.plot(x, y, color=colour, linestyle="-.", label=f"{prior_name} (own prior, from its log_prob)")
+
+
+def custom_prior_curves(prior, problem, count, points=400):
+    """Per parameter, (x, y, kind) of a study's own prior: kind 'density', 'histogram' or 'lattice'.
+
+    With one continuous parameter its log_prob is that parameter's density; otherwise (or
+    when that fails) the marginals come from CUSTOM_PRIOR_DRAWS seeded draws, binned over the
+    parameter's box (mass outside the box is left out, not spread over it). Raises when
+    neither works.
+    """
+    steps = list(getattr(prior, "lattice_steps", None) or [None] * len(problem.names))
+    if not callable(getattr(prior, "sample", None)) and not callable(getattr(prior, "log_prob", None)):
+        raise TypeError("neither sample() nor log_prob()")
+    if len(problem.names) == 1 and steps[0] is None and callable(getattr(prior, "log_prob", None)):
+        x = torch.linspace(float(problem.low[0]), float(problem.high[0]), points, dtype=torch.float64)
+        try:
+            y = torch.exp(torch.as_tensor(prior.log_prob(x[:, None]), dtype=torch.float64).reshape(-1)).numpy()
+        except Exception:               # a log_prob that fails on a grid of values: its draws may still serve
+            y = np.full(points, np.nan)
+        if np.isfinite(y).all() and y.max() > 0:
+            return [(x.numpy(), y, "density")]
+    generator = torch.Generator().manual_seed(0)     # the same histogram on every redraw
+    draws = torch.as_tensor(prior.sample(CUSTOM_PRIOR_DRAWS, generator), dtype=torch.float64)
+    draws = draws.reshape(CUSTOM_PRIOR_DRAWS, len(problem.names)).numpy()
+    return [marginal_curve(draws[:, j], float(problem.low[j]), float(problem.high[j]), steps[j])
+            for j in range(count)]
+
+
+def marginal_curve(values, low, high, step):
+    """(x, y, kind) of one parameter's draws: mass per lattice point over the step, or a density histogram."""
+    n = len(values)
+    if step is not None:
+        x, counts = np.unique(np.round(values, 9), return_counts=True)
+        return x, counts / n / step, "lattice"
+    counts, edges = np.histogram(values, bins=PRIOR_BINS, range=(low, high))
+    return edges, counts / n / np.diff(edges), "histogram"
 
 
 def roc_curve(logits, labels):
@@ -176,30 +249,67 @@ def draw_estimates(contexts, figure):
 
 
 def draw_bias_width(contexts, figure):
-    """Mean bias and mean width of the first level against the true value, per parameter."""
+    """Mean bias and mean width of the first level against the true value, per parameter.
+
+    A few distinct truths along a parameter (a grid) are drawn one point each, joined in
+    order; many (Sobol truths) are grouped into TRUTH_BINS quantile bins, each drawn at its
+    truths' mean with a band of ±2 standard errors of its means, since joining a thousand
+    single cases in order draws their scatter, not the trend.
+    """
     names = contexts[0].problem.names
     level = contexts[0].analysis_settings["inference"]["levels"][0]
     bias_axes, width_axes = parameter_axes(figure, len(names), rows=2)
     styles = member_styles(contexts)
+    truths = contexts[0].require("truths").array("truths")
+    groups = [truth_groups(truths[:, j]) for j in range(len(bias_axes))]     # truths are shared by every member
     for ctx in contexts:
         colour, style, marker = styles[ctx.member["name"]]
-        truths, modes, lower, upper = ratio_estimates(ctx)
+        _, modes, lower, upper = ratio_estimates(ctx)
         for j, (bias_axis, width_axis) in enumerate(zip(bias_axes, width_axes)):
-            values, group = np.unique(np.round(truths[:, j], 9), return_inverse=True)
-            counts = np.bincount(group)
-            bias = np.bincount(group, weights=modes[:, j] - truths[:, j]) / counts
-            width = np.bincount(group, weights=upper[:, 0, j] - lower[:, 0, j]) / counts
-            bias_axis.plot(values, bias, marker=marker, linestyle=style, color=colour, label=ctx.member["name"])
-            width_axis.plot(values, width, marker=marker, linestyle=style, color=colour, label=ctx.member["name"])
+            group, binned = groups[j]
+            bias, width = modes[:, j] - truths[:, j], upper[:, 0, j] - lower[:, 0, j]
+            for axis, values in ((bias_axis, bias), (width_axis, width)):
+                x, mean, error = group_means(group, truths[:, j], values)
+                axis.plot(x, mean, marker=marker, linestyle=style, color=colour, label=ctx.member["name"])
+                if binned:
+                    axis.fill_between(x, mean - 2 * error, mean + 2 * error, color=colour, alpha=0.2, linewidth=0)
     for j, (bias_axis, width_axis) in enumerate(zip(bias_axes, width_axes)):
+        group, binned = groups[j]
+        how = f"bin means: {group.max() + 1} quantile bins of {len(truths)} truths" if binned else "mean per true value"
         bias_axis.axhline(0, color="gray", linestyle=":", label="no bias")
-        bias_axis.set(title=f"bias of the ratio's mode: {names[j]}", xlabel=f"true {names[j]}",
+        bias_axis.set(title=f"bias of the ratio's mode: {names[j]}", xlabel=f"true {names[j]} ({how})",
                       ylabel=f"mean (mode − truth) of {names[j]}")
-        width_axis.set(title=f"width of the {level:g} region: {names[j]}", xlabel=f"true {names[j]}",
+        width_axis.set(title=f"width of the {level:g} region: {names[j]}", xlabel=f"true {names[j]} ({how})",
                        ylabel=f"mean projected width of {names[j]}")
+    if any(binned for _, binned in groups):
+        for axis in (bias_axes[-1], width_axes[-1]):
+            axis.fill_between([], [], [], color="gray", alpha=0.2, linewidth=0, label="±2 s.e. of a bin's mean")
     bias_axes[-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1))
     width_axes[-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1))
     figure.suptitle(f"Bias and width against the true value, configuration {configuration_label(contexts[0])}")
+
+
+def truth_groups(values, bins=None):
+    """Each truth's group along one parameter (0, 1, ...), and whether the groups are bins rather than values.
+
+    Up to `bins` (TRUTH_BINS) distinct values each form a group; more are cut at quantiles,
+    so every bin holds about as many truths wherever the truths are dense.
+    """
+    bins = bins or TRUTH_BINS
+    distinct, group = np.unique(np.round(values, 9), return_inverse=True)
+    if len(distinct) <= bins:
+        return group.reshape(-1), False
+    edges = np.unique(np.quantile(values, np.linspace(0, 1, bins + 1)))
+    group = np.clip(np.searchsorted(edges, values, side="right") - 1, 0, len(edges) - 2)
+    return np.unique(group, return_inverse=True)[1].reshape(-1), True
+
+
+def group_means(group, truths, values):
+    """Per group, in order of the truth: the truths' mean, the values' mean and its standard error."""
+    counts = np.bincount(group).astype(float)
+    mean = np.bincount(group, weights=values) / counts
+    spread = np.bincount(group, weights=(values - mean[group]) ** 2) / np.maximum(counts - 1, 1)
+    return np.bincount(group, weights=truths) / counts, mean, np.sqrt(spread / counts)
 
 
 def case_design(artifact, candidates, case):
@@ -209,12 +319,12 @@ def case_design(artifact, candidates, case):
     return candidates.array("points"), candidates.array("log_measure")
 
 
-def case_density(artifact, target, candidates, case):
-    """(x, density) of a retained case along the first parameter, sorted along it.
+def case_density(artifact, target, candidates, case, j=0):
+    """(x, density) of a retained case along parameter j, sorted along it.
 
     With one parameter, the normalised density at each candidate (per unit measure: refined
-    designs weigh their points unequally); with more, the marginal density of the first
-    parameter, the mass of the candidates summed over bins of it (about √n bins of n candidates).
+    designs weigh their points unequally); with more, the marginal density of parameter j,
+    the mass of the candidates summed over bins of it (about √n bins of n candidates).
     """
     points, log_measure = case_design(artifact, candidates, case)
     measured = np.isfinite(log_measure)          # refined designs also hold padding and zero-measure probes
@@ -225,12 +335,16 @@ def case_density(artifact, target, candidates, case):
         order = np.argsort(points[:, 0], kind="stable")
         return points[order, 0], np.exp(log_mass - log_measure)[order]
     bins = int(np.clip(np.sqrt(len(points)), 8, 60))
-    mass, edges = np.histogram(points[:, 0], bins=bins, weights=np.exp(log_mass))
+    mass, edges = np.histogram(points[:, j], bins=bins, weights=np.exp(log_mass))
     return (edges[:-1] + edges[1:]) / 2, mass / np.diff(edges)
 
 
 def draw_diagnostic_cases(ctx, figure):
-    """Per retained case, the normalised density of every target along the first parameter, with the truth."""
+    """Per retained case (a column) and parameter (a row), the normalised density of every target, with the truth.
+
+    With several parameters each row is that parameter's marginal density, so every
+    parameter of a case is seen, not the first alone. The figure grows taller with the rows.
+    """
     learned = ctx.require("learned")
     exact = ctx.require("exact") if "exact" in ctx.analysis_settings["inference"]["targets"] else None
     candidates = ctx.require("candidates")
@@ -238,30 +352,35 @@ def draw_diagnostic_cases(ctx, figure):
     if exact is not None:
         sources.append((exact, "exact"))
     cases = min(4, learned.array(f"{sources[0][1]}_scores").shape[0]) if sources else 0
-    axes = figure.subplots(1, max(cases, 1), squeeze=False, sharey=False)[0]
-    truths = ctx.require("truths").array("truths")
-    name = ctx.problem.names[0]
+    names = ctx.problem.names[:MAX_AXES]
     many = len(ctx.problem.names) > 1
-    for case, axis in zip(range(cases), axes):
-        for artifact, target in sources:
-            x, density = case_density(artifact, target, candidates, case)
-            axis.plot(x, density, label=TARGET_TITLES.get(target, target), **TARGET_STYLES.get(target, {}))
-        axis.axvline(truths[case, 0], color="black", linestyle=(0, (1, 2)), linewidth=1.2,
-                     label=f"truth {name}")
-        title = f"{ctx.member['name']}, case {case}: true {name} = {truths[case, 0]:.3g}"
-        if many:                        # the truth's other coordinates, on a second line
-            others = [f"{n} = {v:.3g}" for n, v in zip(ctx.problem.names[1:4], truths[case, 1:4])]
-            title += "\n(" + ", ".join(others) + (", …" if len(ctx.problem.names) > 4 else "") + ")"
-        axis.set_title(title, fontsize="medium")
-        axis.set_xlabel(name)
-    axes[0].set_ylabel(f"{'marginal ' if many else ''}density of {name} (normalised)")
+    figure.set_size_inches(figure.get_figwidth(), max(figure.get_figheight(), 3.0 * len(names)))
+    axes = figure.subplots(len(names), max(cases, 1), squeeze=False, sharey=False)
+    truths = ctx.require("truths").array("truths")
+    for j, name in enumerate(names):
+        for case, axis in zip(range(cases), axes[j]):
+            draw_case(axis, ctx, sources, candidates, case, j, truths[case, j])
+        axes[j][0].set_ylabel(f"{'marginal ' if many else ''}density of {name} (normalised)")
     if cases:
-        axes[0].legend(fontsize="small")
+        axes[0][0].legend(fontsize="small")
+        along = names[0] if not many else "each parameter (rows: marginal densities)"
         title = (f"Retained cases of {ctx.member['name']}, configuration {configuration_label(ctx)}: "
-                 f"density along {name}")
+                 f"density along {along}")
     else:
         title = f"{ctx.member['name']}: no retained case to draw (inference.diagnostic_cases is 0)"
     figure.suptitle(title)
+
+
+def draw_case(axis, ctx, sources, candidates, case, j, truth):
+    """One retained case's densities of every target along parameter j, and its true value."""
+    name = ctx.problem.names[j]
+    for artifact, target in sources:
+        x, density = case_density(artifact, target, candidates, case, j)
+        axis.plot(x, density, label=TARGET_TITLES.get(target, target), **TARGET_STYLES.get(target, {}))
+    axis.axvline(truth, color="black", linestyle=(0, (1, 2)), linewidth=1.2, label=f"truth {name}")
+    # The member is in the figure's title: repeated here, it made neighbouring titles run into each other.
+    axis.set_title(f"case {case}: true {name} = {truth:.3g}", fontsize="medium")
+    axis.set_xlabel(name)
 
 
 def draw_expected_coverage(ctx, figure):

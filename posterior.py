@@ -200,9 +200,13 @@ class Posterior:
                 "candidates": int(self.points.shape[0]),
                 "hpd": {inference.level_key(level): self.hpd(level) for level in (levels or self.levels)}}
 
-    def draw_corner(self, figure, samples, truth=None):
-        """Marginals on the diagonal, pairwise sample densities below it, HPD bounds and the truth if given."""
-        draw_corner(figure, self, np.asarray(samples), None if truth is None else np.asarray(truth, dtype=float))
+    def draw_corner(self, figure, samples, truth=None, run=None, prior=None):
+        """Marginals on the diagonal, pairwise sample densities below it, HPD intervals and the truth if given.
+
+        `run` and `prior` name the run and its prior in the title (infer passes them).
+        """
+        draw_corner(figure, self, np.asarray(samples), None if truth is None else np.asarray(truth, dtype=float),
+                    run=run, prior=prior)
 
 
 # ---------------------------------------------------------------- the sampler
@@ -492,8 +496,14 @@ def from_scores(problem, lattice_steps, score_fn, analysis_settings, seed, truth
                      summary, settings["levels"], enumerated=design == "enumerate", box=box)
 
 
-def draw_corner(figure, posterior, samples, truth):
-    """The corner plot of `Posterior.draw_corner`."""
+def draw_corner(figure, posterior, samples, truth, run=None, prior=None):
+    """The corner plot of `Posterior.draw_corner`.
+
+    On the diagonal, two kinds of bounds: the joint HPD region's bounds projected on the
+    axis (orange lines; with several parameters usually wider than a marginal interval of
+    the same level), and the marginal HPD interval of that axis alone, the shortest single
+    interval holding the level's share of its samples (shaded).
+    """
     p = len(posterior.names)
     axes = figure.subplots(p, p, squeeze=False)
     levels = sorted(posterior.levels)
@@ -501,17 +511,10 @@ def draw_corner(figure, posterior, samples, truth):
         for j in range(p):
             axis = axes[i][j]
             if j > i:
-                axis.set_visible(False)
+                axis.axis("off")        # empty, but the top right one holds the legend
                 continue
             if i == j:
-                axis.hist(samples[:, i], bins=40, density=True, color="tab:blue", alpha=0.6, label="samples")
-                for level, style in zip(levels, ("-", "--", ":")):
-                    region = posterior.hpd(level)
-                    for bound in (region["lower"][i], region["upper"][i]):
-                        axis.axvline(bound, color="tab:orange", linestyle=style,
-                                     label=f"{level:g} HPD bounds" if bound == region["lower"][i] else None)
-                axis.set_title(posterior.names[i], fontsize="small")
-                axis.set_ylabel("posterior density")
+                draw_corner_marginal(axis, posterior, samples[:, i], i, levels)
             else:
                 axis.hist2d(samples[:, j], samples[:, i], bins=40, cmap="Blues")
                 axis.set_ylabel(posterior.names[i])
@@ -521,6 +524,41 @@ def draw_corner(figure, posterior, samples, truth):
                     axis.axhline(truth[i], color="tab:red", linewidth=1)
                     axis.plot(truth[j], truth[i], "o", color="tab:red", markersize=4)
             axis.set_xlabel(posterior.names[j])
-    axes[0][0].legend(fontsize="x-small")
-    figure.suptitle(f"Posterior for the observation\n{len(samples)} samples, {posterior.ess:.0f} effective candidates",
-                    fontsize="medium")
+    # The legend stays clear of the histograms: in the empty top right, or below a single panel.
+    handles = axes[0][0].get_legend_handles_labels()
+    if p > 1:
+        axes[0][-1].legend(*handles, fontsize="x-small", loc="upper right")
+    else:
+        axes[0][0].legend(*handles, fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    figure.suptitle(f"{corner_title(run, prior)}; {len(samples)} samples, {posterior.ess:.0f} effective candidates",
+                    fontsize="small")
+
+
+def corner_title(run, prior):
+    """The corner plot's title but its counts: the run, then its prior, each when known."""
+    return f"Posterior of run {run or '(not given)'}\nprior {prior or '(not given)'}"
+
+
+def draw_corner_marginal(axis, posterior, values, i, levels):
+    """One parameter's sample histogram with its marginal HPD intervals and the joint region's projected bounds."""
+    axis.hist(values, bins=40, density=True, color="tab:blue", alpha=0.6, label="samples")
+    for level, style, shade in zip(levels, ("-", "--", ":"), (0.25, 0.12, 0.06)):
+        low, high = marginal_interval(values, level)
+        axis.axvspan(low, high, color="tab:green", alpha=shade, linewidth=0,
+                     label=f"marginal {level:g} HPD interval (from the samples)")
+        region = posterior.hpd(level)
+        for k, bound in enumerate((region["lower"][i], region["upper"][i])):
+            axis.axvline(bound, color="tab:orange", linestyle=style,
+                         label=f"joint {level:g} HPD region, projected" if k == 0 else None)
+    axis.set_title(posterior.names[i], fontsize="small")
+    axis.set_ylabel("posterior density")
+
+
+def marginal_interval(values, level):
+    """The shortest interval holding at least `level` of one parameter's samples: its marginal HPD interval
+    (a single interval, also where the marginal has several modes)."""
+    ordered = np.sort(values)
+    inside = min(len(ordered), max(1, math.ceil(level * len(ordered) - 1e-9)))   # 0.07 · 100 is 7.000000000000001
+    widths = ordered[inside - 1:] - ordered[:len(ordered) - inside + 1]
+    start = int(np.argmin(widths))
+    return float(ordered[start]), float(ordered[start + inside - 1])

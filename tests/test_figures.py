@@ -62,7 +62,7 @@ def test_diagnostic_cases_draw_sorted_lines_the_ratio_visible_under_the_posterio
     _, _, figures = drawn
     figure, = titled(figures, "Retained cases of uniform-r0")
     for case, axis in enumerate(figure.axes):
-        assert axis.get_title().startswith(f"uniform-r0, case {case}: true mean:0 = ")
+        assert axis.get_title().startswith(f"case {case}: true mean:0 = ")   # the member is in the figure's title
         assert axis.get_xlabel() == "mean:0"
         lines = {line.get_label(): line for line in axis.get_lines()}
         ratio, posterior = lines["learned ratio (flat prior)"], lines["learned posterior"]
