@@ -10,7 +10,7 @@ import jobs
 import nnpd
 import settings_analysis
 import settings_training
-from conftest import write_settings
+from helpers import write_settings
 from gaussian_study import GaussianAnalysis, GaussianExperiment
 from nre_analysis import chi_square_quantile
 from settings import SettingsError

@@ -113,7 +113,7 @@ class BankOnly(nre_study.Study):
 def test_the_command_line_trains_a_bank_study_refuses_its_analysis_and_infers(tmp_path):
     import json
 
-    from conftest import main_in_process, write_settings
+    from helpers import main_in_process, write_settings
 
     simulated_bank(tmp_path / "bank.npz")
     module = f"bank_{tmp_path.name}"

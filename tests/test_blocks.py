@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import adaptive
 import inference as inf
 import nre_analysis
-from conftest import run_cli, write_settings
+from helpers import run_cli, write_settings
 from store import Writer
 
 LEVELS = (0.68, 0.95)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, main_in_process, run_cli, write_settings
+from helpers import REPO, main_in_process, run_cli, write_settings
 
 
 def files_under(path):

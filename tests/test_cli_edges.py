@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import REPO, ahead, made_ahead, run_cli, write_settings
+from helpers import REPO, ahead, made_ahead, run_cli, write_settings
 
 
 def clean_environment():

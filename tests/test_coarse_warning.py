@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from conftest import run_cli, side_by_side, write_settings
+from helpers import run_cli, side_by_side, write_settings
 from nre_analysis import MIN_COARSE_NEIGHBOURS, chi_square_quantile
 
 # The base settings' candidates (coarse_count 64, candidate_count 1024, refinement_stages 3), adaptive.

@@ -7,9 +7,8 @@ import pytest
 import torch
 
 import nnpd
-from conftest import write_settings
+from helpers import torchrun, write_settings
 from store import restore
-from test_distributed import torchrun
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]

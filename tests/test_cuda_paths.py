@@ -18,8 +18,7 @@ import torch
 import probes
 import runtime
 import trainer
-from conftest import REPO
-from test_resume import BATCHES, EPOCHS, SEED, SETTINGS, Recorder, make_data, make_model
+from helpers import BATCHES, EPOCHS, REPO, Recorder, SEED, SETTINGS, make_data, make_model
 
 NO_GPU = "needs a CUDA GPU (none visible)"
 

@@ -1,9 +1,7 @@
 """Real torchrun launches of nnpd on CPU with Gloo: jobs mode, DDP, two nodes, failures."""
 import json
-import os
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -17,33 +15,9 @@ import jobs
 import runtime
 from store import Store
 
-from conftest import REPO, write_settings
+from helpers import REPO, clean_environment, free_port, torchrun, write_settings
 
 TIMEOUT = 300
-
-
-def free_port():
-    """A TCP port on the loopback interface that nobody listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def clean_environment(extra=None):
-    """The test's environment without torchrun variables from an outer launch."""
-    environment = {k: v for k, v in os.environ.items()
-                   if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    environment["OMP_NUM_THREADS"] = "1"
-    environment["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), str(REPO)])
-    return {**environment, **(extra or {})}
-
-
-def torchrun(*args, nproc=2, extra_env=None, timeout=TIMEOUT):
-    """Launch `nnpd.py` under torchrun on this machine and wait for it."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "nnpd.py"), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=clean_environment(extra_env),
-                          cwd=REPO)
 
 
 def run_folders(root):

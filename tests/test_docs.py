@@ -10,9 +10,7 @@ block is typed into that `python`. Each must exit with status 0.
 """
 import os
 import re
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,33 +18,23 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, ahead, made_ahead, write_settings
+from helpers import (LAUNCH_VARIABLES, REPO, TIMEOUT, ahead, finish, free_port, made_ahead, repository_copy,
+                     toy_environment, toy_settings, train_command, write_settings)
 
 MARKER = "# runs on CPU"
 BLOCK = re.compile(r"^```(sh|python)\n(.*?)^```", re.MULTILINE | re.DOTALL)
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
-# What a copy of the repository leaves out: what .gitignore ignores, and the git folder.
-LEFT_OUT = shutil.ignore_patterns(".git", ".venv", "outputs", "__pycache__", "*.pyc", "*.egg-info", "build",
-                                  ".pytest_cache", ".hypothesis", "*.so")
-LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")
 # What a fresh shell does not inherit from the one running the tests: an active virtual
 # environment, startup files of non-interactive shells and interpreters.
 SHELL_VARIABLES = ("VIRTUAL_ENV", "VIRTUAL_ENV_PROMPT", "BASH_ENV", "ENV", "PYTHONHOME", "PYTHONSTARTUP")
 # The README's step after the set-up, then the strict mode the blocks are held to.
 ACTIVATE = ". .venv/bin/activate\nset -euo pipefail\n"
-TIMEOUT = 600
 
 
 def runnable_blocks(document):
     """(language, code) of every block of a document marked as runnable on CPU, in order."""
     return [(language, code) for language, code in BLOCK.findall(document.read_text())
             if code.startswith(MARKER + "\n")]
-
-
-def repository_copy(target):
-    """A copy of the repository's files at `target` (no git folder, virtual environment or outputs)."""
-    shutil.copytree(REPO, target, ignore=LEFT_OUT)
-    return target
 
 
 def set_up_environment():
@@ -164,13 +152,6 @@ def test_clusters_shows_the_tested_several_nodes_command():
 
 # ---------------------------------------------------------------- docs/clusters.md's promises
 
-def free_port():
-    """A TCP port on the loopback interface that nobody listens on now."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def slurm_stand_ins(folder):
     """`srun` (starts its command once per node, here) and `scontrol` (nodes node1.., each at NodeAddr 127.0.0.1)."""
     folder.mkdir()
@@ -209,23 +190,6 @@ def test_the_slurm_script_runs_a_two_node_launch(tmp_path):
     assert len(analysed) == 4
 
 
-def toy_settings(tmp_path, **training):
-    """The toy study's settings writing to tmp_path/out, with training sizes replaced (e.g. train=20000)."""
-    folder = tmp_path / "s"
-    folder.mkdir()
-    for name in ("settings_training.py", "settings_analysis.py"):
-        text = (REPO / "tests" / "toy_settings" / name).read_text().replace("OUTPUT_ROOT", str(tmp_path / "out"))
-        text = text.replace('"train": 2048', f'"train": {training.get("train", 2048)}')
-        (folder / name).write_text(text.replace('"epochs": 6', f'"epochs": {training.get("epochs", 6)}'))
-    return folder
-
-
-def toy_environment():
-    """The environment of a launch of the toy study (its module lives in tests/)."""
-    environment = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    return {**environment, "PYTHONPATH": os.pathsep.join([str(REPO / "tests"), str(REPO)]), "OMP_NUM_THREADS": "1"}
-
-
 def wait_for_saved_state(root, process, seconds=300):
     """Wait until a training state is saved under the root's scratch/ (or the process ended)."""
     deadline = time.monotonic() + seconds
@@ -234,27 +198,6 @@ def wait_for_saved_state(root, process, seconds=300):
             return True
         time.sleep(0.05)
     return False
-
-
-def children(pid):
-    """Process ids of a process's children (Linux /proc; none elsewhere)."""
-    return [int(child) for path in Path(f"/proc/{pid}/task").glob("*/children") for child in path.read_text().split()]
-
-
-def finish(agent, seconds=TIMEOUT):
-    """The output of a torchrun agent once it ends; past `seconds`, it and its workers are killed."""
-    try:
-        return agent.communicate(timeout=seconds)[0]
-    except subprocess.TimeoutExpired:
-        for pid in children(agent.pid) + [agent.pid]:
-            os.kill(pid, signal.SIGKILL)
-        agent.communicate()
-        raise
-
-
-def train_command(*launcher, settings):
-    """`nnpd.py train` of the given settings, after an optional launcher (torchrun and its options)."""
-    return [sys.executable, *launcher, str(REPO / "nnpd.py"), "train", "--settings-dir", str(settings)]
 
 
 @pytest.mark.slow

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import networks
-from conftest import REPO, main_in_process, run_cli
+from helpers import REPO, main_in_process, run_cli
 from store import restore
 
 EXAMPLE = REPO / "examples" / "pulse"

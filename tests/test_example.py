@@ -13,11 +13,8 @@ import torch
 import contrast
 import inference
 import runtime
-from conftest import REPO, main_in_process
+from helpers import EXAMPLE, REPO, main_in_process, patched_settings
 from store import restore
-
-EXAMPLE = REPO / "examples" / "decay"
-
 
 def run_example(*args, cwd, settings_dir=EXAMPLE):
     """`python nnpd.py ARGS --settings-dir DIR` in `cwd`, without PYTHONPATH: the settings folder holds the study."""
@@ -29,19 +26,6 @@ def run_example(*args, cwd, settings_dir=EXAMPLE):
 def run_example_in_process(*args, cwd, settings_dir=EXAMPLE):
     """run_example's command through nnpd.main in this process (what it answers needs no fresh process)."""
     return main_in_process(*args, "--settings-dir", str(settings_dir), cwd=cwd)
-
-
-def patched_settings(tmp_path, replacements):
-    """A copy of the example's folder (its study module too) with text replaced ({old: new}; each must occur once)."""
-    folder = tmp_path / "settings"
-    folder.mkdir()
-    texts = {path.name: path.read_text() for path in EXAMPLE.glob("*.py")}
-    for old, new in replacements.items():
-        assert sum(old in text for text in texts.values()) == 1, old
-        texts = {name: text.replace(old, new) for name, text in texts.items()}
-    for name, text in texts.items():
-        (folder / name).write_text(text)
-    return folder
 
 
 def cache_stamps(root):

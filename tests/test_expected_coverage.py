@@ -6,7 +6,7 @@ import torch
 import inference as inf
 import nre_analysis
 import settings_analysis
-from test_resolution import LEVELS, exact_summaries, one_thread, study_problem  # noqa: F401 (a fixture)
+from helpers import LEVELS, exact_summaries, study_problem
 
 
 @pytest.mark.parametrize("dimension, cases", [(1, 512), (3, 512)])

@@ -7,7 +7,7 @@ import pytest
 import nnpd
 import results
 import study
-from conftest import run_cli, write_settings
+from helpers import run_cli, write_settings
 from nre_analysis import NREAnalysis
 
 matplotlib = pytest.importorskip("matplotlib")

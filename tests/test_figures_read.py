@@ -15,9 +15,8 @@ import nnpd
 import nre_figures
 import posterior as post
 import priors
-from conftest import main_in_process, write_settings
+from helpers import main_in_process, patched_settings, write_settings
 from store import restore
-from test_example import patched_settings
 
 matplotlib = pytest.importorskip("matplotlib")
 import matplotlib.collections  # noqa: E402

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO
+from helpers import REPO
 
 SCRIPT = REPO / "bench" / "gpu_checks.sh"
 ONE_GPU_CHECKS = ["cuda tests, one GPU", "float16 smoke run + verify", "bfloat16 smoke run + verify",

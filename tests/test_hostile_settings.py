@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings as hsettings, strategies as 
 import nnpd
 import settings_analysis
 import settings_training
-from conftest import write_settings
+from helpers import write_settings
 
 NUMBER_BREAKERS = [math.nan, math.inf, -math.inf, 1e30, -1e30, 10**30]
 STRING_BREAKERS = ["", " ", "a/b", "../up", "x\x00y", "x" * 300, "a\nb"]

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
-from conftest import REPO
-from test_docs import repository_copy
+from helpers import REPO, repository_copy
 
 
 def clean_environment():

@@ -17,7 +17,7 @@ import torch
 
 import nnpd
 import store
-from conftest import REPO, write_settings
+from helpers import REPO, write_settings
 from store import Store, restore
 
 

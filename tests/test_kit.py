@@ -17,7 +17,7 @@ import torch
 import nre_study
 import runtime
 import trainer
-from conftest import REPO, main_in_process, write_settings
+from helpers import REPO, main_in_process, write_settings
 from store import Store
 
 LINE_STUDY = '''

@@ -23,7 +23,7 @@ import contrast
 import inference
 import results
 import runtime
-from conftest import REPO, main_in_process, run_cli
+from helpers import REPO, main_in_process, run_cli
 from store import restore
 
 EXAMPLE = REPO / "examples" / "weibull"

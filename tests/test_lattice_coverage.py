@@ -11,7 +11,7 @@ import nre_analysis
 import priors
 import settings_analysis
 from store import Writer
-from test_resolution import LEVELS, log_likelihood, one_thread, study_problem  # noqa: F401 (a fixture)
+from helpers import LEVELS, log_likelihood, study_problem
 
 
 def lattice_exact_summaries(tmp_path, problem, lattice_steps, cases, seed):

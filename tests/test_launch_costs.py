@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import trainer
-from conftest import REPO
+from helpers import REPO
 
 SETTINGS = {"learning_rate": 1e-3, "betas": [0.9, 0.999], "epsilon": 1e-8, "weight_decay": 0.01}
 

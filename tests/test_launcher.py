@@ -9,9 +9,8 @@ import time
 
 import pytest
 
-from conftest import REPO, ahead, made_ahead
-from test_docs import TIMEOUT, finish, toy_environment, toy_settings, train_command
-from test_preemption import saved_states, wait_for
+from helpers import (REPO, TIMEOUT, ahead, finish, made_ahead, saved_states, toy_environment, toy_settings,
+                     train_command, wait_for)
 
 LAUNCHER = str(REPO / "launcher.py")
 STOPPED = "nnpd: torchrun stopped by SIGTERM after its workers stopped; the same command resumes from what they saved"

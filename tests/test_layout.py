@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
+from helpers import REPO
 
 MODULES = {path.stem: path for path in REPO.glob("*.py") if path.stem != "setup"}
 STUDY = {"gaussian", "gaussian_study"}          # the bundled study's own modules

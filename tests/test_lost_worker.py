@@ -10,9 +10,7 @@ import signal
 import sys
 from pathlib import Path
 
-from conftest import REPO, write_settings
-from test_distributed import free_port
-from test_preemption import start, wait_for, worker_pids
+from helpers import REPO, free_port, start, wait_for, worker_pids, write_settings
 
 # One model, and an analysis that lasts a few seconds (the window in which rank 1 is killed).
 TRAINING = 'settings["runtime"]["parallel"] = "ddp"\nsettings["cohort"]["priors"] = ["uniform"]\n'

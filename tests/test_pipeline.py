@@ -13,7 +13,7 @@ import contrast
 import jobs
 import nnpd
 import runtime
-from conftest import REPO, run_cli, write_settings
+from helpers import REPO, run_cli, write_settings
 from store import Store, restore
 
 

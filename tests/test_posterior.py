@@ -15,9 +15,8 @@ import nnpd
 import posterior as post
 import priors
 import settings_analysis
-from conftest import main_in_process, run_cli, write_settings
+from helpers import main_in_process, run_cli, study_problem, write_settings
 from store import restore
-from test_resolution import study_problem
 
 SIGMA = 2.0                 # the bundled problem's fixed standard deviation
 OBSERVATIONS = 15

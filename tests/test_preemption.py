@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, main_in_process, run_cli, side_by_side, write_settings
-from test_distributed import clean_environment, free_port
+from helpers import (REPO, clean_environment, free_port, main_in_process, saved_states, side_by_side, start, wait_for,
+                     worker_pids, write_settings)
 
 TRAINING = ('settings["data"]["train"] = 12_000\n'
             'settings["training"]["epochs"] = 3\n'
@@ -42,34 +42,9 @@ def command(settings, action="train", workers=1, restarts=0):
             str(REPO / "nnpd.py"), action, "--settings-dir", str(settings)]
 
 
-def start(arguments):
-    """Start a launch in a session of its own (so its whole process group can be killed)."""
-    return subprocess.Popen(arguments, env=clean_environment(), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-
-
 def finish(arguments):
     """Run a launch to its end; returns the completed process."""
     return subprocess.run(arguments, env=clean_environment(), cwd=REPO, capture_output=True, text=True, timeout=600)
-
-
-def wait_for(condition, what, seconds=300, process=None):
-    """Poll until condition() holds; fail at once, with its output, if the launch ended first.
-
-    The deadline only guards against hanging.
-    """
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if process is not None and process.poll() is not None:
-            stdout, stderr = process.communicate()
-            pytest.fail(f"the launch ended (exit {process.returncode}) before {what}:\n{stdout}\n{stderr}")
-        assert time.monotonic() < deadline, f"gave up waiting for {what}"
-        time.sleep(0.02)
-
-
-def saved_states(root):
-    """Training states saved in the store's scratch area."""
-    return list(Path(root, "scratch", "model").glob("*.pt"))
 
 
 def weights(root):
@@ -82,23 +57,6 @@ def assert_bitwise_equal(ours, reference):
     assert ours.keys() == reference.keys() and ours
     for key in ours:
         assert all(torch.equal(ours[key][name], reference[key][name]) for name in reference[key]), key
-
-
-def worker_pids(agent):
-    """{rank: pid} of the processes torchrun's agent started."""
-    found = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environment = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, IndexError, ValueError):
-            continue
-        rank = [item[5:] for item in environment if item.startswith(b"RANK=")]
-        if parent == agent and rank:
-            found[int(rank[0])] = int(entry.name)
-    return found
 
 
 def alive(pid):

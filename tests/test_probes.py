@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import probes
-from conftest import REPO
+from helpers import REPO
 
 RECORD_KEYS = ["count", "nested", "total_s", "min_s", "max_s", "cpu_s"]
 

@@ -8,7 +8,7 @@ import torch
 import jobs
 import results
 import runtime
-from conftest import main_in_process, run_cli, write_settings
+from helpers import main_in_process, run_cli, write_settings
 
 
 def test_lookup_follows_keys_that_hold_dots_and_flatten_names_every_scalar():

@@ -2,62 +2,16 @@
 
 import math
 
-import numpy as np
 import pytest
 import torch
 
 import adaptive
-import gaussian
 import inference as inf
-import nre_analysis
 import settings_analysis
-import settings_training
-from store import Writer
 
-LEVELS = [0.68, 0.95]
+from helpers import LEVELS, exact_summaries, log_likelihood, study_problem
+
 RADIUS_68 = math.sqrt(7.009170)         # √χ²_6(0.68): 1 − e^{−x/2}(1 + x/2 + x²/8) = 0.68
-
-
-def study_problem(dimension):
-    """The bundled study's Gaussian problem (σ = 2, means in [0, 10]) at a dimension."""
-    problem = dict(settings_training.base_settings("default")["problem"], dimension=dimension)
-    return gaussian.GaussianProblem.from_settings(problem)
-
-
-def log_likelihood(x, theta):
-    """log p(x | θ) of the study's problem when only the means are inferred (σ = 2), in few operations."""
-    z = (x - theta) / 2.0
-    return (-0.5 * z * z).sum(dim=-1) - x.shape[-1] * math.log(2.0 * math.sqrt(2 * math.pi))
-
-
-def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
-    """Every case's exact-target summaries on a design, through the study's summarise functions."""
-    p = problem.parameter_count
-    seed = 11
-    points, log_measure = inf.make_candidates(problem.low, problem.high, [None] * p, candidates, seed)
-
-    scoring = nre_analysis.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
-    writer = Writer(tmp_path / name)
-    (tmp_path / name).mkdir()
-    retain = {"mode": "diagnostic", "cases": 0}
-    if candidates["kind"] == "adaptive":
-        box = adaptive.support_box(problem.low, problem.high, [None] * p)
-        sizes = inf.adaptive_sizes(p, candidates, 1)
-        nre_analysis.summarise_adaptive(writer, ["exact"], scoring, truths, (points, log_measure), box,
-                                        LEVELS, retain, sizes, seed, lambda case: None)
-    else:
-        nre_analysis.summarise_cases(writer, ["exact"], scoring, truths, points, log_measure, LEVELS, retain,
-                                     lambda case: None)
-    return {field: np.load(tmp_path / name / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread, as analyses run (runtime.cpu_threads): small operations stay fast on busy cores."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_the_fast_likelihood_is_the_study_likelihood():

@@ -2,7 +2,6 @@
 
 import io
 import math
-import os
 import pickle
 
 import pytest
@@ -10,68 +9,8 @@ import torch
 
 import runtime
 import trainer
-from store import write_bytes_atomic
 
-CPU = runtime.Runtime(device=torch.device("cpu"))
-SEED = 11
-# 300 rows in batches of 32: 10 batches per epoch (the last has 12 rows), 30 steps in all.
-ROWS, BATCHES, EPOCHS = 300, 10, 3
-SETTINGS = {"epochs": EPOCHS, "batch_size": 32, "learning_rate": 0.02, "gradient_clip": 1.0,
-            "objective": "balanced", "balance_weight": 2.0, "checkpoint": "best"}
-
-
-def make_data(rows=ROWS, validation=100, seed=0):
-    """A noisy linear classification problem."""
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows + validation, 2, generator=g)
-    y = (x[:, 0] + 0.5 * x[:, 1] + 0.3 * torch.randn(rows + validation, generator=g) > 0).float()
-    return {"train_inputs": x[:rows], "train_labels": y[:rows],
-            "validation_inputs": x[rows:], "validation_labels": y[rows:]}
-
-
-def make_model(seed=0, hidden=16):
-    """A small MLP with dropout, so the global random stream matters."""
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(2, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                               torch.nn.Linear(hidden, 1), torch.nn.Flatten(0))
-
-
-def save_atomically(state, path):
-    """torch.save the state through the store's atomic write (temporary file, fsync, rename), as nnpd does."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    write_bytes_atomic(path, buffer.getvalue())
-
-
-def load_if_present(path):
-    """The saved state at `path`, or None."""
-    return torch.load(path, weights_only=True) if os.path.exists(path) else None
-
-
-class Recorder:
-    """Hooks backed by a real file that count what the trainer asked of them."""
-
-    def __init__(self, path, save_seconds=math.inf, stop_after=None):
-        self.path, self.save_seconds, self.stop_after = path, save_seconds, stop_after
-        self.saves, self.polls, self.resumed, self.epochs = 0, 0, [], []
-
-    def save(self, state):
-        """Persist and count."""
-        save_atomically(state, self.path)
-        self.saves += 1
-
-    def stop(self):
-        """Ask to stop from the `stop_after`-th poll on."""
-        self.polls += 1
-        return self.stop_after is not None and self.polls >= self.stop_after
-
-    def hooks(self, load=True):
-        """The TrainingHooks wired to this recorder."""
-        return trainer.TrainingHooks(
-            load_state=(lambda: load_if_present(self.path)) if load else None,
-            save_state=self.save, save_seconds=self.save_seconds, stop_requested=self.stop,
-            on_epoch=lambda epoch, record: self.epochs.append((epoch, record)),
-            on_resume=lambda epoch, batch: self.resumed.append((epoch, batch)))
+from helpers import BATCHES, CPU, EPOCHS, Recorder, SEED, SETTINGS, make_data, make_model, save_atomically
 
 
 def train(hooks=None, model=None, settings=None, data=None):

@@ -1,8 +1,6 @@
 """The output root is nnpd's alone: ownership, links, concurrent launches, repair, hostile run folders."""
 import json
 import os
-import resource
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import REPO, main_in_process, run_cli, write_settings
+from helpers import REPO, limit_file_size, main_in_process, one_error_line, run_cli, write_settings
 from store import ROOT_MARKER, DamagedArtifact, record_checksum, restore
 
 
@@ -22,13 +20,6 @@ def files_with_content(folder):
 # What the command line answers about the root does not depend on a fresh process: most commands below call
 # nnpd.main in-process (conftest.main_in_process); concurrent launches, a kill's leftovers and the full disk's
 # file-size limit are real processes.
-
-
-def one_error_line(result):
-    """The single stderr line of a refused command."""
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
@@ -286,13 +277,6 @@ def test_restore_refuses_a_tampered_run_json_without_calling_anything(trained, t
 
 
 # ---------------------------------------------------------------- a full disk
-
-def limit_file_size(size):
-    """For a child process: files may not grow past `size` bytes (EFBIG instead of SIGXFSZ)."""
-    def apply():
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-        resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
-    return apply
 
 
 def test_a_full_disk_ends_with_one_line_naming_the_path(tmp_path):

@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, ahead, made_ahead, main_in_process, run_cli, write_settings
+from helpers import REPO, ahead, limit_file_size, made_ahead, main_in_process, one_error_line, run_cli, write_settings
 from runs import source_snapshot
-from test_root import limit_file_size, one_error_line
 
 
 # What the command line answers about the root does not depend on a fresh process: most commands below call

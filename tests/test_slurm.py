@@ -19,10 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO
-from test_distributed import free_port
-from test_docs import toy_environment, toy_settings
-from test_preemption import saved_states
+from helpers import REPO, free_port, saved_states, toy_environment, toy_settings
 
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
 MISSING = [name for name in COMMANDS if shutil.which(name) is None]

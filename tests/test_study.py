@@ -9,7 +9,7 @@ import pytest
 import study
 from study import Metric, Product
 from settings import SettingsError
-from conftest import REPO
+from helpers import REPO
 
 
 def build(ctx, writer):

@@ -13,8 +13,7 @@ import torch
 import nnpd
 import study
 import timings
-from conftest import REPO, ahead, made_ahead, run_cli, side_by_side, write_settings
-from test_distributed import torchrun
+from helpers import REPO, ahead, made_ahead, run_cli, side_by_side, torchrun, write_settings
 
 STEP = {"train.forward", "train.loss", "train.backward", "train.optimizer", "train.validation"}
 

@@ -458,7 +458,7 @@ def test_a_resumed_objective_selection_keeps_the_same_epoch_and_weights():
 def test_the_model_key_differs_between_selections_and_an_absent_one_is_the_kits_default(tmp_path):
     import jobs
     import nnpd
-    from conftest import write_settings
+    from helpers import write_settings
     from store import digest
 
     def model_keys(patch):
