@@ -21,7 +21,8 @@ setup: $(VENV)/.ready
 $(VENV)/.ready: pyproject.toml setup.py _probes.c
 	$(PYTHON) -m venv --system-site-packages $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install $(if $(TORCH_INDEX_URL),--index-url "$(TORCH_INDEX_URL)") "$(TORCH)"
-	$(PY) -c "import numpy, pytest, hypothesis" 2>/dev/null || $(PY) -m pip install numpy pytest hypothesis
+	$(PY) -c "import numpy, pytest, hypothesis, packaging" 2>/dev/null \
+		|| $(PY) -m pip install numpy pytest hypothesis packaging
 	$(PY) -c "import setuptools, sys; sys.exit(int(setuptools.__version__.split('.')[0]) < 70)" 2>/dev/null \
 		|| $(PY) -m pip install "setuptools>=70.1"
 	$(PY) -c "import matplotlib" 2>/dev/null || $(PY) -m pip install matplotlib \

@@ -3,6 +3,7 @@
 No network is needed: the package is installed with --no-deps --no-build-isolation --no-index
 into a fresh virtual environment that sees the packages of the interpreter running the tests.
 """
+import ast
 import json
 import os
 import re
@@ -162,6 +163,27 @@ def test_the_declared_torch_is_the_supported_range():
                    f"{last_major}.{last_minor + 1}.0", f"{last_major}.{last_minor + 1}.1", f"{last_major + 1}.0.0"]
     assert [version for version in supported if not specifier.contains(version)] == [], specifier
     assert [version for version in unsupported if specifier.contains(version, prereleases=True)] == [], specifier
+
+
+def test_every_package_the_tests_import_is_declared_and_installed_by_make():
+    """A package the tests import at the top of a file is torch, numpy or in an extra of pyproject.toml, and
+    `make setup` installs the test extra's (a test dependency nobody declared breaks a fresh machine)."""
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    test_extra = {Requirement(line).name for line in project["optional-dependencies"]["test"]}
+    requirements = [*project["dependencies"], *sum(project["optional-dependencies"].values(), [])]
+    ours = {path.stem for path in [*REPO.glob("*.py"), *REPO.glob("tests/*.py")]} | {"_probes"}
+    imported = set()
+    for path in REPO.glob("tests/*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Import):
+                imported |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                imported.add(node.module.split(".")[0])
+    third_party = {name for name in imported if name not in sys.stdlib_module_names and name not in ours}
+    assert {"torch", "pytest", "packaging"} <= third_party            # the scan sees the imports
+    assert third_party - {Requirement(line).name for line in requirements} == set()
+    checked = re.search(r'-c "import (numpy, pytest[^"]*)" 2>/dev/null', (REPO / "Makefile").read_text())
+    assert checked and test_extra <= set(checked[1].split(", ")), "make setup must install the test extra"
 
 
 def fake_wheel(folder, name, version):
