@@ -286,7 +286,7 @@ def children(pid):
     return [int(child) for path in Path(f"/proc/{pid}/task").glob("*/children") for child in path.read_text().split()]
 
 
-def finish(agent, seconds=TIMEOUT):
+def finish_agent(agent, seconds=TIMEOUT):
     """The output of a torchrun agent once it ends; past `seconds`, it and its workers are killed."""
     try:
         return agent.communicate(timeout=seconds)[0]
@@ -295,6 +295,38 @@ def finish(agent, seconds=TIMEOUT):
             os.kill(pid, signal.SIGKILL)
         agent.communicate()
         raise
+
+
+# Tiny settings (one prior) that train long enough to be interrupted.
+INTERRUPTIBLE_TRAINING = ('settings["data"]["train"] = 12_000\n'
+            'settings["training"]["epochs"] = 3\n'
+            'settings["training"]["batch_size"] = 64\n'
+            'settings["cohort"]["priors"] = ["uniform"]\n'
+            'settings["runtime"]["resume_seconds"] = 0.2\n')
+
+
+def settings_for(folder, extra=""):
+    """Settings of INTERRUPTIBLE_TRAINING (and `extra`) in folder/s, writing to folder/out."""
+    return write_settings(folder / "s", folder / "out", training=INTERRUPTIBLE_TRAINING + extra)
+
+
+def command(settings, action="train", workers=1, restarts=0):
+    """The nnpd command line, under torchrun when several workers are asked for."""
+    if workers == 1:
+        return [sys.executable, str(REPO / "nnpd.py"), action, "--settings-dir", str(settings)]
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={workers}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={restarts}",
+            str(REPO / "nnpd.py"), action, "--settings-dir", str(settings)]
+
+
+def finish_launch(arguments):
+    """Run a launch to its end; returns the completed process."""
+    return subprocess.run(arguments, env=clean_environment(), cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def weights(root):
+    """{model key: state dict} of every committed model."""
+    return {path.parent.name: torch.load(path, weights_only=True) for path in Path(root).glob("cache/model/*/weights.pt")}
 
 
 def train_command(*launcher, settings):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import (LAUNCH_VARIABLES, REPO, TIMEOUT, ahead, finish, free_port, made_ahead, repository_copy,
+from helpers import (LAUNCH_VARIABLES, REPO, TIMEOUT, ahead, finish_agent, free_port, made_ahead, repository_copy,
                      toy_environment, toy_settings, train_command, write_settings)
 
 MARKER = "# runs on CPU"
@@ -211,7 +211,7 @@ def test_a_preempted_torchrun_launch_resumes(tmp_path):
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     saved = wait_for_saved_state(tmp_path / "out", agent)
     agent.send_signal(signal.SIGTERM)
-    output = finish(agent)
+    output = finish_agent(agent)
     assert saved, "no training state was saved:\n" + output
     assert agent.returncode != 0 and "training stopped on request" in output, output
     again = subprocess.run(train_command(settings=settings), env=toy_environment(), capture_output=True, text=True,

@@ -17,7 +17,7 @@ import torch
 
 import nnpd
 import store
-from helpers import REPO, write_settings
+from helpers import REPO, command, finish_launch, saved_states, settings_for, start, wait_for, weights, write_settings
 from store import Store, restore
 
 
@@ -160,8 +160,6 @@ def test_verify_moves_rewritten_metrics_aside(copy, monkeypatch, capsys):
 
 def test_a_damaged_training_state_is_refused_with_a_warning(tmp_path):
     """A flipped byte in a saved state: training starts afresh and ends bitwise as if never interrupted."""
-    from test_preemption import finish, saved_states, settings_for, start, wait_for, weights, command
-
     reference = start(command(settings_for(tmp_path / "reference")))      # side by side with the damaged one
     damaged = settings_for(tmp_path / "damaged")
     process = start(command(damaged))
@@ -170,7 +168,7 @@ def test_a_damaged_training_state_is_refused_with_a_warning(tmp_path):
     process.communicate()
     state = saved_states(tmp_path / "damaged" / "out")[0]
     flip_byte(state, state.stat().st_size - 100)          # inside the saved tensors
-    result = finish(command(damaged))
+    result = finish_launch(command(damaged))
     assert result.returncode == 0, result.stderr
     assert "ignoring the saved training state" in result.stderr and "checksum" in result.stderr
     assert "resumed" not in result.stdout

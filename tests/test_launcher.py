@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from helpers import (REPO, TIMEOUT, ahead, finish, made_ahead, saved_states, toy_environment, toy_settings,
+from helpers import (REPO, TIMEOUT, ahead, finish_agent, made_ahead, saved_states, toy_environment, toy_settings,
                      train_command, wait_for)
 
 LAUNCHER = str(REPO / "launcher.py")
@@ -50,7 +50,7 @@ def launch_both(folder, arguments, status, says):
                                text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for launcher in LAUNCHERS]
     endings = []
     for launcher, agent in zip(LAUNCHERS, agents):
-        output = finish(agent)
+        output = finish_agent(agent)
         endings.append((launcher, agent.returncode, output))
     return endings
 

@@ -9,47 +9,16 @@ import functools
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import (REPO, clean_environment, free_port, main_in_process, saved_states, side_by_side, start, wait_for,
-                     worker_pids, write_settings)
+from helpers import (command, finish_launch, main_in_process, saved_states, settings_for, side_by_side, start,
+                     wait_for, weights, worker_pids, write_settings)
 
-TRAINING = ('settings["data"]["train"] = 12_000\n'
-            'settings["training"]["epochs"] = 3\n'
-            'settings["training"]["batch_size"] = 64\n'
-            'settings["cohort"]["priors"] = ["uniform"]\n'
-            'settings["runtime"]["resume_seconds"] = 0.2\n')
 DDP = 'settings["runtime"]["parallel"] = "ddp"\n'
-
-
-def settings_for(folder, extra=""):
-    """Tiny settings (one prior) that train long enough to be interrupted."""
-    return write_settings(folder / "s", folder / "out", training=TRAINING + extra)
-
-
-def command(settings, action="train", workers=1, restarts=0):
-    """The nnpd command line, under torchrun when several workers are asked for."""
-    if workers == 1:
-        return [sys.executable, str(REPO / "nnpd.py"), action, "--settings-dir", str(settings)]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={workers}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={restarts}",
-            str(REPO / "nnpd.py"), action, "--settings-dir", str(settings)]
-
-
-def finish(arguments):
-    """Run a launch to its end; returns the completed process."""
-    return subprocess.run(arguments, env=clean_environment(), cwd=REPO, capture_output=True, text=True, timeout=600)
-
-
-def weights(root):
-    """{model key: state dict} of every committed model."""
-    return {path.parent.name: torch.load(path, weights_only=True) for path in Path(root).glob("cache/model/*/weights.pt")}
 
 
 def assert_bitwise_equal(ours, reference):
@@ -72,7 +41,7 @@ def reference(tmp_path_factory):
     """Uninterrupted single-process and 2-rank DDP trainings of the same settings, launched side by side."""
     def trained(name, extra, workers):
         folder = tmp_path_factory.mktemp(name)
-        done = finish(command(settings_for(folder, extra), workers=workers))
+        done = finish_launch(command(settings_for(folder, extra), workers=workers))
         assert done.returncode == 0, done.stdout + done.stderr
         return weights(folder / "out")
 
@@ -87,7 +56,7 @@ def test_sigkill_mid_training_then_the_same_command_resumes_bitwise(tmp_path, re
     process.kill()
     process.wait()
     assert not weights(tmp_path / "out")                   # killed inside the model
-    again = finish(command(settings))
+    again = finish_launch(command(settings))
     assert again.returncode == 0, again.stderr
     assert "resumed" in again.stdout and not saved_states(tmp_path / "out")
     assert_bitwise_equal(weights(tmp_path / "out"), reference["single"])
@@ -102,7 +71,7 @@ def test_sigterm_saves_and_exits_with_one_line_then_resumes_bitwise(tmp_path, re
     assert process.returncode == 143
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "same command" in lines[0] and "Traceback" not in stderr, stderr
-    again = finish(command(settings))
+    again = finish_launch(command(settings))
     assert again.returncode == 0 and "resumed" in again.stdout, again.stderr
     assert_bitwise_equal(weights(tmp_path / "out"), reference["single"])
 
@@ -129,7 +98,7 @@ def test_a_killed_ddp_launch_resumes_bitwise(tmp_path, reference):
     wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state", process=process)
     os.killpg(process.pid, signal.SIGKILL)                 # the agent and both workers
     process.wait()
-    again = finish(command(settings, workers=2))
+    again = finish_launch(command(settings, workers=2))
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed" in again.stdout
     assert_bitwise_equal(weights(tmp_path / "out"), reference["ddp"])
@@ -160,7 +129,7 @@ def test_workers_stop_when_the_agent_dies_and_a_relaunch_completes(tmp_path):
     # Each worker notices within its watch interval (2 s) and stops within its grace (10 s).
     wait_for(lambda: not any(alive(pid) for pid in workers), "the orphaned workers to stop", seconds=30)
     settings = settings_for(tmp_path, two_models + 'settings["training"]["epochs"] = 1\n')   # a short relaunch
-    again = finish(command(settings, workers=2))
+    again = finish_launch(command(settings, workers=2))
     assert again.returncode == 0, again.stdout + again.stderr
     assert not list((tmp_path / "out" / "locks").glob("launch-*"))
 
@@ -169,12 +138,12 @@ def test_switching_backends_keeps_the_models_of_both(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out",
                               training=DDP + 'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
     for workers in (2, 1):      # the single-process training through nnpd.main in-process
-        done = finish(command(settings, workers=2)) if workers == 2 else main_in_process("train", "--settings-dir",
+        done = finish_launch(command(settings, workers=2)) if workers == 2 else main_in_process("train", "--settings-dir",
                                                                                          str(settings))
         assert done.returncode == 0, done.stdout + done.stderr
     models = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("cache/model/*/weights.pt")}
     assert len(models) == 4                                # two priors, two backends (world size 2 and 1)
-    third = finish(command(settings, workers=2))
+    third = finish_launch(command(settings, workers=2))
     assert third.returncode == 0, third.stdout + third.stderr
     assert third.stdout.count("reused") >= 2 and "epoch" not in third.stdout
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("cache/model/*/weights.pt")} == models
