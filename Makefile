@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 # own index, where PIP_INDEX_URL / PIP_EXTRA_INDEX_URL in the environment are honoured.
 TORCH_INDEX_URL ?=
 
-.PHONY: setup test smoke bench bench-sbi bench-posterior clean
+.PHONY: setup test test-fast smoke bench bench-sbi bench-posterior clean
 
 setup: $(VENV)/.ready
 
@@ -35,6 +35,10 @@ $(VENV)/.ready: pyproject.toml setup.py _probes.c
 
 test: setup
 	$(PY) -m pytest -q tests
+
+# The fast loop: the unit and property layers, in-process (README.md, "Tests and benchmarks").
+test-fast: setup
+	$(PY) -m pytest -q -m "unit or property" tests
 
 smoke: setup
 	$(PY) nnpd.py run --profile smoke

@@ -1,8 +1,15 @@
-"""Shared fixtures; the helpers the test modules share are in tests/helpers.py."""
+"""Shared fixtures, and the check that every test belongs to exactly one layer: unit, property or launch.
+
+The helpers the test modules share are in tests/helpers.py.
+"""
 import pytest
 import torch
 
-from helpers import run_cli, write_settings
+from helpers import LayerCheck, run_cli, write_settings
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(LayerCheck(), "nnpd-test-layers")
 
 
 @pytest.fixture

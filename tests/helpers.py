@@ -497,3 +497,33 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
                                      lambda case: None)
     return {field: np.load(tmp_path / name / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}
 
+
+# ---------------------------------------------------------------- test layers
+
+LAYERS = ("unit", "property", "launch")      # what each means: pyproject.toml's pytest markers
+
+
+def layer_problems(items):
+    """'node id: what is wrong' for each test without exactly one layer marker, or a property test
+    that is not a Hypothesis test."""
+    problems = []
+    for item in items:
+        layers = [name for name in LAYERS if item.get_closest_marker(name) is not None]
+        if len(layers) != 1:
+            problems.append(f"{item.nodeid}: {' and '.join(layers) or 'no layer'} (give it exactly one of "
+                            f"{', '.join(LAYERS)})")
+        elif layers == ["property"] and not getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            problems.append(f"{item.nodeid}: property, but not a Hypothesis test (@given)")
+    return problems
+
+
+class LayerCheck:
+    """A pytest plugin: collection fails, naming each test, when a test has no layer marker or several, so
+    that every new test chooses whether `make test-fast` runs it."""
+
+    @pytest.hookimpl(tryfirst=True)         # every collected test, before -m or -k deselects any
+    def pytest_collection_modifyitems(self, items):
+        problems = layer_problems(items)
+        if problems:
+            raise pytest.UsageError('each test needs exactly one layer marker (README.md, "Tests and benchmarks"):\n  '
+                                    + "\n  ".join(problems))

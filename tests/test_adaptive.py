@@ -49,6 +49,7 @@ def measured(result):
 
 
 @pytest.mark.parametrize("p", [1, 3])
+@pytest.mark.unit
 def test_adaptive_candidates_reproduce_analytic_hld_bounds(p):
     sd = 2.0 / math.sqrt(15)                 # σ = 2, 15 observations: the study's posterior sd
     centre = torch.tensor([4.37, 6.12, 5.05][:p], dtype=torch.float64)
@@ -68,6 +69,7 @@ def test_adaptive_candidates_reproduce_analytic_hld_bounds(p):
     assert summary["edge_mass"][0] < 1e-3 and summary["disagreement"][0] < 1
 
 
+@pytest.mark.unit
 def test_weights_integrate_the_prior_box_exactly_and_the_density_accurately():
     sd, p = 0.4, 2
     box = box_of(p, high=8.0)
@@ -81,6 +83,7 @@ def test_weights_integrate_the_prior_box_exactly_and_the_density_accurately():
                                                                                abs=0.02)
 
 
+@pytest.mark.unit
 def test_lattice_axes_keep_counting_measure():
     sd, step = 0.6, 0.2
     box = box_of(2, steps=[step, None])
@@ -96,6 +99,7 @@ def test_lattice_axes_keep_counting_measure():
     assert result["summaries"]["exact"]["log_normalizer"][0] == pytest.approx(math.log(exact), abs=0.02)
 
 
+@pytest.mark.unit
 def test_all_lattice_box_too_large_to_enumerate_is_refined_on_the_lattice():
     box = box_of(3, steps=[0.2, 0.2, 0.2])
     settings_ = dict(adaptive_settings(2048, 128), max_enumerated=1000)
@@ -114,6 +118,7 @@ def small_network(d, p):
     return torch.nn.Sequential(torch.nn.Linear(d + p, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
 
 
+@pytest.mark.unit
 def test_results_do_not_depend_on_chunk_rows():
     p, m = 2, 7
     net = small_network(p, p)
@@ -137,6 +142,7 @@ def test_results_do_not_depend_on_chunk_rows():
                 np.testing.assert_array_equal(other["summaries"][target][name], value)
 
 
+@pytest.mark.unit
 def test_exact_scores_refine_identically_whatever_the_chunk():
     centre = torch.tensor([3.1, 7.4], dtype=torch.float64)
     observations = centre + torch.randn(15, 2, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
@@ -155,6 +161,7 @@ def test_exact_scores_refine_identically_whatever_the_chunk():
             np.testing.assert_array_equal(value, reference[name])
 
 
+@pytest.mark.unit
 def test_a_case_is_deterministic_from_seed_and_case_index():
     score = gaussian_score(torch.tensor([4.0, 4.0], dtype=torch.float64), 0.5)
     truth = torch.tensor([4.0, 4.0], dtype=torch.float64)
@@ -165,6 +172,7 @@ def test_a_case_is_deterministic_from_seed_and_case_index():
     assert not torch.equal(first["points"], other["points"])
 
 
+@pytest.mark.unit
 def test_too_small_a_candidate_count_is_refused_clearly():
     with pytest.raises(ValueError, match="candidate_count=600 is too small.*raise candidate_count"):
         inf.adaptive_sizes(3, adaptive_settings(600, 128), 1)
@@ -173,6 +181,7 @@ def test_too_small_a_candidate_count_is_refused_clearly():
     assert sizes["coarse"] + sum(sizes["passes"]) + sizes["probes"] == 4096 == sizes["total"]
 
 
+@pytest.mark.unit
 def test_proposal_density_matches_a_direct_formula():
     box = box_of(3, steps=[None, 0.5, None])
     generator = torch.Generator().manual_seed(0)
@@ -212,6 +221,7 @@ def test_proposal_density_matches_a_direct_formula():
 @given(p=st.integers(1, 3), lattice=st.lists(st.booleans(), min_size=3, max_size=3),
        centre=st.lists(st.floats(-5.0, 15.0), min_size=3, max_size=3), log_sd=st.floats(-3.0, 2.0),
        second=st.floats(0.0, 1.0), seed=st.integers(0, 1000))
+@pytest.mark.property
 def test_refined_boxes_always_contain_the_coarse_mode(p, lattice, centre, log_sd, second, seed):
     steps = [0.5 if flag else None for flag in lattice[:p]]
     box = box_of(p, steps=steps)
@@ -241,6 +251,7 @@ def test_refined_boxes_always_contain_the_coarse_mode(p, lattice, centre, log_sd
 @settings(max_examples=60, deadline=None)
 @given(cases=st.integers(1, 4), components=st.integers(1, 3), p=st.integers(1, 3), n=st.integers(1, 30),
        spread=st.floats(0.0, 3.0), seed=st.integers(0, 10 ** 6))
+@pytest.mark.property
 def test_points_in_boxes_compare_only_the_sides_a_point_may_cross(cases, components, p, n, spread, seed):
     generator = torch.Generator().manual_seed(seed)
     columns = torch.rand(cases, p, n, generator=generator, dtype=torch.float64) * 10
@@ -259,6 +270,7 @@ def test_points_in_boxes_compare_only_the_sides_a_point_may_cross(cases, compone
 
 
 @pytest.mark.parametrize("p", [1, 6, 13])
+@pytest.mark.unit
 def test_every_case_s_draws_are_its_own_sobol_engine_s(p):
     seeds = [adaptive.case_seed(4, case) for case in range(5)]
     for count in (1, 2, 3, 1023, 1025, 8448):

@@ -28,6 +28,7 @@ def analysis_for(dimension, candidates, priors=("uniform",), targets=("ratio", "
     return GaussianAnalysis(analysis, GaussianExperiment(training))
 
 
+@pytest.mark.unit
 def test_chi_square_quantiles_match_tables():
     assert chi_square_quantile(0.95, 1) == pytest.approx(3.841459, abs=1e-5)
     # Even degrees of freedom have a closed-form CDF: 1 − e^{−x/2}(1 + x/2 + (x/2)²/2) for 6.
@@ -36,6 +37,7 @@ def test_chi_square_quantiles_match_tables():
     assert chi_square_quantile(0.95, 6) == pytest.approx(12.591587, abs=1e-5)
 
 
+@pytest.mark.unit
 def test_plan_warns_when_a_fixed_design_under_resolves_before_any_compute():
     lines = analysis_for(6, {"kind": "sobol", "candidate_count": 16384}).plan_warnings()
     assert len(lines) == 1
@@ -54,6 +56,7 @@ def test_plan_warns_when_a_fixed_design_under_resolves_before_any_compute():
     assert analysis_for(2, {"kind": "sobol", "candidate_count": 16}, priors=("grid",)).plan_warnings() == []
 
 
+@pytest.mark.unit
 def test_adaptive_settings_are_checked_with_one_clear_line():
     analysis = analysis_for(3, {"kind": "adaptive", "candidate_count": 600, "coarse_count": 128})
     with pytest.raises(SettingsError, match=r"inference.candidates: candidate_count=600 is too small.*"
@@ -67,6 +70,7 @@ def test_adaptive_settings_are_checked_with_one_clear_line():
         analysis_for(1, {"kind": "adaptive", "refinement_stages": 0}).validate()
 
 
+@pytest.mark.unit
 def test_the_default_profile_refines_and_stays_within_todays_evaluations():
     plan = nnpd.plan("default")
     assert plan["errors"] == []
@@ -84,6 +88,7 @@ settings["plots"] = ["diagnostic_cases"]
 """
 
 
+@pytest.mark.launch
 def test_an_adaptive_run_reports_intervals_and_resolution_and_evaluates_what_the_plan_said(tmp_path):
     root = tmp_path / "out"
     settings = write_settings(tmp_path / "s", root, analysis=ADAPTIVE,

@@ -50,6 +50,7 @@ def train(study):
     return weights
 
 
+@pytest.mark.unit
 def test_a_bank_trains_the_same_model_as_the_same_simulations(tmp_path):
     simulated, arrays = simulated_bank(tmp_path / "bank.npz")
     banked = Line(settings(bank=str(tmp_path / "bank.npz")))
@@ -60,6 +61,7 @@ def test_a_bank_trains_the_same_model_as_the_same_simulations(tmp_path):
     assert all(torch.equal(one[k], two[k]) for k in one)
 
 
+@pytest.mark.unit
 def test_a_bank_is_keyed_by_its_content_not_its_path(tmp_path):
     simulated_bank(tmp_path / "bank.npz")
     (tmp_path / "moved").mkdir()
@@ -73,6 +75,7 @@ def test_a_bank_is_keyed_by_its_content_not_its_path(tmp_path):
     assert Line(settings(bank=str(tmp_path / "other.npz"))).data_recipe(member) != moved
 
 
+@pytest.mark.unit
 def test_a_study_without_a_simulator_trains_on_its_bank(tmp_path):
     _, arrays = simulated_bank(tmp_path / "bank.npz")
     with pytest.raises(SettingsError, match=r"must define simulate\(theta, generator\), or train on .* \(data\.bank\)"):
@@ -92,6 +95,7 @@ def test_a_study_without_a_simulator_trains_on_its_bank(tmp_path):
     (lambda p: np.savez(p, x=np.zeros((600, 4)), theta=np.zeros((600, 2))), "x has 4 numbers per row where Line"),
     (lambda p: p.write_bytes(b"not a bank"), "cannot read"),
 ])
+@pytest.mark.unit
 def test_a_bad_bank_is_refused_naming_the_setting(tmp_path, make, message):
     path = tmp_path / "bank.npz"
     make(path)
@@ -110,6 +114,7 @@ class BankOnly(nre_study.Study):
 '''
 
 
+@pytest.mark.launch
 def test_the_command_line_trains_a_bank_study_refuses_its_analysis_and_infers(tmp_path):
     import json
 

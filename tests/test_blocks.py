@@ -101,6 +101,7 @@ def assert_same(results, reference, cases):
 
 @pytest.mark.parametrize("design", ["adaptive", "sobol"])
 @pytest.mark.parametrize("lattice", [False, True])
+@pytest.mark.unit
 def test_a_block_of_every_case_gives_bitwise_the_per_case_results(design, lattice):
     reference = one_at_a_time(design, lattice)
     assert {"ratio_lower", "posterior_mode", "exact_credibility", "exact_scores"} <= set(reference)
@@ -114,10 +115,12 @@ def test_a_block_of_every_case_gives_bitwise_the_per_case_results(design, lattic
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(design=st.sampled_from(sorted(DESIGNS)), lattice=st.booleans(), cases=st.sampled_from([1, 7, CASES]),
        block_cases=st.integers(1, CASES + 3))
+@pytest.mark.property
 def test_results_do_not_depend_on_the_block_size_or_the_case_count(design, lattice, cases, block_cases):
     assert_same(analyse(design, lattice, cases, block_cases), one_at_a_time(design, lattice), cases)
 
 
+@pytest.mark.unit
 def test_a_block_larger_than_the_memory_budget_is_split():
     blocks = []
     results = analyse("adaptive", False, 10, 3, blocks)   # a budget of three cases' arrays
@@ -128,6 +131,7 @@ def test_a_block_larger_than_the_memory_budget_is_split():
     assert inf.cases_per_block(5, 10 ** 9, 10) == 1          # one case always fits: it is the unit of work
 
 
+@pytest.mark.unit
 def test_the_cuda_policy_sizes_calls_from_free_memory_and_chunk_rows_caps_them():
     row_bytes = 2104                        # the bundled network at d = 6
     policy = inf.call_policy("cuda", 1 << 24, row_bytes, free_bytes=80 * 10 ** 9)
@@ -147,6 +151,7 @@ class Uniform:
         return torch.full(points.shape[:-1], -np.log(10.0), dtype=torch.float64)
 
 
+@pytest.mark.unit
 def test_the_cuda_policy_puts_millions_of_rows_into_each_network_call_of_the_learned_product():
     # The learned product's own scoring, on the CPU, with the block policy CUDA would choose.
     cases, observations = 256, 15
@@ -175,6 +180,7 @@ def learned_artifacts(root):
     return [json.loads(path.read_text()) for path in (root / "cache" / "learned").glob("*/artifact.json")]
 
 
+@pytest.mark.launch
 def test_a_launch_reports_each_product_s_rate_and_the_precision_keys_the_learned_product(trained_smoke_root,
                                                                                          tmp_path):
     learned = learned_artifacts(trained_smoke_root)

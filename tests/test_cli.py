@@ -19,6 +19,7 @@ def files_under(path):
     return sorted(p for p in Path(path).rglob("*") if p.is_file())
 
 
+@pytest.mark.unit
 def test_bare_command_plans_and_writes_nothing(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out")
     before = files_under(tmp_path)
@@ -32,6 +33,7 @@ def test_bare_command_plans_and_writes_nothing(tmp_path):
     assert files_under(tmp_path) == before and not (tmp_path / "out").exists()
 
 
+@pytest.mark.unit
 def test_default_profile_plan_is_one_factor_at_a_time():
     result = main_in_process("plan", "--profile", "default")
     assert result.returncode == 0, result.stderr
@@ -41,6 +43,7 @@ def test_default_profile_plan_is_one_factor_at_a_time():
     assert [c["input_size"] for c in report["configurations"]] == [2, 4, 6, 8, 10, 12]
 
 
+@pytest.mark.launch
 def test_smoke_profile_runs_reruns_for_free_and_verifies(tmp_path):
     for name in ("settings_training.py", "settings_analysis.py"):
         shutil.copy(REPO / name, tmp_path / name)     # the real smoke profile, run from tmp_path
@@ -75,6 +78,7 @@ USER_ERRORS = [
 
 
 @pytest.mark.parametrize("training, analysis, action, named", USER_ERRORS)
+@pytest.mark.unit
 def test_user_errors_exit_with_one_clear_line_and_write_nothing(tmp_path, training, analysis, action, named):
     # The command line in-process: what it answers does not depend on a fresh process (the settings errors of
     # tests/test_cli_edges.py and tests/test_timings.py are real launches).
@@ -89,12 +93,14 @@ def test_user_errors_exit_with_one_clear_line_and_write_nothing(tmp_path, traini
     assert not (folder / "out").exists()
 
 
+@pytest.mark.unit
 def test_unknown_profile_lists_the_known_ones(tmp_path):
     result = main_in_process("plan", "--profile", "nope")
     assert result.returncode == 2
     assert "smoke" in result.stderr and "default" in result.stderr and "paper" in result.stderr
 
 
+@pytest.mark.unit
 def test_verify_without_a_store_is_a_clear_error(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out")
     result = main_in_process("verify", "--settings-dir", str(settings))
@@ -102,6 +108,7 @@ def test_verify_without_a_store_is_a_clear_error(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.unit
 def test_posterior_of_a_grid_prior_on_continuous_candidates_is_refused_at_plan_time(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out",
                               analysis='settings["inference"]["candidates"]["native_grid_prior"] = False\n')
@@ -111,6 +118,7 @@ def test_posterior_of_a_grid_prior_on_continuous_candidates_is_refused_at_plan_t
     assert "native_grid_prior" in result.stderr
 
 
+@pytest.mark.launch
 def test_a_run_killed_mid_training_loses_nothing_committed(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out",
                               training='settings["data"]["train"] = 20_000\nsettings["training"]["epochs"] = 3\n'

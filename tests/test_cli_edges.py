@@ -9,6 +9,8 @@ import pytest
 
 from helpers import REPO, ahead, made_ahead, run_cli, write_settings
 
+pytestmark = pytest.mark.launch
+
 
 def clean_environment():
     """This environment without the variables of an outer torchrun launch."""

@@ -11,6 +11,8 @@ import pytest
 from helpers import run_cli, side_by_side, write_settings
 from nre_analysis import MIN_COARSE_NEIGHBOURS, chi_square_quantile
 
+pytestmark = pytest.mark.launch
+
 # The base settings' candidates (coarse_count 64, candidate_count 1024, refinement_stages 3), adaptive.
 ADAPTIVE = 'settings["inference"]["candidates"]["kind"] = "adaptive"\n'
 WARNED = re.compile(r"coarse pass of (\d+) points puts about ([\d.]+) inside .*raise "

@@ -10,7 +10,8 @@ import nnpd
 from helpers import torchrun, write_settings
 from store import restore
 
-pytestmark = [pytest.mark.cuda,
+pytestmark = [pytest.mark.launch,
+              pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
 
 

@@ -92,6 +92,7 @@ def check_dropout_streams(saved, device):
 
 
 @pytest.mark.parametrize("device, precision", RESUME_CASES)
+@pytest.mark.unit
 def test_a_stop_at_a_random_step_resumes_to_the_same_bits(tmp_path, device, precision):
     """Uninterrupted, and stopped (state saved) then resumed: the final weights, Adam state, GradScaler
     state, streams and per-epoch history are bitwise the same, with dropout and clipping on."""
@@ -141,6 +142,7 @@ class SyncGuard:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 @pytest.mark.parametrize("precision", ["off", "float16", "bfloat16"])
+@pytest.mark.unit
 def test_training_steps_never_wait_for_the_gpu(precision):
     """torch.cuda.set_sync_debug_mode("error") around every step that follows another in its epoch."""
     skip_unsupported("cuda", precision)
@@ -176,6 +178,7 @@ def stop_then_resume(rt, precision, path, step):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)
 @pytest.mark.parametrize("precision", ["off", "float16"])
+@pytest.mark.unit
 def test_a_whole_training_leaves_no_gpu_memory_allocated(tmp_path, precision):
     """After a stopped and resumed training's objects are dropped, allocated GPU memory is what it was."""
     with launched("cuda") as rt:
@@ -254,6 +257,7 @@ def run_all_reduce_check(device, tmp_path) -> dict:
 
 
 @pytest.mark.parametrize("device", ["cpu", on_cuda("cuda")])
+@pytest.mark.launch
 def test_the_timed_all_reduce_gives_ddps_own_gradients_and_is_timed(tmp_path, device):
     """One-process Gloo (CPU) or NCCL (CUDA) group: the hook's gradients are bitwise DDP's own; every
     call is a train.communicate span, with device time from CUDA events on CUDA only."""

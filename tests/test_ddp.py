@@ -49,6 +49,7 @@ def _result(done, output):
     return torch.load(output)
 
 
+@pytest.mark.unit
 def test_sharding_leaves_rank_one_an_empty_last_shard():
     """The chosen sizes really exercise an empty shard, and unequal ones for the balanced objective."""
     last = trainer.epoch_batches(ROWS, BATCH)[-1]
@@ -88,12 +89,14 @@ def _assert_close_training(ddp, weights, history, worker, tolerance, rows=ROWS):
     assert any(not torch.equal(start[k], weights[k]) for k in weights)
 
 
+@pytest.mark.launch
 def test_two_gloo_ranks_reproduce_single_process_training(tmp_path):
     """Weights and per-epoch losses of 2-rank CPU DDP match one process within float tolerance,
     for the BCE and the balanced objective (unequal and empty shards, a one-class last batch)."""
     _check_matches_single_process(tmp_path, "cpu", 1e-5)
 
 
+@pytest.mark.launch
 def test_two_gloo_ranks_reproduce_re_paired_and_contrastive_training(tmp_path):
     """Joint pairs re-paired in every batch: every rank derives the global batch's atoms, so 2-rank
     DDP equals one process for BCE and contrastive NRE, with unequal and empty shards."""
@@ -112,11 +115,13 @@ def test_two_gloo_ranks_reproduce_re_paired_and_contrastive_training(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible CUDA GPUs")
+@pytest.mark.launch
 def test_two_nccl_ranks_reproduce_single_gpu_training(tmp_path):
     """The same equivalence on two GPUs with NCCL."""
     _check_matches_single_process(tmp_path, "cuda", 1e-4)
 
 
+@pytest.mark.launch
 def test_a_rank_failing_mid_training_ends_the_launch_quickly(tmp_path):
     """Rank 1 raises: torchrun exits non-zero, not after the group's 60-minute timeout.
 
@@ -130,6 +135,7 @@ def test_a_rank_failing_mid_training_ends_the_launch_quickly(tmp_path):
     assert "outlived runtime.stop" not in done.stdout + done.stderr
 
 
+@pytest.mark.unit
 def test_a_failed_trainings_frames_let_go_of_what_they_held():
     """A failed DDP training's traceback keeps its frames, and in them the DDP wrapper whose
     reducer holds the process group; the trainer clears them, the lines stay printable."""
@@ -218,6 +224,7 @@ def _check_stop_and_resume(tmp_path, device):
     assert all(sum(reason in line for line in warned) == 1 for reason in ignored.values()), warned
 
 
+@pytest.mark.launch
 def test_two_gloo_ranks_stop_together_and_resume_bitwise(tmp_path):
     """Any rank's stop request stops both at one step; every saved state resumes to the same bits.
 
@@ -228,6 +235,7 @@ def test_two_gloo_ranks_stop_together_and_resume_bitwise(tmp_path):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible CUDA GPUs")
+@pytest.mark.launch
 def test_two_nccl_ranks_stop_together_and_resume_bitwise(tmp_path):
     """The same on two GPUs with NCCL (the flags travel on a Gloo side group)."""
     _check_stop_and_resume(tmp_path, "cuda")

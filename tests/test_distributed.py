@@ -31,6 +31,7 @@ def cache_entries(root):
             for path in Path(root, "cache").glob("*/*/artifact.json")}
 
 
+@pytest.mark.launch
 def test_two_jobs_workers_take_disjoint_jobs_and_share_products(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out")
     outputs = []
@@ -64,6 +65,7 @@ def test_two_jobs_workers_take_disjoint_jobs_and_share_products(tmp_path):
     assert second.stdout.count(": reused") == 8 and "epoch" not in second.stdout   # data and model, 4 jobs
 
 
+@pytest.mark.launch
 def test_ddp_run_trains_together_and_analyses_on_rank_zero(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["runtime"]["parallel"] = "ddp"\n'
                                                                            'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
@@ -100,6 +102,7 @@ def on_loopback(command, port, settings, rendezvous_id):
     return result[:profile] + ["--settings-dir", str(settings)] + result[profile + 2:]
 
 
+@pytest.mark.unit
 def test_the_readme_two_node_command_uses_a_c10d_rendezvous():
     command = readme_two_node_command()
     assert "--standalone" not in command and "--nnodes=2" in command and "--rdzv-backend=c10d" in command
@@ -107,6 +110,7 @@ def test_the_readme_two_node_command_uses_a_c10d_rendezvous():
 
 
 @pytest.mark.parametrize("parallel", ["jobs", "ddp"])
+@pytest.mark.launch
 def test_two_nodes_on_loopback(tmp_path, parallel):
     """The README's several-nodes command, run as two agents on this machine."""
     settings = write_settings(tmp_path / "s", tmp_path / "out",
@@ -122,6 +126,7 @@ def test_two_nodes_on_loopback(tmp_path, parallel):
     assert all(json.loads((run / "analysis.json").read_text())["state"] == "complete" for run in runs)
 
 
+@pytest.mark.launch
 def test_a_rank_that_raises_mid_training_ends_the_launch_promptly(tmp_path):
     toy = REPO / "tests" / "toy_settings"
     settings = tmp_path / "s"
@@ -144,6 +149,7 @@ def test_a_rank_that_raises_mid_training_ends_the_launch_promptly(tmp_path):
     assert [name for name, _ in cache_entries(tmp_path / "out")].count("model") == 3
 
 
+@pytest.mark.unit
 def test_a_workers_watch_ends_quietly_once_rank_zero_removed_the_launchs_marks(tmp_path, monkeypatch):
     """Rank 0 removes the marks folder at the end while every worker's watch may still beat in it."""
     failures = []

@@ -78,6 +78,7 @@ def reader_environment(code_dir, commands, extra=None):
     return {**environment, **(extra or {})}
 
 
+@pytest.mark.launch
 def test_activating_the_environment_gives_its_python_and_torchrun(tmp_path):
     """After `. .venv/bin/activate` in a fresh shell, `python` and `torchrun` are the set-up's.
 
@@ -119,18 +120,21 @@ def documents_run(request, tmp_path_factory):
 
 @pytest.mark.parametrize("name", [path.name for path in DOCUMENTS if runnable_blocks(path)])
 @pytest.mark.slow
+@pytest.mark.launch
 def test_the_documented_commands_run(documents_run, name, tmp_path):
     _, ran = made_ahead(documents_run, run_the_documents_blocks, tmp_path, name=name)
     for code, result in ran:
         assert result.returncode == 0, f"{name}, block:\n{code}\n--- output:\n{result.stdout}\n{result.stderr}"
 
 
+@pytest.mark.unit
 def test_every_document_has_blocks_that_run():
     for document in [REPO / "README.md", REPO / "docs" / "storage.md", REPO / "docs" / "results.md",
                      REPO / "docs" / "extending.md", REPO / "docs" / "devices.md"]:
         assert runnable_blocks(document), document.name
 
 
+@pytest.mark.unit
 def test_the_paths_the_documents_name_exist():
     mentioned = re.compile(r"(?<![\w/.<-])((?:docs|examples|bench|tests)/[\w.-]+(?:/[\w.-]+)*\.(?:md|py|sh|sbatch))")
     for document in DOCUMENTS:
@@ -142,6 +146,7 @@ def test_the_paths_the_documents_name_exist():
             assert (REPO / path).exists(), f"{document.name} names {path}"
 
 
+@pytest.mark.unit
 def test_clusters_shows_the_tested_several_nodes_command():
     def several_nodes(document):
         return [line for line in document.read_text().splitlines() if line.startswith("torchrun --nnodes")]
@@ -170,6 +175,7 @@ def slurm_stand_ins(folder):
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_the_slurm_script_runs_a_two_node_launch(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out")
     slurm = {"SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "4242",
@@ -201,6 +207,7 @@ def wait_for_saved_state(root, process, seconds=300):
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_a_preempted_torchrun_launch_resumes(tmp_path):
     """SIGTERM to the torchrun agent, as a scheduler sends it: the workers save, stop, and a re-run resumes."""
     # Three models of four epochs: each worker is inside its first model when the first state is saved (at an

@@ -69,6 +69,7 @@ def restored(trained, monkeypatch):
     return restore(trained["uniform"], device="cpu")
 
 
+@pytest.mark.unit
 def test_plan_reads_the_example_folder_as_printed_in_the_docs():
     before = (REPO / "outputs" / "pulse-quick").exists()
     result = main_in_process("plan", "--settings-dir", "examples/pulse")     # from the repository root
@@ -79,6 +80,7 @@ def test_plan_reads_the_example_folder_as_printed_in_the_docs():
     assert (REPO / "outputs" / "pulse-quick").exists() == before               # plan writes nothing
 
 
+@pytest.mark.launch
 def test_the_trained_model_holds_the_embedding_before_the_classifier(trained, restored):
     assert set(trained) == {"uniform", "normal"}
     model = restored.model
@@ -95,6 +97,7 @@ def test_the_trained_model_holds_the_embedding_before_the_classifier(trained, re
         assert fresh[name].shape == saved[name].shape and not torch.equal(fresh[name], saved[name]), name
 
 
+@pytest.mark.launch
 def test_the_standardisation_is_fitted_on_the_training_rows(restored):
     assert isinstance(restored.model.network, networks.Embedded)     # in front of the embedding, on [x, θ]
     x, theta = (np.asarray(restored.array("training-data", f"train_{name}"), dtype=np.float64)
@@ -105,6 +108,7 @@ def test_the_standardisation_is_fitted_on_the_training_rows(restored):
     np.testing.assert_allclose(restored.model.scale.numpy(), rows.std(0, ddof=1), rtol=1e-5)
 
 
+@pytest.mark.launch
 def test_restore_gives_the_posterior_of_an_observation(restored):
     assert isinstance(restored.model.network, networks.Embedded)
     truth = torch.tensor([[1.2, 0.2]], dtype=torch.float64)
@@ -134,6 +138,7 @@ class Without(Pulse):
 '''
 
 
+@pytest.mark.unit
 def test_the_model_recipe_follows_the_embedding(tmp_path, monkeypatch):
     module = f"pulse_{tmp_path.name}"
     folder = example_copy(tmp_path / "settings", tmp_path / "out", module, extra=NARROWER)
@@ -158,6 +163,7 @@ class Flat(Pulse):
 '''
 
 
+@pytest.mark.unit
 def test_an_embedding_returning_no_feature_rows_is_refused_at_plan_in_one_line(tmp_path):
     module = f"pulse_{tmp_path.name}"
     folder = example_copy(tmp_path / "settings", tmp_path / "out", module, extra=WRONG_SHAPE,
@@ -183,6 +189,7 @@ class OwnUnscaled(OwnNetwork):
 
 
 @pytest.mark.parametrize("study, warned", [("OwnNetwork", True), ("OwnUnscaled", False), ("Pulse", False)])
+@pytest.mark.unit
 def test_a_build_model_of_the_studys_own_without_standardisation_is_warned_at_plan(tmp_path, study, warned):
     module = f"pulse_{tmp_path.name}"
     folder = example_copy(tmp_path / "settings", tmp_path / "out", module, extra=OWN_NETWORK,
@@ -196,6 +203,7 @@ def test_a_build_model_of_the_studys_own_without_standardisation_is_warned_at_pl
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_two_torchrun_workers_train_the_embedding_together(tmp_path, monkeypatch):
     module = f"pulse_{tmp_path.name}"
     folder = example_copy(tmp_path / "settings", tmp_path / "out", module,

@@ -47,6 +47,7 @@ def trained(tmp_path_factory):
     return work / "outputs" / "decay-quick", result
 
 
+@pytest.mark.launch
 def test_quick_profile_trains_both_priors_and_analyses_them(trained):
     root, _ = trained
     runs = sorted(path.parent for path in root.glob("runs/*/*/run.json"))
@@ -82,6 +83,7 @@ def test_quick_profile_trains_both_priors_and_analyses_them(trained):
         assert abs(normalization["mean_ratio"] - 1) < 4 * normalization["standard_error"] + 0.1
 
 
+@pytest.mark.launch
 def test_a_second_run_recomputes_nothing(trained, tmp_path):
     root, _ = trained
     before = cache_stamps(root)
@@ -91,6 +93,7 @@ def test_a_second_run_recomputes_nothing(trained, tmp_path):
     assert cache_stamps(root) == before
 
 
+@pytest.mark.launch
 def test_restore_gives_the_model_that_was_analysed(trained, monkeypatch):
     root, _ = trained
     monkeypatch.setattr(sys, "path", list(sys.path))      # restore adds the study's folder; undo it afterwards
@@ -104,6 +107,7 @@ def test_restore_gives_the_model_that_was_analysed(trained, monkeypatch):
     assert type(restored.model).__name__ == "Standardized" and not restored.model.training
 
 
+@pytest.mark.unit
 def test_full_profile_plans_a_choice_of_widths(tmp_path):
     result = run_example_in_process("plan", "--profile", "full", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -113,6 +117,7 @@ def test_full_profile_plans_a_choice_of_widths(tmp_path):
     assert not list(tmp_path.iterdir())               # plan writes nothing
 
 
+@pytest.mark.launch
 def test_a_bad_example_setting_is_one_line_naming_it(tmp_path):
     settings = patched_settings(tmp_path, {'"log-uniform": {"family": "uniform"}': '"log-uniform": {"family": "log"}'})
     result = run_example("run", cwd=tmp_path, settings_dir=settings)
@@ -121,6 +126,7 @@ def test_a_bad_example_setting_is_one_line_naming_it(tmp_path):
     assert not (tmp_path / "outputs").exists()
 
 
+@pytest.mark.launch
 def test_the_kit_figures_are_drawn(tmp_path):
     pytest.importorskip("matplotlib")
     settings = patched_settings(tmp_path, {

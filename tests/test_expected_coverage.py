@@ -8,6 +8,8 @@ import nre_analysis
 import settings_analysis
 from helpers import LEVELS, exact_summaries, study_problem
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("dimension, cases", [(1, 512), (3, 512)])
 def test_the_exact_target_follows_the_diagonal_and_agrees_with_joint_coverage(tmp_path, one_thread, dimension, cases):

@@ -13,6 +13,8 @@ from nre_analysis import NREAnalysis
 matplotlib = pytest.importorskip("matplotlib")
 import matplotlib.figure  # noqa: E402
 
+pytestmark = pytest.mark.launch
+
 PLOTS = ('settings["plots"] = ["diagnostic_cases", "expected_coverage"]\n'
          'settings["cohort_plots"] = ["priors", "training", "estimates", "bias_width"]\n')
 

@@ -90,6 +90,7 @@ def two_parameters(tmp_path_factory):
 
 # ---------------------------------------------------------------- priors
 
+@pytest.mark.launch
 def test_the_priors_figure_draws_a_studys_own_prior_from_its_log_prob(decay):
     _, figures, _ = decay
     axis, = titled(figures, "Priors of the members").axes
@@ -123,6 +124,7 @@ class Broken:
         raise RuntimeError("no prior table")
 
 
+@pytest.mark.launch
 def test_a_many_parameter_own_prior_is_a_histogram_and_one_that_fails_is_named_not_drawable(two_parameters):
     _, _, cohorts = two_parameters
     contexts = cohorts[0]
@@ -148,6 +150,7 @@ def test_a_many_parameter_own_prior_is_a_histogram_and_one_that_fails_is_named_n
 
 # ---------------------------------------------------------------- bias and width
 
+@pytest.mark.launch
 def test_bias_width_bins_many_continuous_truths(decay):
     root, figures, _ = decay
     bias, width = titled(figures, "Bias and width").axes
@@ -172,6 +175,7 @@ def test_bias_width_bins_many_continuous_truths(decay):
         assert line.get_ydata().min() <= signed <= line.get_ydata().max()   # bin means surround the mean bias
 
 
+@pytest.mark.launch
 def test_bias_width_keeps_one_point_per_grid_truth(two_parameters):
     root, figures, _ = two_parameters
     figure = titled(figures, "Bias and width")
@@ -186,6 +190,7 @@ def test_bias_width_keeps_one_point_per_grid_truth(two_parameters):
 
 # ---------------------------------------------------------------- diagnostic cases
 
+@pytest.mark.launch
 def test_diagnostic_cases_draw_every_parameter_a_row_each(two_parameters):
     root, figures, _ = two_parameters
     figure = titled(figures, "Retained cases of uniform-r0")
@@ -207,6 +212,7 @@ def test_diagnostic_cases_draw_every_parameter_a_row_each(two_parameters):
 
 # ---------------------------------------------------------------- corner plots
 
+@pytest.mark.unit
 def test_marginal_interval_is_the_shortest_holding_the_level():
     normal = np.random.default_rng(0).normal(size=200_000)
     low, high = post.marginal_interval(normal, 0.68)
@@ -217,6 +223,7 @@ def test_marginal_interval_is_the_shortest_holding_the_level():
     assert np.mean((skewed >= low) & (skewed <= high)) == pytest.approx(0.68, abs=1e-4)
 
 
+@pytest.mark.launch
 def test_the_corner_plot_names_its_run_and_prior_and_tells_joint_from_marginal_bounds(two_parameters, tmp_path):
     root, _, _ = two_parameters
     run = next(root.glob("runs/*/uniform-r0-*"))

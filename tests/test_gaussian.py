@@ -18,6 +18,8 @@ from priors import make_prior
 from settings_training import base_settings
 from settings import SettingsError
 
+pytestmark = pytest.mark.unit
+
 PROBLEM = base_settings("smoke")["problem"]   # the documented defaults, as the bundled settings hold them
 EXTREME_RATES = [1e-12, 0.1, -0.1, 5.0, -5.0, 1e3, -1e3]
 

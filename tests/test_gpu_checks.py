@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from helpers import REPO
 
 SCRIPT = REPO / "bench" / "gpu_checks.sh"
@@ -30,6 +32,7 @@ def summary(stdout):
     return {line[:38].strip(): (line[39:47].strip(), line[48:].strip()) for line in lines[1:] if line.strip()}
 
 
+@pytest.mark.launch
 def test_an_empty_cuda_visible_devices_hides_every_gpu_from_torch():
     code = "import torch; print(torch.cuda.is_available(), torch.cuda.device_count())"
     result = subprocess.run([sys.executable, "-c", code], env={**os.environ, **NO_GPU}, capture_output=True,
@@ -37,6 +40,7 @@ def test_an_empty_cuda_visible_devices_hides_every_gpu_from_torch():
     assert result.stdout.split() == ["False", "0"], result.stderr
 
 
+@pytest.mark.launch
 def test_without_cuda_every_check_is_skipped_with_its_reason_and_the_run_succeeds():
     result = run_script(NO_GPU)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -93,6 +97,7 @@ def run_on_fake_gpus(tmp_path, gpus):
     return result, log.read_text()
 
 
+@pytest.mark.launch
 def test_on_a_faked_gpu_each_outcome_is_recorded_and_a_failure_fails_the_run(tmp_path):
     result, calls = run_on_fake_gpus(tmp_path, 1)
     assert result.returncode == 1, result.stdout + result.stderr
@@ -113,6 +118,7 @@ def test_on_a_faked_gpu_each_outcome_is_recorded_and_a_failure_fails_the_run(tmp
     assert "nnpd.py run --profile default" in calls
 
 
+@pytest.mark.launch
 def test_on_two_faked_gpus_the_two_gpu_parts_run_and_report(tmp_path):
     result, calls = run_on_fake_gpus(tmp_path, 2)
     table = summary(result.stdout)
@@ -130,6 +136,7 @@ def two_gpu_terms():
     return terms.split(" or ")
 
 
+@pytest.mark.unit
 def test_the_script_picks_by_name_exactly_the_cuda_tests_needing_a_second_gpu():
     needing, named = set(), set()
     for path in (REPO / "tests").glob("test_*.py"):
@@ -143,6 +150,7 @@ def test_the_script_picks_by_name_exactly_the_cuda_tests_needing_a_second_gpu():
     assert needing and needing == named
 
 
+@pytest.mark.launch
 def test_the_analysis_bench_runs_on_cpu_through_the_study_s_own_analysis():
     result = subprocess.run([sys.executable, "bench/bench_analysis.py", "--device", "cpu", "--cases", "1",
                              "--dimension", "1", "--repeats", "1"], cwd=REPO, capture_output=True, text=True,
@@ -155,6 +163,7 @@ def test_the_analysis_bench_runs_on_cpu_through_the_study_s_own_analysis():
                      result.stdout, re.M)
 
 
+@pytest.mark.launch
 def test_a_broken_cuda_set_up_is_a_failure_not_a_skip(tmp_path):
     missing = run_script({"PYTHON": str(tmp_path / "no-such-python")}, timeout=60)
     assert missing.returncode == 1

@@ -119,6 +119,7 @@ def assert_refused(folder, file, code):
 @pytest.mark.slow
 @hsettings(max_examples=1000, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=st.sampled_from(CASES), number=st.integers(0, 10**9))
+@pytest.mark.property
 def test_malformed_settings_are_refused_with_one_line(tmp_path_factory, case, number):
     file, path, value = case
     folder = tmp_path_factory.mktemp(f"case{number % 1000}")
@@ -131,6 +132,7 @@ REQUIRED = [("training", ("experiment",)), ("training", ("problem", "dimension")
 
 
 @pytest.mark.parametrize("file, path", REQUIRED)
+@pytest.mark.unit
 def test_a_missing_required_setting_is_named(tmp_path, file, path):
     assert_refused(tmp_path, file, "del settings" + "".join(f"[{key!r}]" for key in path) + "\n")
 
@@ -139,12 +141,14 @@ def test_a_missing_required_setting_is_named(tmp_path, file, path):
     "import os\nos._exit(0)\n", "import sys\nsys.exit(0)\n", "raise RuntimeError('boom')\n",
     "settings['problem']['self'] = settings['problem']\n", "settings['seed'] = Path('x')\n",
 ])
+@pytest.mark.unit
 def test_settings_code_that_exits_raises_or_loops_is_a_settings_error(tmp_path, code):
     assert_refused(tmp_path, "training", "from pathlib import Path\n" + code)
 
 
 @pytest.mark.parametrize("path", [("training", "epochs"), ("runtime", "device"), ("runtime", "cpu_threads"),
                                   ("model", "dropout")])
+@pytest.mark.unit
 def test_a_deleted_setting_with_a_default_takes_it(tmp_path, path):
     settings_dir = write_settings(tmp_path / "s", tmp_path / "out",
                                   training="del settings" + "".join(f"[{key!r}]" for key in path) + "\n")

@@ -102,6 +102,7 @@ def infer_files(run, tmp_path, x):
     return result, json.loads(summary.read_text()) if summary.exists() else None
 
 
+@pytest.mark.launch
 def test_infer_after_train_alone_uses_the_default_design_and_equals_restore(good, tmp_path):
     _, run = good
     assert not (run / "analysis.json").exists()
@@ -117,6 +118,7 @@ def test_infer_after_train_alone_uses_the_default_design_and_equals_restore(good
     assert 0.1 < summary["sd"][0] < 0.3 and abs(summary["mean"][0] - 0.31) < 0.15
 
 
+@pytest.mark.launch
 def test_a_flat_posterior_is_reported_by_infer(flat, tmp_path):
     _, run = flat
     result, summary = infer_files(run, tmp_path, np.array([0.31, 0.42, 0.2]))
@@ -127,6 +129,7 @@ def test_a_flat_posterior_is_reported_by_infer(flat, tmp_path):
     assert summary["flat"]["validation_auc"] < 0.75
 
 
+@pytest.mark.launch
 def test_run_with_only_the_analysis_class_reports_a_flat_posterior(flat):
     folder, run = flat
     result = main_in_process("run", "--settings-dir", str(folder))
@@ -143,6 +146,7 @@ def test_run_with_only_the_analysis_class_reports_a_flat_posterior(flat):
     assert json.loads((run / "analysis.json").read_text())["settings"]["inference"]["candidates"]["coarse_count"] == 128
 
 
+@pytest.mark.launch
 def test_a_good_model_gets_no_flat_warning_from_the_analysis(good):
     folder, run = good
     result = main_in_process("run", "--settings-dir", str(folder))
@@ -157,6 +161,7 @@ def test_a_good_model_gets_no_flat_warning_from_the_analysis(good):
     (', "inference": {"levels": [0.95, 0.68]}', "inference.levels"),
     (', "verification": {"max_saved_bytes": -1}', "verification.max_saved_bytes"),
 ])
+@pytest.mark.unit
 def test_a_bad_value_in_a_minimal_analysis_file_gets_one_line(tmp_path, extra, message):
     folder, _ = study_folder(tmp_path / "settings", "flat", extra)
     result = main_in_process("plan", "--settings-dir", str(folder))
@@ -164,6 +169,7 @@ def test_a_bad_value_in_a_minimal_analysis_file_gets_one_line(tmp_path, extra, m
     assert result.returncode == 2 and len(lines) == 1 and message in lines[0], result.stderr
 
 
+@pytest.mark.unit
 def test_every_inference_key_has_a_default_sized_for_the_parameters():
     filled = check_inference_settings({}, 10, likelihood=False)
     assert filled["candidates"]["candidate_count"] == 10_240 and filled["candidates"]["coarse_count"] == 1280
@@ -175,6 +181,7 @@ def test_every_inference_key_has_a_default_sized_for_the_parameters():
 
 
 @pytest.mark.parametrize("profile", settings_analysis.PROFILES)
+@pytest.mark.unit
 def test_settings_that_spell_out_every_key_are_unchanged_so_their_keys_are_too(profile):
     given = settings_analysis.make_settings(profile)["inference"]
     assert check_inference_settings(copy.deepcopy(given), 3) == given

@@ -46,6 +46,7 @@ def exact_case_scores(truths, observations, points, log_measure, sigma):
 # HLD against the analytic Gaussian
 # ---------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_hld_matches_analytic_gaussian_interval():
     sigma, m = 1.0, 15
     low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
@@ -73,6 +74,7 @@ def test_hld_matches_analytic_gaussian_interval():
     assert abs(s["log_normalizer"][0] - exact) < 1e-4
 
 
+@pytest.mark.unit
 def test_coverage_is_nominal_in_one_dimension():
     sigma, m = 1.0, 5
     low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
@@ -92,6 +94,7 @@ def test_coverage_is_nominal_in_one_dimension():
         assert abs(entry["per_axis"]["mean:0"] - level) < 4 * se
 
 
+@pytest.mark.unit
 def test_coverage_is_nominal_in_two_dimensions():
     sigma, m = 2.0, 4
     low = torch.tensor([0.0, 0.0], dtype=torch.float64)
@@ -116,6 +119,7 @@ def test_coverage_is_nominal_in_two_dimensions():
 # HLD rules: ties, density ranking, errors, stability
 # ---------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_ties_at_the_cutoff_are_all_included():
     points = torch.arange(5, dtype=torch.float64)[:, None]
     scores = torch.tensor([[0.0, 1.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
@@ -127,6 +131,7 @@ def test_ties_at_the_cutoff_are_all_included():
     assert not s["covered"][0, 0]  # the truth score 0 is below the threshold 1
 
 
+@pytest.mark.unit
 def test_ranking_follows_density_not_mass():
     points = torch.tensor([[0.0], [1.0], [2.0]], dtype=torch.float64)
     scores = torch.tensor([[2.0, 1.0, 0.0]], dtype=torch.float64)
@@ -144,6 +149,7 @@ def test_ranking_follows_density_not_mass():
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.unit
 def test_nan_or_plus_inf_scores_raise_naming_the_case(value):
     scores = torch.zeros(4, 3, dtype=torch.float64)
     scores[2, 1] = value
@@ -151,6 +157,7 @@ def test_nan_or_plus_inf_scores_raise_naming_the_case(value):
         inf.hld_summaries(scores, torch.zeros(3), torch.zeros(3, 1), torch.zeros(4), LEVELS)
 
 
+@pytest.mark.unit
 def test_all_minus_inf_scores_raise_and_some_minus_inf_are_fine():
     scores = torch.zeros(3, 4, dtype=torch.float64)
     scores[0, :2] = -math.inf
@@ -162,6 +169,7 @@ def test_all_minus_inf_scores_raise_and_some_minus_inf_are_fine():
         inf.hld_summaries(scores, torch.zeros(4), points, torch.zeros(3), LEVELS)
 
 
+@pytest.mark.unit
 def test_huge_score_offsets_are_stable():
     torch.manual_seed(0)
     points = torch.linspace(0, 1, 50, dtype=torch.float64)[:, None]
@@ -182,6 +190,7 @@ def test_huge_score_offsets_are_stable():
 @hsettings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), count=st.integers(1, 60), tied=st.booleans(),
        levels=st.lists(st.sampled_from([0.1, 0.5, 0.68, 0.95, 1.0]), min_size=1, max_size=4))
+@pytest.mark.property
 def test_summary_bounds_are_those_of_each_region(seed, count, tied, levels):
     """Every level's bounds are the extremes of its region {score >= threshold}, ties and repeated
     or unordered levels included."""
@@ -201,6 +210,7 @@ def test_summary_bounds_are_those_of_each_region(seed, count, tied, levels):
 
 @hsettings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), count=st.integers(1, 40), levels=st.integers(1, 4), non_finite=st.booleans())
+@pytest.mark.property
 def test_region_bounds_with_any_thresholds(seed, count, levels, non_finite):
     """region_bounds on thresholds of any order (as the probes meet them): each level's bounds
     are the extremes of the points scoring at least its threshold, ±inf where none does; a NaN
@@ -219,6 +229,7 @@ def test_region_bounds_with_any_thresholds(seed, count, levels, non_finite):
     assert torch.equal(lower, expected_lower) and torch.equal(upper, expected_upper)
 
 
+@pytest.mark.unit
 def test_summaries_are_vectorised_consistently():
     gen = torch.Generator().manual_seed(4)
     scores = torch.randn(6, 30, generator=gen, dtype=torch.float64)
@@ -244,6 +255,7 @@ def small_network(d, p):
                                torch.nn.ReLU(), torch.nn.Linear(32, 1))
 
 
+@pytest.mark.unit
 def test_ensemble_scores_do_not_depend_on_chunk_rows():
     d, p, m, K = 2, 2, 15, 700  # K·m = 10500 > EVAL_BLOCK_ROWS, so several fixed blocks
     net = small_network(d, p)
@@ -276,6 +288,7 @@ def test_ensemble_scores_do_not_depend_on_chunk_rows():
         assert max(seen) < cap + inf.ROW_PAD
 
 
+@pytest.mark.unit
 def test_ensemble_scores_do_not_depend_on_how_many_calls_are_built_together(monkeypatch):
     """Calls built one at a time, three at a time or all at once, cases together or alone, rows
     column by column or contiguous: bitwise the same scores."""
@@ -308,6 +321,7 @@ def test_ensemble_scores_do_not_depend_on_how_many_calls_are_built_together(monk
 
 @hsettings(max_examples=80, deadline=None)
 @given(cases=st.integers(1, 7), n=st.integers(1, 40), rows_per_call=st.integers(1, 400))
+@pytest.mark.property
 def test_each_call_holds_one_case_or_whole_cases_with_their_observations_beside(cases, n, rows_per_call):
     d, m = 2, 3
     x = torch.randn(cases, m, d, generator=torch.Generator().manual_seed(cases * n))
@@ -328,6 +342,7 @@ def test_each_call_holds_one_case_or_whole_cases_with_their_observations_beside(
     assert bool((found == 1).all())
 
 
+@pytest.mark.unit
 def test_a_network_giving_more_than_one_logit_per_row_is_refused():
     net = small_network(2, 2)
     gen = torch.Generator().manual_seed(8)
@@ -339,6 +354,7 @@ def test_a_network_giving_more_than_one_logit_per_row_is_refused():
                                                    inf.EVAL_BLOCK_ROWS))
 
 
+@pytest.mark.unit
 def test_a_network_that_needs_contiguous_rows_is_given_them():
     d, p, m = 2, 2, 15
     net = small_network(d, p)
@@ -360,6 +376,7 @@ def test_a_network_that_needs_contiguous_rows_is_given_them():
                        inf.ensemble_scores(plain, obs, points, inf.EVAL_BLOCK_ROWS))
 
 
+@pytest.mark.unit
 def test_exact_scores_do_not_depend_on_chunk_rows():
     sigma = 1.5
     gen = torch.Generator().manual_seed(2)
@@ -382,6 +399,7 @@ BOX2 = (torch.tensor([0.0, 0.2], dtype=torch.float64), torch.tensor([10.0, 4.0],
 STEP2 = torch.tensor([0.2, 0.2], dtype=torch.float64)
 
 
+@pytest.mark.unit
 def test_grid_truths_count_margin_and_order():
     settings = {"kind": "grid", "truth_points_per_axis": 7, "truth_margin_fraction": 0.1,
                 "align_truths_to_grid": False}
@@ -393,6 +411,7 @@ def test_grid_truths_count_margin_and_order():
     assert torch.equal(truths[:7, 0], torch.full((7,), 1.0, dtype=torch.float64))  # first axis slowest
 
 
+@pytest.mark.unit
 def test_sobol_and_size_adaptive_truths():
     settings = {"kind": "sobol", "sobol_truths": 16, "truth_margin_fraction": 0.25, "align_truths_to_grid": False}
     truths = inf.make_truths(*BOX2, STEP2, settings, seed=3)
@@ -409,6 +428,7 @@ def test_sobol_and_size_adaptive_truths():
     assert inf.truth_count(2, adaptive) == 32
 
 
+@pytest.mark.unit
 def test_truths_snap_to_lattice_and_repeat():
     low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
     settings = {"kind": "grid", "truth_points_per_axis": 100, "truth_margin_fraction": 0.1,
@@ -427,6 +447,7 @@ def test_truths_snap_to_lattice_and_repeat():
     torch.testing.assert_close(snapped[:, 0], torch.tensor([0.9, 0.3, 0.0], dtype=torch.float64), rtol=0, atol=1e-15)
 
 
+@pytest.mark.unit
 def test_observations_are_ensembles_per_truth_and_deterministic():
     truths = torch.tensor([[1.0, 2.0], [5.0, 9.0], [3.0, 3.0]], dtype=torch.float64)
     simulate = gaussian_simulator(0.1)
@@ -442,6 +463,7 @@ def test_observations_are_ensembles_per_truth_and_deterministic():
 # Candidates
 # ---------------------------------------------------------------------------
 
+@pytest.mark.unit
 def test_sobol_candidates_have_weights_summing_to_volume():
     settings = {"kind": "sobol", "candidate_count": 256}
     points, log_measure = inf.make_candidates(*BOX2, [None, None], settings, seed=1)
@@ -451,6 +473,7 @@ def test_sobol_candidates_have_weights_summing_to_volume():
     assert (points >= BOX2[0]).all() and (points <= BOX2[1]).all()
 
 
+@pytest.mark.unit
 def test_grid_candidates_integrate_a_known_function():
     settings = {"kind": "grid", "candidate_points_per_axis": 64}
     points, log_measure = inf.make_candidates(*BOX2, [None, None], settings, seed=0)
@@ -463,6 +486,7 @@ def test_grid_candidates_integrate_a_known_function():
     assert integral == pytest.approx(exact, rel=1e-3)
 
 
+@pytest.mark.unit
 def test_lattice_coordinates_use_counting_measure():
     steps = [0.2, None]
     grid = {"kind": "grid", "candidate_points_per_axis": 8}
@@ -481,6 +505,7 @@ def test_lattice_coordinates_use_counting_measure():
     assert not torch.isin(points[:, 0], lattice).all()
 
 
+@pytest.mark.unit
 def test_all_lattice_prior_is_enumerated_or_merged():
     steps = [0.2, 0.2]
     settings = {"kind": "sobol", "candidate_count": 256, "max_enumerated": 200000}
@@ -495,6 +520,7 @@ def test_all_lattice_prior_is_enumerated_or_merged():
     assert float(log_measure.exp().sum()) == pytest.approx(51 * 20, rel=1e-12)
 
 
+@pytest.mark.unit
 def test_duplicate_points_are_merged_with_summed_weights():
     points = torch.tensor([[1.0, 2.0], [0.0, 0.0], [1.0, 2.0], [3.0, 1.0], [0.0, 0.0], [1.0, 2.0]],
                           dtype=torch.float64)
@@ -504,6 +530,7 @@ def test_duplicate_points_are_merged_with_summed_weights():
     torch.testing.assert_close(merged_log.exp(), torch.tensor([1.0, 0.7, 0.4], dtype=torch.float64))
 
 
+@pytest.mark.unit
 def test_bad_settings_raise_clear_errors():
     with pytest.raises(ValueError, match="candidates kind"):
         inf.make_candidates(*BOX2, [None, None], {"kind": "halton"}, seed=0)
@@ -532,6 +559,7 @@ def hand_summaries():
     }
 
 
+@pytest.mark.unit
 def test_bias_metrics_by_hand():
     out = inf.bias_metrics(np.array([[1.0, 2.0], [3.0, 2.0]]), np.array([[0.0, 2.0], [4.0, 0.0]]), ["a", "b"])
     assert out["per_axis"]["a"] == {"signed": 0.0, "absolute": 1.0, "rmse": 1.0}
@@ -542,6 +570,7 @@ def test_bias_metrics_by_hand():
     json.dumps(out), json.dumps(empty)
 
 
+@pytest.mark.unit
 def test_coverage_and_width_metrics_by_hand():
     s = hand_summaries()
     truths = np.array([[0.5, 4.0], [3.0, 2.5]])
@@ -560,6 +589,7 @@ def test_coverage_and_width_metrics_by_hand():
     json.dumps(cov), json.dumps(width)
 
 
+@pytest.mark.unit
 def test_resolution_metrics_by_hand():
     s = hand_summaries()
     s["region_ess"] = np.array([150.0, 300.0])
@@ -577,6 +607,7 @@ def test_resolution_metrics_by_hand():
     json.dumps(out)
 
 
+@pytest.mark.unit
 def test_resolution_flags_count_cases_and_warn():
     s = hand_summaries()
     s["region_ess"] = np.array([50.0, 300.0])
@@ -598,6 +629,7 @@ def test_resolution_flags_count_cases_and_warn():
 
 # ---------------------------------------------------------------- sample-based checks
 
+@pytest.mark.unit
 def test_wasserstein_1d_matches_a_shift_and_respects_weights():
     a = torch.linspace(0, 1, 1001, dtype=torch.float64)
     ones = torch.ones_like(a)
@@ -608,6 +640,7 @@ def test_wasserstein_1d_matches_a_shift_and_respects_weights():
                                      a, b_weights) == pytest.approx(0.0, abs=1e-9)
 
 
+@pytest.mark.unit
 def test_sliced_wasserstein_reweighting_recovers_a_target():
     generator = torch.Generator().manual_seed(3)
     source = torch.randn(20000, 2, generator=generator, dtype=torch.float64)
@@ -620,6 +653,7 @@ def test_sliced_wasserstein_reweighting_recovers_a_target():
     assert inf.sliced_wasserstein(target, source, log_ratio, seed=1) == reweighted   # seeded
 
 
+@pytest.mark.unit
 def test_effective_sample_size():
     assert inf.effective_sample_size(torch.zeros(50)) == pytest.approx(50)
     assert inf.effective_sample_size(torch.tensor([0.0, -1e4, -1e4])) == pytest.approx(1.0)
@@ -628,6 +662,7 @@ def test_effective_sample_size():
 
 # ---------------------------------------------------------------- randomised (lattice) coverage
 
+@pytest.mark.unit
 def test_credibility_upper_adds_the_truths_ties():
     # Masses ∝ e^s at scores 2, 1, 1, 0: the truth at score 1 ties two candidates.
     scores = torch.tensor([[2.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
@@ -640,6 +675,7 @@ def test_credibility_upper_adds_the_truths_ties():
         assert s["credibility_upper"][0] == pytest.approx(float(high), abs=1e-15)
 
 
+@pytest.mark.unit
 def test_randomised_inside_spreads_the_tie_uniformly():
     low, high = np.array([0.1, 0.6, 0.2, 0.7, 0.5]), np.array([0.3, 0.9, 0.2, 0.7, 0.5])
     inside = inf.randomised_inside(low, high, 0.68)
@@ -648,6 +684,7 @@ def test_randomised_inside_spreads_the_tie_uniformly():
     assert inf.randomised_inside([0.68], [0.68], 0.68).tolist() == [0.0]
 
 
+@pytest.mark.unit
 def test_coverage_metrics_report_the_randomised_lattice_coverage():
     s = hand_summaries()
     truths = np.array([[0.5, 4.0], [3.0, 2.5]])
@@ -662,6 +699,7 @@ def test_coverage_metrics_report_the_randomised_lattice_coverage():
     json.dumps(entry)
 
 
+@pytest.mark.unit
 def test_a_second_target_on_the_same_points_gives_what_it_gives_alone():
     # A constant log prior keeps the first target's order and regions (both are reused); a slope
     # reorders the points, and the summary is made afresh.

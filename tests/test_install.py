@@ -76,11 +76,13 @@ def repository_modules():
     return sorted(path.stem for path in REPO.glob("*.py") if path.name != "setup.py")
 
 
+@pytest.mark.unit
 def test_pyproject_packages_every_module_of_the_repository():
     packaged = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["py-modules"]
     assert sorted(packaged) == repository_modules()
 
 
+@pytest.mark.launch
 def test_every_module_is_installed_and_imported_from_the_environment(installed, tmp_path):
     venv, purelib = installed
     for name in repository_modules():
@@ -94,6 +96,7 @@ def test_every_module_is_installed_and_imported_from_the_environment(installed, 
         assert native == "True"                  # the C extension was built and installed with the modules
 
 
+@pytest.mark.launch
 def test_installed_script_plans_from_another_directory(installed, tmp_path):
     venv, purelib = installed
     result = run_installed(venv, "plan", cwd=tmp_path)
@@ -105,6 +108,7 @@ def test_installed_script_plans_from_another_directory(installed, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_installed_script_runs_smoke_from_an_empty_directory(installed, tmp_path):
     venv, _ = installed
     result = run_installed(venv, "run", "--profile", "smoke", cwd=tmp_path)
@@ -124,6 +128,7 @@ def test_installed_script_runs_smoke_from_an_empty_directory(installed, tmp_path
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.launch
 def test_make_installs_torch_alone_from_the_given_index(tmp_path):
     def set_up_commands(*variables):
         """The commands `make` would run to set up a virtual environment at tmp_path (none is run)."""
@@ -154,6 +159,7 @@ def declared(name):
     return next(requirement for requirement in map(Requirement, dependencies) if requirement.name == name)
 
 
+@pytest.mark.unit
 def test_the_declared_torch_is_the_supported_range():
     (major, minor), (last_major, last_minor) = supported_torch()
     specifier = declared("torch").specifier
@@ -165,6 +171,7 @@ def test_the_declared_torch_is_the_supported_range():
     assert [version for version in unsupported if specifier.contains(version, prereleases=True)] == [], specifier
 
 
+@pytest.mark.unit
 def test_every_package_the_tests_import_is_declared_and_installed_by_make():
     """A package the tests import at the top of a file is torch, numpy or in an extra of pyproject.toml, and
     `make setup` installs the test extra's (a test dependency nobody declared breaks a fresh machine)."""
@@ -197,6 +204,7 @@ def fake_wheel(folder, name, version):
         wheel.writestr(f"{info}/RECORD", "")
 
 
+@pytest.mark.launch
 def test_pip_install_picks_the_newest_supported_torch(tmp_path):
     """`pip install .` offered torch on both sides of the README's range (offline: empty stand-in
     wheels on a local index) resolves to the newest supported one, never a newer release."""
@@ -222,6 +230,7 @@ def test_pip_install_picks_the_newest_supported_torch(tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+@pytest.mark.launch
 def test_make_gives_the_environment_a_torchrun_when_torch_is_installed_outside_it(tmp_path):
     """A venv reusing the system's torch has no torchrun of its own: the set-up writes one that runs
     torch.distributed.run with the venv's python, so activation puts a working torchrun on PATH."""

@@ -20,6 +20,8 @@ import store
 from helpers import REPO, command, finish_launch, saved_states, settings_for, start, wait_for, weights, write_settings
 from store import Store, restore
 
+pytestmark = pytest.mark.launch
+
 
 def cli(monkeypatch, *args):
     """The command line, in this process; returns its exit status."""

@@ -80,6 +80,7 @@ def run_without_pythonpath(*args):
                           capture_output=True, text=True, timeout=600)
 
 
+@pytest.mark.launch
 def test_a_study_beside_its_settings_runs_without_pythonpath_and_restores(tmp_path):
     folder, module, root = kit_study(tmp_path)
     result = run_without_pythonpath("run", "--settings-dir", str(folder))
@@ -96,6 +97,7 @@ def test_a_study_beside_its_settings_runs_without_pythonpath_and_restores(tmp_pa
     assert restored.stdout.strip() == "(3,)"
 
 
+@pytest.mark.unit
 def test_a_missing_study_module_says_where_nnpd_looked_and_what_to_set(tmp_path):
     folder, module, root = kit_study(tmp_path, training='settings["experiment"] = "no_such_kit_study:Line"\n')
     result = main_in_process("plan", "--settings-dir", str(folder))
@@ -105,6 +107,7 @@ def test_a_missing_study_module_says_where_nnpd_looked_and_what_to_set(tmp_path)
     assert not root.exists()
 
 
+@pytest.mark.unit
 def test_a_training_typo_fails_plan_for_a_kit_study(tmp_path):
     folder, _, root = kit_study(tmp_path, training='settings["training"]["learning_rat"] = 0.1\n')
     result = main_in_process("plan", "--settings-dir", str(folder))
@@ -146,6 +149,7 @@ class Own(study.Experiment):
 '''
 
 
+@pytest.mark.unit
 def test_a_training_typo_fails_plan_for_a_study_calling_the_bundled_trainer(tmp_path):
     module = module_name(tmp_path)
     folder, _, _ = kit_study(tmp_path, extra=OWN_TRAINER + "\n\nclass Nothing(study.Analysis):\n"
@@ -174,6 +178,7 @@ class PerInstance:
 '''
 
 
+@pytest.mark.unit
 def test_analysis_members_may_be_instance_attributes(tmp_path):
     module = module_name(tmp_path)
     folder, _, _ = kit_study(tmp_path, extra=INSTANCE_MEMBERS, analysis=f'settings["analysis"] = "{module}:PerInstance"\n')
@@ -195,6 +200,7 @@ class ColumnLogits(Line):
 '''
 
 
+@pytest.mark.unit
 def test_a_network_with_two_outputs_is_refused_at_plan_naming_the_study(tmp_path):
     module = module_name(tmp_path)
     folder, _, root = kit_study(tmp_path, extra=TWO_LOGITS, training=f'settings["experiment"] = "{module}:TwoLogits"\n')
@@ -204,6 +210,7 @@ def test_a_network_with_two_outputs_is_refused_at_plan_naming_the_study(tmp_path
     assert not root.exists()
 
 
+@pytest.mark.launch
 def test_a_network_returning_a_column_of_logits_trains_and_is_analysed(tmp_path):
     module = module_name(tmp_path)
     folder, _, root = kit_study(tmp_path, extra=TWO_LOGITS, analysis='settings["metrics"] += ["pairwise"]\n',
@@ -229,6 +236,7 @@ def data_source_digest(folder, module):
     return result.stdout.strip()
 
 
+@pytest.mark.launch
 def test_editing_a_helper_the_simulator_calls_changes_the_data_key(tmp_path):
     folder, module, _ = kit_study(tmp_path)
     before = data_source_digest(folder, module)
@@ -251,6 +259,7 @@ class Extra(NREAnalysis):
 '''
 
 
+@pytest.mark.launch
 def test_numpy_metric_values_are_stored_and_a_tensor_fails_naming_the_metric(tmp_path):
     module = module_name(tmp_path)
     folder, _, root = kit_study(tmp_path, extra=METRICS,
@@ -266,6 +275,7 @@ def test_numpy_metric_values_are_stored_and_a_tensor_fails_naming_the_metric(tmp
     assert "metric 'tensor'.value is a Tensor" in result.stdout + result.stderr
 
 
+@pytest.mark.unit
 def test_the_bundled_trainer_takes_the_data_artifact_train_receives(tmp_path):
     rng = np.random.default_rng(0)
     arrays = {f"{split}_{kind}": (rng.normal(size=(64, 3)) if kind == "inputs" else rng.integers(0, 2, 64))
@@ -286,6 +296,7 @@ def test_the_bundled_trainer_takes_the_data_artifact_train_receives(tmp_path):
         trainer.train(torch.nn.Linear(3, 1), [1, 2], settings, rt, 0)
 
 
+@pytest.mark.launch
 def test_plan_says_in_one_line_when_models_of_the_earlier_data_meaning_will_be_retrained(tmp_path):
     folder, _, root = kit_study(tmp_path, training='settings["data"]["pairing"] = "fixed"\n')
     assert main_in_process("train", "--settings-dir", str(folder)).returncode == 0
@@ -301,6 +312,7 @@ def test_plan_says_in_one_line_when_models_of_the_earlier_data_meaning_will_be_r
     assert len(notes) == 1 and "1 model(s)" in notes[0] and 'data.pairing = "fixed"' in notes[0]
 
 
+@pytest.mark.launch
 def test_run_and_report_print_every_resolution_warning_under_the_table(tmp_path):
     # 16 fixed points over the box cannot resolve a posterior this narrow: every case is under-resolved.
     folder, _, root = kit_study(tmp_path, noise=0.02, analysis='settings["inference"]["candidates"].update('
@@ -316,6 +328,7 @@ def test_run_and_report_print_every_resolution_warning_under_the_table(tmp_path)
     assert reported.returncode == 0 and line in reported.stdout.splitlines()
 
 
+@pytest.mark.unit
 def test_a_settings_file_importing_its_sibling_gets_the_sibling_not_nnpds_own(tmp_path):
     # The study's analysis settings take the profile names from its own training settings.
     folder, _, root = kit_study(tmp_path, training='settings["seed"] = 17\n')
@@ -333,6 +346,7 @@ def test_a_settings_file_importing_its_sibling_gets_the_sibling_not_nnpds_own(tm
     assert str(folder) not in sys.path
 
 
+@pytest.mark.launch
 def test_a_simulators_warning_is_shown_as_the_studys_not_nnpds(tmp_path):
     module = module_name(tmp_path)
     folder, _, _ = kit_study(tmp_path, extra='''
@@ -348,6 +362,7 @@ def test_a_simulators_warning_is_shown_as_the_studys_not_nnpds(tmp_path):
     assert lines and all(line.startswith(f"{module}.py:") and ": warning: " in line for line in lines), lines
 
 
+@pytest.mark.launch
 def test_dropped_invalid_simulations_are_kept_in_run_json_and_named_by_the_report(tmp_path):
     module = module_name(tmp_path)
     folder, _, root = kit_study(tmp_path, extra='''
@@ -371,6 +386,7 @@ def test_dropped_invalid_simulations_are_kept_in_run_json_and_named_by_the_repor
     assert reported.returncode == 0 and any(entry.startswith(line) for entry in reported.stdout.splitlines())
 
 
+@pytest.mark.launch
 def test_a_slow_simulator_shows_data_progress_with_rate_and_time_left(tmp_path):
     module = module_name(tmp_path)
     chunk = nre_study.SIMULATION_CHUNK

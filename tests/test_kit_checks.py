@@ -8,6 +8,8 @@ import runtime
 import study
 from settings import SettingsError
 
+pytestmark = pytest.mark.unit
+
 
 def settings(names=("uniform",)):
     """Kit settings of one member per prior name (the bundled uniform family, or the study's own prior)."""

@@ -65,6 +65,7 @@ def trained(tmp_path_factory):
     return work / "out", settings, metrics_by_prior(work / "out")
 
 
+@pytest.mark.unit
 def test_plan_reads_the_example_folder_as_printed_in_the_docs():
     before = (REPO / "outputs" / "weibull-quick").exists()
     result = main_in_process("plan", "--settings-dir", "examples/weibull")     # from the repository root
@@ -78,6 +79,7 @@ def test_plan_reads_the_example_folder_as_printed_in_the_docs():
     assert (REPO / "outputs" / "weibull-quick").exists() == before     # plan writes nothing
 
 
+@pytest.mark.launch
 def test_the_exact_target_covers_at_the_nominal_level(trained):
     _, _, metrics = trained
     assert set(metrics) == PRIORS
@@ -91,6 +93,7 @@ def test_the_exact_target_covers_at_the_nominal_level(trained):
             assert abs(run["coverage"][key]["joint"] - nominal) < 0.06, (prior, key, run["coverage"][key])
 
 
+@pytest.mark.launch
 def test_the_exact_expected_coverage_follows_the_diagonal(trained):
     _, _, metrics = trained
     for prior, run in metrics.items():
@@ -101,6 +104,7 @@ def test_the_exact_expected_coverage_follows_the_diagonal(trained):
         assert sum(inside) >= 94, (prior, [lv for lv, ok in zip(curve["levels"], inside) if not ok])
 
 
+@pytest.mark.launch
 def test_the_report_writes_one_csv_row_per_run(trained, tmp_path):
     _, settings, metrics = trained
     table = tmp_path / "weibull.csv"
@@ -114,6 +118,7 @@ def test_the_report_writes_one_csv_row_per_run(trained, tmp_path):
             assert math.isclose(float(row[column]), results.lookup(metrics[row["prior"]], column)), column
 
 
+@pytest.mark.launch
 def test_two_torchrun_workers_in_jobs_mode_give_the_same_results(trained, tmp_path):
     _, _, serial = trained
     settings = example_copy(tmp_path / "settings", tmp_path / "out")
@@ -130,6 +135,7 @@ def test_two_torchrun_workers_in_jobs_mode_give_the_same_results(trained, tmp_pa
     assert metrics_by_prior(tmp_path / "out") == serial                     # the same models and analysis
 
 
+@pytest.mark.launch
 def test_restore_gives_the_analysed_model(trained, monkeypatch):
     root, _, metrics = trained
     monkeypatch.setattr(sys, "path", list(sys.path))     # restore adds the study's folder; undo it afterwards
@@ -153,6 +159,7 @@ def test_restore_gives_the_analysed_model(trained, monkeypatch):
     assert scores[0] > scores[1] + 1.0
 
 
+@pytest.mark.launch
 def test_infer_gives_the_posterior_of_an_observation_with_a_corner_plot(trained, tmp_path):
     root, _, _ = trained
     run = next(root.glob("runs/*/uniform-r0-*"))

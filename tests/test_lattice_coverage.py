@@ -13,6 +13,8 @@ import settings_analysis
 from store import Writer
 from helpers import LEVELS, log_likelihood, study_problem
 
+pytestmark = pytest.mark.unit
+
 
 def lattice_exact_summaries(tmp_path, problem, lattice_steps, cases, seed):
     """The exact target's summaries of `cases` default-profile truths on the prior's own candidates."""

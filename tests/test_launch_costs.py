@@ -30,6 +30,7 @@ def train_steps(make_optimizer, device, steps=20):
 
 @pytest.mark.parametrize("device", ["cpu", CUDA])
 @pytest.mark.parametrize("kind, reference", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)])
+@pytest.mark.unit
 def test_functional_adam_gives_bitwise_the_weights_of_torch_optim(kind, reference, device):
     settings = {**SETTINGS, "optimizer": kind}
     ours, our_state = train_steps(lambda params: trainer.FunctionalAdam(params, settings, torch.device(device)),
@@ -42,6 +43,7 @@ def test_functional_adam_gives_bitwise_the_weights_of_torch_optim(kind, referenc
         assert all(torch.equal(state[name], our_state["state"][index][name]) for name in state)
 
 
+@pytest.mark.unit
 def test_functional_adam_continues_from_a_state_torch_optim_saved():
     settings = {**SETTINGS, "optimizer": "adam"}
     torch.manual_seed(0)
@@ -59,6 +61,7 @@ def test_functional_adam_continues_from_a_state_torch_optim_saved():
     assert float(ours.state[0]["step"]) == 2
 
 
+@pytest.mark.unit
 def test_a_float16_scaler_keeps_torch_optim():
     settings = {**SETTINGS, "optimizer": "adam"}
     params = [torch.nn.Parameter(torch.ones(3))]
@@ -66,6 +69,7 @@ def test_a_float16_scaler_keeps_torch_optim():
     assert isinstance(trainer.make_optimizer(params, settings, torch.device("cpu")), trainer.FunctionalAdam)
 
 
+@pytest.mark.launch
 def test_a_training_launch_imports_neither_dynamo_nor_inductor(study_dir):
     code = ("import sys, nnpd\n"
             f"status = nnpd.main(['train', '--profile', 'smoke', '--settings-dir', {str(study_dir)!r}])\n"
@@ -76,6 +80,7 @@ def test_a_training_launch_imports_neither_dynamo_nor_inductor(study_dir):
 
 
 @pytest.mark.parametrize("kind, reference", [("adam", torch.optim.Adam), ("adamw", torch.optim.AdamW)])
+@pytest.mark.unit
 def test_torch_optim_continues_bitwise_from_a_state_functional_adam_saved(kind, reference):
     settings = {**SETTINGS, "optimizer": kind}
     both = []

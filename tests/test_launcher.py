@@ -12,6 +12,8 @@ import pytest
 from helpers import (REPO, TIMEOUT, ahead, finish_agent, made_ahead, saved_states, toy_environment, toy_settings,
                      train_command, wait_for)
 
+pytestmark = pytest.mark.launch
+
 LAUNCHER = str(REPO / "launcher.py")
 STOPPED = "nnpd: torchrun stopped by SIGTERM after its workers stopped; the same command resumes from what they saved"
 

@@ -6,6 +6,8 @@ import pytest
 
 from helpers import REPO
 
+pytestmark = pytest.mark.unit
+
 MODULES = {path.stem: path for path in REPO.glob("*.py") if path.stem != "setup"}
 STUDY = {"gaussian", "gaussian_study"}          # the bundled study's own modules
 MAY_IMPORT_THE_STUDY = STUDY | {"settings_training", "settings_analysis"}

@@ -10,7 +10,11 @@ import signal
 import sys
 from pathlib import Path
 
+import pytest
+
 from helpers import REPO, free_port, start, wait_for, worker_pids, write_settings
+
+pytestmark = pytest.mark.launch
 
 # One model, and an analysis that lasts a few seconds (the window in which rank 1 is killed).
 TRAINING = 'settings["runtime"]["parallel"] = "ddp"\nsettings["cohort"]["priors"] = ["uniform"]\n'

@@ -16,6 +16,8 @@ import runtime
 from helpers import REPO, run_cli, write_settings
 from store import Store, restore
 
+pytestmark = pytest.mark.launch
+
 
 def cache_entries(root):
     """{(name, key): manifest mtime} of every committed artifact."""

@@ -41,6 +41,7 @@ class FlatteningExactLogit(ExactLogit):
         return super().forward(rows.view(-1).view(rows.shape))
 
 
+@pytest.mark.unit
 def test_a_network_that_needs_contiguous_rows_gives_the_same_posterior():
     problem = study_problem(2)
     prior = priors.make_prior(problem, {"family": "uniform"})
@@ -64,6 +65,7 @@ def exact_posterior(dimension, prior_settings=None, truth=None, kind="adaptive")
 
 
 @pytest.mark.parametrize("dimension", [1, 3])
+@pytest.mark.unit
 def test_samples_match_the_analytic_posterior(dimension):
     posterior, x = exact_posterior(dimension)
     samples = posterior.sample(4000, seed=0)
@@ -89,6 +91,7 @@ def test_samples_match_the_analytic_posterior(dimension):
 
 @hsettings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), n=st.integers(1, 300), lattice=st.booleans())
+@pytest.mark.property
 def test_sampling_is_deterministic_from_its_seed_and_stays_in_the_support(seed, n, lattice):
     posterior = LATTICE if lattice else EDGE
     first, again = posterior.sample(n, seed), posterior.sample(n, seed)
@@ -103,6 +106,7 @@ EDGE = exact_posterior(1, truth=torch.tensor([0.3], dtype=torch.float64))[0]
 LATTICE = exact_posterior(1, {"family": "grid"})[0]
 
 
+@pytest.mark.unit
 def test_a_posterior_too_poorly_resolved_to_sample_is_refused():
     posterior, _ = exact_posterior(5, kind="sobol")    # 4096 fixed points over [0, 10]^5: about 2 effective
     with pytest.raises(post.PosteriorError, match="effective candidates"):
@@ -123,6 +127,7 @@ def analysed(tmp_path_factory):
     return folder / "out"
 
 
+@pytest.mark.launch
 def test_hpd_bounds_equal_the_analysis_bounds_of_the_same_case(analysed):
     for run_json in sorted(analysed.glob("runs/*/*/run.json")):
         restored = restore(run_json.parent)
@@ -139,6 +144,7 @@ def test_hpd_bounds_equal_the_analysis_bounds_of_the_same_case(analysed):
         assert restored.posterior(observations[0]).summary()["hpd"].keys() == {"0.68", "0.95"}
 
 
+@pytest.mark.launch
 def test_infer_writes_a_summary_samples_and_a_corner_plot(analysed, tmp_path):
     run = next(analysed.glob("runs/*/uniform-r0-*"))
     restored = restore(run)
@@ -160,6 +166,7 @@ def test_infer_writes_a_summary_samples_and_a_corner_plot(analysed, tmp_path):
     (np.array([np.nan]), "NaN or infinite"),
     (b"not numpy", "not a readable .npy file"),
 ])
+@pytest.mark.launch
 def test_infer_refuses_a_bad_observation_with_one_line_and_writes_nothing(analysed, tmp_path, capsys, content, message):
     run = next(analysed.glob("runs/*/uniform-r0-*"))
     path = tmp_path / "bad.npy"
@@ -171,6 +178,7 @@ def test_infer_refuses_a_bad_observation_with_one_line_and_writes_nothing(analys
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npy"]
 
 
+@pytest.mark.unit
 def test_infer_names_a_missing_run(tmp_path, capsys):
     np.save(tmp_path / "x.npy", np.zeros(1))
     assert nnpd.main(["infer", str(tmp_path / "nowhere"), "--observations", str(tmp_path / "x.npy")]) == 2
@@ -179,6 +187,7 @@ def test_infer_names_a_missing_run(tmp_path, capsys):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
 
 
+@pytest.mark.launch
 def test_infer_says_how_it_sampled_and_scores_the_samples_against_a_reference(analysed, tmp_path, capsys):
     run = next(analysed.glob("runs/*/uniform-r0-*"))
     restored = restore(run)
@@ -208,6 +217,7 @@ def _infer(run, observations, *extra):
     return result.returncode, result.stderr.strip()
 
 
+@pytest.mark.launch
 def test_infer_refuses_hostile_inputs_in_one_line_and_writes_nothing(analysed, tmp_path):
     run = next(analysed.glob("runs/*/uniform-r0-*"))
     good = tmp_path / "x.npy"
@@ -237,6 +247,7 @@ def test_infer_refuses_hostile_inputs_in_one_line_and_writes_nothing(analysed, t
     assert not list(run.glob("x-*")) and not list(analysed.glob("cache/model/*/x-*"))
 
 
+@pytest.mark.launch
 def test_infer_names_its_files_from_a_safe_cut_of_the_member_name(analysed, tmp_path):
     import shutil
 
@@ -266,6 +277,7 @@ def test_infer_names_its_files_from_a_safe_cut_of_the_member_name(analysed, tmp_
     (lambda run: _recorded(run / "analysis.json", lambda record: record["settings"]["inference"]["candidates"]
                            .update(candidate_count=1e10)), "candidate_count"),
 ])
+@pytest.mark.launch
 def test_infer_answers_a_damaged_run_record_in_one_line(analysed, tmp_path, change, message):
     import shutil
 

@@ -18,6 +18,8 @@ import torch
 from helpers import (command, finish_launch, main_in_process, saved_states, settings_for, side_by_side, start,
                      wait_for, weights, worker_pids, write_settings)
 
+pytestmark = pytest.mark.launch
+
 DDP = 'settings["runtime"]["parallel"] = "ddp"\n'
 
 

@@ -86,6 +86,7 @@ def run_probes_script(target, code, **env):
                           capture_output=True, text=True, timeout=60)
 
 
+@pytest.mark.launch
 def test_pip_install_packages_the_extension_and_the_probes_use_it(installed):
     assert list(installed.glob("_probes*.so")) and (installed / "probes.py").is_file()
     done = run_probes_script(installed, "import probes\nwith probes.phase('x'): pass\n"
@@ -94,6 +95,7 @@ def test_pip_install_packages_the_extension_and_the_probes_use_it(installed):
     assert done.stdout.split() == ["native", "True", "1"]
 
 
+@pytest.mark.launch
 def test_without_a_compiler_the_install_succeeds_says_so_in_one_line_and_falls_back(without_compiler):
     target, output = without_compiler
     assert not list(target.glob("_probes*.so")) and (target / "probes.py").is_file()
@@ -105,6 +107,7 @@ def test_without_a_compiler_the_install_succeeds_says_so_in_one_line_and_falls_b
     assert done.stdout.split() == ["python", "False", "1"]
 
 
+@pytest.mark.launch
 def test_native_without_the_extension_is_a_clear_one_line_error(without_compiler):
     target, _ = without_compiler
     done = run_probes_script(target, "import probes\nprint(probes.MODE)\nprobes.check()", NNPD_PROBES="native")
@@ -117,6 +120,7 @@ def test_native_without_the_extension_is_a_clear_one_line_error(without_compiler
 
 @pytest.mark.parametrize("value, message", [("fast", "NNPD_PROBES='fast' is not valid"),
                                             ("yes", "NNPD_PROBES_CUDA='yes' is not valid")])
+@pytest.mark.launch
 def test_invalid_switches_are_clear_errors(installed, value, message):
     name = "NNPD_PROBES" if value == "fast" else "NNPD_PROBES_CUDA"
     done = run_probes_script(installed, "import probes\nprobes.check()", **{name: value})
@@ -124,6 +128,7 @@ def test_invalid_switches_are_clear_errors(installed, value, message):
 
 
 @pytest.mark.parametrize("mode, native_flag", [("native", "True"), ("python", "False")])
+@pytest.mark.launch
 def test_the_switch_chooses_the_implementation(installed, mode, native_flag):
     code = ("import json, probes\n"
             "with probes.phase('a'):\n    with probes.phase('a'): pass\n"
@@ -137,6 +142,7 @@ def test_the_switch_chooses_the_implementation(installed, mode, native_flag):
     assert {k: v for k, v in json.loads(record).items() if k in ("count", "nested")} == {"count": 1, "nested": 1}
 
 
+@pytest.mark.launch
 def test_off_gives_no_op_probes(installed):
     code = ("import probes\n"
             "def f(x): return x + 1\n"
@@ -151,6 +157,7 @@ def test_off_gives_no_op_probes(installed):
 
 # ---- exact accumulators, both implementations ---------------------------------------------
 
+@pytest.mark.launch
 def test_counts_nesting_and_recursion_are_exact(make):
     p = make()
     with p.phase("a"):
@@ -175,6 +182,7 @@ def test_counts_nesting_and_recursion_are_exact(make):
         assert 0 <= record["cpu_s"] <= record["total_s"]
 
 
+@pytest.mark.launch
 def test_exceptions_inside_a_phase_are_recorded_and_pass_through(make):
     p = make()
     with pytest.raises(ZeroDivisionError):
@@ -192,6 +200,7 @@ def test_exceptions_inside_a_phase_are_recorded_and_pass_through(make):
     assert p.snapshot()["outer"]["count"] == 2 and p.snapshot()["outer"]["nested"] == 0
 
 
+@pytest.mark.launch
 def test_wall_and_cpu_time_are_measured(make):
     p = make()
     with p.phase("sleep"):
@@ -205,6 +214,7 @@ def test_wall_and_cpu_time_are_measured(make):
     assert snap["spin"]["cpu_s"] >= 0.02 and snap["spin"]["total_s"] >= snap["spin"]["cpu_s"]
 
 
+@pytest.mark.launch
 def test_a_phase_object_is_single_use_at_a_time(make):
     p = make()
     phase = p.phase("x")
@@ -220,6 +230,7 @@ def test_a_phase_object_is_single_use_at_a_time(make):
     assert p.snapshot()["x"]["count"] == 2 and phase.name == "x" and phase.device is None
 
 
+@pytest.mark.launch
 def test_reset_forgets_closed_spans_and_keeps_open_ones(make):
     p = make()
     with p.phase("gone"):
@@ -231,6 +242,7 @@ def test_reset_forgets_closed_spans_and_keeps_open_ones(make):
     assert list(snap) == ["open"] and snap["open"]["count"] == 1
 
 
+@pytest.mark.launch
 def test_generators_may_close_a_phase_out_of_order_and_in_another_thread(make):
     p = make()
 
@@ -255,6 +267,7 @@ def test_generators_may_close_a_phase_out_of_order_and_in_another_thread(make):
     assert (snap["g"]["count"], snap["g"]["nested"], snap["h"]["count"]) == (3, 0, 1)
 
 
+@pytest.mark.launch
 def test_a_span_closed_in_another_thread_adds_no_cpu_time(make):
     p = make()
 
@@ -271,6 +284,7 @@ def test_a_span_closed_in_another_thread_adds_no_cpu_time(make):
     assert record["count"] == 1 and record["cpu_s"] == 0 and record["total_s"] > 0
 
 
+@pytest.mark.launch
 def test_threads_have_their_own_nesting_and_counts_add_up(make):
     p = make()
     workers, rounds = 6, 200
@@ -294,6 +308,7 @@ def test_threads_have_their_own_nesting_and_counts_add_up(make):
     assert (snap["step"]["count"], snap["step"]["nested"]) == (workers * rounds, 0)
 
 
+@pytest.mark.launch
 def test_cpu_time_is_the_threads_own(make):
     p = make()
     started, finished = threading.Event(), threading.Event()
@@ -315,6 +330,7 @@ def test_cpu_time_is_the_threads_own(make):
     assert record["total_s"] >= 0.05 and record["cpu_s"] < 0.025
 
 
+@pytest.mark.launch
 def test_the_device_hook_brackets_spans_given_a_device(make):
     calls = []
 
@@ -333,6 +349,7 @@ def test_the_device_hook_brackets_spans_given_a_device(make):
         p.phase("x", devices="cpu")
 
 
+@pytest.mark.launch
 def test_a_nested_span_of_the_same_name_is_not_timed_on_the_device_twice(make):
     calls = []
 
@@ -348,6 +365,7 @@ def test_a_nested_span_of_the_same_name_is_not_timed_on_the_device_twice(make):
     assert p.snapshot()["step"]["nested"] == 1
 
 
+@pytest.mark.unit
 def test_the_cuda_timer_ignores_devices_that_are_not_cuda():
     timer = probes.CudaEventTimer()
     assert timer("step", torch.device("cpu")) is None and timer("step", "cpu") is None
@@ -391,6 +409,7 @@ def expected_counts(tree, open_names=()):
 @settings(max_examples=40, deadline=None)
 @given(trees=st.lists(nest(st.sampled_from("abc"), 12), min_size=1, max_size=3),
        fail_at=st.sampled_from("abcz"))
+@pytest.mark.launch
 def test_the_fallback_matches_the_extension_and_the_model(native, trees, fail_at):
     both = [native.Probes(decorate=probes.decorate), probes.PythonProbes(decorate=probes.decorate)]
     model = {}
@@ -422,6 +441,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.cuda
 @needs_cuda
+@pytest.mark.launch
 def test_cuda_events_time_the_device_side_of_a_phase(make):
     timer = probes.CudaEventTimer()
     p = make(device_timer=timer)
@@ -448,6 +468,7 @@ def test_cuda_events_time_the_device_side_of_a_phase(make):
 @pytest.mark.cuda
 @needs_cuda
 @pytest.mark.parametrize("flag", ["1", "0"])
+@pytest.mark.launch
 def test_device_time_is_reported_only_with_nnpd_probes_cuda(flag):
     code = ("import json, torch, probes\n"
             "x = torch.randn(512, 512, device='cuda')\n"

@@ -11,6 +11,7 @@ import runtime
 from helpers import main_in_process, run_cli, write_settings
 
 
+@pytest.mark.unit
 def test_lookup_follows_keys_that_hold_dots_and_flatten_names_every_scalar():
     metrics = {"coverage": {"0.68": {"joint": 0.7, "interval": [0.6, 0.8]}, "0.95": {"joint": 0.9}}}
     assert results.lookup(metrics, "coverage.0.68.joint") == 0.7
@@ -31,11 +32,13 @@ def swept_root(tmp_path_factory):
     return tmp, settings, result.stdout
 
 
+@pytest.mark.launch
 def test_run_ends_with_the_table_of_its_runs(swept_root):
     _, _, stdout = swept_root
     assert "configuration" in stdout and "training.learning_rate=0.003" in stdout
 
 
+@pytest.mark.launch
 def test_report_writes_one_csv_row_per_run_with_the_swept_value(swept_root):
     tmp, settings, _ = swept_root
     result = main_in_process("report", "--settings-dir", str(settings), "--csv", str(tmp / "r.csv"))
@@ -50,6 +53,7 @@ def test_report_writes_one_csv_row_per_run_with_the_swept_value(swept_root):
     assert all(0 <= float(row["coverage.0.68.joint"]) <= 1 and row["coverage.0.68.interval.0"] for row in rows)
 
 
+@pytest.mark.launch
 def test_csv_rows_carry_every_swept_knobs_value_the_replica_and_the_training(swept_root):
     tmp, settings, _ = swept_root
     result = main_in_process("report", "--settings-dir", str(settings), "--csv", str(tmp / "fair.csv"))
@@ -71,6 +75,7 @@ def test_csv_rows_carry_every_swept_knobs_value_the_replica_and_the_training(swe
         assert float(row["final_validation_loss"]) == pytest.approx(history["validation"][-1]["bce"], rel=1e-12)
 
 
+@pytest.mark.launch
 def test_the_swept_comparison_labels_every_panel_line_and_marker(swept_root):
     pytest.importorskip("matplotlib")
     from nre_analysis import NREAnalysis
@@ -88,6 +93,7 @@ def test_the_swept_comparison_labels_every_panel_line_and_marker(swept_root):
     assert sorted(legend[4:]) == ["bars: 95% Wilson interval", f"baseline: {knob} = 0.001", "nominal level 0.68"]
 
 
+@pytest.mark.launch
 def test_report_plot_draws_the_comparison_or_says_it_is_skipped(swept_root):
     tmp, settings, _ = swept_root
     result = main_in_process("report", "--settings-dir", str(settings), "--plot")
@@ -99,6 +105,7 @@ def test_report_plot_draws_the_comparison_or_says_it_is_skipped(swept_root):
         assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.launch
 def test_report_before_any_analysis_is_a_clear_error(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out")
     result = main_in_process("report", "--settings-dir", str(settings))
@@ -106,6 +113,7 @@ def test_report_before_any_analysis_is_a_clear_error(tmp_path):
     assert json.dumps(result.stderr).count("\\n") == 1
 
 
+@pytest.mark.unit
 def test_case_progress_prints_quarters_of_a_long_product(capsys):
     launch = jobs.Launch("analyze", None, None, None, runtime.Runtime(device=torch.device("cpu")), {})
     progress = jobs.CaseProgress(launch, "runs/x/y")

@@ -14,6 +14,7 @@ from helpers import LEVELS, exact_summaries, log_likelihood, study_problem
 RADIUS_68 = math.sqrt(7.009170)         # √χ²_6(0.68): 1 − e^{−x/2}(1 + x/2 + x²/8) = 0.68
 
 
+@pytest.mark.unit
 def test_the_fast_likelihood_is_the_study_likelihood():
     problem = study_problem(3)
     generator = torch.Generator().manual_seed(0)
@@ -23,6 +24,7 @@ def test_the_fast_likelihood_is_the_study_likelihood():
 
 
 @pytest.mark.slow
+@pytest.mark.launch
 def test_dimension_six_exact_target_is_resolved_by_adaptive_candidates_only(tmp_path, one_thread):
     problem = study_problem(6)
     analysis = settings_analysis.make_settings("default")["inference"]

@@ -12,6 +12,8 @@ import trainer
 
 from helpers import BATCHES, CPU, EPOCHS, Recorder, SEED, SETTINGS, make_data, make_model, save_atomically
 
+pytestmark = pytest.mark.unit
+
 
 def train(hooks=None, model=None, settings=None, data=None):
     """Train the test problem."""

@@ -11,6 +11,8 @@ import pytest
 from helpers import REPO, limit_file_size, main_in_process, one_error_line, run_cli, write_settings
 from store import ROOT_MARKER, DamagedArtifact, record_checksum, restore
 
+pytestmark = pytest.mark.launch
+
 
 def files_with_content(folder):
     """{relative path: bytes} of every file below folder."""

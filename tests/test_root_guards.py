@@ -88,6 +88,7 @@ def train_through_a_scratch_link(trained, folder, where):
 
 
 @pytest.mark.parametrize("where", ["folder", "state"])
+@pytest.mark.launch
 def test_a_link_under_scratch_is_refused_and_what_it_points_to_is_kept(trained, tmp_path, where):
     result, link, outside, before, model = train_through_a_scratch_link(trained, tmp_path, where)
     assert_refused_link(result, link)
@@ -111,6 +112,7 @@ def linked_locks_launches(request, tmp_path_factory, trained):
 
 
 @pytest.mark.parametrize("action", ["train", "verify"])
+@pytest.mark.launch
 def test_a_linked_locks_folder_is_refused_before_any_lock_file_is_made(trained, linked_locks_launches, tmp_path,
                                                                        action):
     _, (result, root, outside) = made_ahead(
@@ -133,6 +135,7 @@ def verify_through_a_linked_damaged_folder(trained, folder, linked):
 
 
 @pytest.mark.parametrize("linked", ["damaged", "damaged/model"])
+@pytest.mark.launch
 def test_verify_never_moves_an_entry_out_of_the_root_through_a_linked_damaged_folder(trained, tmp_path, linked):
     result, root, outside, weights = verify_through_a_linked_damaged_folder(trained, tmp_path, linked)
     assert_refused_link(result, root / linked)
@@ -141,6 +144,7 @@ def test_verify_never_moves_an_entry_out_of_the_root_through_a_linked_damaged_fo
 
 # ---------------------------------------------------------------- verify refuses a folder nnpd does not own
 
+@pytest.mark.unit
 def test_verify_refuses_a_folder_without_the_marker_and_changes_nothing(tmp_path):
     root = tmp_path / "mine"
     for name, text in {"cache/notes.txt": "x", "runs/2023/a/metrics.json": "not json",
@@ -155,6 +159,7 @@ def test_verify_refuses_a_folder_without_the_marker_and_changes_nothing(tmp_path
 
 # ---------------------------------------------------------------- leftovers of killed atomic writes
 
+@pytest.mark.launch
 def test_leftovers_of_killed_atomic_writes_are_removed_by_the_next_launch_and_nothing_else(trained, tmp_path):
     root, settings = copy_root(trained, tmp_path)
     run = next(root.glob("runs/*/uniform-*"))
@@ -184,6 +189,7 @@ def test_leftovers_of_killed_atomic_writes_are_removed_by_the_next_launch_and_no
 
 # ---------------------------------------------------------------- files where nnpd keeps folders
 
+@pytest.mark.launch
 def test_a_file_in_place_of_a_run_folder_is_refused_by_analyze_and_replaced_by_run(trained, tmp_path):
     root, settings = copy_root(trained, tmp_path)
     run = next(root.glob("runs/*/normal-*"))
@@ -200,6 +206,7 @@ def test_a_file_in_place_of_a_run_folder_is_refused_by_analyze_and_replaced_by_r
     assert len(moved) == 1 and moved[0].read_text() == "not a run folder"     # kept aside, not deleted
 
 
+@pytest.mark.launch
 def test_a_file_in_place_of_a_cache_entry_is_found_by_verify_and_rebuilt_by_a_launch(trained, tmp_path):
     root, settings = copy_root(trained, tmp_path)
     entry = next((root / "cache" / "model").iterdir())
@@ -224,6 +231,7 @@ def file_limit_above_the_snapshot(settings):
 
 
 @pytest.mark.parametrize("writer", ["numpy", "torch"])
+@pytest.mark.launch
 def test_a_short_write_of_numpy_or_torch_names_the_full_disk(tmp_path, writer):
     """numpy's tofile and torch.save, writing short, said "N requested and M written" or "unexpected pos"."""
     limit = file_limit_above_the_snapshot(write_settings(tmp_path / "s", tmp_path / "out"))
@@ -254,6 +262,7 @@ def plan_in(folder, root, words):
 @pytest.mark.parametrize("root, words", [("/", "the filesystem's root; choose a folder of its own"),
                                          ("~", "your home folder; choose a folder of its own"),
                                          ("/dev/null", "not a folder")])
+@pytest.mark.unit
 def test_plan_reports_the_roots_a_launch_refuses(tmp_path, root, words):
     folder, result = tmp_path, plan_in(tmp_path, root, words)
     assert result.returncode == 2
@@ -262,6 +271,7 @@ def test_plan_reports_the_roots_a_launch_refuses(tmp_path, root, words):
     assert not (folder / "~").exists()
 
 
+@pytest.mark.launch
 def test_plan_refuses_a_root_it_could_not_create_and_run_says_so_in_one_line(tmp_path):
     (tmp_path / "a-file").write_text("x")
     roots = [tmp_path / "a-file" / "out"] + ([Path("/proc/forbidden")] if Path("/proc").is_dir() else [])
@@ -274,6 +284,7 @@ def test_plan_refuses_a_root_it_could_not_create_and_run_says_so_in_one_line(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file", "s"]       # the probe left nothing
 
 
+@pytest.mark.unit
 def test_plan_reports_a_folder_nnpd_does_not_own(tmp_path):
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "thesis.tex").write_text("x")
@@ -281,6 +292,7 @@ def test_plan_reports_a_folder_nnpd_does_not_own(tmp_path):
     assert result.returncode == 2 and "did not create" in one_error_line(result)
 
 
+@pytest.mark.launch
 def test_a_tilde_in_output_root_is_the_home_folder_for_every_command(tmp_path):
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()

@@ -25,6 +25,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 # ---------------------------------------------------------------- settings and environment
 
 
+@pytest.mark.unit
 def test_settings_defaults_and_validation():
     assert check_runtime({}) == RUNTIME_DEFAULTS
     assert check_runtime({"parallel": "ddp"})["parallel"] == "ddp"
@@ -46,6 +47,7 @@ def test_settings_defaults_and_validation():
             check_runtime(given)
 
 
+@pytest.mark.unit
 def test_launch_environment():
     assert runtime.launch_environment({}) == (0, 1, 0)
     assert runtime.launch_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}) == (3, 4, 1)
@@ -59,6 +61,7 @@ def test_launch_environment():
 
 
 @no_cuda
+@pytest.mark.unit
 def test_auto_is_cpu_without_cuda():
     assert runtime.resolve_device("auto") == torch.device("cpu")
     assert runtime.resolve_device("auto", local_rank=1, world_size=2) == torch.device("cpu")
@@ -67,6 +70,7 @@ def test_auto_is_cpu_without_cuda():
 
 @no_cuda
 @pytest.mark.parametrize("spec", ["cuda", "cuda:0"])
+@pytest.mark.unit
 def test_cuda_without_cuda_fails_clearly(spec):
     with pytest.raises(SettingsError) as caught:
         runtime.resolve_device(spec)
@@ -75,12 +79,14 @@ def test_cuda_without_cuda_fails_clearly(spec):
     assert torch.__version__ in message and '"cpu"' in message and "\n" not in message
 
 
+@pytest.mark.unit
 def test_indexed_cuda_under_multi_worker_launch_names_cuda_visible_devices():
     with pytest.raises(SettingsError, match="CUDA_VISIBLE_DEVICES") as caught:
         runtime.resolve_device("cuda:0", local_rank=1, world_size=2)
     assert 'use "cuda"' in str(caught.value)
 
 
+@pytest.mark.unit
 def test_indexed_cuda_through_start_with_torchrun_environment():
     environ = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}
     with pytest.raises(SettingsError, match="CUDA_VISIBLE_DEVICES"):
@@ -89,6 +95,7 @@ def test_indexed_cuda_through_start_with_torchrun_environment():
 
 
 @pytest.mark.parametrize("spec", ["mps", "meta", "gpu", "cuda0", "CPU", "cuda:", "cuda:-1", "cuda:x", ""])
+@pytest.mark.unit
 def test_other_strings_list_the_valid_forms(spec):
     with pytest.raises(SettingsError) as caught:
         runtime.resolve_device(spec)
@@ -100,6 +107,7 @@ def test_other_strings_list_the_valid_forms(spec):
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.unit
 def test_cuda_rows_on_a_gpu_machine():
     count = torch.cuda.device_count()
     assert runtime.resolve_device("auto") == torch.device("cuda", 0)
@@ -126,6 +134,7 @@ def fake_gpus(monkeypatch):
     return fake
 
 
+@pytest.mark.unit
 def test_bfloat16_is_refused_on_a_gpu_that_only_emulates_it_judged_on_the_workers_own_gpu(fake_gpus):
     asked = fake_gpus(count=2, capability=(7, 0))
     with pytest.raises(SettingsError, match=r"compute capability 8.0 .*V100.*cuda:1.* has 7.0"):
@@ -135,6 +144,7 @@ def test_bfloat16_is_refused_on_a_gpu_that_only_emulates_it_judged_on_the_worker
     assert runtime.check_precision("bfloat16", torch.device("cuda", 1)) is torch.bfloat16
 
 
+@pytest.mark.unit
 def test_a_worker_that_sees_one_gpu_uses_it_whatever_its_local_rank(fake_gpus):
     fake_gpus(count=1)
     assert runtime.resolve_device("cuda", local_rank=3, world_size=4) == torch.device("cuda", 0)
@@ -144,6 +154,7 @@ def test_a_worker_that_sees_one_gpu_uses_it_whatever_its_local_rank(fake_gpus):
 
 
 @pytest.mark.parametrize("site, used", [(":0:0", ":4096:8"), (":16:8", ":16:8"), (None, ":4096:8")])
+@pytest.mark.unit
 def test_a_non_deterministic_cublas_workspace_is_overridden_at_start_in_one_warning(monkeypatch, site, used):
     if site is None:
         monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
@@ -162,6 +173,7 @@ def test_a_non_deterministic_cublas_workspace_is_overridden_at_start_in_one_warn
 # ---------------------------------------------------------------- precision
 
 
+@pytest.mark.unit
 def test_precision_rules_on_cpu():
     assert runtime.check_precision("off", "cpu") is None
     assert runtime.check_precision("bfloat16", torch.device("cpu")) is torch.bfloat16
@@ -171,6 +183,7 @@ def test_precision_rules_on_cpu():
 
 @cuda
 @pytest.mark.cuda
+@pytest.mark.unit
 def test_precision_rules_on_cuda():
     assert runtime.check_precision("float16", "cuda") is torch.float16
     if torch.cuda.is_bf16_supported():
@@ -180,6 +193,7 @@ def test_precision_rules_on_cuda():
 # ---------------------------------------------------------------- determinism and streams
 
 
+@pytest.mark.unit
 def test_seeded_generator_streams():
     a = torch.rand(5, generator=runtime.seeded_generator(3, "permutation"))
     b = torch.rand(5, generator=runtime.seeded_generator(3, "permutation"))
@@ -190,6 +204,7 @@ def test_seeded_generator_streams():
     assert 0 <= runtime.seeded_generator(3, "x").initial_seed() < 2**63
 
 
+@pytest.mark.unit
 def test_seed_everything_repeats_global_streams():
     runtime.seed_everything(11)
     first = torch.rand(3)
@@ -197,6 +212,7 @@ def test_seed_everything_repeats_global_streams():
     assert torch.equal(first, torch.rand(3))
 
 
+@pytest.mark.unit
 def test_set_determinism_switches_torch_flags():
     before = torch.are_deterministic_algorithms_enabled()
     try:
@@ -213,6 +229,7 @@ def test_set_determinism_switches_torch_flags():
 # ---------------------------------------------------------------- start, identity, collectives
 
 
+@pytest.mark.unit
 def test_start_single_process_and_identity():
     rt = runtime.start({"device": "cpu", "cpu_threads": 2, "deterministic": False}, environ={})
     try:
@@ -236,6 +253,7 @@ def test_start_single_process_and_identity():
         torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.unit
 def test_ddp_in_one_process_starts_nothing_and_collectives_are_no_ops():
     rt = runtime.start({"device": "cpu", "parallel": "ddp"}, environ={})
     try:
@@ -252,6 +270,7 @@ def test_ddp_in_one_process_starts_nothing_and_collectives_are_no_ops():
         torch.use_deterministic_algorithms(False)
 
 
+@pytest.mark.unit
 def test_world_size_properties():
     jobs = runtime.Runtime(device=torch.device("cpu"), parallel="jobs", rank=1, world_size=2)
     ddp = runtime.Runtime(device=torch.device("cpu"), parallel="ddp", rank=1, world_size=2)
@@ -277,6 +296,7 @@ NESTED = textwrap.dedent(
 )
 
 
+@pytest.mark.launch
 def test_nesting_inside_an_active_process_group_is_refused():
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", NESTED], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
@@ -296,6 +316,7 @@ def stop_request():
     request.uninstall()
 
 
+@pytest.mark.unit
 def test_a_sigterm_delivered_twice_is_one_request_that_training_saves_on(stop_request):
     """Slurm and torchrun both pass SIGTERM on: the worker must still stop at its next step and save."""
     with stop_request.polling():
@@ -307,6 +328,7 @@ def test_a_sigterm_delivered_twice_is_one_request_that_training_saves_on(stop_re
     assert stop_request.requested == "SIGTERM"
 
 
+@pytest.mark.unit
 def test_a_later_signal_and_a_second_ctrl_c_interrupt_at_once(stop_request, monkeypatch):
     with stop_request.polling():
         signal.raise_signal(signal.SIGINT)
@@ -318,12 +340,14 @@ def test_a_later_signal_and_a_second_ctrl_c_interrupt_at_once(stop_request, monk
         signal.raise_signal(signal.SIGTERM)              # outside training, past the window
 
 
+@pytest.mark.unit
 def test_a_first_signal_outside_training_interrupts_at_once(stop_request):
     with pytest.raises(runtime.Interrupted, match="SIGTERM"):
         signal.raise_signal(signal.SIGTERM)
     signal.raise_signal(signal.SIGTERM)                  # its repeat does not interrupt the clean-up
 
 
+@pytest.mark.unit
 def test_pairs_nest_and_the_outer_one_keeps_handlers_and_request_until_it_ends():
     """The command line's pair outlives the launch's own, so a repeat arriving while the end is printed is absorbed."""
     before = signal.getsignal(signal.SIGTERM)
@@ -336,12 +360,14 @@ def test_pairs_nest_and_the_outer_one_keeps_handlers_and_request_until_it_ends()
     assert signal.getsignal(signal.SIGTERM) is before and request.requested == "SIGTERM"
 
 
+@pytest.mark.unit
 def test_an_index_less_cuda_device_gets_the_current_gpus_index(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 2)
     assert runtime.Runtime(device=torch.device("cuda")).device == torch.device("cuda", 2)
     assert runtime.Runtime(device="cpu").device == torch.device("cpu")
 
 
+@pytest.mark.unit
 def test_stop_puts_back_cudnn_flags_and_the_environment_start_set(monkeypatch):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     monkeypatch.delenv("TORCHINDUCTOR_DETERMINISTIC", raising=False)
@@ -356,12 +382,14 @@ def test_stop_puts_back_cudnn_flags_and_the_environment_start_set(monkeypatch):
 
 @pytest.mark.parametrize("device, parallel, world, backend", [
     ("cpu", "ddp", 2, "gloo"), ("cuda:0", "ddp", 2, "nccl"), ("cuda:0", "jobs", 2, "gloo"), ("cuda:0", "ddp", 1, "gloo")])
+@pytest.mark.unit
 def test_only_collective_training_on_gpus_uses_nccl(device, parallel, world, backend):
     """Jobs mode exchanges only small objects: on Gloo a wait that runs out ends in nnpd's line."""
     rt = runtime.Runtime(device=torch.device(device), parallel=parallel, world_size=world)
     assert runtime.group_backend(rt) == backend
 
 
+@pytest.mark.unit
 def test_the_group_outwaits_rank_zeros_waits_for_the_lease_and_leftovers():
     rt = runtime.Runtime(device=torch.device("cpu"), timeout_minutes=5)
     assert runtime.group_timeout(rt) > timedelta(minutes=2 * 5)          # lease, then leftovers, then the broadcast

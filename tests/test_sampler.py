@@ -15,6 +15,8 @@ import posterior as post
 import settings_analysis
 from c2st import c2st
 
+pytestmark = pytest.mark.unit
+
 BOX = 5.0           # prior sds either side of the prior's mean: the truncation is negligible
 DRAWS = 2000
 

@@ -109,6 +109,7 @@ def choice_paths(value, path=""):
 
 # ---------------------------------------------------------------- Choice and identity
 
+@pytest.mark.unit
 def test_choice_basics():
     c = Choice((1, 2, 3))
     assert c.options == [1, 2, 3]
@@ -118,6 +119,7 @@ def test_choice_basics():
         Choice(5)
 
 
+@pytest.mark.unit
 def test_canonical_json_and_digest():
     assert canonical_json({"b": (1, 2), "a": 1.5}) == '{"a":1.5,"b":[1,2]}'
     assert digest({"a": 1, "b": 2}) == digest({"b": 2, "a": 1})
@@ -128,6 +130,7 @@ def test_canonical_json_and_digest():
             canonical_json({"x": [bad]})
 
 
+@pytest.mark.unit
 def test_resolve_and_to_jsonable():
     s = {"a": Choice([{"x": 1}, {"x": 2}]), "b": (1, 2), "c": [Choice.__name__]}
     assert resolve(s) == {"a": {"x": 1}, "b": [1, 2], "c": ["Choice"]}
@@ -137,6 +140,7 @@ def test_resolve_and_to_jsonable():
 
 # ---------------------------------------------------------------- exact expansions
 
+@pytest.mark.unit
 def test_two_choices_of_three_give_five():
     s = {"problem": {"dimension": Choice([1, 2, 3])},
          "training": {"lr": Choice([0.1, 0.01, 0.001]), "epochs": 2}}
@@ -164,17 +168,20 @@ def test_two_choices_of_three_give_five():
     assert len({c.name for c in configs}) == 5
 
 
+@pytest.mark.unit
 def test_configuration_is_frozen():
     c = expand({"a": 1})[0]
     with pytest.raises(Exception):
         c.knob = "x"
 
 
+@pytest.mark.unit
 def test_option_equal_to_baseline_is_dropped():
     configs = expand({"a": Choice([1, 2, 1]), "b": Choice(["x", "x"])})
     assert [(c.knob, c.value) for c in configs] == [(None, None), ("a", 2)]
 
 
+@pytest.mark.unit
 def test_identical_settings_kept_once():
     # Within one knob: equal alternatives (also dicts) are kept once.
     s = {"m": Choice([{"w": 1}, {"w": 2}, {"w": 2}])}
@@ -187,6 +194,7 @@ def test_identical_settings_kept_once():
     assert [(c.knob, c.value) for c in expand(s)] == [(None, None), ("x", 1.0)]
 
 
+@pytest.mark.unit
 def test_literal_list_is_one_value_and_options_are_atomic():
     assert len(expand({"model": {"hidden": [64, 64, 64, 64]}})) == 1
     s = {"model": {"hidden": Choice([[64] * 4, [128, 128]]),
@@ -200,6 +208,7 @@ def test_literal_list_is_one_value_and_options_are_atomic():
     assert configs[2].settings["model"]["opt"] == {"name": "sgd"}
 
 
+@pytest.mark.unit
 def test_expand_does_not_alias_user_input():
     option = [1, 2]
     s = {"a": Choice([[0], option])}
@@ -223,6 +232,7 @@ def test_expand_does_not_alias_user_input():
     ({"t": {"lr": Choice([0.1, -math.inf])}}, "t.lr[option 1]", "finite"),
     ({"t": {"f": {1, 2}}}, "t.f", "not allowed"),
 ])
+@pytest.mark.unit
 def test_structure_rejections_name_the_path(settings, path, words):
     with pytest.raises(SettingsError) as info:
         check_structure(settings, where="here.py [p]")
@@ -233,6 +243,7 @@ def test_structure_rejections_name_the_path(settings, path, words):
         expand(settings)
 
 
+@pytest.mark.unit
 def test_bad_key_at_top_level():
     with pytest.raises(SettingsError, match="<top level>: key 'a.b'"):
         check_structure({"a.b": 1})
@@ -249,6 +260,7 @@ ANALYSIS = ('{"analysis": "study:Analysis", "inference": {}, "verification": {},
             ' "metrics": ["bias"], "plots": [], "cohort_plots": [], "plotting": {}}')
 
 
+@pytest.mark.unit
 def test_load_profile_from_files_elsewhere(tmp_path, monkeypatch):
     folder = write_settings(tmp_path / "elsewhere", TRAINING, ANALYSIS)
     before = snapshot(folder)
@@ -273,6 +285,7 @@ def test_load_profile_from_files_elsewhere(tmp_path, monkeypatch):
     assert not any(name.startswith("_nnpd_settings") for name in leaked)
 
 
+@pytest.mark.unit
 def test_two_settings_dirs_do_not_collide(tmp_path):
     one = write_settings(tmp_path / "one", TRAINING, ANALYSIS)
     two = write_settings(tmp_path / "two", TRAINING.replace('"seed": 1', '"seed": 2'),
@@ -282,12 +295,14 @@ def test_two_settings_dirs_do_not_collide(tmp_path):
     assert load_profile(one).training["seed"] == 1
 
 
+@pytest.mark.unit
 def test_unknown_profile_lists_known_ones(tmp_path):
     folder = write_settings(tmp_path, TRAINING, ANALYSIS)
     with pytest.raises(SettingsError, match=r"unknown profile 'huge'.*smoke, full"):
         load_profile(folder, "huge")
 
 
+@pytest.mark.unit
 def test_missing_file_names_the_path(tmp_path):
     folder = write_settings(tmp_path, TRAINING, ANALYSIS)
     (folder / "settings_analysis.py").unlink()
@@ -296,6 +311,7 @@ def test_missing_file_names_the_path(tmp_path):
     assert str(folder / "settings_analysis.py") in str(info.value)
 
 
+@pytest.mark.unit
 def test_make_settings_error_is_reported(tmp_path):
     folder = write_settings(tmp_path, 'dict(a=1) if profile == "smoke" else 1 / 0',
                             ANALYSIS)
@@ -303,6 +319,7 @@ def test_make_settings_error_is_reported(tmp_path):
         load_profile(folder, "full")
 
 
+@pytest.mark.unit
 def test_missing_and_extra_sections(tmp_path):
     body = TRAINING.replace('"seed": 1,', '"sede": 1,')
     folder = write_settings(tmp_path, body, ANALYSIS)
@@ -321,6 +338,7 @@ def test_missing_and_extra_sections(tmp_path):
         load_profile(folder)
 
 
+@pytest.mark.unit
 def test_choice_in_analysis_rejected(tmp_path):
     body = ANALYSIS.replace('"inference": {}', '"inference": {"n": Choice([1, 2])}')
     folder = write_settings(tmp_path, TRAINING, body)
@@ -335,6 +353,7 @@ def test_choice_in_analysis_rejected(tmp_path):
     ("output", {"root": Choice(["a", "b"])}, "output.root"),
     ("runtime", {"device": "cpu", "mode": Choice(["jobs", "ddp"])}, "runtime.mode"),
 ])
+@pytest.mark.unit
 def test_launch_invariant_sections(section, value, path):
     from settings import check_training
     assert section in LAUNCH_INVARIANT
@@ -344,6 +363,7 @@ def test_launch_invariant_sections(section, value, path):
     assert "separate launches" in str(info.value)
 
 
+@pytest.mark.unit
 def test_class_reference_form():
     from settings import check_analysis, check_training
     with pytest.raises(SettingsError, match="experiment: 'study.Experiment'"):
@@ -371,6 +391,7 @@ FAST = hsettings(max_examples=60, deadline=None,
 
 @FAST
 @given(tree)
+@pytest.mark.property
 def test_property_baseline_then_one_knob_each(settings):
     configs = expand(settings)
     knobs = choice_paths(settings)
@@ -391,6 +412,7 @@ def test_property_baseline_then_one_knob_each(settings):
 
 @FAST
 @given(tree)
+@pytest.mark.property
 def test_property_count_matches_distinct_settings(settings):
     configs = expand(settings)
     baseline = resolve(settings)
@@ -421,6 +443,7 @@ def shuffled(value, rng):
 
 @FAST
 @given(tree, st.integers(0, 2**31))
+@pytest.mark.property
 def test_property_digests_ignore_dict_order(settings, seed):
     other = shuffled(settings, random.Random(seed))
     a, b = expand(settings), expand(other)

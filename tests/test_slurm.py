@@ -24,6 +24,7 @@ from helpers import REPO, free_port, saved_states, toy_environment, toy_settings
 COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
 MISSING = [name for name in COMMANDS if shutil.which(name) is None]
 pytestmark = [
+    pytest.mark.launch,
     pytest.mark.skipif(bool(MISSING), reason=f"Slurm or MUNGE is not installed (no {', '.join(MISSING)} on PATH; "
                                              "Debian: apt-get install slurm-wlm munge)"),
     pytest.mark.skipif(os.geteuid() != 0, reason="the one-machine Slurm runs its daemons and jobs as root"),

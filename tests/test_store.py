@@ -43,6 +43,7 @@ def tmp_dirs(root):
 
 # ---------------------------------------------------------------- concurrency (real processes)
 
+@pytest.mark.launch
 def test_six_processes_race_build_once(tmp_path):
     root, counter, go = tmp_path / "out", tmp_path / "count", tmp_path / "go"
     procs = [spawn("race", root, counter, go) for _ in range(6)]
@@ -60,6 +61,7 @@ def test_six_processes_race_build_once(tmp_path):
     assert art.metadata["builder"] == int(counter.read_text())
 
 
+@pytest.mark.launch
 def test_sigkilled_build_leaves_store_usable(tmp_path):
     root = tmp_path / "out"
     proc = spawn("hang", root)
@@ -89,6 +91,7 @@ def test_sigkilled_build_leaves_store_usable(tmp_path):
     assert s.verify() == (1, [])
 
 
+@pytest.mark.launch
 def test_nonblocking_lock_from_second_process_reports_busy(tmp_path):
     s = Store(tmp_path)
     with s.lock("job-1") as held:
@@ -101,6 +104,7 @@ def test_nonblocking_lock_from_second_process_reports_busy(tmp_path):
 
 # ---------------------------------------------------------------- failures
 
+@pytest.mark.unit
 def test_build_that_raises_commits_nothing(tmp_path):
     s = Store(tmp_path)
 
@@ -115,6 +119,7 @@ def test_build_that_raises_commits_nothing(tmp_path):
 
 
 @pytest.mark.parametrize("bad", ["../x", "a/b", ".hidden", "", "a\\b"])
+@pytest.mark.unit
 def test_unsafe_names_rejected(tmp_path, bad):
     s = Store(tmp_path)
     with pytest.raises(ValueError, match="unsafe|non-empty"):
@@ -138,6 +143,7 @@ def test_unsafe_names_rejected(tmp_path, bad):
     (lambda w: [(w.directory / "sneaky.txt").write_text("x")] and None, "without the writer"),
     (lambda w: w.weights({"w": np.zeros(2)}), "tensors"),
 ])
+@pytest.mark.unit
 def test_invalid_content_rejected_and_nothing_committed(tmp_path, build, match):
     s = Store(tmp_path)
     with pytest.raises(ValueError, match=match):
@@ -145,6 +151,7 @@ def test_invalid_content_rejected_and_nothing_committed(tmp_path, build, match):
     assert list(s.entries()) == [] and tmp_dirs(tmp_path) == []
 
 
+@pytest.mark.unit
 def test_nan_in_recipe_and_canonical_json():
     with pytest.raises(ValueError, match="NaN"):
         store.canonical_json({"x": float("nan")})
@@ -154,6 +161,7 @@ def test_nan_in_recipe_and_canonical_json():
 
 # ---------------------------------------------------------------- damage
 
+@pytest.mark.unit
 def test_same_size_byte_flip_is_found_by_every_read(tmp_path):
     s = Store(tmp_path)
     art = s.get("data", {"k": 1}, build_xy)
@@ -173,6 +181,7 @@ def test_same_size_byte_flip_is_found_by_every_read(tmp_path):
     assert again.verify(deep=True) and list((tmp_path / "damaged" / "data").iterdir())
 
 
+@pytest.mark.unit
 def test_a_file_read_before_and_changed_later_is_hashed_again(tmp_path, monkeypatch):
     s = Store(tmp_path)
     art = s.get("data", {"k": 3}, build_xy)
@@ -188,6 +197,7 @@ def test_a_file_read_before_and_changed_later_is_hashed_again(tmp_path, monkeypa
         s.find("data", art.key)
 
 
+@pytest.mark.unit
 def test_an_altered_manifest_is_damage(tmp_path):
     s = Store(tmp_path)
     art = s.get("data", {"k": 4}, build_xy, metadata={"rows": 10})
@@ -197,6 +207,7 @@ def test_an_altered_manifest_is_damage(tmp_path):
         s.find("data", art.key)
 
 
+@pytest.mark.unit
 def test_training_states_carry_their_key_and_checksum(tmp_path):
     s = Store(tmp_path)
     key, other = "a" * 64, "b" * 64
@@ -219,6 +230,7 @@ def test_training_states_carry_their_key_and_checksum(tmp_path):
 
 
 @pytest.mark.parametrize("make", ["fifo", "folder"])
+@pytest.mark.unit
 def test_a_non_regular_file_where_a_training_state_belongs_is_cleared_not_read(tmp_path, make):
     # A FIFO blocked the read for ever; a folder failed every save, so the model was never committed.
     s = Store(tmp_path)
@@ -241,6 +253,7 @@ def test_a_non_regular_file_where_a_training_state_belongs_is_cleared_not_read(t
     assert not path.exists()
 
 
+@pytest.mark.unit
 def test_truncation_found_by_fast_check_moved_aside_and_rebuilt(tmp_path):
     s = Store(tmp_path)
     art = s.get("data", {"k": 1}, build_xy)
@@ -259,6 +272,7 @@ def test_truncation_found_by_fast_check_moved_aside_and_rebuilt(tmp_path):
     assert s.verify() == (1, [])
 
 
+@pytest.mark.unit
 def test_unreadable_manifest_is_damage(tmp_path):
     s = Store(tmp_path)
     art = s.get("data", {"k": 2}, build_xy)
@@ -270,6 +284,7 @@ def test_unreadable_manifest_is_damage(tmp_path):
 
 # ---------------------------------------------------------------- round trips
 
+@pytest.mark.unit
 def test_store_construction_creates_nothing(tmp_path):
     s = Store(tmp_path / "out")
     assert s.find("data", "0" * 64) is None
@@ -279,6 +294,7 @@ def test_store_construction_creates_nothing(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.unit
 def test_arrays_json_weights_round_trip(tmp_path):
     s = Store(tmp_path)
     net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 1))
@@ -325,6 +341,7 @@ recipes = st.dictionaries(st.text(max_size=5), st.one_of(st.integers(), st.text(
 
 @settings(max_examples=50, deadline=None)
 @given(recipes)
+@pytest.mark.property
 def test_key_stable_under_dict_reordering(recipe):
     s = Store("/nonexistent-root")
     reordered = dict(reversed(list(recipe.items())))
@@ -333,6 +350,7 @@ def test_key_stable_under_dict_reordering(recipe):
     assert s.key("data", recipe) != s.key("other", recipe)
 
 
+@pytest.mark.unit
 def test_prune_keeps_keep_set_and_skips_locked(tmp_path):
     s = Store(tmp_path)
     arts = [s.get("data", {"i": i}, build_xy) for i in range(4)]
@@ -346,6 +364,7 @@ def test_prune_keeps_keep_set_and_skips_locked(tmp_path):
     assert s.verify() == (2, [])
 
 
+@pytest.mark.unit
 def test_write_json_atomic(tmp_path):
     target = tmp_path / "sub" / "status.json"
     store.write_json_atomic(target, {"b": 1, "a": [1.5]})
@@ -356,6 +375,7 @@ def test_write_json_atomic(tmp_path):
     assert sorted(p.name for p in target.parent.iterdir()) == ["status.json"]  # no temp left
 
 
+@pytest.mark.unit
 def test_commit_survives_rerun_and_is_reused(tmp_path):
     s = Store(tmp_path)
     calls = []

@@ -26,6 +26,7 @@ def product(*needs):
     return Product(build, recipe, needs=needs)
 
 
+@pytest.mark.unit
 def test_a_sound_graph_passes_with_dependencies_first():
     products = {"c": product("a", "b"), "b": product("a"), "a": product(), "d": product()}
     assert study.check_graph(products, {"m": Metric(len, needs=("c",))}, ["m"]) == ["a", "b", "c", "d"]
@@ -39,11 +40,13 @@ def test_a_sound_graph_passes_with_dependencies_first():
     ({"a": product("b"), "b": product("c"), "c": product("a")}, {}, [], "cycle: a -> b -> c -> a"),
     ({"a": product("a")}, {}, [], "cycle: a -> a"),
 ])
+@pytest.mark.unit
 def test_bad_graphs_are_rejected_at_plan_time(products, metrics, selected, message):
     with pytest.raises(SettingsError, match=message):
         study.check_graph(products, metrics, selected)
 
 
+@pytest.mark.unit
 def test_load_class_names_the_setting_and_checks_the_contract():
     assert study.load_class("gaussian_study:GaussianAnalysis", "analysis").__name__ == "GaussianAnalysis"
     with pytest.raises(SettingsError, match="experiment: cannot import module 'no_such_module'"):
@@ -83,6 +86,7 @@ def fingerprint_of(tmp_path, monkeypatch, helper_offset, unrelated_value, counte
         del sys.modules[name]
 
 
+@pytest.mark.unit
 def test_fingerprint_follows_helpers_but_not_unrelated_code(tmp_path, monkeypatch):
     base = fingerprint_of(tmp_path, monkeypatch, 1, 1)
     assert fingerprint_of(tmp_path, monkeypatch, 1, 2) == base        # an unrelated function changed
@@ -100,6 +104,7 @@ def learned_product_digest(framework):
     return result.stdout.strip()
 
 
+@pytest.mark.launch
 def test_editing_the_adaptive_refinement_changes_the_analysis_products_keys(tmp_path):
     for path in REPO.glob("*.py"):
         shutil.copy(path, tmp_path)

@@ -9,6 +9,8 @@ import nre_study
 import priors
 from settings_training import make_settings
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("family", ["uniform", "normal", "exponential", "grid"])
 def test_exact_ratio_reweights_product_pairs_onto_joint_pairs(family):

@@ -30,6 +30,7 @@ def run_count(root):
 
 # ---------------------------------------------------------------- the arithmetic
 
+@pytest.mark.unit
 def test_phases_add_counts_and_times_and_combine_extremes():
     total = timings.add_phases({}, {"a": {"count": 2, "nested": 0, "total_s": 1.0, "min_s": 0.2, "max_s": 0.8,
                                           "cpu_s": 0.9}})
@@ -41,6 +42,7 @@ def test_phases_add_counts_and_times_and_combine_extremes():
     assert total["b"]["count"] == 1
 
 
+@pytest.mark.unit
 def test_busy_share_takes_the_largest_jobs_first():
     assert timings.busy_share([1.0, 1.0, 1.0, 1.0], 2) == 1.0
     # largest first onto the freer worker: loads 3+2+2 = 7 and 3+2 = 5
@@ -48,6 +50,7 @@ def test_busy_share_takes_the_largest_jobs_first():
     assert timings.busy_share([5.0], 2) == 0.5
 
 
+@pytest.mark.unit
 def test_advice_weighs_communication_against_idle_workers():
     heavy = timings.advise("ddp", 2, [1.0, 1.0, 1.0, 1.0], 0.7)
     assert "70% of each training step" in heavy and "runtime.parallel=\"jobs\"" in heavy and "faster" in heavy
@@ -61,6 +64,7 @@ def test_advice_weighs_communication_against_idle_workers():
     assert "side by side" in timings.advise("jobs", 1, [1.0, 2.0, 3.0], "x")
 
 
+@pytest.mark.unit
 def test_communication_share_needs_device_time_on_cuda():
     cpu = {"step_s": 2.0, "communicate_s": 0.5, "clock": "host", "device_type": "cpu"}
     assert timings.communication_share(cpu) == 0.25
@@ -71,6 +75,7 @@ def test_communication_share_needs_device_time_on_cuda():
         assert isinstance(timings.communication_share(broken), str)    # a damaged record is "unknown"
 
 
+@pytest.mark.unit
 def test_run_sections_keep_the_work_of_earlier_launches():
     worked = {"0": {"wall_s": 9.0, "phases": {"train.forward": {"count": 1, "total_s": 8.0}}}}
     old = {"training": {"launch": "old", "workers": worked}, "analysis": {"launch": "old", "workers": worked}}
@@ -94,6 +99,7 @@ def test_run_sections_keep_the_work_of_earlier_launches():
 
 # ---------------------------------------------------------------- real launches
 
+@pytest.mark.launch
 def test_every_run_gets_timings_and_analysis_keeps_the_training_section(study_dir, tmp_path, capsys):
     root = tmp_path / "out"
     summary = nnpd.execute("train", "smoke", study_dir)
@@ -122,6 +128,7 @@ def test_every_run_gets_timings_and_analysis_keeps_the_training_section(study_di
     assert json.loads((root / "timings.json").read_text())["stage"] == "run"
 
 
+@pytest.mark.launch
 def test_plan_advises_from_the_workload_then_from_the_timings_and_writes_nothing(study_dir, tmp_path):
     estimated = nnpd.plan("smoke", study_dir)["advice"]
     assert estimated.startswith("estimated from the workload (no timings")
@@ -132,6 +139,7 @@ def test_plan_advises_from_the_workload_then_from_the_timings_and_writes_nothing
     assert {path: path.stat().st_mtime_ns for path in (tmp_path / "out").rglob("*")} == before
 
 
+@pytest.mark.launch
 def test_probes_off_launch_works_and_records_no_phases(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["cohort"]["priors"] = ["uniform"]\n')
     done = run_cli("train", "--settings-dir", str(settings), env={"NNPD_PROBES": "off"})
@@ -156,6 +164,7 @@ def bad_switch_launches(request, tmp_path_factory):
 
 
 @pytest.mark.parametrize("name, value", [("NNPD_PROBES", "fast"), ("NNPD_PROBES_CUDA", "yes")])
+@pytest.mark.launch
 def test_a_bad_probes_switch_is_one_line_and_exit_two(bad_switch_launches, tmp_path, name, value):
     folder, done = made_ahead(bad_switch_launches, train_with_switch, tmp_path, name=name, value=value)
     assert done.returncode == 2
@@ -164,6 +173,7 @@ def test_a_bad_probes_switch_is_one_line_and_exit_two(bad_switch_launches, tmp_p
     assert not (folder / "out").exists()
 
 
+@pytest.mark.launch
 def test_ddp_launch_writes_both_workers_phases_with_communication(tmp_path):
     ddp = 'settings["runtime"]["parallel"] = "ddp"\nsettings["cohort"]["priors"] = ["uniform", "grid"]\n'
     settings = write_settings(tmp_path / "s", tmp_path / "out", training=ddp)
@@ -201,6 +211,7 @@ def ddp_worker_result(tmp_path, probes_mode, workers=3):
     return torch.load(output)["result"]
 
 
+@pytest.mark.launch
 def test_the_timed_allreduce_trains_bitwise_like_ddps_own(tmp_path):
     launched = side_by_side({mode: functools.partial(ddp_worker_result, tmp_path, mode) for mode in ("python", "off")})
     timed, untimed = launched["python"], launched["off"]
@@ -210,6 +221,7 @@ def test_the_timed_allreduce_trains_bitwise_like_ddps_own(tmp_path):
             assert torch.equal(timed[objective]["weights"][name], tensor), (objective, name)
 
 
+@pytest.mark.launch
 def test_jobs_mode_workers_time_their_own_jobs(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out")
     done = torchrun("train", "--settings-dir", str(settings))
@@ -230,12 +242,14 @@ def test_jobs_mode_workers_time_their_own_jobs(tmp_path):
 @pytest.mark.parametrize("name", ["gaussian_study:GaussianExperiment", "gaussian_study:GaussianAnalysis",
                                   "toy_study:SlopeExperiment", "jobs:Launch", "store:Store",
                                   "timings:LaunchTimer", "trainer:TrainingHooks"])
+@pytest.mark.unit
 def test_source_text_is_inspects_text(name):
     module, _, attribute = name.partition(":")
     cls = getattr(__import__(module), attribute)
     assert study.source_text(cls) == inspect.getsource(cls)
 
 
+@pytest.mark.unit
 def test_source_text_falls_back_when_the_class_line_is_ambiguous(tmp_path, monkeypatch):
     source = ("class Twice:\n    def one(self):\n        return 1\n\n\n"
               "if True:\n    class Twice:\n        def two(self):\n            return 2\n")
@@ -247,6 +261,7 @@ def test_source_text_falls_back_when_the_class_line_is_ambiguous(tmp_path, monke
     assert study.source_text(twice_module.Twice) == inspect.getsource(twice_module.Twice)
 
 
+@pytest.mark.unit
 def test_source_text_keeps_a_decorator_parted_from_its_class_by_a_blank_line(tmp_path, monkeypatch):
     source = "def mark(cls):\n    return cls\n\n\n@mark\n\n# a comment\nclass Spaced:\n    def one(self):\n        return 1\n"
     (tmp_path / "spaced_module.py").write_text(source)

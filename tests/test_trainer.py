@@ -20,6 +20,7 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 
 @given(rows=st.integers(0, 500), batch_size=st.integers(1, 80))
+@pytest.mark.property
 def test_epoch_batches_cover_every_row_once_in_order(rows, batch_size):
     batches = trainer.epoch_batches(rows, batch_size)
     covered = [i for start, stop in batches for i in range(start, stop)]
@@ -29,6 +30,7 @@ def test_epoch_batches_cover_every_row_once_in_order(rows, batch_size):
 
 
 @given(batch_len=st.integers(1, 300), world_size=st.integers(1, 400))
+@pytest.mark.property
 def test_every_index_of_a_batch_is_in_exactly_one_shard(batch_len, world_size):
     indices = range(batch_len)
     shards = [list(indices[trainer.shard_slice(batch_len, r, world_size)]) for r in range(world_size)]
@@ -44,6 +46,7 @@ def test_every_index_of_a_batch_is_in_exactly_one_shard(batch_len, world_size):
 
 
 @given(batch_len=st.integers(1, 200), world_size=st.integers(1, 300))
+@pytest.mark.property
 def test_shard_slices_work_on_tensors_including_empty_ones(batch_len, world_size):
     batch = torch.arange(batch_len)
     parts = [batch[trainer.shard_slice(batch_len, r, world_size)] for r in range(world_size)]
@@ -56,6 +59,7 @@ def test_shard_slices_work_on_tensors_including_empty_ones(batch_len, world_size
     losses=st.lists(st.floats(0, 50, allow_nan=False), min_size=1, max_size=120),
     world_size=st.integers(1, 150),
 )
+@pytest.mark.property
 def test_loss_scales_sum_to_world_size_and_reproduce_the_global_mean(losses, world_size):
     batch_len = len(losses)
     scales, weighted = [], 0.0
@@ -69,6 +73,7 @@ def test_loss_scales_sum_to_world_size_and_reproduce_the_global_mean(losses, wor
     assert math.isclose(weighted / world_size, sum(losses) / batch_len, rel_tol=1e-9, abs_tol=1e-12)
 
 
+@pytest.mark.unit
 def test_sharding_rejects_bad_arguments():
     with pytest.raises(ValueError):
         trainer.shard_slice(4, 2, 2)
@@ -81,6 +86,7 @@ def test_sharding_rejects_bad_arguments():
 # ---------------------------------------------------------------- metrics
 
 
+@pytest.mark.unit
 def test_classification_metrics_by_hand():
     logits = torch.tensor([2.0, -1.0, 0.5, -3.0])
     labels = torch.tensor([1.0, 0.0, 0.0, 1.0])
@@ -92,6 +98,7 @@ def test_classification_metrics_by_hand():
     assert m["auc"] == pytest.approx(0.5)
 
 
+@pytest.mark.unit
 def test_auc_counts_ties_as_half():
     logits = torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0])
     labels = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0])
@@ -101,6 +108,7 @@ def test_auc_counts_ties_as_half():
     assert all_tied["auc"] == pytest.approx(0.5)
 
 
+@pytest.mark.unit
 def test_auc_is_none_when_one_class_is_absent_and_bce_is_stable():
     m = inference.classification_metrics(torch.tensor([800.0, -800.0]), torch.tensor([1.0, 1.0]))
     assert m["auc"] is None
@@ -110,6 +118,7 @@ def test_auc_is_none_when_one_class_is_absent_and_bce_is_stable():
 # ---------------------------------------------------------------- settings
 
 
+@pytest.mark.unit
 def test_training_settings_validation():
     assert trainer.check_training_settings({}) == trainer.TRAINING_DEFAULTS
     for given, key in [
@@ -138,6 +147,7 @@ def test_training_settings_validation():
             trainer.check_training_settings(given)
 
 
+@pytest.mark.unit
 def test_float16_on_cpu_is_refused_before_training():
     model = _model()
     before = [p.clone() for p in model.parameters()]
@@ -168,6 +178,7 @@ def _train(settings, data=None, model=None, seed=0, rt=CPU):
     return trainer.train(model or _model(), data or _data(), {"batch_size": 32, **settings}, rt, seed)
 
 
+@pytest.mark.unit
 def test_training_lowers_the_loss_and_reports_history():
     weights, history = _train({"epochs": 4, "learning_rate": 0.02})
     losses = history["train_loss"]
@@ -179,6 +190,7 @@ def test_training_lowers_the_loss_and_reports_history():
     assert set(weights) == set(_model().state_dict())
 
 
+@pytest.mark.unit
 def test_epoch_loss_is_the_per_row_mean_over_the_epoch():
     # With learning rate ~0, the epoch loss equals the BCE of the initial model on all train rows.
     data = _data()
@@ -189,6 +201,7 @@ def test_epoch_loss_is_the_per_row_mean_over_the_epoch():
     assert history["train_loss"][0] == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.unit
 def test_best_keeps_the_lowest_validation_epoch_and_last_the_final_one():
     # A learning rate this high makes validation BCE bounce, so best and last differ.
     settings = {"epochs": 6, "learning_rate": 0.5, "batch_size": 16}
@@ -208,6 +221,7 @@ def test_best_keeps_the_lowest_validation_epoch_and_last_the_final_one():
         assert any(not torch.equal(best[k], last[k]) for k in best)
 
 
+@pytest.mark.unit
 def test_adamw_with_clipping_trains_and_differs_from_adam():
     plain, _ = _train({"epochs": 2, "learning_rate": 0.05})
     decayed, history = _train({"epochs": 2, "learning_rate": 0.05, "optimizer": "adamw", "weight_decay": 0.5, "gradient_clip": 0.01})
@@ -220,6 +234,7 @@ def _step_size(weights, start):
     return math.sqrt(sum(float(((weights[k] - start[k]) ** 2).sum()) for k in start))
 
 
+@pytest.mark.unit
 def test_gradient_clip_bounds_the_global_norm():
     # One full-batch Adam step with a huge epsilon moves parameters by about lr * gradient,
     # so the step's L2 norm shows the (clipped) global gradient norm.
@@ -231,12 +246,14 @@ def test_gradient_clip_bounds_the_global_norm():
     assert _step_size(free, start) > 20 * _step_size(clipped, start)
 
 
+@pytest.mark.unit
 def test_bfloat16_on_cpu_runs():
     weights, history = _train({"epochs": 2, "learning_rate": 0.02, "precision": "bfloat16"})
     assert all(math.isfinite(v) for v in history["train_loss"])
     assert all(t.dtype == torch.float32 for t in weights.values())
 
 
+@pytest.mark.unit
 def test_non_finite_input_raises_naming_epoch_and_batch():
     data = _data()
     data["train_inputs"] = data["train_inputs"].clone()
@@ -245,6 +262,7 @@ def test_non_finite_input_raises_naming_epoch_and_batch():
         _train({"epochs": 2}, data=data)
 
 
+@pytest.mark.unit
 def test_non_finite_validation_logit_raises():
     data = _data()
     data["validation_inputs"] = data["validation_inputs"].clone()
@@ -253,6 +271,7 @@ def test_non_finite_validation_logit_raises():
         _train({"epochs": 1}, data=data)
 
 
+@pytest.mark.unit
 def test_same_seed_gives_identical_weights_and_other_seed_differs():
     a, ha = _train({"epochs": 2}, seed=3)
     b, hb = _train({"epochs": 2}, seed=3)
@@ -261,6 +280,7 @@ def test_same_seed_gives_identical_weights_and_other_seed_differs():
     assert any(not torch.equal(a[k], c[k]) for k in a)
 
 
+@pytest.mark.unit
 def test_dropout_training_is_reproducible_whatever_ran_before():
     def dropout_model():
         torch.manual_seed(0)
@@ -274,6 +294,7 @@ def test_dropout_training_is_reproducible_whatever_ran_before():
     assert all(torch.equal(first[k], second[k]) for k in first)
 
 
+@pytest.mark.unit
 def test_training_state_round_trips_and_redraws_the_epoch_permutation():
     model = _model()
     settings = trainer.check_training_settings({})
@@ -319,6 +340,7 @@ def _gradients(loss, model):
     return torch.autograd.grad(loss, list(model.parameters()))
 
 
+@pytest.mark.unit
 def test_balanced_loss_gradient_is_autograd_of_the_formula_on_the_full_batch():
     data, model = _data(), _model()
     x, y = data["train_inputs"], data["train_labels"]
@@ -334,6 +356,7 @@ def test_balanced_loss_gradient_is_autograd_of_the_formula_on_the_full_batch():
     assert any(not torch.allclose(a, b, rtol=1e-3) for a, b in zip(_gradients(bce, model), _gradients(formula, model)))
 
 
+@pytest.mark.unit
 def test_a_batch_of_one_class_has_no_balance_term():
     model = _model()
     x = _data()["train_inputs"][:10]
@@ -347,6 +370,7 @@ def test_a_batch_of_one_class_has_no_balance_term():
             torch.testing.assert_close(got, want)
 
 
+@pytest.mark.unit
 def test_one_balanced_training_step_follows_the_formula_gradient():
     # Adam's first full-batch step moves each parameter by -lr * g / (|g| + epsilon).
     start, data, lr, epsilon = _model(), _data(), 0.01, 0.1
@@ -359,6 +383,7 @@ def test_one_balanced_training_step_follows_the_formula_gradient():
         torch.testing.assert_close(before - trained[name], step, rtol=1e-3, atol=3e-7)
 
 
+@pytest.mark.unit
 def test_balanced_with_zero_weight_trains_exactly_like_bce():
     plain, plain_history = _train({"epochs": 2, "learning_rate": 0.05})
     zero, zero_history = _train({"epochs": 2, "learning_rate": 0.05, "objective": "balanced", "balance_weight": 0.0})
@@ -370,6 +395,7 @@ def test_balanced_with_zero_weight_trains_exactly_like_bce():
 # ---------------------------------------------------------------- selection of the kept epoch
 
 
+@pytest.mark.unit
 def test_selection_setting_is_validated_in_one_line_naming_the_fix():
     assert trainer.check_training_settings({"selection": "objective"})["selection"] == "objective"
     assert trainer.check_training_settings({})["selection"] == "bce"
@@ -380,6 +406,7 @@ def test_selection_setting_is_validated_in_one_line_naming_the_fix():
     assert '"bce"' in message and '"objective"' in message
 
 
+@pytest.mark.unit
 def test_the_validation_objective_and_balance_are_recorded_per_epoch():
     data = _data()
     weights, history = _train({"epochs": 3, "learning_rate": 0.05, "objective": "balanced", "balance_weight": 10.0,
@@ -406,6 +433,7 @@ def test_the_validation_objective_and_balance_are_recorded_per_epoch():
     assert plain["validation_objective"] == [v["bce"] for v in plain["validation"]]
 
 
+@pytest.mark.unit
 def test_selection_objective_keeps_the_epoch_of_the_lowest_validation_objective():
     # A high learning rate with a weighted balance term: here validation BCE falls to the last
     # epoch while the validation objective is lowest at epoch 4, so the two criteria disagree.
@@ -430,6 +458,7 @@ def test_selection_objective_keeps_the_epoch_of_the_lowest_validation_objective(
     assert any(not torch.equal(by_objective[k], by_bce[k]) for k in by_bce)
 
 
+@pytest.mark.unit
 def test_a_resumed_objective_selection_keeps_the_same_epoch_and_weights():
     # Resumed after epoch 4 (the objective's best in this run), epochs 5 and 6 must not displace it.
     import io
@@ -455,6 +484,7 @@ def test_a_resumed_objective_selection_keeps_the_same_epoch_and_weights():
     assert all(torch.equal(resumed[0][k], reference[0][k]) for k in reference[0])
 
 
+@pytest.mark.unit
 def test_the_model_key_differs_between_selections_and_an_absent_one_is_the_kits_default(tmp_path):
     import jobs
     import nnpd
@@ -484,6 +514,7 @@ def test_the_model_key_differs_between_selections_and_an_absent_one_is_the_kits_
 @cuda
 @pytest.mark.cuda
 @pytest.mark.parametrize("precision", ["off", "float16", "bfloat16"])
+@pytest.mark.unit
 def test_single_gpu_training(precision):
     if precision == "bfloat16" and not torch.cuda.is_bf16_supported():
         pytest.skip("this GPU has no bfloat16 support")
@@ -514,6 +545,7 @@ def _joint_model(seed=0):
 @given(rows=st.integers(2, 300), batch_size=st.integers(1, 64), classes=st.integers(1, 6), seed=st.integers(0, 99),
        epoch=st.integers(0, 3))
 @settings(max_examples=60, deadline=None)
+@pytest.mark.property
 def test_batch_atoms_are_other_rows_of_the_batch_and_depend_only_on_seed_epoch_and_batch(
         rows, batch_size, classes, seed, epoch):
     import contrast
@@ -530,6 +562,7 @@ def test_batch_atoms_are_other_rows_of_the_batch_and_depend_only_on_seed_epoch_a
         assert torch.equal(atoms, contrast.batch_atoms(start, stop, classes, seed, epoch, index))
 
 
+@pytest.mark.unit
 def test_batch_atoms_are_new_in_every_epoch_and_batch_and_cover_the_batch():
     import contrast
 
@@ -539,6 +572,7 @@ def test_batch_atoms_are_new_in_every_epoch_and_batch_and_cover_the_batch():
     assert counts.min() >= 0 and counts.max() < 12 and (counts > 0).float().mean() > 0.9
 
 
+@pytest.mark.unit
 def test_contrastive_loss_equals_the_classification_it_defines():
     import contrast
 
@@ -558,6 +592,7 @@ def test_contrastive_loss_equals_the_classification_it_defines():
     torch.testing.assert_close(contrast.contrastive_losses(pair, 1.0), bce / 2)
 
 
+@pytest.mark.unit
 def test_joint_pairs_train_every_objective_and_record_the_contrastive_validation_loss():
     import contrast
 
@@ -586,6 +621,7 @@ def test_joint_pairs_train_every_objective_and_record_the_contrastive_validation
         trainer.train(_model(), _data(), {"objective": "contrastive"}, CPU, 0)
 
 
+@pytest.mark.unit
 def test_patience_stops_training_once_the_selected_loss_stops_improving_and_resumes_exactly():
     import io
 
