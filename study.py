@@ -244,7 +244,10 @@ def load_study(training_settings, analysis_settings):
                          "settings_analysis.py")
     analysis = analysis_class(analysis_settings, experiment)
     check_members(analysis, analysis_spec, "analysis")
-    chosen = getattr(analysis, "settings", analysis_settings)
+    if not hasattr(analysis, "settings"):
+        # An analysis class of its own that keeps no settings: the jobs read those nnpd constructed it with.
+        analysis.settings = analysis_settings
+    chosen = analysis.settings
     chosen.setdefault("metrics", list(analysis.metrics))
     check_graph(analysis.products, analysis.metrics, list(chosen["metrics"]))
     analysis.validate()

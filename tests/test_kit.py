@@ -169,21 +169,29 @@ from nre_analysis import NREAnalysis
 
 
 class PerInstance:
-    """An analysis whose members are set in __init__, not on the class."""
+    """An analysis whose members are set in __init__, not on the class; one metric is its own."""
 
     def __init__(self, settings, experiment):
         kit = NREAnalysis(settings, experiment)
-        self.products, self.metrics, self.plots, self.cohort_plots = kit.products, kit.metrics, {}, {}
+        self.products, self.plots, self.cohort_plots = kit.products, {}, {}
+        self.metrics = {**kit.metrics, "per_instance": study.Metric(lambda ctx: {"made_by": type(self).__name__})}
         self.SOURCES, self.validate, self.workload = kit.SOURCES, kit.validate, kit.workload
 '''
 
 
-@pytest.mark.unit
+@pytest.mark.launch
 def test_analysis_members_may_be_instance_attributes(tmp_path):
     module = module_name(tmp_path)
-    folder, _, _ = kit_study(tmp_path, extra=INSTANCE_MEMBERS, analysis=f'settings["analysis"] = "{module}:PerInstance"\n')
-    result = main_in_process("plan", "--settings-dir", str(folder))
+    folder, _, root = kit_study(tmp_path, extra=INSTANCE_MEMBERS,
+                                analysis=f'settings["analysis"] = "{module}:PerInstance"\n'
+                                         'settings["metrics"] = ["classification", "coverage", "per_instance"]\n')
+    result = main_in_process("run", "--settings-dir", str(folder))
     assert result.returncode == 0, result.stderr
+    # The class has no members at all: what metrics.json holds came from the instance's products and metrics.
+    metrics = [json.loads(path.read_text()) for path in root.glob("runs/*/*/metrics.json")]
+    assert len(metrics) == 1
+    assert metrics[0]["per_instance"] == {"made_by": "PerInstance"}
+    assert metrics[0]["coverage"]["0.68"]["joint"] is not None and metrics[0]["classification"]
 
 
 TWO_LOGITS = '''
