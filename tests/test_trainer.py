@@ -246,11 +246,24 @@ def test_gradient_clip_bounds_the_global_norm():
     assert _step_size(free, start) > 20 * _step_size(clipped, start)
 
 
+def _layer_output_dtypes(precision):
+    """(dtypes the model's linear layers computed in, weights, history) of a short training at a precision."""
+    model, seen = _model(), set()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            layer.register_forward_hook(lambda module, inputs, output: seen.add(output.dtype))
+    weights, history = _train({"epochs": 2, "learning_rate": 0.02, "precision": precision}, model=model)
+    return seen, weights, history
+
+
 @pytest.mark.unit
 def test_bfloat16_on_cpu_runs():
-    weights, history = _train({"epochs": 2, "learning_rate": 0.02, "precision": "bfloat16"})
-    assert all(math.isfinite(v) for v in history["train_loss"])
-    assert all(t.dtype == torch.float32 for t in weights.values())
+    seen, weights, history = _layer_output_dtypes("bfloat16")
+    assert seen == {torch.bfloat16}                                 # autocast: the layers compute in bfloat16
+    assert _layer_output_dtypes("off")[0] == {torch.float32}        # (which the hooks would see otherwise)
+    assert len(history["train_loss"]) == 2 and all(math.isfinite(v) for v in history["train_loss"])
+    assert all(math.isfinite(record["bce"]) for record in history["validation"])
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in weights.values())   # master weights
 
 
 @pytest.mark.unit
