@@ -5,13 +5,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, main_in_process, run_cli, write_settings
+from helpers import REPO, main_in_process, run_cli, wait_for, write_settings
 
 
 def files_under(path):
@@ -129,22 +128,27 @@ def test_a_run_killed_mid_training_loses_nothing_committed(tmp_path):
     models = tmp_path / "out" / "cache" / "model"
     states = tmp_path / "out" / "scratch" / "model"
 
+    def in_progress():
+        """Keys of the models whose training state is saved but which are not committed."""
+        committed = {path.parent.name for path in models.glob("[0-9a-f]*/artifact.json")}
+        return {state.stem for state in states.glob("*.pt")} - committed
+
     def second_model_in_progress():
         """A model is committed and another one's training state is saved: the kill lands mid-build."""
-        committed = {path.parent.name for path in models.glob("[0-9a-f]*/artifact.json")}
-        return committed and any(state.stem not in committed for state in states.glob("*.pt"))
+        return bool(list(models.glob("[0-9a-f]*/artifact.json")) and in_progress())
 
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline and not second_model_in_progress():
-        time.sleep(0.01)
+    # Fails, rather than killing anyway, if the launch ends or the deadline passes before that point.
+    wait_for(second_model_in_progress, "a second model's training in progress", seconds=300, process=process)
     os.kill(process.pid, signal.SIGKILL)
     process.wait()
     first = {p: p.stat().st_mtime_ns for p in models.glob("[0-9a-f]*/artifact.json")}
-    assert len(first) >= 1
+    interrupted = in_progress()
+    assert len(first) >= 1 and interrupted, "the kill did not land in the middle of a model's training"
     result = run_cli("train", "--settings-dir", str(settings))
     assert result.returncode == 0, result.stderr
     after = {p: p.stat().st_mtime_ns for p in models.glob("[0-9a-f]*/artifact.json")}
     assert len(after) == 4 and all(after[p] == stamp for p, stamp in first.items())   # kept, not retrained
+    assert interrupted <= {path.parent.name for path in after}                        # and the killed one built
     verified = main_in_process("verify", "--settings-dir", str(settings))
     assert verified.returncode == 0 and json.loads(verified.stdout)["damaged"] == []
     assert not list((tmp_path / "out" / "cache").glob("*/.tmp-*"))   # the killed build's leftovers are gone
