@@ -37,8 +37,10 @@ test: setup
 	$(PY) -m pytest -q tests
 
 # The fast loop: the unit and property layers, in-process (README.md, "Tests and benchmarks").
+# One intra-op thread, as nnpd's launches run by default (runtime.cpu_threads): the layers'
+# small tensor operations spend more on waking a second thread than they gain, on a busy machine most.
 test-fast: setup
-	$(PY) -m pytest -q -m "unit or property" tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "unit or property" tests
 
 smoke: setup
 	$(PY) nnpd.py run --profile smoke
