@@ -216,8 +216,8 @@ def report_text(records, columns=(), warning_paths=()):
 
 def warning_lines(records, paths=()):
     """One line per analysed run and warning found at a metric path (the analysis class's REPORT_WARNINGS)."""
-    return [f"warning: {record.swept} {record.prior}: {lookup(record.metrics, path)}"
-            for record in records if record.metrics is not None for path in paths
+    return [f"{'note' if path.endswith('note') else 'warning'}: {record.swept} {record.prior}: "
+            f"{lookup(record.metrics, path)}" for record in records if record.metrics is not None for path in paths
             if isinstance(lookup(record.metrics, path), str)]
 
 

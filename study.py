@@ -115,7 +115,7 @@ class Analysis:
     plots = {}
     cohort_plots = {}
     REPORT_COLUMNS = ()        # (heading, metric path) pairs `nnpd.py report` tabulates
-    REPORT_WARNINGS = ()       # metric paths of one-line warnings `run` and `report` print under the table
+    REPORT_WARNINGS = ()       # metric paths of one-line warnings (or notes, paths ending in "note") printed under the table
     FIGURE_METRICS = ()        # (title, metric path) panels of `report --plot`
     WORKLOAD_ADVICE = "reduce the analysis"   # what to change when a limit is exceeded
 

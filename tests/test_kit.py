@@ -392,3 +392,18 @@ def test_a_slow_simulator_shows_data_progress_with_rate_and_time_left(tmp_path):
                and "s left" in line for line in lines), trained.stdout
     assert f"data.train {4 * chunk:,}/{4 * chunk:,} simulations" in lines[-1]
 
+
+
+def test_run_notes_posterior_coverage_under_a_non_uniform_prior_and_not_under_a_uniform_one(tmp_path):
+    folder, _, root = kit_study(tmp_path, training='settings["cohort"]["priors"] = ["uniform", "normal"]\n'
+                                'settings["priors"]["normal"] = {"family": "normal"}\n',
+                                analysis='settings["inference"]["targets"] = ["ratio", "posterior"]\n'
+                                         'settings["metrics"] += ["posterior"]\n')
+    ran = main_in_process("run", "--settings-dir", str(folder))
+    assert ran.returncode == 0, ran.stderr
+    notes = [line for line in ran.stdout.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and notes[0].startswith("note: baseline normal: the posterior target's coverage is "
+                                                   "judged against truths spread evenly over the box"), ran.stdout
+    for metrics in root.glob("runs/*/*/metrics.json"):
+        note = json.loads(metrics.read_text())["posterior"]["truths_note"]
+        assert (note is None) == ("/uniform-" in str(metrics)) and (note is None or note in notes[0])
