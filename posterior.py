@@ -39,6 +39,7 @@ import adaptive
 import inference
 import runtime
 from nre_analysis import check_inference_settings, flatness, learned_scoring, prior_sds
+from store import NnpdError
 
 MIN_ESS = 100            # effective candidates below which resampling them is refused: too few to draw from
 # ... and below which even a proposal fit is refused. A fit from fewer is refitted on its own
@@ -69,7 +70,7 @@ BUDGET_FLOOR = 1024      # fewer draws asked are budgeted as this many
 DISTINCT_ENOUGH = 0.9
 
 
-class PosteriorError(ValueError):
+class PosteriorError(NnpdError, ValueError):
     """A posterior that cannot be computed or sampled as asked; the message says why and what to change."""
 
 
