@@ -39,6 +39,7 @@ import adaptive
 import inference
 import runtime
 from nre_analysis import check_inference_settings, flatness, learned_scoring, prior_sds
+from store import NnpdError
 
 # Network rows one posterior may score: candidate points × observations of the ensemble. At about 2.4 µs
 # a row for the kit's network on one CPU core, 10^8 is some four minutes; more is refused before any work.
@@ -72,7 +73,7 @@ BUDGET_FLOOR = 1024      # fewer draws asked are budgeted as this many
 DISTINCT_ENOUGH = 0.9
 
 
-class PosteriorError(ValueError):
+class PosteriorError(NnpdError, ValueError):
     """A posterior that cannot be computed or sampled as asked; the message says why and what to change."""
 
 

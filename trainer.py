@@ -167,18 +167,7 @@ class TrainingHooks:
         return self.save_state is not None and self.save_seconds > 0
 
 
-class Preempted(runtime.Preempted):
-    """Training stopped on request at a step every rank agreed on (an interruption, not a failure)."""
-
-    def __init__(self, epoch: int, batch: int, saved: bool):
-        self.epoch, self.batch, self.saved = epoch, batch, saved
-        then = ("its state was saved: run the same command again to resume from there" if saved
-                else "no state was saved (saving is off): the same command starts it again")
-        super().__init__(f"training stopped on request in epoch {epoch} after batch {batch}; {then}")
-
-    def __reduce__(self):
-        """Pickle with the constructor's arguments (the message is derived from them)."""
-        return Preempted, (self.epoch, self.batch, self.saved)
+Preempted = runtime.Preempted      # the one class; trainer.Preempted is the name callers of train() know
 
 
 # ---------------------------------------------------------------- training state
