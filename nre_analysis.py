@@ -794,7 +794,8 @@ class NREAnalysis(Analysis):
     # lat68 / lat95: the randomised coverage, nominal for the exact likelihood on lattice priors too.
     REPORT_COLUMNS = (("cov68", "coverage.0.68.joint"), ("lat68", "coverage.0.68.lattice"),
                       ("cov95", "coverage.0.95.joint"), ("lat95", "coverage.0.95.lattice"),
-                      ("width68", "width.0.68.mean"), ("bias rmse", "bias.rmse"), ("test AUC", "classification.auc"))
+                      ("width68", "width.0.68.mean"), ("bias rmse", "bias.rmse"), ("test AUC", "classification.auc"),
+                      ("unresolved", "resolution.flagged.any"))
     FIGURE_METRICS = (("joint 68% coverage", "coverage.0.68"), ("68% width", "width.0.68.mean"),
                       ("bias RMSE", "bias.rmse"))
     # Lines `run` and `report` print under the table; a path ending in "note" prints as a note.

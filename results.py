@@ -190,7 +190,7 @@ def _cell(metrics, path):
     interval = lookup(metrics, path.rsplit(".", 1)[0] + ".interval")
     if path.endswith(".joint") and isinstance(interval, list) and len(interval) == 2:
         return f"{value:.3f} [{interval[0]:.2f}, {interval[1]:.2f}]"
-    return f"{value:.3f}"
+    return str(value) if isinstance(value, int) else f"{value:.3f}"      # counts as counts
 
 
 def table(records, columns=()):

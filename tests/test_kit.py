@@ -314,6 +314,11 @@ def test_run_and_report_print_every_resolution_warning_under_the_table(tmp_path)
     assert line in ran.stdout.splitlines()
     reported = main_in_process("report", "--settings-dir", str(folder))
     assert reported.returncode == 0 and line in reported.stdout.splitlines()
+    # ... and the table's last column counts the flagged cases.
+    lines = reported.stdout.splitlines()
+    header = next(i for i, text in enumerate(lines) if text.startswith("configuration"))
+    assert lines[header].split()[-1] == "unresolved"
+    assert lines[header + 1].split()[-1] == str(metrics["resolution"]["flagged"]["any"]) != "0"
 
 
 def test_a_settings_file_importing_its_sibling_gets_the_sibling_not_nnpds_own(tmp_path):
