@@ -268,8 +268,9 @@ def experiment_sources(experiment, which):
     classes = [cls for cls in type(experiment).__mro__ if cls not in (object, Experiment)]
     modules = [sys.modules[cls.__module__] for cls in classes if cls.__module__ in sys.modules]
     unique = list(dict.fromkeys(modules))
-    # The default train() is the bundled trainer's loop: its code shapes every model.
-    trained = (trainer,) if which == "MODEL_SOURCES" and uses_bundled_trainer(experiment) else ()
+    # The default train() is the bundled trainer's loop: its code, in trainer.py and the
+    # modules split from it, shapes every model.
+    trained = (trainer, *trainer.PARTS) if which == "MODEL_SOURCES" and uses_bundled_trainer(experiment) else ()
     return (type(experiment), *unique, *getattr(experiment, which), *trained)
 
 
