@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 import probes
 import runtime
-from training_phases import COMMUNICATE
+from probes import COMMUNICATE
 
 
 # ---------------------------------------------------------------- sharding math (pure)

@@ -33,7 +33,7 @@ from training_state import TrainingState, cpu_copy, state_identity
 # Re-exported: studies, the tests, benchmarks and docs reach these as trainer.X.
 from ddp import shard_sizes, timed_allreduce  # noqa: F401
 from training_hooks import TrainingHooks  # noqa: F401
-from training_phases import COMMUNICATE, STEP_PHASES  # noqa: F401
+from probes import COMMUNICATE, STEP_PHASES  # noqa: F401
 
 Preempted = runtime.Preempted      # the one class; trainer.Preempted is the name callers of train() know
 # The modules split from this one: their code shapes every model it trains, so they enter a
