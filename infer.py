@@ -25,14 +25,14 @@ import numpy as np
 
 import trainer
 from c2st import c2st
-from store import ROOT_MARKER, restore, write_bytes_atomic
+from store import ROOT_MARKER, NnpdError, restore, write_bytes_atomic
 
 DEFAULT_SAMPLES = 1000
 MAX_SAMPLES = 10**7         # samples infer draws at most (10^7 rows of p float64 fit in memory for modest p)
 MAX_ELEMENTS = 10**8        # numbers infer reads from one .npy file
 
 
-class InferError(ValueError):
+class InferError(NnpdError):
     """Input the infer command cannot use: the message names the file and what is expected."""
 
 
@@ -99,7 +99,9 @@ def command(arguments):
     try:
         written, lines = infer(arguments)
         print("\n".join([f"written: {path}" for path in written] + lines))
-    except InferError as error:
+    # Only nnpd's own errors are the user's to fix: a TypeError or a bare ValueError from the
+    # study's code is a bug, and stays a traceback rather than a misleading one-line answer.
+    except NnpdError as error:
         print(f"nnpd: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     return 0
@@ -115,10 +117,7 @@ def infer(arguments):
     truth = read_array(arguments.truth, "--truth") if arguments.truth else None
     reference = read_array(arguments.reference, "--reference") if arguments.reference else None
     folder = output_folder(arguments)
-    try:
-        restored = restore(arguments.run)
-    except (OSError, ValueError) as error:      # restore's messages name the run folder or file
-        raise InferError(str(error)) from None
+    restored = restore(arguments.run)       # its errors (NnpdError) name the run folder or file
     posterior, samples = posterior_samples(restored, observations, truth, reference, arguments)
     figure = corner_png(posterior, samples, truth, run_label(restored)) if arguments.plot else None
     summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),
@@ -133,19 +132,16 @@ def infer(arguments):
 
 def posterior_samples(restored, observations, truth, reference, arguments):
     """The run's posterior for the observations and its samples; a shape that does not fit is an InferError."""
-    try:
-        posterior = restored.posterior(observations)
-        p, names = len(posterior.names), ", ".join(posterior.names)
-        if truth is not None and truth.shape != (p,):
-            raise InferError(f"--truth {arguments.truth}: shape {truth.shape}, expected ({p},) for {names}")
-        if reference is not None and (reference.ndim != 2 or reference.shape[1] != p or reference.shape[0] < 10):
-            raise InferError(f"--reference {arguments.reference}: shape {reference.shape}, expected (n, {p}) "
-                             f"draws, n >= 10, for {names}")
-        with warnings.catch_warnings():     # the sampling line says it once
-            warnings.simplefilter("ignore")
-            return posterior, posterior.sample(arguments.samples, seed=0).numpy()
-    except (ValueError, TypeError) as error:
-        raise InferError(str(error)) from None
+    posterior = restored.posterior(observations)        # a bad observation is its PosteriorError
+    p, names = len(posterior.names), ", ".join(posterior.names)
+    if truth is not None and truth.shape != (p,):
+        raise InferError(f"--truth {arguments.truth}: shape {truth.shape}, expected ({p},) for {names}")
+    if reference is not None and (reference.ndim != 2 or reference.shape[1] != p or reference.shape[0] < 10):
+        raise InferError(f"--reference {arguments.reference}: shape {reference.shape}, expected (n, {p}) "
+                         f"draws, n >= 10, for {names}")
+    with warnings.catch_warnings():     # the sampling line says it once
+        warnings.simplefilter("ignore")
+        return posterior, posterior.sample(arguments.samples, seed=0).numpy()
 
 
 def write_outputs(stem, summary, samples, figure):

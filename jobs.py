@@ -24,7 +24,7 @@ import timings
 from runs import LaunchError
 from settings import digest
 from store import DamagedArtifact, Store, now_iso, write_bytes_atomic, write_json_atomic
-from trainer import TrainingHooks
+from training_hooks import TrainingHooks
 
 
 @dataclass

@@ -33,7 +33,7 @@ import timings
 from jobs import Job, Launch
 from runs import LaunchError
 from settings import SettingsError
-from store import ROOT_MARKER, DamagedArtifact, Store, disk_problem, write_bytes_atomic
+from store import ROOT_MARKER, NnpdError, Store, disk_problem, write_bytes_atomic
 
 ACTIONS = ("plan", "train", "analyze", "run", "verify", "report", "infer")
 CODE_DIR = Path(__file__).resolve().parent
@@ -51,6 +51,7 @@ def load(profile=None, settings_dir=None):
     """The profile's settings, loaded and structurally validated, with the framework's sections checked."""
     loaded = settings.load_profile(Path(settings_dir) if settings_dir else default_settings_dir(), profile)
     settings.check_framework(loaded)
+    settings.make_study_importable(loaded)       # for this launch: nnpd.main puts sys.path back after it
     return loaded
 
 
@@ -412,11 +413,12 @@ def run_action(arguments):
 def main(argv=None):
     """Run the command line; returns the exit status."""
     arguments = parse_arguments(sys.argv[1:] if argv is None else argv)
-    warnings.formatwarning = format_warning
     if probes.PROBLEM:
         print(f"nnpd: settings error: {probes.PROBLEM}", file=sys.stderr)
         return 2
-    with runtime.STOP.handling():     # until the end is printed: see runtime.StopRequest
+    # Until the end is printed (see runtime.StopRequest); then what the launch changed is put back.
+    with runtime.STOP.handling(), runtime.process_settings_kept():
+        warnings.formatwarning = format_warning
         try:
             status = run_action(arguments)
             sys.stdout.flush()      # here, not at exit, so that a reader who left is noticed below
@@ -428,7 +430,7 @@ def main(argv=None):
         except SettingsError as error:
             print(f"nnpd: settings error: {one_line(error)}", file=sys.stderr)
             return 2
-        except (LaunchError, DamagedArtifact) as error:
+        except NnpdError as error:      # a launch's, the store's, restore's: the user's to fix, in one line
             print(f"nnpd: error: {one_line(error)}", file=sys.stderr)
             return 1
         except OSError as error:

@@ -39,7 +39,11 @@ import adaptive
 import inference
 import runtime
 from nre_analysis import check_inference_settings, flatness, learned_scoring, prior_sds
+from store import NnpdError
 
+# Network rows one posterior may score: candidate points × observations of the ensemble. At about 2.4 µs
+# a row for the kit's network on one CPU core, 10^8 is some four minutes; more is refused before any work.
+MAX_EVALUATIONS = 10**8
 MIN_ESS = 100            # effective candidates below which resampling them is refused: too few to draw from
 # ... and below which even a proposal fit is refused. A fit from fewer is refitted on its own
 # weighted draws (ADAPT_ROUNDS), and rejection keeps its draws exact: at 10 parameters the default
@@ -69,7 +73,7 @@ BUDGET_FLOOR = 1024      # fewer draws asked are budgeted as this many
 DISTINCT_ENOUGH = 0.9
 
 
-class PosteriorError(ValueError):
+class PosteriorError(NnpdError, ValueError):
     """A posterior that cannot be computed or sampled as asked; the message says why and what to change."""
 
 
@@ -417,6 +421,21 @@ def observation_ensemble(observations, dimension):
     return x
 
 
+def check_ensemble_cost(problem, prior, settings, observations):
+    """Refuse, before any work, a posterior whose network evaluations (candidate points × observations, each
+    observation's log ratio summed) exceed MAX_EVALUATIONS."""
+    p = len(problem.names)
+    lattice = inference.candidate_lattice(prior.lattice_steps, p, settings["candidates"])
+    points = inference.points_per_case(p, lattice, inference._as_f64(problem.low), inference._as_f64(problem.high),
+                                       settings["candidates"], len(score_targets(settings)))
+    if points * observations > MAX_EVALUATIONS:
+        raise PosteriorError(f"{observations:,} observations × {points:,} candidate points are "
+                             f"{points * observations:.1e} network evaluations, over the {MAX_EVALUATIONS:.0e} one "
+                             "posterior may take (minutes on one CPU core); pass fewer observations (each one's "
+                             "log ratio is summed, as for independent draws) or lower "
+                             "inference.candidates.candidate_count")
+
+
 def host_scores(scoring):
     """The scores of a one-case Scoring as a function of points (n, p), returning host tensors."""
     def score_fn(points):
@@ -450,6 +469,7 @@ def for_observation(problem, prior, model, analysis_settings, observations, seed
     """
     settings = inference_settings(problem, analysis_settings)
     x = observation_ensemble(observations, problem.dimension)
+    check_ensemble_cost(problem, prior, settings, len(x))
     score_fn = host_scores(learned_scoring(model, torch.device(device), prior, x[None], score_targets(settings),
                                            settings, inference.Evaluations()))
     posterior = from_scores(problem, prior.lattice_steps, score_fn, analysis_settings, seed, truth, case)

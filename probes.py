@@ -39,6 +39,11 @@ import threading
 from threading import get_ident
 from time import perf_counter_ns, thread_time_ns
 
+# The training's timed phases that timings.py reads back: one step's (timed in trainer.py) and DDP's
+# gradient all-reduce within its backward pass (ddp.py). Named here so that timings needs neither module.
+STEP_PHASES = ("train.forward", "train.loss", "train.backward", "train.optimizer")
+COMMUNICATE = "train.communicate"
+
 MODES = ("native", "python", "off")
 NO_MINIMUM = 2**63 - 1  # what an empty minimum starts at, as in the C extension
 COUNT, NESTED, TOTAL, MINIMUM, MAXIMUM, CPU = range(6)  # fields of a Python accumulator

@@ -190,7 +190,7 @@ def _cell(metrics, path):
     interval = lookup(metrics, path.rsplit(".", 1)[0] + ".interval")
     if path.endswith(".joint") and isinstance(interval, list) and len(interval) == 2:
         return f"{value:.3f} [{interval[0]:.2f}, {interval[1]:.2f}]"
-    return f"{value:.3f}"
+    return str(value) if isinstance(value, int) else f"{value:.3f}"      # counts as counts
 
 
 def table(records, columns=()):
@@ -216,8 +216,8 @@ def report_text(records, columns=(), warning_paths=()):
 
 def warning_lines(records, paths=()):
     """One line per analysed run and warning found at a metric path (the analysis class's REPORT_WARNINGS)."""
-    return [f"warning: {record.swept} {record.prior}: {lookup(record.metrics, path)}"
-            for record in records if record.metrics is not None for path in paths
+    return [f"{'note' if path.endswith('note') else 'warning'}: {record.swept} {record.prior}: "
+            f"{lookup(record.metrics, path)}" for record in records if record.metrics is not None for path in paths
             if isinstance(lookup(record.metrics, path), str)]
 
 

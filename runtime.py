@@ -126,12 +126,24 @@ def check_precision(precision: str, device) -> torch.dtype | None:
     return {"off": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[precision]
 
 
+# Interruptions are KeyboardInterrupts, outside NnpdError and Exception: an `except Exception` (a
+# failed job's record, a damaged state's fallback) must never swallow a stop the user asked for.
 class Interrupted(KeyboardInterrupt):
     """SIGTERM or SIGINT ended the launch; what was committed is kept, and the same command resumes."""
 
 
 class Preempted(Interrupted):
-    """Training stopped on request after saving its state; the same command resumes it."""
+    """Training stopped on request at a step every rank agreed on (an interruption, not a failure)."""
+
+    def __init__(self, epoch: int, batch: int, saved: bool):
+        self.epoch, self.batch, self.saved = epoch, batch, saved
+        then = ("its state was saved: run the same command again to resume from there" if saved
+                else "no state was saved (saving is off): the same command starts it again")
+        super().__init__(f"training stopped on request in epoch {epoch} after batch {batch}; {then}")
+
+    def __reduce__(self):
+        """Pickle with the constructor's arguments (the message is derived from them)."""
+        return Preempted, (self.epoch, self.batch, self.saved)
 
 
 class StopRequest:
@@ -293,13 +305,54 @@ def keep_freed_memory() -> None:
     1 GiB freed at the heap's top is kept (256 MiB still faulted 40,000 pages a block).
     Elsewhere (no glibc) this does nothing.
     """
+    mallopt = _mallopt()
+    if mallopt is not None:
+        mallopt(M_MMAP_THRESHOLD, 64 << 20)
+        mallopt(M_TRIM_THRESHOLD, 1 << 30)              # mallopt takes a C int: at most 2^31 - 1
+        _ALLOCATOR["kept"] = True
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+_ALLOCATOR = {"kept": False}        # whether keep_freed_memory changed glibc's thresholds in this process
+
+
+def _mallopt():
+    """glibc's mallopt, or None where there is no glibc."""
     try:
-        mallopt = ctypes.CDLL(None).mallopt
+        return ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
+        return None
+
+
+def return_freed_memory() -> None:
+    """Undo keep_freed_memory: glibc's thresholds as a process starts with (its defaults, or MALLOC_*_ set).
+
+    glibc can neither report its thresholds nor turn their adjustment back on, so this sets
+    the values a new process has: 128 KiB each unless MALLOC_MMAP_THRESHOLD_ or
+    MALLOC_TRIM_THRESHOLD_ say otherwise (GLIBC_TUNABLES is not read).
+    """
+    mallopt = _mallopt()
+    if mallopt is None or not _ALLOCATOR["kept"]:
         return
-    trim_threshold, mmap_threshold = -1, -3          # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
-    mallopt(mmap_threshold, 64 << 20)
-    mallopt(trim_threshold, 1 << 30)                 # mallopt takes a C int: at most 2^31 - 1
+    for option, variable in ((M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_"), (M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_")):
+        value = os.environ.get(variable, "")
+        mallopt(option, int(value) if value.isdigit() and int(value) < 2**31 else 128 << 10)
+    _ALLOCATOR["kept"] = False
+
+
+@contextlib.contextmanager
+def process_settings_kept():
+    """Within the block a launch may change process-wide settings; after it, sys.path, warnings' filters,
+    display and format, and glibc's allocator thresholds are as they were (nnpd.main's whole launch)."""
+    saved_path, saved_format, kept = list(sys.path), warnings.formatwarning, _ALLOCATOR["kept"]
+    try:
+        with warnings.catch_warnings():
+            yield
+    finally:
+        sys.path[:] = saved_path
+        warnings.formatwarning = saved_format
+        if not kept:
+            return_freed_memory()
 
 
 def set_deterministic_algorithms(flag: bool) -> None:
@@ -506,8 +559,6 @@ def _collective(rt: Runtime, what: str):
     """
     try:
         yield
-    except LaunchError:
-        raise
     except RuntimeError as error:
         raise LaunchError(lost_worker(rt, what, error)) from error
 

@@ -23,7 +23,7 @@ from pathlib import Path
 import store
 
 
-class SettingsError(ValueError):
+class SettingsError(store.NnpdError, ValueError):
     """A settings problem the user can fix; the message names the setting."""
 
 
@@ -632,6 +632,16 @@ def _make(module, path, profile):
     return settings
 
 
+def make_study_importable(profile):
+    """Make a study module beside the profile's settings files importable without PYTHONPATH (last on sys.path).
+
+    For a launch, which imports the study and, lazily, what it imports; loading settings
+    alone changes no import path (nnpd.main restores it when its launch ends).
+    """
+    if str(profile.settings_dir) not in sys.path:
+        sys.path.append(str(profile.settings_dir))
+
+
 def load_profile(settings_dir, profile=None, training_dir=None):
     """Load, validate and expand one profile from the two settings files in settings_dir.
 
@@ -639,9 +649,6 @@ def load_profile(settings_dir, profile=None, training_dir=None):
     the copy of the latest training's file in the output root).
     """
     settings_dir = Path(settings_dir).absolute()
-    # A study module beside its settings files is importable without PYTHONPATH.
-    if str(settings_dir) not in sys.path:
-        sys.path.append(str(settings_dir))
     training_path = Path(training_dir or settings_dir).absolute() / TRAINING_FILE
     analysis_path = settings_dir / ANALYSIS_FILE
     training_module = _load_module(training_path)

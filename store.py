@@ -38,16 +38,26 @@ SCRATCH_MAGIC = b"nnpd training state 1\n"   # heads a saved state: then a JSON 
 _CHUNK = 4 << 20  # large reads keep deep verification near raw hashlib speed
 
 
-class DamagedArtifact(OSError):
-    """A committed artifact is damaged and cannot be repaired here."""
+# nnpd's errors share one root, kept here because every other module already imports this one
+# and this one imports nothing of the project. Second bases stay only where callers catch them.
+class NnpdError(Exception):
+    """A problem nnpd found and names in one line that says how to fix it (not a bug)."""
 
 
-class MissingArtifact(LookupError):
+class DamagedArtifact(NnpdError):
+    """A committed artifact or run record is damaged and cannot be repaired here."""
+
+
+class MissingArtifact(NnpdError, LookupError):
     """Nothing is committed under the requested key (or file)."""
 
 
-class LaunchError(RuntimeError):
+class LaunchError(NnpdError):
     """A launch cannot go on for a reason the user can fix; the message says how."""
+
+
+class RestoreError(NnpdError, ValueError):
+    """A run folder restore cannot reopen, or a restored run asked for what its study does not give."""
 
 
 # ---------------------------------------------------------------- a full disk, links, odd files
@@ -863,7 +873,7 @@ class Restored:
         the run's analysis settings when it was analysed, and the study's defaults when it was only trained.
         """
         if not callable(getattr(self.experiment, "posterior", None)):
-            raise TypeError(f"{type(self.experiment).__name__} gives no posterior (studies on the study kit do)")
+            raise RestoreError(f"{type(self.experiment).__name__} gives no posterior (studies on the study kit do)")
         device = device or next(self.model.parameters()).device
         return self.experiment.posterior(self.member, self.model, self.analysis_settings(), observations,
                                          truth=truth, device=device)
@@ -874,7 +884,7 @@ class Restored:
         if analysis is None:
             return {}
         if not isinstance(analysis.get("settings"), dict) or analysis.get("checksum") != record_checksum(analysis):
-            raise ValueError(f"{self.run_dir}: analysis.json is damaged (its settings are unreadable); run "
+            raise DamagedArtifact(f"{self.run_dir}: analysis.json is damaged (its settings are unreadable); run "
                              "`python nnpd.py analyze` again, or delete analysis.json to use the default settings")
         return analysis["settings"]
 
@@ -962,7 +972,7 @@ def find_root(run_dir):
             return parent
     if len(run_dir.parents) > 2 and (run_dir.parents[2] / "cache").is_dir():
         return run_dir.parents[2]        # an output root written before roots carried the marker
-    raise FileNotFoundError(f"{run_dir}: no output root above it (no {ROOT_MARKER} marker and no cache/); "
+    raise RestoreError(f"{run_dir}: no output root above it (no {ROOT_MARKER} marker and no cache/); "
                             f"a run folder cannot be moved without its output root")
 
 
@@ -970,7 +980,7 @@ def _read_run_record(run_dir):
     """run.json of a run folder, refused when its checksum does not match."""
     run_file = run_dir / "run.json"
     if not run_file.is_file():
-        raise FileNotFoundError(f"{run_dir}: not a run folder (no run.json)")
+        raise RestoreError(f"{run_dir}: not a run folder (no run.json)")
     try:
         run = json.loads(run_file.read_text(encoding="utf-8"))
     except (OSError, ValueError) as error:
@@ -984,7 +994,7 @@ def _read_references(run_dir):
     """artifacts.json: artifact name -> path relative to the output root, the model's among them."""
     path = run_dir / "artifacts.json"
     if not path.is_file():          # missing, or not a regular file (a FIFO would block the read)
-        raise FileNotFoundError(f"{run_dir}: no artifacts.json (the record of its trained model); run train to "
+        raise RestoreError(f"{run_dir}: no artifacts.json (the record of its trained model); run train to "
                                 "make it again")
     try:
         references = json.loads(path.read_text())
@@ -992,7 +1002,7 @@ def _read_references(run_dir):
         references = None
     if not (isinstance(references, dict) and "model" in references
             and all(isinstance(key, str) and isinstance(value, str) for key, value in references.items())):
-        raise ValueError(f"{path}: damaged (not a record of the run's artifacts with its model); run train to make "
+        raise DamagedArtifact(f"{path}: damaged (not a record of the run's artifacts with its model); run train to make "
                          "it again")
     return references
 
@@ -1000,11 +1010,13 @@ def _read_references(run_dir):
 def restore(run_dir, device="cpu", experiment=None):
     """Reopen a finished run with its trained model on `device` (CPU by default) in eval mode.
 
-    Never joins a process group, whatever torchrun variables are set. References are
-    relative to the output root, so a moved output root still restores. The experiment class
-    is the caller's `experiment`, or the one run.json names when it is an importable class
-    with every method of the experiment contract (EXPERIMENT_METHODS); nothing else named by
-    a run folder is ever called.
+    Trust: unless `experiment` is given, restore imports the module run.json names and runs
+    that class's code, so restore only run folders you would trust as code. The class must be
+    importable, defined at the top of its module's source, outside the standard library, and
+    have every method of EXPERIMENT_METHODS; nothing else a run folder names is called. A bad
+    run folder or record raises RestoreError or DamagedArtifact (both NnpdError). Never joins
+    a process group, and leaves sys.path as it found it. References are relative to the
+    output root, so a moved output root still restores.
     """
     import torch
 
@@ -1021,23 +1033,56 @@ def restore(run_dir, device="cpu", experiment=None):
             artifacts[name] = store.artifact_at(path)        # every file checked against its checksum
         except (MissingArtifact, DamagedArtifact) as error:
             if name in ("model", "training-data"):
-                raise FileNotFoundError(f"{run_dir}: artifact {relative} is missing from the output root {root} "
-                                        f"or damaged ({error}); re-run the training to rebuild it") from None
+                raise RestoreError(f"{run_dir}: artifact {relative} is missing from the output root {root} "
+                                   f"or damaged ({error}); re-run the training to rebuild it") from None
             missing.append(name)
     if missing:
         warnings.warn(f"{run_dir}: its analysis products {', '.join(missing)} are missing or damaged, so its "
                       "metrics are not available; the next `run` or `analyze` rebuilds them", stacklevel=2)
-    if experiment is None:
-        study_path = run.get("study_path")
-        if isinstance(study_path, str) and Path(study_path).is_dir() and study_path not in sys.path:
-            sys.path.append(study_path)         # the study's folder, as the launch found it beside its settings
-        try:
-            check_defines_class(run["settings"]["experiment"])
-            experiment = import_class(run["settings"]["experiment"], EXPERIMENT_METHODS)
-        except (ImportError, ValueError, SyntaxError, TypeError, AttributeError) as error:
-            raise ValueError(f"{run_dir}: cannot restore its experiment: {error}; pass restore(..., experiment=Class)") from None
+    experiment = _run_experiment(run_dir, run) if experiment is None else experiment
     instance = experiment(run["settings"])
     model = instance.build_model(run["member"])
     model.load_state_dict(artifacts["model"].state_dict())
     model = model.to(torch.device(device)).eval()
     return Restored(run_dir, run, model, artifacts["model"].json("history"), artifacts, missing, instance)
+
+
+def _run_experiment(run_dir, run):
+    """The experiment class run.json names, imported from the study's folder when the launch found it there."""
+    spec, study_path = run["settings"]["experiment"], run.get("study_path")
+    folder = study_path if isinstance(study_path, str) and Path(study_path).is_dir() else None
+    try:
+        with importable_from(folder):
+            _forget_if_elsewhere(spec)
+            check_defines_class(spec)
+            return import_class(spec, EXPERIMENT_METHODS)
+    except (ImportError, ValueError, SyntaxError, TypeError, AttributeError) as error:
+        raise RestoreError(f"{run_dir}: cannot restore its experiment: {error}; pass restore(..., "
+                           "experiment=Class)") from None
+
+
+@contextlib.contextmanager
+def importable_from(folder):
+    """Within the block, modules in `folder` (None: none) import as if it ended sys.path; sys.path is put back after."""
+    saved = list(sys.path)
+    if folder is not None and folder not in sys.path:
+        sys.path.append(folder)     # last, as the launch found the study: beside its settings files
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
+
+
+def _forget_if_elsewhere(spec):
+    """Drop an imported module of spec's name that is not the file the import path now finds.
+
+    Two studies in different folders may use one module name; without this, the second
+    restore would be served the first study's module. What was restored earlier keeps its class.
+    """
+    module_name = spec.partition(":")[0] if isinstance(spec, str) else ""
+    module = sys.modules.get(module_name)
+    if module is None or module_name.split(".")[0] in sys.stdlib_module_names:
+        return
+    found, loaded = _module_source(module_name), getattr(module, "__file__", None)
+    if found and loaded and Path(found).resolve() != Path(loaded).resolve():
+        del sys.modules[module_name]

@@ -115,7 +115,7 @@ class Analysis:
     plots = {}
     cohort_plots = {}
     REPORT_COLUMNS = ()        # (heading, metric path) pairs `nnpd.py report` tabulates
-    REPORT_WARNINGS = ()       # metric paths of one-line warnings `run` and `report` print under the table
+    REPORT_WARNINGS = ()       # metric paths of one-line warnings (or notes, paths ending in "note") printed under the table
     FIGURE_METRICS = ()        # (title, metric path) panels of `report --plot`
     WORKLOAD_ADVICE = "reduce the analysis"   # what to change when a limit is exceeded
 
@@ -271,8 +271,9 @@ def experiment_sources(experiment, which):
     classes = [cls for cls in type(experiment).__mro__ if cls not in (object, Experiment)]
     modules = [sys.modules[cls.__module__] for cls in classes if cls.__module__ in sys.modules]
     unique = list(dict.fromkeys(modules))
-    # The default train() is the bundled trainer's loop: its code shapes every model.
-    trained = (trainer,) if which == "MODEL_SOURCES" and uses_bundled_trainer(experiment) else ()
+    # The default train() is the bundled trainer's loop: its code, in trainer.py and the
+    # modules split from it, shapes every model.
+    trained = (trainer, *trainer.PARTS) if which == "MODEL_SOURCES" and uses_bundled_trainer(experiment) else ()
     return (type(experiment), *unique, *getattr(experiment, which), *trained)
 
 

@@ -27,7 +27,7 @@ import probes
 import runs
 import runtime
 from store import now_iso, write_json_atomic
-from trainer import COMMUNICATE, STEP_PHASES
+from probes import COMMUNICATE, STEP_PHASES
 
 FILE = "timings.json"
 STAGES = ("training", "analysis")

@@ -1,31 +1,44 @@
-"""The bundled trainer: exact global-batch sharding, mixed precision, clipping, checkpoints,
-the balanced NRE objective, resumable state and cooperative preemption."""
+"""The bundled trainer: its settings, the training loop and train(): mixed precision, clipping,
+checkpoints, the balanced and contrastive NRE objectives, early stopping.
+
+The loop leans on three modules split from it, each holding one concern: ddp.py (global-batch
+sharding and the DDP machinery), training_state.py (the resumable state and its saved file)
+and training_hooks.py (the caller's hooks and the runner that calls them at agreed steps).
+The names callers know stay reachable here as trainer.X (see the re-exports below).
+"""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import math
 import time
-import traceback
-import uuid
-import warnings
-import weakref
-from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch.optim.adam import adam as adam_update
 from torch.optim.adamw import adamw as adamw_update
 
 import contrast
+import ddp
 import probes
 import runtime
+import training_hooks
+import training_state
+from ddp import epoch_batches, loss_scale, shard_slice
 from inference import classification_metrics
-from settings import SettingsError, integer, is_integer, is_number, known_keys, number, one_of
+from settings import SettingsError, integer, is_number, known_keys, number, one_of
+from training_hooks import HookRunner
+from training_state import TrainingState, cpu_copy, state_identity
+
+# Re-exported: studies, the tests, benchmarks and docs reach these as trainer.X.
+from ddp import shard_sizes, timed_allreduce  # noqa: F401
+from training_hooks import TrainingHooks  # noqa: F401
+from probes import COMMUNICATE, STEP_PHASES  # noqa: F401
+
+Preempted = runtime.Preempted      # the one class; trainer.Preempted is the name callers of train() know
+# The modules split from this one: their code shapes every model it trains, so they enter a
+# model's key beside trainer.py (study.experiment_sources).
+PARTS = (ddp, training_state, training_hooks)
 
 TRAINING_DEFAULTS = {
     "epochs": 2,
@@ -50,41 +63,10 @@ CHECKPOINTS = ("best", "last")
 OBJECTIVES = ("bce", "balanced", "contrastive")
 # Which validation loss `checkpoint: "best"` minimises: the BCE, or the trained objective.
 SELECTIONS = ("bce", "objective")
-# The phases of one training step (_step) and of DDP's gradient all-reduce within its backward pass.
-STEP_PHASES = ("train.forward", "train.loss", "train.backward", "train.optimizer")
-COMMUNICATE = "train.communicate"
 VALIDATION_CHUNK = 65536  # rows per validation forward, bounding memory on large sets
-# Written into every saved state; a state of another format is ignored, never misread.
-STATE_FORMAT = "nnpd-training-state-1"
-
-
-# ---------------------------------------------------------------- sharding math (pure)
-
-
-def epoch_batches(rows: int, batch_size: int) -> list[tuple[int, int]]:
-    """Consecutive global batches (start, stop) over one permutation; the last may be short."""
-    if rows < 0 or batch_size < 1:
-        raise ValueError(f"need rows >= 0 and batch_size >= 1, got {rows}, {batch_size}")
-    return [(start, min(start + batch_size, rows)) for start in range(0, rows, batch_size)]
-
-
-def shard_slice(batch_len: int, rank: int, world_size: int) -> slice:
-    """Rank's strided part `rank::world_size` of a global batch (empty when rank >= batch_len)."""
-    if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    return slice(rank, batch_len, world_size)
-
-
-def shard_sizes(batch_len: int, world_size: int) -> list[int]:
-    """Number of rows each rank takes from a global batch of `batch_len` rows."""
-    return [max(0, -(-(batch_len - rank) // world_size)) for rank in range(world_size)]
-
-
-def loss_scale(shard_len: int, batch_len: int, world_size: int) -> float:
-    """Factor for a rank's mean shard loss so DDP's averaged gradient is the global-batch mean's."""
-    if batch_len < 1:
-        raise ValueError("a global batch has at least one row")
-    return world_size * shard_len / batch_len
+# DDP: about this much training time between stop/save flag exchanges (ddp.FlagExchange). Read
+# at each train() call, so tests and bench/bench_resume.py tune it here.
+FLAG_EXCHANGE_SECONDS = 0.1
 
 
 # ---------------------------------------------------------------- settings
@@ -123,141 +105,7 @@ def check_training_settings(training_settings: dict) -> dict:
     return s
 
 
-# ---------------------------------------------------------------- hooks
-
-
-@dataclass
-class TrainingHooks:
-    """Optional callbacks through which a caller resumes, saves, stops and follows a training.
-
-    Epochs are numbered from 1; `batch` counts the batches of that epoch already trained.
-    - load_state() -> dict | None: a state `save_state` received earlier (called on every rank).
-    - save_state(state): persist `state`, a dict of CPU tensors and plain values that
-      torch.save and torch.load(weights_only=True) round-trip (under DDP rank 0 only; write
-      atomically).
-    - save_seconds: seconds between periodic saves; a state is also saved at each epoch end.
-      0 saves nothing; math.inf saves at epoch ends only.
-    - stop_requested() -> bool: polled after every step; True on any rank stops every rank
-      at the same step, saves (when saving) and raises Preempted.
-    - on_epoch(epoch, record): after each epoch (under DDP rank 0 only); record holds train_loss, bce,
-      accuracy, auc, objective and balance (the validation objective and balance defect, see
-      validation_objective), seconds (the epoch's wall time) and epochs (the total).
-    - on_resume(epoch, batch): when training continues from a loaded state (under DDP rank 0 only).
-    Under DDP every rank passes hooks with the same fields set: they decide which
-    collectives run.
-    """
-
-    load_state: Callable[[], dict | None] | None = None
-    save_state: Callable[[dict], None] | None = None
-    save_seconds: float = 0.0
-    stop_requested: Callable[[], bool] | None = None
-    on_epoch: Callable[[int, dict], None] | None = None
-    on_resume: Callable[[int, int], None] | None = None
-
-    def check(self) -> None:
-        """Refuse an interval that is not a number >= 0, or one without a place to save."""
-        if not is_number(self.save_seconds) or not self.save_seconds >= 0:
-            raise ValueError(f"TrainingHooks.save_seconds: expected a number >= 0 (0 = never save); got {self.save_seconds!r}")
-        if self.save_seconds > 0 and self.save_state is None:
-            raise ValueError("TrainingHooks.save_seconds > 0 needs a save_state callable")
-
-    @property
-    def saving(self) -> bool:
-        """True when states are saved (periodically and at epoch ends)."""
-        return self.save_state is not None and self.save_seconds > 0
-
-
-class Preempted(runtime.Preempted):
-    """Training stopped on request at a step every rank agreed on (an interruption, not a failure)."""
-
-    def __init__(self, epoch: int, batch: int, saved: bool):
-        self.epoch, self.batch, self.saved = epoch, batch, saved
-        then = ("its state was saved: run the same command again to resume from there" if saved
-                else "no state was saved (saving is off): the same command starts it again")
-        super().__init__(f"training stopped on request in epoch {epoch} after batch {batch}; {then}")
-
-    def __reduce__(self):
-        """Pickle with the constructor's arguments (the message is derived from them)."""
-        return Preempted, (self.epoch, self.batch, self.saved)
-
-
-# ---------------------------------------------------------------- training state
-
-
-def _cpu_copy(value):
-    """A deep copy with every tensor copied to the CPU: safe to keep while training goes on."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True)
-    if isinstance(value, dict):
-        return {key: _cpu_copy(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cpu_copy(item) for item in value)
-    return value
-
-
-@dataclass
-class TrainingState:
-    """All mutable training state of one rank in one place: saved and resumed as a whole."""
-
-    model: torch.nn.Module
-    optimizer: object   # a FunctionalAdam, or torch.optim's Adam/AdamW under float16's gradient scaler
-    scaler: torch.amp.GradScaler
-    generator: torch.Generator
-    epoch: int = 0
-    position: int = 0
-    # Generator state before the current epoch's permutation, so a resume redraws it.
-    epoch_rng: torch.Tensor | None = None
-    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    # The training's seed: joint pairs draw each batch's atoms from it (contrast.batch_atoms).
-    seed: int = 0
-    # This rank's per-batch loss sums (and clipped gradient norms) of the epoch in progress.
-    batch_losses: torch.Tensor | None = None
-    norms: torch.Tensor | None = None
-    history: dict = field(default_factory=dict)
-    # The lowest validation value so far of the selection criterion (training.selection): the
-    # BCE or the objective. Named for the BCE, which it was before the choice: saved states keep the name.
-    best_bce: float = math.inf
-    best_weights: dict | None = None
-
-    def state_dict(self) -> dict:
-        """Everything needed to continue training exactly where it stopped, as CPU copies."""
-        return _cpu_copy({
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "generator": self.generator.get_state(),
-            "epoch_rng": self.epoch_rng,
-            "epoch": self.epoch,
-            "position": self.position,
-            "batch_losses": self.batch_losses,
-            "norms": self.norms,
-            "history": self.history,
-            "best_bce": self.best_bce,
-            "best_weights": self.best_weights,
-        })
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what `state_dict` saved (copying, so `state` can be reused)."""
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(_cpu_copy(state["optimizer"]))
-        self.scaler.load_state_dict(state["scaler"])
-        self.generator.set_state(state["generator"])
-        self.epoch_rng = state["epoch_rng"]
-        self.epoch = int(state["epoch"])
-        self.position = int(state["position"])
-        self.batch_losses, self.norms = (None if t is None else t.to(self.device, copy=True)
-                                         for t in (state["batch_losses"], state["norms"]))
-        self.history = _cpu_copy(state["history"])
-        self.best_bce = float(state["best_bce"])
-        self.best_weights = _cpu_copy(state["best_weights"])
-
-    def permutation(self, rows: int) -> torch.Tensor:
-        """This epoch's permutation; identical on every rank and redrawn identically on resume."""
-        if self.position == 0 or self.epoch_rng is None:
-            self.epoch_rng = self.generator.get_state()
-        else:
-            self.generator.set_state(self.epoch_rng)
-        return torch.randperm(rows, generator=self.generator)
+# ---------------------------------------------------------------- the optimizer
 
 
 def _fast_flag(device: torch.device) -> dict:
@@ -340,322 +188,6 @@ def _autocast(device: torch.device, precision: str):
         return contextlib.nullcontext()
     dtype = torch.float16 if precision == "float16" else torch.bfloat16
     return torch.autocast(device_type=device.type, dtype=dtype)
-
-
-# ---------------------------------------------------------------- saved states
-
-
-_FILE_KEYS = {"format", "save_id", "identity", "state", "ranks"}
-_SHARED_KEYS = {"model", "optimizer", "scaler", "generator", "epoch_rng", "epoch", "position", "norms",
-                "history", "best_bce", "best_weights"}
-_IDENTITY_PHRASES = {"world_size": "it was saved by a launch with another number of training ranks",
-                     "settings": "its training settings differ", "seed": "its training seed differs",
-                     "data": "its training or validation data differ"}
-
-
-def _identity(settings: dict, seed: int, rt: runtime.Runtime, tensors) -> dict:
-    """What a saved state must share with this training to continue it."""
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        digest.update(str(tuple(tensor.shape)).encode())
-        digest.update(tensor.detach().to("cpu").contiguous().numpy())
-    return {"world_size": rt.train_world_size, "settings": settings, "seed": seed, "data": digest.hexdigest()}
-
-
-def _global_rng(device: torch.device) -> dict:
-    """This process's global torch streams: dropout draws from them."""
-    return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
-
-
-def _set_global_rng(streams: dict, device: torch.device) -> None:
-    """Put back what `_global_rng` returned."""
-    torch.set_rng_state(streams["cpu"])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(streams["cuda"], device)
-
-
-def _saved_state(state: TrainingState, rt: runtime.Runtime, identity: dict) -> dict | None:
-    """One file's worth of state on the worker that writes it (None on the other DDP ranks).
-
-    The shared parts once, and every rank's own parts.
-    """
-    own = {"rng": _global_rng(rt.device), "batch_losses": _cpu_copy(state.batch_losses)}
-    # A collective: every rank gets here at the same step, so one file restores every rank.
-    ranks = runtime.all_gather_object(rt, own) if rt.ddp else [own]
-    if not rt.leads_training:
-        return None
-    shared = state.state_dict()
-    del shared["batch_losses"]
-    return {"format": STATE_FORMAT, "save_id": uuid.uuid4().hex, "identity": identity, "state": shared,
-            "ranks": ranks}
-
-
-def _shapes(tensors: dict) -> dict:
-    """Name -> (shape, dtype) of a state dict."""
-    return {name: (tuple(t.shape), t.dtype) for name, t in tensors.items()}
-
-
-def _tensors_problem(shared: dict, state: TrainingState) -> str | None:
-    """Why the saved weights or optimizer state do not fit this model (None when they do)."""
-    live = _shapes(state.model.state_dict())
-    if _shapes(shared["model"]) != live:
-        return "the model's parameter names or shapes differ"
-    if shared["best_weights"] is not None and _shapes(shared["best_weights"]) != live:
-        return "the kept best weights do not fit the model"
-    groups = state.optimizer.param_groups
-    if [len(g["params"]) for g in shared["optimizer"]["param_groups"]] != [len(g["params"]) for g in groups]:
-        return "the optimizer's parameter groups differ"
-    params = [p for group in groups for p in group["params"]]
-    for index, entry in shared["optimizer"]["state"].items():
-        shapes = {tuple(v.shape) for v in entry.values() if isinstance(v, torch.Tensor) and v.ndim > 0}
-        if not 0 <= index < len(params) or shapes - {tuple(params[index].shape)}:
-            return "the optimizer state's shapes differ from the parameters'"
-    return None
-
-
-def _progress_problem(saved: dict, epochs: int, n_batches: int, world_size: int) -> str | None:
-    """Why the saved progress, history or per-rank parts are inconsistent (None when they are not)."""
-    shared = saved["state"]
-    epoch, position = shared["epoch"], shared["position"]
-    if not (is_integer(epoch) and is_integer(position) and 0 <= epoch <= epochs and 0 <= position <= n_batches) \
-            or (epoch == epochs and position):
-        return f"its progress (epoch index {epoch}, batch {position}) does not fit {epochs} epochs of {n_batches} batches"
-    history = shared["history"]
-    if any(len(history.get(name, ())) != epoch for name in ("train_loss", "validation", "validation_objective",
-                                                             "validation_balance")):
-        return "its history does not match its progress"
-    ranks, ongoing = saved["ranks"], position > 0
-    if len(ranks) != world_size:
-        return f"it holds {len(ranks)} ranks' streams for {world_size} ranks"
-    per_batch = [part["batch_losses"] for part in ranks] + [shared["norms"]]
-    if ongoing and any(t is not None and tuple(t.shape) != (n_batches,) for t in per_batch):
-        return "its per-batch records do not fit the epoch"
-    if ongoing and any(t is None for t in per_batch[:-1]):
-        return "it lacks a rank's per-batch losses"
-    return None
-
-
-def _state_problem(saved, state: TrainingState, identity: dict, n_batches: int) -> str | None:
-    """Why a loaded state cannot continue this training (None when it can)."""
-    found = saved.get("format") if isinstance(saved, dict) else type(saved).__name__
-    if found != STATE_FORMAT:
-        return f"its format is {found!r}, not {STATE_FORMAT!r}"
-    if set(saved) != _FILE_KEYS or not isinstance(saved["state"], dict) or set(saved["state"]) != _SHARED_KEYS:
-        return "its keys are not those of a training state"
-    for key, value in identity.items():
-        if saved["identity"].get(key) != value:
-            return _IDENTITY_PHRASES[key]
-    epochs = identity["settings"]["epochs"]
-    return _tensors_problem(saved["state"], state) or _progress_problem(saved, epochs, n_batches,
-                                                                         identity["world_size"])
-
-
-def _apply_saved_state(saved: dict, state: TrainingState, rt: runtime.Runtime) -> None:
-    """Load the shared parts and this rank's own streams and losses."""
-    own = saved["ranks"][rt.rank if rt.ddp else 0]
-    state.load_state_dict({**saved["state"], "batch_losses": own["batch_losses"]})
-    _set_global_rng(own["rng"], rt.device)
-
-
-def _first_problem(reports: list) -> str | None:
-    """The first reason, over ranks' (found, problem, save id) reports, not to resume (None: resume)."""
-    several = len(reports) > 1
-    for rank, (found, problem, _) in enumerate(reports):
-        if problem is not None:
-            return f"rank {rank}: {problem}" if several else problem
-        if not found:
-            return f"rank {rank} found no saved state"
-    if len({save_id for _, _, save_id in reports}) > 1:
-        return "the ranks loaded different saved states"
-    return None
-
-
-def _one_line(error: Exception) -> str:
-    """An exception as one short line."""
-    text = f"{type(error).__name__}: {error}".strip().splitlines()[0]
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-# ---------------------------------------------------------------- hooks at agreed steps
-
-
-# Weak references to (default group, its Gloo side group) under NCCL: c10d holds both until
-# destroy_process_group, which must end them (see runtime.stop).
-_side_group = (lambda: None, lambda: None)
-
-
-def _flag_group(rt: runtime.Runtime):
-    """The group carrying stop and save flags: the default one on CPU (Gloo).
-
-    Under NCCL a Gloo side group keeps the flags on the host, so reading them never
-    waits for the GPU; it is made once per default group (all ranks train together).
-    """
-    global _side_group
-    if rt.device.type != "cuda":
-        return None
-    world, side = dist.group.WORLD, _side_group[1]()
-    if side is None or _side_group[0]() is not world:
-        side = dist.new_group(backend="gloo")
-        _side_group = (weakref.ref(world), weakref.ref(side))
-    return side
-
-
-FLAG_EXCHANGE_SECONDS = 0.1  # DDP: about this much training time between stop/save flag exchanges
-
-
-class _FlagExchange:
-    """DDP's agreement on [stop, save due]: an asynchronous all-reduce every few steps.
-
-    Each exchange is waited for one step after it was posted, so its latency hides behind
-    that step. Rank 0 sets how many steps pass until the next exchange (about
-    FLAG_EXCHANGE_SECONDS of them, at least one) and the count travels with the flags, so
-    every rank posts at the same steps: one exchange after every step added a quarter or
-    more to a small model's step time on CPU Gloo (bench/bench_resume.py).
-    """
-
-    def __init__(self, rt: runtime.Runtime):
-        self.rt, self.group = rt, _flag_group(rt)
-        self.step = 0                              # steps trained in this call
-        self.next_post = 1                         # the step that posts next, the same on every rank
-        self.last_post = (0, time.monotonic())     # step and time of the latest post
-        self.pending = None
-
-    def collect(self) -> tuple[bool, bool]:
-        """Wait for the pending exchange: the agreed (stop, save due); (False, False) without one."""
-        if self.pending is None:
-            return False, False
-        work, flags = self.pending
-        self.pending = None
-        work.wait()
-        stop, due, interval = flags.tolist()
-        self.next_post = self.last_post[0] + int(interval)
-        return stop > 0, due > 0
-
-    def offer(self, stop: bool, due: bool) -> None:
-        """Count a step, and post this rank's flags when this is an exchange step."""
-        self.step += 1
-        if self.step < self.next_post:
-            return
-        interval = self._interval() if self.rt.is_main else 0.0
-        flags = torch.tensor([float(stop), float(due), interval])
-        self.pending = (dist.all_reduce(flags, group=self.group, async_op=True), flags)
-        self.last_post = (self.step, time.monotonic())
-
-    def _interval(self) -> float:
-        """Rank 0's steps until the next exchange, from the step time since the latest post."""
-        step, posted_at = self.last_post
-        per_step = max((time.monotonic() - posted_at) / max(self.step - step, 1), 1e-9)
-        return float(min(max(int(FLAG_EXCHANGE_SECONDS / per_step), 1), 10_000))
-
-    def agree_at_epoch_end(self, stop: bool) -> bool:
-        """Finish the pending exchange, then agree on stopping (one blocking exchange per epoch)."""
-        self.collect()
-        flag = torch.tensor([float(stop)])
-        dist.all_reduce(flag, group=self.group)
-        return flag.item() > 0
-
-
-class _HookRunner:
-    """Calls the hooks: resumes, saves and stops at steps every rank agrees on, reports epochs.
-
-    `stop_requested` is polled after every step. One process acts on it, and on its clock
-    for periodic saves, at once; under DDP a _FlagExchange agrees on both (rank 0's clock
-    alone decides when a save is due), and every epoch end agrees on stopping.
-    """
-
-    def __init__(self, hooks: TrainingHooks | None, rt: runtime.Runtime, identity: dict | None, n_batches: int):
-        self.hooks, self.rt, self.identity, self.n_batches = hooks, rt, identity, n_batches
-        self.polling = hooks is not None and hooks.stop_requested is not None
-        self.saving = hooks is not None and hooks.saving
-        self.active = self.polling or self.saving
-        self.exchange = _FlagExchange(rt) if rt.ddp and self.active else None
-        self.stop_seen = False
-        self.last_save = time.monotonic()
-
-    def _save_due(self) -> bool:
-        """True on the worker that writes the state (rank 0 in DDP) when the save interval has passed."""
-        return self.saving and self.rt.leads_training and time.monotonic() - self.last_save >= self.hooks.save_seconds
-
-    def progress(self, state: TrainingState) -> tuple[int, int]:
-        """(epoch from 1, batches of it trained); an epoch boundary reads as the end of the epoch before."""
-        if state.position == 0 and state.epoch > 0:
-            return state.epoch, self.n_batches
-        return state.epoch + 1, state.position
-
-    def _save(self, state: TrainingState) -> None:
-        """Save the whole state (a collective under DDP, where rank 0 writes)."""
-        with probes.phase("train.save"):
-            saved = _saved_state(state, self.rt, self.identity)
-            if saved is not None:
-                self.hooks.save_state(saved)
-        self.last_save = time.monotonic()
-
-    def _stop(self, state: TrainingState) -> None:
-        """Raise Preempted once every rank is done, so no rank leaves while rank 0 still writes."""
-        if self.saving and self.rt.ddp:
-            runtime.barrier(self.rt)
-        raise Preempted(*self.progress(state), saved=self.saving)
-
-    def after_step(self, state: TrainingState) -> None:
-        """Poll for a stop; save and stop when agreed; under DDP offer this step's flags."""
-        if not self.active:
-            return
-        self.stop_seen = self.stop_seen or (self.polling and bool(self.hooks.stop_requested()))
-        stop, due = (self.stop_seen, self._save_due()) if self.exchange is None else self.exchange.collect()
-        if self.saving and (stop or due):
-            self._save(state)
-        if stop:
-            self._stop(state)
-        if self.exchange is not None:
-            self.exchange.offer(self.stop_seen, self._save_due())
-
-    def drain(self) -> bool:
-        """At an epoch end (before its collectives): True when every rank agrees to stop there."""
-        return self.exchange is not None and self.exchange.agree_at_epoch_end(self.stop_seen)
-
-    def epoch_done(self, state: TrainingState, stop: bool, record: dict) -> None:
-        """Save at the epoch end, report the epoch (under DDP from rank 0), then stop when asked."""
-        if self.saving:
-            self._save(state)
-        if self.hooks is not None and self.hooks.on_epoch is not None and self.rt.leads_training:
-            self.hooks.on_epoch(state.epoch, record)
-        if stop:
-            self._stop(state)
-
-    def _load(self, state: TrainingState) -> tuple[bool, str | None, str | None]:
-        """Load and apply this rank's saved state: (found one, why it is unusable, its save id)."""
-        saved, problem = None, None
-        try:
-            saved = self.hooks.load_state()
-            if saved is not None:
-                problem = _state_problem(saved, state, self.identity, self.n_batches)
-                if problem is None:
-                    _apply_saved_state(saved, state, self.rt)
-        except Exception as error:  # a damaged state must never stop a training that can start afresh
-            problem = _one_line(error)
-        save_id = saved.get("save_id") if isinstance(saved, dict) else None
-        return saved is not None or problem is not None, problem, save_id
-
-    def resume(self, state: TrainingState) -> None:
-        """Continue from the saved state when every rank can; otherwise warn once and start afresh."""
-        if self.hooks is None or self.hooks.load_state is None:
-            return
-        fresh = state.state_dict(), _global_rng(self.rt.device)
-        report = self._load(state)
-        reports = runtime.all_gather_object(self.rt, report) if self.rt.ddp else [report]
-        if not any(found for found, _, _ in reports):
-            return
-        problem = _first_problem(reports)
-        if problem is None:
-            if self.hooks.on_resume is not None and self.rt.leads_training:
-                self.hooks.on_resume(*self.progress(state))
-            return
-        state.load_state_dict(fresh[0])
-        _set_global_rng(fresh[1], self.rt.device)
-        if self.rt.leads_training:
-            warnings.warn(f"ignoring the saved training state ({problem}); training starts from the beginning",
-                          stacklevel=3)
 
 
 # ---------------------------------------------------------------- the loop
@@ -888,7 +420,7 @@ def _joint_shard(state: TrainingState, xs, thetas, batch: tuple, index: int, set
     return (inputs, contrast.binary_labels(own.shape[0], xs.device)), 2 * (stop - start)
 
 
-def _run_epoch(state: TrainingState, net, x, y, settings, rt, runner: _HookRunner, joint: bool):
+def _run_epoch(state: TrainingState, net, x, y, settings, rt, runner: HookRunner, joint: bool):
     """The rest of the current epoch; returns this rank's per-batch loss sums and gradient norms.
 
     `y` holds the labels of fixed pairs, or the θ of joint pairs (x then being their x).
@@ -971,7 +503,7 @@ def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, s
         settings["checkpoint"] == "last" and last
     ):
         state.best_bce = score
-        state.best_weights = _cpu_copy(state.model.state_dict())
+        state.best_weights = cpu_copy(state.model.state_dict())
         history["selected_epoch"] = state.epoch + 1
     state.epoch += 1
     state.position = 0
@@ -979,7 +511,7 @@ def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, s
 
 
 def _train_epochs(state: TrainingState, net, tensors: tuple, validation: tuple, settings: dict, rt,
-                  runner: _HookRunner) -> None:
+                  runner: HookRunner) -> None:
     """The epoch loop: train, close and report each epoch, saving and stopping where agreed.
 
     It ends after `epochs`, or earlier once the selected validation loss has not improved
@@ -994,69 +526,6 @@ def _train_epochs(state: TrainingState, net, tensors: tuple, validation: tuple, 
         metrics = _close_epoch(state, batch_losses, norms, validation, settings, rt)
         record = {**metrics, "seconds": time.monotonic() - began, "epochs": settings["epochs"]}
         runner.epoch_done(state, stop, record)
-
-
-def timed_allreduce(rt: runtime.Runtime):
-    """A DDP communication hook doing DDP's own averaging all-reduce, timed as the phase train.communicate.
-
-    DDP's own averaging multiplies each gradient by 1/world as it fills the bucket (not a
-    division: with 3 workers the two differ in the last bit), then sums over the workers.
-    """
-    if rt.device.type == "cuda":
-        return _nccl_timed_allreduce(rt.device, rt.world_size)
-    return _gloo_timed_allreduce(rt.world_size)
-
-
-def _gloo_timed_allreduce(world: int):
-    """The CPU (Gloo) hook: each bucket's all-reduce is waited for inside the hook.
-
-    No Python then runs in Gloo's own threads: a Python callback there (what Future.then
-    would run) can abort the process when it exits meanwhile. The price, for models of
-    several buckets only (the bundled ones have one), is the all-reduce's overlap with the
-    rest of the backward pass.
-    """
-
-    def hook(_, bucket):
-        """Average one bucket's gradients over the workers, timing the all-reduce."""
-        tensor = bucket.buffer().mul_(1.0 / world)
-        with probes.phase(COMMUNICATE):
-            dist.all_reduce(tensor)
-        done = torch.futures.Future()
-        done.set_result(tensor)
-        return done
-    return hook
-
-
-def _nccl_timed_allreduce(device: torch.device, world: int):
-    """The CUDA (NCCL) hook: a span from the hook's call to the all-reduce's completion callback.
-
-    NCCL completes the future as it enqueues the work, so the callback runs at once in this
-    thread and the host span is short. With NNPD_PROBES_CUDA=1 the device time is taken on a
-    stream of its own that waits for the gradients, then (in the callback, whose current
-    stream has waited for the all-reduce) for the all-reduce, so the compute stream waits
-    for nothing more than it would. A bucket posted while another's span is still open
-    counts as nested (no time).
-    """
-    timing = torch.cuda.Stream(device) if probes.DEVICE_TIMER is not None else None
-
-    def hook(_, bucket):
-        """Average one bucket's gradients over the workers, timing the all-reduce."""
-        tensor = bucket.buffer().mul_(1.0 / world)
-        if timing is not None:
-            timing.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(timing) if timing is not None else contextlib.nullcontext():
-            span = probes.phase(COMMUNICATE, device=device)
-            span.__enter__()
-        future = dist.all_reduce(tensor, async_op=True).get_future()
-
-        def close(done):
-            """End the span once the all-reduce is done; DDP reads the averaged bucket."""
-            if timing is not None:
-                timing.wait_stream(torch.cuda.current_stream(device))
-            span.__exit__(None, None, None)
-            return done.value()[0]
-        return future.then(close)
-    return hook
 
 
 def _new_history(settings: dict, rows: int, rt: runtime.Runtime) -> dict:
@@ -1096,17 +565,6 @@ def _new_state(model, settings: dict, rt: runtime.Runtime, seed: int, rows: int)
     )
 
 
-def _wrapped(model: torch.nn.Module, rt: runtime.Runtime):
-    """The network the steps call: the model itself, or under DDP its wrapper (with a timed all-reduce)."""
-    if not rt.ddp:
-        return model
-    device = rt.device
-    net = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if probes.MODE != "off":
-        net.register_comm_hook(None, timed_allreduce(rt))
-    return net
-
-
 def train(model: torch.nn.Module, data, training_settings: dict, rt: runtime.Runtime, seed: int,
           hooks: TrainingHooks | None = None):
     """Train a logit-returning classifier; returns (CPU state dict, history).
@@ -1121,24 +579,8 @@ def train(model: torch.nn.Module, data, training_settings: dict, rt: runtime.Run
         return _train(model, data, training_settings, rt, seed, hooks)
     except BaseException as error:
         if rt.ddp:
-            _release_frames(error)
+            ddp.release_frames(error)
         raise
-
-
-def _release_frames(error: BaseException) -> None:
-    """Clear the locals of the finished frames in a failed DDP training's tracebacks.
-
-    They hold the DDP wrapper, whose reducer holds the process group, for as long as the
-    exception lives: past runtime.stop, which must destroy the group (see there). The
-    tracebacks keep their lines.
-    """
-    pending, seen = [error], set()
-    while pending:
-        error = pending.pop()
-        if error is not None and id(error) not in seen:
-            seen.add(id(error))
-            traceback.clear_frames(error.__traceback__)
-            pending += [error.__cause__, error.__context__]
 
 
 def _train(model, data: dict, training_settings: dict, rt: runtime.Runtime, seed: int, hooks):
@@ -1159,14 +601,15 @@ def _train(model, data: dict, training_settings: dict, rt: runtime.Runtime, seed
         validation = joint_validation(*tensors[2:], settings, seed) if joint else (*tensors[2:], None)
         model = model.to(device)
         model.train()
-        net = _wrapped(model, rt)
+        net = ddp.wrapped(model, rt)
         rows = int(tensors[0].shape[0])
         binary_pairs = joint and settings["objective"] != "contrastive"    # each joint row and its re-paired row
         state = _new_state(model, settings, rt, seed, 2 * rows if binary_pairs else rows)
         keeps_state = hooks is not None and (hooks.load_state is not None or hooks.saving)
         # Hashed as given (on the host, as the store loads it), not copied back from the GPU.
-        identity = _identity(settings, seed, rt, given) if keeps_state else None
-        runner = _HookRunner(hooks, rt, identity, len(epoch_batches(rows, settings["batch_size"])))
+        identity = state_identity(settings, seed, rt, given) if keeps_state else None
+        n_batches = len(epoch_batches(rows, settings["batch_size"]))
+        runner = HookRunner(hooks, rt, identity, n_batches, FLAG_EXCHANGE_SECONDS)
     # Dropout draws from torch's global stream: seed it per rank from the job's seed so the
     # same recipe gives the same weights whatever ran before in this process.
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -392,6 +392,68 @@ def patched_settings(tmp_path, replacements):
     return folder
 
 
+# ---------------------------------------------------------------- a kit study beside its settings
+
+LINE_STUDY = '''
+import torch
+import nre_study
+
+
+def noise_scale():
+    return {noise}
+
+
+class Line(nre_study.Study):
+    """x = slope * (-1, 0, 1) + offset + noise."""
+
+    parameters = {{"slope": (-1.0, 1.0), "offset": (-1.0, 1.0)}}
+
+    def simulate(self, theta, generator):
+        noise = torch.randn(theta.shape[0], 3, generator=generator, dtype=torch.float64)
+        return theta[:, :1] * torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) + theta[:, 1:] + noise_scale() * noise
+'''
+KIT_TRAINING = """
+settings["experiment"] = "{module}:Line"
+del settings["problem"]
+settings["cohort"]["priors"] = ["uniform"]
+"""
+KIT_ANALYSIS = """
+settings["analysis"] = "nre_analysis:NREAnalysis"
+settings["inference"]["truths"]["align_truths_to_grid"] = False
+settings["inference"]["truths"]["truth_points_per_axis"] = 2
+settings["inference"]["targets"] = ["ratio"]
+settings["metrics"] = ["classification", "coverage"]
+"""
+
+
+def module_name(tmp_path):
+    """The test's own study module name (modules of one name would be cached across tests)."""
+    return f"kit_{tmp_path.name}"
+
+
+def kit_study(tmp_path, extra="", training="", analysis="", noise=0.3):
+    """A settings folder holding a kit study module; returns (folder, module name, output root)."""
+    module = module_name(tmp_path)
+    folder = write_settings(tmp_path / "settings", tmp_path / "out",
+                            KIT_TRAINING.format(module=module) + training, KIT_ANALYSIS + analysis)
+    (folder / f"{module}.py").write_text(LINE_STUDY.format(noise=noise) + textwrap.dedent(extra))
+    return folder, module, tmp_path / "out"
+
+
+def without_pythonpath():
+    """The environment with no PYTHONPATH: only the settings folder can make the study importable."""
+    return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+
+
+def run_without_pythonpath(*args):
+    """`python nnpd.py ...` from the repository root with PYTHONPATH unset."""
+    environment = without_pythonpath()
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        environment.pop(name, None)
+    return subprocess.run([sys.executable, str(REPO / "nnpd.py"), *args], cwd=REPO, env=environment,
+                          capture_output=True, text=True, timeout=600)
+
+
 # ---------------------------------------------------------------- a small training problem with resumable state
 
 CPU = runtime.Runtime(device=torch.device("cpu"))

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import ddp
 import runtime
 import trainer
 
@@ -160,7 +161,7 @@ def test_a_failed_trainings_frames_let_go_of_what_they_held():
         train(held)
     del held
     assert alive() is not None                      # the frames of both tracebacks hold it
-    trainer._release_frames(caught.value)
+    ddp.release_frames(caught.value)
     assert alive() is None
     printed = "".join(traceback.format_exception(caught.value))
     assert "connection closed by peer" in printed and "in step" in printed and "in train" in printed

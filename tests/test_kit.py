@@ -5,10 +5,8 @@ files (patched to name it) and runs the real command line: nnpd.main in-process 
 answers needs no fresh process, a real launch without PYTHONPATH where the import path matters.
 """
 import json
-import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -17,68 +15,8 @@ import torch
 import nre_study
 import runtime
 import trainer
-from helpers import REPO, main_in_process, write_settings
+from helpers import REPO, kit_study, main_in_process, module_name, run_without_pythonpath, without_pythonpath
 from store import Store
-
-LINE_STUDY = '''
-import torch
-import nre_study
-
-
-def noise_scale():
-    return {noise}
-
-
-class Line(nre_study.Study):
-    """x = slope * (-1, 0, 1) + offset + noise."""
-
-    parameters = {{"slope": (-1.0, 1.0), "offset": (-1.0, 1.0)}}
-
-    def simulate(self, theta, generator):
-        noise = torch.randn(theta.shape[0], 3, generator=generator, dtype=torch.float64)
-        return theta[:, :1] * torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) + theta[:, 1:] + noise_scale() * noise
-'''
-KIT_TRAINING = """
-settings["experiment"] = "{module}:Line"
-del settings["problem"]
-settings["cohort"]["priors"] = ["uniform"]
-"""
-KIT_ANALYSIS = """
-settings["analysis"] = "nre_analysis:NREAnalysis"
-settings["inference"]["truths"]["align_truths_to_grid"] = False
-settings["inference"]["truths"]["truth_points_per_axis"] = 2
-settings["inference"]["targets"] = ["ratio"]
-settings["metrics"] = ["classification", "coverage"]
-"""
-
-
-def module_name(tmp_path):
-    """The test's own study module name (modules of one name would be cached across tests)."""
-    return f"kit_{tmp_path.name}"
-
-
-def kit_study(tmp_path, extra="", training="", analysis="", noise=0.3):
-    """A settings folder holding a kit study module; returns (folder, module name, output root)."""
-    module = module_name(tmp_path)
-    folder = write_settings(tmp_path / "settings", tmp_path / "out",
-                            KIT_TRAINING.format(module=module) + training, KIT_ANALYSIS + analysis)
-    (folder / f"{module}.py").write_text(LINE_STUDY.format(noise=noise) + textwrap.dedent(extra))
-    return folder, module, tmp_path / "out"
-
-
-def without_pythonpath():
-    """The environment with no PYTHONPATH: only the settings folder can make the study importable."""
-    return {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
-
-
-def run_without_pythonpath(*args):
-    """`python nnpd.py ...` from the repository root with PYTHONPATH unset."""
-    environment = without_pythonpath()
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        environment.pop(name, None)
-    return subprocess.run([sys.executable, str(REPO / "nnpd.py"), *args], cwd=REPO, env=environment,
-                          capture_output=True, text=True, timeout=600)
-
 
 @pytest.mark.launch
 def test_a_study_beside_its_settings_runs_without_pythonpath_and_restores(tmp_path):
@@ -334,6 +272,11 @@ def test_run_and_report_print_every_resolution_warning_under_the_table(tmp_path)
     assert line in ran.stdout.splitlines()
     reported = main_in_process("report", "--settings-dir", str(folder))
     assert reported.returncode == 0 and line in reported.stdout.splitlines()
+    # ... and the table's last column counts the flagged cases.
+    lines = reported.stdout.splitlines()
+    header = next(i for i, text in enumerate(lines) if text.startswith("configuration"))
+    assert lines[header].split()[-1] == "unresolved"
+    assert lines[header + 1].split()[-1] == str(metrics["resolution"]["flagged"]["any"]) != "0"
 
 
 @pytest.mark.unit
@@ -416,3 +359,19 @@ def test_a_slow_simulator_shows_data_progress_with_rate_and_time_left(tmp_path):
                and "s left" in line for line in lines), trained.stdout
     assert f"data.train {4 * chunk:,}/{4 * chunk:,} simulations" in lines[-1]
 
+
+
+@pytest.mark.launch
+def test_run_notes_posterior_coverage_under_a_non_uniform_prior_and_not_under_a_uniform_one(tmp_path):
+    folder, _, root = kit_study(tmp_path, training='settings["cohort"]["priors"] = ["uniform", "normal"]\n'
+                                'settings["priors"]["normal"] = {"family": "normal"}\n',
+                                analysis='settings["inference"]["targets"] = ["ratio", "posterior"]\n'
+                                         'settings["metrics"] += ["posterior"]\n')
+    ran = main_in_process("run", "--settings-dir", str(folder))
+    assert ran.returncode == 0, ran.stderr
+    notes = [line for line in ran.stdout.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1 and notes[0].startswith("note: baseline normal: the posterior target's coverage is "
+                                                   "judged against truths spread evenly over the box"), ran.stdout
+    for metrics in root.glob("runs/*/*/metrics.json"):
+        note = json.loads(metrics.read_text())["posterior"]["truths_note"]
+        assert (note is None) == ("/uniform-" in str(metrics)) and (note is None or note in notes[0])

@@ -14,7 +14,7 @@ import jobs
 import nnpd
 import runtime
 from helpers import REPO, run_cli, write_settings
-from store import Store, restore
+from store import RestoreError, Store, restore
 
 pytestmark = pytest.mark.launch
 
@@ -186,7 +186,7 @@ def test_restore_of_a_run_folder_moved_alone_fails_clearly(study_dir, tmp_path):
     run = run_dirs(tmp_path / "out")[0]
     lonely = tmp_path / "a" / "b" / "c" / "lonely"
     shutil.copytree(run, lonely)
-    with pytest.raises(FileNotFoundError, match="without its output root"):
+    with pytest.raises(RestoreError, match="without its output root"):
         restore(lonely)
 
 

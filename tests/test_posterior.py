@@ -229,7 +229,9 @@ def test_infer_refuses_hostile_inputs_in_one_line_and_writes_nothing(analysed, t
     np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (10**12, 1)})
     (tmp_path / "huge.npy").write_bytes(header.getvalue())     # a header claiming 10^12 rows, no data
     (tmp_path / "afile").write_text("not a folder")
-    cases = [((tmp_path / "fifo.npy",), "not a regular file"),
+    np.save(tmp_path / "ensemble.npy", np.full((2 * 10**6, 1), 5.0))    # hours of network evaluations
+    cases = [((tmp_path / "ensemble.npy",), r"2,000,000 observations × [\d,]+ candidate points are .* network "
+                                            r"evaluations, over the 1e\+08"),((tmp_path / "fifo.npy",), "not a regular file"),
              ((good, "--truth", tmp_path / "fifo.npy"), "not a regular file"),
              ((tmp_path / "complex.npy",), "not real numbers"),
              ((good, "--truth", tmp_path / "nan.npy"), "NaN or infinite"),
