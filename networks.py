@@ -17,6 +17,7 @@ from settings import SettingsError, integer, known_keys, number, one_of, require
 MODEL_KEYS = ("kind", "hidden", "activation", "dropout", "width", "blocks", "standardize")
 ACTIVATIONS = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "gelu": torch.nn.GELU}
 MAX_WIDTH = 1 << 16
+NEAR_ZERO = 1e-3          # the bound of a residual branch's last layer's initial weights
 class MLP(torch.nn.Module):
     """Linear+activation per hidden width (optional dropout), then a Linear to one logit."""
 
@@ -38,7 +39,8 @@ class MLP(torch.nn.Module):
 
 
 class ResidualBlock(torch.nn.Module):
-    """act(h + Linear(dropout(act(Linear(h)))))."""
+    """h + Linear(dropout(act(Linear(act(h))))): activations inside the branch only, so the identity path
+    carries h unchanged; the branch's last layer starts near zero, so every block starts as the identity."""
 
     def __init__(self, width, activation, dropout):
         """Two width-preserving Linear layers around an activation and dropout."""
@@ -47,19 +49,21 @@ class ResidualBlock(torch.nn.Module):
         self.outer = torch.nn.Linear(width, width)
         self.activation = ACTIVATIONS[activation]()
         self.dropout = torch.nn.Dropout(dropout)
+        torch.nn.init.uniform_(self.outer.weight, -NEAR_ZERO, NEAR_ZERO)
+        torch.nn.init.uniform_(self.outer.bias, -NEAR_ZERO, NEAR_ZERO)
 
     def forward(self, h):
         """Apply the block."""
-        return self.activation(h + self.outer(self.dropout(self.activation(self.inner(h)))))
+        return h + self.outer(self.dropout(self.activation(self.inner(self.activation(h)))))
 
 
 class ResidualNet(torch.nn.Module):
-    """Input Linear to width (+activation), residual blocks, final Linear to one logit."""
+    """Input Linear to width, residual blocks, final Linear to one logit."""
 
     def __init__(self, input_size, width, blocks, activation, dropout):
         """Stack the input layer, blocks and output layer."""
         super().__init__()
-        self.input = torch.nn.Sequential(torch.nn.Linear(input_size, width), ACTIVATIONS[activation]())
+        self.input = torch.nn.Linear(input_size, width)
         self.blocks = torch.nn.Sequential(*[ResidualBlock(width, activation, dropout) for _ in range(blocks)])
         self.output = torch.nn.Linear(width, 1)
 

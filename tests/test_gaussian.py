@@ -437,6 +437,19 @@ def test_network_shapes_and_parameter_counts():
     assert not any(isinstance(m, torch.nn.Dropout) for m in mlp.modules())
 
 
+def test_a_residual_block_starts_as_the_identity_and_keeps_negative_values():
+    torch.manual_seed(4)
+    block = networks.ResidualBlock(16, "relu", 0.0)
+    h = torch.randn(64, 16)
+    out = block(h)
+    assert (out - h).abs().max() < 0.05                  # the branch's last layer starts near zero
+    assert (out[h < -0.5] < 0).all()                     # no activation on the identity path
+    with torch.no_grad():
+        block.outer.weight.zero_()
+        block.outer.bias.zero_()
+    assert torch.equal(block(h), h)
+
+
 @pytest.mark.parametrize("kind", ["mlp", "residual"])
 @pytest.mark.parametrize("name, module", [("relu", torch.nn.ReLU), ("tanh", torch.nn.Tanh), ("gelu", torch.nn.GELU)])
 def test_activations(kind, name, module):
