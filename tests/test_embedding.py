@@ -87,8 +87,8 @@ def test_the_trained_model_holds_the_embedding_before_the_classifier(trained, re
     assert isinstance(model, networks.Standardized) and isinstance(model.network, networks.Embedded)
     assert any(isinstance(layer, torch.nn.Conv1d) for layer in model.network.embedding.modules())
     # The `model` section shapes the classifier, which reads the embedding's features beside θ.
-    assert model.network.classifier.input[0].in_features == FEATURES + PARAMETERS
-    assert model.network.classifier.input[0].out_features == 32
+    assert model.network.classifier.input.in_features == FEATURES + PARAMETERS
+    assert model.network.classifier.input.out_features == 32
     saved = restored.artifacts["model"].state_dict()
     assert {"shift", "scale", "network.embedding.1.weight", "network.classifier.output.weight"} <= set(saved)
     # Trained jointly: the embedding's weights moved from the ones the study initialises.
