@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+import study
 import trainer
 from c2st import c2st
 from store import ROOT_MARKER, NnpdError, restore, write_bytes_atomic
@@ -118,7 +119,10 @@ def infer(arguments):
     reference = read_array(arguments.reference, "--reference") if arguments.reference else None
     folder = output_folder(arguments)
     restored = restore(arguments.run)       # its errors (NnpdError) name the run folder or file
-    posterior, samples = posterior_samples(restored, observations, truth, reference, arguments)
+    progress = study.Progress(lambda line: print(f"nnpd: {line}", file=sys.stderr, flush=True),
+                              f"infer {restored.run_dir.name}", unit="candidate points")
+    with study.progress_to(progress):         # a large ensemble's posterior takes a while: say how far it is
+        posterior, samples = posterior_samples(restored, observations, truth, reference, arguments)
     figure = corner_png(posterior, samples, truth, run_label(restored)) if arguments.plot else None
     summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),
                "shape": list(observations.shape), "samples": int(arguments.samples), **posterior.summary(),

@@ -166,9 +166,14 @@ def model_recipe(job, data_key, identity):
             "versions": study.library_versions()}
 
 
+def launch_log(launch):
+    """A progress line's way into the launch's log: every worker's own, with its rank."""
+    return lambda line: launch.log(line, every_worker=True)
+
+
 def write_data(launch, job, writer):
     """Build the training-data artifact, showing the progress the study reports (study.report_progress)."""
-    progress = CaseProgress(launch, job.run, stage="data   ", unit="simulations")
+    progress = study.Progress(launch_log(launch), f"data    {job.run}", unit="simulations")
     with probes.phase("data.sample"), study.progress_to(progress):
         arrays = job.experiment.sample_data(job.member)
     for name, array in arrays.items():
@@ -359,7 +364,7 @@ def analyze_model(launch, job, data, model):
     record = {"settings": settings, "source": launch.snapshot, "model": model.key, "worker": launch.rt.rank}
     runs.write_record(run_dir / "analysis.json", {"state": "running", **record, "time": now_iso()})
     ctx = study.Context(job.settings, settings, job.member, job.experiment, job.analysis, launch.rt,
-                        run_dir, launch.store, data, model, progress=CaseProgress(launch, job.run))
+                        run_dir, launch.store, data, model, progress=study.Progress(launch_log(launch), f"analyze {job.run}"))
     values = {}
     for name in settings["metrics"]:
         with probes.phase(f"metric.{name}"):
@@ -374,41 +379,6 @@ def analyze_model(launch, job, data, model):
                                                   "metrics": digest(values), "time": now_iso()})
     launch.used |= set(keys)
     return values
-
-
-class CaseProgress:
-    """How far a long step is (an analysis product, a data split): units done, rate and time left.
-
-    On a terminal one line updates in place (at most twice a second); otherwise a plain
-    line is printed at each quarter, so logs stay short. Steps done within a couple of
-    seconds show nothing.
-    """
-
-    QUIET_SECONDS = 2.0
-
-    def __init__(self, launch, run, stage="analyze", unit="cases"):
-        self.launch, self.run, self.stage, self.unit = launch, run, stage, unit
-        self.started, self.shown, self.last = {}, {}, 0.0
-        self.tty = sys.stdout.isatty()
-
-    def __call__(self, what, done, total):
-        """Show that `done` of `total` units of `what` are done."""
-        now = time.monotonic()
-        started = self.started.setdefault(what, now)
-        quarter = 4 * done // max(total, 1)
-        if (now - started < self.QUIET_SECONDS and what not in self.shown) \
-                or (self.tty and now - self.last < 0.5 and done < total) \
-                or (not self.tty and quarter <= self.shown.get(what, -1)):
-            return
-        self.shown[what], self.last = quarter, now
-        rate = done / (now - started) if now > started and done else 0.0
-        left = f", {(total - done) / rate:.0f} s left" if rate and done < total else ""
-        line = f"{self.stage} {self.run}: {what} {done:,}/{total:,} {self.unit}, {rate:,.1f} {self.unit}/s{left}"
-        if self.tty:
-            end = "\n" if done >= total else ""
-            print(f"\r[nnpd {time.strftime('%H:%M:%S')}] {line}\033[K", end=end, flush=True)
-        else:
-            self.launch.log(line, every_worker=True)
 
 
 # ---------------------------------------------------------------- figures

@@ -38,6 +38,7 @@ import torch
 import adaptive
 import inference
 import runtime
+import study
 from nre_analysis import check_inference_settings, flatness, learned_scoring, prior_sds
 from store import NnpdError
 
@@ -422,18 +423,40 @@ def observation_ensemble(observations, dimension):
 
 
 def check_ensemble_cost(problem, prior, settings, observations):
-    """Refuse, before any work, a posterior whose network evaluations (candidate points × observations, each
-    observation's log ratio summed) exceed MAX_EVALUATIONS."""
+    """The points the design scores; refused, before any work, when its network evaluations (candidate points ×
+    observations, each observation's log ratio summed) exceed MAX_EVALUATIONS."""
     p = len(problem.names)
     lattice = inference.candidate_lattice(prior.lattice_steps, p, settings["candidates"])
     points = inference.points_per_case(p, lattice, inference._as_f64(problem.low), inference._as_f64(problem.high),
                                        settings["candidates"], len(score_targets(settings)))
-    if points * observations > MAX_EVALUATIONS:
-        raise PosteriorError(f"{observations:,} observations × {points:,} candidate points are "
-                             f"{points * observations:.1e} network evaluations, over the {MAX_EVALUATIONS:.0e} one "
-                             "posterior may take (minutes on one CPU core); pass fewer observations (each one's "
-                             "log ratio is summed, as for independent draws) or lower "
-                             "inference.candidates.candidate_count")
+    if points * observations <= MAX_EVALUATIONS:
+        return points
+    raise PosteriorError(f"{observations:,} observations × {points:,} candidate points are "
+                         f"{points * observations:.1e} network evaluations, over the {MAX_EVALUATIONS:.0e} one "
+                         "posterior may take (minutes on one CPU core); pass fewer observations (each one's "
+                         "log ratio is summed, as for independent draws) or lower "
+                         "inference.candidates.candidate_count")
+
+
+class ScoredPoints:
+    """A score function that reports, through study.report_progress, how many of the design's points it has
+    scored while the posterior is built (the long part of a large ensemble); silent after finish()."""
+
+    def __init__(self, score_fn, total):
+        self.score_fn, self.total, self.done, self.building = score_fn, total, 0, True
+
+    def __call__(self, points):
+        """The scores of `points`, counted."""
+        scores = self.score_fn(points)
+        if self.building:
+            self.done = min(self.done + len(points), self.total)
+            study.report_progress("posterior", self.done, self.total)
+        return scores
+
+    def finish(self):
+        """The posterior is built: report it whole and stop counting (sampling evaluates it further)."""
+        study.report_progress("posterior", self.total, self.total)
+        self.building = False
 
 
 def host_scores(scoring):
@@ -469,10 +492,12 @@ def for_observation(problem, prior, model, analysis_settings, observations, seed
     """
     settings = inference_settings(problem, analysis_settings)
     x = observation_ensemble(observations, problem.dimension)
-    check_ensemble_cost(problem, prior, settings, len(x))
+    points = check_ensemble_cost(problem, prior, settings, len(x))
     score_fn = host_scores(learned_scoring(model, torch.device(device), prior, x[None], score_targets(settings),
                                            settings, inference.Evaluations()))
-    posterior = from_scores(problem, prior.lattice_steps, score_fn, analysis_settings, seed, truth, case)
+    counted = ScoredPoints(score_fn, points)
+    posterior = from_scores(problem, prior.lattice_steps, counted, analysis_settings, seed, truth, case)
+    counted.finish()
     posterior.prior_sd = prior_sds(prior, problem.parameter_count)
     return posterior
 

@@ -18,6 +18,7 @@ import linecache
 import platform
 import re
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -154,6 +155,41 @@ def report_progress(what, done, total):
     reporter = _PROGRESS.get()
     if reporter is not None:
         reporter(what, done, total)
+
+
+class Progress:
+    """How far a long step is (a data split, an analysis product, a posterior): units done, rate, time left.
+
+    On a terminal one line updates in place (at most twice a second); otherwise `emit` gets
+    a plain line at each quarter, so logs stay short. Steps done within a couple of seconds
+    show nothing.
+    """
+
+    QUIET_SECONDS = 2.0
+
+    def __init__(self, emit, prefix, unit="cases"):
+        self.emit, self.prefix, self.unit = emit, prefix, unit
+        self.started, self.shown, self.last = {}, {}, 0.0
+        self.tty = sys.stdout.isatty()
+
+    def __call__(self, what, done, total):
+        """Show that `done` of `total` units of `what` are done."""
+        now = time.monotonic()
+        started = self.started.setdefault(what, now)
+        quarter = 4 * done // max(total, 1)
+        if (now - started < self.QUIET_SECONDS and what not in self.shown) \
+                or (self.tty and now - self.last < 0.5 and done < total) \
+                or (not self.tty and quarter <= self.shown.get(what, -1)):
+            return
+        self.shown[what], self.last = quarter, now
+        rate = done / (now - started) if now > started and done else 0.0
+        left = f", {(total - done) / rate:.0f} s left" if rate and done < total else ""
+        line = f"{self.prefix}: {what} {done:,}/{total:,} {self.unit}, {rate:,.1f} {self.unit}/s{left}"
+        if self.tty:
+            end = "\n" if done >= total else ""
+            print(f"\r[nnpd {time.strftime('%H:%M:%S')}] {line}\033[K", end=end, flush=True)
+        else:
+            self.emit(line)
 
 
 def load_class(spec, setting):

@@ -15,6 +15,7 @@ import nnpd
 import posterior as post
 import priors
 import settings_analysis
+import study
 from helpers import main_in_process, run_cli, study_problem, write_settings
 from store import restore
 
@@ -142,6 +143,20 @@ def test_hpd_bounds_equal_the_analysis_bounds_of_the_same_case(analysed):
                 assert region["upper"] == restored.array("learned", "posterior_upper")[case, i].tolist()
             assert posterior.mode().tolist() == restored.array("learned", "posterior_mode")[case].tolist()
         assert restored.posterior(observations[0]).summary()["hpd"].keys() == {"0.68", "0.95"}
+
+
+@pytest.mark.launch
+def test_building_a_posterior_reports_its_scored_points_and_sampling_does_not(analysed):
+    restored = restore(next(analysed.glob("runs/*/uniform-r0-*")))
+    reported = []
+    with study.progress_to(lambda what, done, total: reported.append((what, done, total))):
+        posterior = restored.posterior(restored.array("observations", "observations")[0])
+        built = len(reported)
+        posterior.sample(200, seed=0)
+    assert built > 1 and len(reported) == built                     # sampling reports nothing
+    assert {what for what, _, _ in reported} == {"posterior"} and len({total for _, _, total in reported}) == 1
+    done = [count for _, count, _ in reported]
+    assert done == sorted(done) and done[-1] == reported[-1][2]      # counted up to the whole design
 
 
 @pytest.mark.launch

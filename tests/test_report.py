@@ -8,6 +8,7 @@ import torch
 import jobs
 import results
 import runtime
+import study
 from helpers import main_in_process, run_cli, write_settings
 
 
@@ -116,7 +117,7 @@ def test_report_before_any_analysis_is_a_clear_error(tmp_path):
 @pytest.mark.unit
 def test_case_progress_prints_quarters_of_a_long_product(capsys):
     launch = jobs.Launch("analyze", None, None, None, runtime.Runtime(device=torch.device("cpu")), {})
-    progress = jobs.CaseProgress(launch, "runs/x/y")
+    progress = study.Progress(lambda line: launch.log(line, every_worker=True), "analyze runs/x/y")
     progress.tty, progress.QUIET_SECONDS = False, 0.0
     for done in range(9):
         progress("ratio", done, 8)
