@@ -120,7 +120,7 @@ def infer(arguments):
     folder = output_folder(arguments)
     restored = restore(arguments.run)       # its errors (NnpdError) name the run folder or file
     progress = study.Progress(lambda line: print(f"nnpd: {line}", file=sys.stderr, flush=True),
-                              f"infer {restored.run_dir.name}", unit="candidate points")
+                              f"infer {restored.run_dir.name}", unit="points")
     with study.progress_to(progress):         # a large ensemble's posterior takes a while: say how far it is
         posterior, samples = posterior_samples(restored, observations, truth, reference, arguments)
     figure = corner_png(posterior, samples, truth, run_label(restored)) if arguments.plot else None

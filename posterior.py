@@ -382,6 +382,7 @@ def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET)
     the budget of proposal draws (`budget` per draw asked) runs out first, the draws are an
     importance resample of every proposal draw made ("resampled-proposal").
     """
+    study.report_progress("samples", 0, n)             # fitting the proposal is part of the wait
     proposal, components, evaluations = fit_proposal(log_prob, points, masses, box, generator)
     p = box.low.numel()
     kept, kept_log_w, kept_log_u = (torch.empty(shape, dtype=torch.float64) for shape in ((0, p), (0,), (0,)))
@@ -399,6 +400,7 @@ def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET)
                                                                       (kept_log_u, log_u)))
         inside = kept_log_u < kept_log_w - log_bound        # u < w / M, for the bound as it is now
         kept, kept_log_w, kept_log_u = kept[inside], kept_log_w[inside], kept_log_u[inside]
+        study.report_progress("samples", min(kept.shape[0], n), n)
     info = {"method": "rejection", "evaluations": evaluations, "components": components,
             "acceptance": kept.shape[0] / max(proposed, 1)}
     if kept.shape[0] >= n:
@@ -444,6 +446,7 @@ class ScoredPoints:
 
     def __init__(self, score_fn, total):
         self.score_fn, self.total, self.done, self.building = score_fn, total, 0, True
+        study.report_progress("posterior", 0, total)          # the clock of its rate starts here
 
     def __call__(self, points):
         """The scores of `points`, counted."""

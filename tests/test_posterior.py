@@ -146,17 +146,18 @@ def test_hpd_bounds_equal_the_analysis_bounds_of_the_same_case(analysed):
 
 
 @pytest.mark.launch
-def test_building_a_posterior_reports_its_scored_points_and_sampling_does_not(analysed):
+def test_building_a_posterior_and_sampling_it_report_their_progress(analysed):
     restored = restore(next(analysed.glob("runs/*/uniform-r0-*")))
     reported = []
     with study.progress_to(lambda what, done, total: reported.append((what, done, total))):
         posterior = restored.posterior(restored.array("observations", "observations")[0])
         built = len(reported)
         posterior.sample(200, seed=0)
-    assert built > 1 and len(reported) == built                     # sampling reports nothing
-    assert {what for what, _, _ in reported} == {"posterior"} and len({total for _, _, total in reported}) == 1
-    done = [count for _, count, _ in reported]
-    assert done == sorted(done) and done[-1] == reported[-1][2]      # counted up to the whole design
+    building, sampling = reported[:built], reported[built:]
+    assert built > 2 and building[0][1] == 0 and {what for what, _, _ in building} == {"posterior"}
+    done = [count for _, count, _ in building]
+    assert done == sorted(done) and done[-1] == building[-1][2]      # counted up to the whole design
+    assert sampling[0] == ("samples", 0, 200) and sampling[-1] == ("samples", 200, 200)
 
 
 @pytest.mark.launch
