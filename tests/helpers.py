@@ -51,6 +51,22 @@ TINY_ANALYSIS = """
 """
 
 
+@contextlib.contextmanager
+def recorded_figures():
+    """Within the block every matplotlib Figure made (nnpd's own included) is appended to the list yielded."""
+    import matplotlib.figure              # only the figure tests, which skip without matplotlib, call this
+    figures = []
+
+    class Recording(matplotlib.figure.Figure):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            figures.append(self)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(matplotlib.figure, "Figure", Recording)
+        yield figures
+
+
 def write_settings(directory, root, training="", analysis="", tiny=True):
     """Copy the repository's settings files into `directory`, patched by the given code.
 

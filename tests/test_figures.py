@@ -7,11 +7,10 @@ import pytest
 import nnpd
 import results
 import study
-from helpers import run_cli, write_settings
+from helpers import recorded_figures, run_cli, write_settings
 from nre_analysis import NREAnalysis
 
 matplotlib = pytest.importorskip("matplotlib")
-import matplotlib.figure  # noqa: E402
 
 pytestmark = pytest.mark.launch
 
@@ -25,15 +24,7 @@ def drawn(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("figures")
     settings = write_settings(tmp / "s", tmp / "out", analysis=PLOTS,
                               training='settings["cohort"]["priors"] = ["uniform", "grid"]\n')
-    figures = []
-
-    class Recording(matplotlib.figure.Figure):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            figures.append(self)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(matplotlib.figure, "Figure", Recording)
+    with recorded_figures() as figures:
         nnpd.execute("run", None, str(settings))
     return tmp, settings, figures
 

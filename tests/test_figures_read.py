@@ -15,7 +15,7 @@ import nnpd
 import nre_figures
 import posterior as post
 import priors
-from helpers import main_in_process, patched_settings, write_settings
+from helpers import main_in_process, patched_settings, recorded_figures, write_settings
 from store import restore
 
 matplotlib = pytest.importorskip("matplotlib")
@@ -28,13 +28,7 @@ SOBOL_TRUTHS = 256      # continuous truths of the decay run: many more than nre
 
 def record_launch(settings_dir):
     """Run a launch in this process; every Figure it made and the contexts of each cohort figure."""
-    figures, cohorts = [], []
-
-    class Recording(matplotlib.figure.Figure):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            figures.append(self)
-
+    cohorts = []
     drawn = jobs.draw_figures
 
     def recording(figure_hooks, selected, target, folder, plotting):
@@ -42,8 +36,7 @@ def record_launch(settings_dir):
             cohorts.append(target)
         return drawn(figure_hooks, selected, target, folder, plotting)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(matplotlib.figure, "Figure", Recording)
+    with recorded_figures() as figures, pytest.MonkeyPatch.context() as patch:
         patch.setattr(jobs, "draw_figures", recording)
         nnpd.execute("run", None, str(settings_dir))
     return figures, cohorts
@@ -229,15 +222,7 @@ def test_the_corner_plot_names_its_run_and_prior_and_tells_joint_from_marginal_b
     run = next(root.glob("runs/*/uniform-r0-*"))
     restored = restore(run)
     np.save(tmp_path / "x.npy", restored.array("observations", "observations")[1])
-    figures = []
-
-    class Recording(matplotlib.figure.Figure):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            figures.append(self)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(matplotlib.figure, "Figure", Recording)
+    with recorded_figures() as figures:
         result = main_in_process("infer", str(run), "--observations", str(tmp_path / "x.npy"), "--samples", "2000",
                                  "--plot")
     assert result.returncode == 0, result.stderr
