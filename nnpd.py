@@ -70,7 +70,7 @@ def workload_errors(job, limits):
     """Messages for every analysis limit this job's estimate exceeds."""
     checks = (("model_evaluations", "max_model_evaluations"), ("saved_bytes", "max_saved_bytes"),
               ("candidate_points", "max_candidate_points"))
-    advice = getattr(job.analysis, "WORKLOAD_ADVICE", study.Analysis.WORKLOAD_ADVICE)
+    advice = study.optional(job.analysis, "WORKLOAD_ADVICE", study.Analysis)
     return [f"configuration {job.configuration.name} member {job.member['name']}: the analysis needs "
             f"{job.analysis_workload[need]:.3g} {need.replace('_', ' ')}, over verification.{limit}="
             f"{limits[limit]:.3g}; {advice} in settings_analysis.py, or raise the limit"

@@ -59,6 +59,41 @@ def test_load_class_names_the_setting_and_checks_the_contract():
         study.load_class("subprocess:Popen", "experiment")
 
 
+
+class OwnAnalysis:
+    """An analysis class of a study's own that derives from nothing and gives one optional member."""
+
+    REPORT_COLUMNS = (("AUC", "classification.auc"),)
+
+    def plan_warnings(self):
+        """One line of its own."""
+        return ["own warning"]
+
+
+@pytest.mark.unit
+def test_an_optional_member_a_class_leaves_out_takes_the_contracts_one_default():
+    own = OwnAnalysis()
+    assert study.optional(own, "REPORT_COLUMNS", study.Analysis) == (("AUC", "classification.auc"),)
+    assert study.optional(OwnAnalysis, "WORKLOAD_ADVICE", study.Analysis) == "reduce the analysis"
+    assert study.optional(own, "plan_errors", study.Analysis)() == ()       # the default method, bound to it
+    assert study.optional(own, "settings", study.Analysis) is None          # set by nnpd: no class default
+    # plan reads both parts through it: the experiment's default and the analysis' own line.
+    assert study.plan_notes(object(), own) == ([], ["own warning"])
+
+
+def protocol_members(protocol):
+    """The names a Protocol class declares: its methods and annotated attributes."""
+    declared = set(vars(protocol).get("__annotations__", {})) | {
+        name for name, value in vars(protocol).items() if callable(value)}
+    return {name for name in declared if not name.startswith("_")}
+
+
+@pytest.mark.unit
+def test_the_contract_protocols_declare_what_plan_requires_of_a_study():
+    assert protocol_members(study.ExperimentContract) == set(study.EXPERIMENT_METHODS + study.EXPERIMENT_SOURCES)
+    assert protocol_members(study.AnalysisContract) == set(study.ANALYSIS_MEMBERS) | {"settings"}
+
+
 MODULE = '''
 def helper(value):
     return value + {helper_offset}
