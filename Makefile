@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 # own index, where PIP_INDEX_URL / PIP_EXTRA_INDEX_URL in the environment are honoured.
 TORCH_INDEX_URL ?=
 
-.PHONY: setup test test-fast smoke bench bench-sbi bench-posterior clean
+.PHONY: setup test test-fast typecheck smoke bench bench-sbi bench-posterior clean
 
 setup: $(VENV)/.ready
 
@@ -41,6 +41,13 @@ test: setup
 # small tensor operations spend more on waking a second thread than they gain, on a busy machine most.
 test-fast: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "unit or property" tests
+
+# mypy on the kit's public modules (the list and the strictness, default mypy plus
+# warn_unused_ignores and warn_redundant_casts, are in pyproject.toml's [tool.mypy]). mypy is
+# installed into the venv here, when the check runs: it is no dependency of nnpd, nor part of setup.
+typecheck: setup
+	$(PY) -c "import mypy" 2>/dev/null || $(PY) -m pip install mypy
+	$(PY) -m mypy
 
 smoke: setup
 	$(PY) nnpd.py run --profile smoke

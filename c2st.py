@@ -8,11 +8,14 @@ of two hidden layers of 10·dim units, its k-fold cross-validated accuracy. Here
 torch, seeded, on one thread. `python nnpd.py infer RUN --reference FILE.npy` prints it.
 """
 import math
+from typing import Any, Sequence
 
 import numpy as np
 import torch
 
 __all__ = ["c2st"]
+
+Draws = np.ndarray | torch.Tensor | Sequence[Any]       # rows of draws, (n, p) or (n,)
 
 C2ST_EPOCHS = 20         # passes over the training folds: enough to learn a shift or memorise repeated rows
 C2ST_BATCH = 512
@@ -53,7 +56,8 @@ def _fold_accuracy(x, y, test, generator, epochs, batch_rows):
         return float(((_logits(parameters, x[test]) > 0).float() == y[test]).float().mean())
 
 
-def c2st(samples, reference, folds=5, seed=0, epochs=C2ST_EPOCHS, batch=C2ST_BATCH):
+def c2st(samples: Draws, reference: Draws, folds: int = 5, seed: int = 0, epochs: int = C2ST_EPOCHS,
+         batch: int = C2ST_BATCH) -> float:
     """Classifier two-sample test: the k-fold cross-validated accuracy of an MLP telling samples from reference
     (0.5: indistinguishable, 1.0: disjoint).
 

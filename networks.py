@@ -10,6 +10,8 @@ A study's own embedding network (docs/extending.md, "Your own network") sits bet
 standardisation and the classifier: `Embedded` hands the first d columns of each row (x)
 to the embedding and the classifier sees [embedding(x), θ].
 """
+from typing import Any
+
 import torch
 
 from settings import SettingsError, integer, known_keys, number, one_of, require
@@ -21,7 +23,7 @@ NEAR_ZERO = 1e-3          # the bound of a residual branch's last layer's initia
 class MLP(torch.nn.Module):
     """Linear+activation per hidden width (optional dropout), then a Linear to one logit."""
 
-    def __init__(self, input_size, hidden, activation, dropout):
+    def __init__(self, input_size: int, hidden: list[int], activation: str, dropout: float) -> None:
         """Stack the layers."""
         super().__init__()
         layers, width = [], input_size
@@ -33,7 +35,7 @@ class MLP(torch.nn.Module):
         layers.append(torch.nn.Linear(width, 1))
         self.layers = torch.nn.Sequential(*layers)
 
-    def forward(self, inputs):
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """One logit per row, shape (rows,)."""
         return self.layers(inputs).squeeze(-1)
 
@@ -42,7 +44,7 @@ class ResidualBlock(torch.nn.Module):
     """h + Linear(dropout(act(Linear(act(h))))): activations inside the branch only, so the identity path
     carries h unchanged; the branch's last layer starts near zero, so every block starts as the identity."""
 
-    def __init__(self, width, activation, dropout):
+    def __init__(self, width: int, activation: str, dropout: float) -> None:
         """Two width-preserving Linear layers around an activation and dropout."""
         super().__init__()
         self.inner = torch.nn.Linear(width, width)
@@ -52,7 +54,7 @@ class ResidualBlock(torch.nn.Module):
         torch.nn.init.uniform_(self.outer.weight, -NEAR_ZERO, NEAR_ZERO)
         torch.nn.init.uniform_(self.outer.bias, -NEAR_ZERO, NEAR_ZERO)
 
-    def forward(self, h):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
         """Apply the block."""
         return h + self.outer(self.dropout(self.activation(self.inner(self.activation(h)))))
 
@@ -60,19 +62,19 @@ class ResidualBlock(torch.nn.Module):
 class ResidualNet(torch.nn.Module):
     """Input Linear to width, residual blocks, final Linear to one logit."""
 
-    def __init__(self, input_size, width, blocks, activation, dropout):
+    def __init__(self, input_size: int, width: int, blocks: int, activation: str, dropout: float) -> None:
         """Stack the input layer, blocks and output layer."""
         super().__init__()
         self.input = torch.nn.Linear(input_size, width)
         self.blocks = torch.nn.Sequential(*[ResidualBlock(width, activation, dropout) for _ in range(blocks)])
         self.output = torch.nn.Linear(width, 1)
 
-    def forward(self, inputs):
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """One logit per row, shape (rows,)."""
         return self.output(self.blocks(self.input(inputs))).squeeze(-1)
 
 
-def check_model_settings(model, path="model"):
+def check_model_settings(model: Any, path: str = "model") -> None:
     """Validate the model section (the input size is derived, never configured)."""
     if not isinstance(model, dict):
         raise SettingsError(f"{path}: expected a dict, got {type(model).__name__}")
@@ -96,7 +98,7 @@ def check_model_settings(model, path="model"):
         integer(require(model, "blocks", path), f"{path}.blocks", 0, 1000)
 
 
-def build_classifier(model_settings, input_size):
+def build_classifier(model_settings: dict[str, Any], input_size: int) -> torch.nn.Module:
     """The MLP or residual classifier the `model` section describes, for inputs of width input_size."""
     dropout = float(model_settings.get("dropout", 0.0))
     activation = model_settings["activation"]
@@ -105,7 +107,8 @@ def build_classifier(model_settings, input_size):
     return ResidualNet(input_size, model_settings["width"], model_settings["blocks"], activation, dropout)
 
 
-def build_network(model_settings, input_size, standardize=True, embedding=None, observation_size=None):
+def build_network(model_settings: dict[str, Any], input_size: int, standardize: bool = True,
+                  embedding: torch.nn.Module | None = None, observation_size: int | None = None) -> torch.nn.Module:
     """The network for rows [x, θ] of width input_size (= d + p); `standardize` is the default of model.standardize.
 
     With an `embedding` (a module mapping x (n, d) to features (n, k); d = observation_size),
@@ -116,6 +119,8 @@ def build_network(model_settings, input_size, standardize=True, embedding=None, 
     if embedding is None:
         network = build_classifier(model_settings, input_size)
     else:
+        if observation_size is None:
+            raise ValueError("build_network: an embedding needs observation_size, the d columns of x it reads")
         features = embedding_features(embedding, observation_size)
         classifier = build_classifier(model_settings, features + input_size - observation_size)
         network = Embedded(embedding, classifier, observation_size)
@@ -125,24 +130,24 @@ def build_network(model_settings, input_size, standardize=True, embedding=None, 
 class Embedded(torch.nn.Module):
     """A classifier on [embedding(x), θ], for rows [x, θ] whose first `observation_size` columns are x."""
 
-    def __init__(self, embedding, classifier, observation_size):
+    def __init__(self, embedding: torch.nn.Module, classifier: torch.nn.Module, observation_size: int) -> None:
         """Keep both networks; their parameters train together."""
         super().__init__()
         self.embedding = embedding
         self.classifier = classifier
         self.observation_size = observation_size
 
-    def forward(self, inputs):
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The classifier's logits of [embedding(x), θ]."""
         x, theta = inputs[:, :self.observation_size], inputs[:, self.observation_size:]
         return self.classifier(torch.cat([self.embedding(x), theta], dim=1))
 
-    def extra_repr(self):
+    def extra_repr(self) -> str:
         """The observation's width, shown in the repr."""
         return f"observation_size={self.observation_size}"
 
 
-def embedding_features(embedding, observation_size, where="embedding()"):
+def embedding_features(embedding: torch.nn.Module, observation_size: int, where: str = "embedding()") -> int:
     """The width k of an embedding's features, from one call on x = zeros (2, observation_size) in eval mode.
 
     Eval mode and no gradient: the probe draws no dropout noise, so the classifier built
@@ -172,14 +177,17 @@ def embedding_features(embedding, observation_size, where="embedding()"):
 class Standardized(torch.nn.Module):
     """A network applied to standardised inputs; the shift and scale are buffers saved with the weights."""
 
-    def __init__(self, network, input_size):
+    shift: torch.Tensor       # buffers (register_buffer), declared for the type checker
+    scale: torch.Tensor
+
+    def __init__(self, network: torch.nn.Module, input_size: int) -> None:
         """Wrap `network`; the transform is the identity until fitted."""
         super().__init__()
         self.network = network
         self.register_buffer("shift", torch.zeros(input_size))
         self.register_buffer("scale", torch.ones(input_size))
 
-    def forward(self, inputs):
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The network's logits of (inputs − shift) / scale."""
         return self.network((inputs - self.shift) / self.scale)
 
@@ -188,7 +196,7 @@ class Standardized(torch.nn.Module):
 MIN_SCALE = 1e-12
 
 
-def fit_standardization(model, inputs):
+def fit_standardization(model: torch.nn.Module, inputs: torch.Tensor) -> None:
     """Set a Standardized model's shift and scale from the training inputs (rows, features); others are left alone."""
     if not isinstance(model, Standardized):
         return

@@ -30,6 +30,7 @@ import hashlib
 import sys
 import warnings
 from pathlib import Path
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -43,7 +44,7 @@ import runtime
 import trainer
 from settings import SettingsError, integer, known_keys, name_list, number, one_of, require
 import study
-from study import Experiment
+from study import Experiment, Json, Member
 
 SPLITS = ("train", "validation", "test")
 SIMULATION_CHUNK = 4096     # simulations per simulator call: progress between calls, and bounded memory
@@ -305,39 +306,40 @@ def check_cohort(settings, prior_objects):
 class Study(Experiment):
     """The training side of a ratio-estimator study, derived from its science (see the module's docstring)."""
 
-    parameters = None        # name -> (low, high), (low, high, lattice step) or a dict of priors.PARAMETER_KEYS
-    custom_priors = {}       # a study's own prior objects by name, beside the bundled families in settings
+    parameters: dict[str, Any] | None = None        # name -> (low, high), (low, high, lattice step) or a dict of priors.PARAMETER_KEYS
+    custom_priors: dict[str, Any] = {}       # a study's own prior objects by name, beside the bundled families in settings
     standardize = True       # model.standardize when the settings leave it out
-    log_likelihood = None    # define log_likelihood(self, x, theta) for the exact target
+    log_likelihood: Any = None    # define log_likelihood(self, x, theta) for the exact target
     SECTIONS = ("cohort", "priors", "data")
     OPTIONAL_SECTIONS = ("problem", "model", "training")
     DATA_SOURCES = (priors, sample_training_data, sample_joint, runtime.derived_seed)
     MODEL_SOURCES = (networks, trainer, contrast, runtime.derived_seed)
 
-    def __init__(self, settings):
+    def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings
-        self._problem = None
-        self._bank = None
+        self._problem: Any = None              # make_problem's, built once
+        self._bank: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
-    def SCIENCE_SOURCES(self):
+    def SCIENCE_SOURCES(self) -> tuple[object, ...]:
         """The study's own module: its simulator and likelihood shape the analysis' products too."""
         return (sys.modules[type(self).__module__],)
 
-    def simulate(self, theta, generator):
+    def simulate(self, theta: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """One observation (n, d) per parameter row theta (n, p), drawn from `generator`."""
         raise NotImplementedError(f"{type(self).__name__} must define simulate(theta, generator)")
 
-    def validate(self):
+    def validate(self) -> None:
         """Check the problem, the cohort and its priors, the data sizes and bank, the model and training."""
         check_cohort(self.settings, self.custom_priors)
         self.problem()
         for member in self.members()[:len(self.settings["cohort"]["priors"])]:
             self.prior(member)
-        if self.bank() is not None:
+        bank = self.bank()
+        if bank is not None:
             rows = sum(self.settings["data"][split] for split in SPLITS)
-            if rows > len(self.bank()[0]):
-                raise SettingsError(f"data.bank: holds {len(self.bank()[0])} simulations; data.train + validation + "
+            if rows > len(bank[0]):
+                raise SettingsError(f"data.bank: holds {len(bank[0])} simulations; data.train + validation + "
                                     f"test ask for {rows}")
         networks.check_model_settings(self.model_settings())
         self.embedding_recipe()
@@ -346,69 +348,70 @@ class Study(Experiment):
             raise SettingsError('training.objective "contrastive" re-pairs joint simulations: it needs data.pairing '
                                 '"batch"')
 
-    def model_settings(self):
+    def model_settings(self) -> dict[str, Any]:
         """The `model` section, or the kit's network (KIT_MODEL) when the settings have none."""
         return self.settings.get("model", KIT_MODEL)
 
-    def training_settings(self):
+    def training_settings(self) -> dict[str, Any]:
         """The kit's recipe (KIT_TRAINING) with the keys of the `training` section in its place."""
         training = self.settings.get("training", {})
         if not isinstance(training, dict):
             raise SettingsError(f"training: expected a dict of training settings, got {type(training).__name__}")
         return {**KIT_TRAINING, **training}
 
-    def bank(self):
+    def bank(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The simulation bank named by data.bank, read once (None without one)."""
         spec = self.settings["data"].get("bank")
         if spec is not None and self._bank is None:
             self._bank = read_bank(spec, len(self.parameters or ()))
         return self._bank
 
-    def members(self):
+    def members(self) -> list[Member]:
         """The cohort: every prior in `cohort.priors` times `cohort.replicas`."""
         cohort = self.settings["cohort"]
         return [{"name": f"{prior}-r{replica}", "prior": prior, "replica": replica}
                 for replica in range(cohort["replicas"]) for prior in cohort["priors"]]
 
-    def make_problem(self):
+    def make_problem(self) -> Any:
         """The problem from the declared parameters, simulate and log_likelihood."""
         simulates = type(self).simulate is not Study.simulate
-        if not simulates and self.bank() is None:
+        bank = self.bank()
+        if not simulates and bank is None:
             raise SettingsError(f"{type(self).__name__} must define simulate(theta, generator), or train on "
                                 "simulations it already has (data.bank)")
         return Problem(self.parameters, self.simulate if simulates else None, self.log_likelihood,
-                       type(self).__name__, None if self.bank() is None else self.bank()[0].shape[1])
+                       type(self).__name__, None if bank is None else bank[0].shape[1])
 
-    def problem(self, member=None):
+    def problem(self, member: Member | None = None) -> Any:
         """The simulator and its parameters (the same for every member), built once."""
         if self._problem is None:
             self._problem = self.make_problem()
         return self._problem
 
-    def problem_recipe(self):
+    def problem_recipe(self) -> Json:
         """What the problem depends on besides the study's source: its `problem` settings."""
         return self.settings.get("problem")
 
-    def prior(self, member):
+    def prior(self, member: Member) -> Any:
         """The member's training prior: a bundled family from `priors`, or the study's own object."""
         name = member["prior"]
         if name in self.custom_priors and name not in self.settings["priors"]:
             return priors.CustomPrior(self.custom_priors[name], self.problem().names)
         return priors.make_prior(self.problem(), self.settings["priors"][name], f"priors.{name}")
 
-    def prior_recipe(self, member):
+    def prior_recipe(self, member: Member) -> Json:
         """What the member's prior depends on: its settings, or the object's description."""
         name = member["prior"]
         if name in self.custom_priors and name not in self.settings["priors"]:
             return {"object": self.prior(member).describe()}
         return self.settings["priors"][name]
 
-    def input_size(self):
+    def input_size(self) -> int:
         """Network input width: observation plus parameters."""
         problem = self.problem()
         return problem.dimension + problem.parameter_count
 
-    def data_recipe(self, member):
+    def data_recipe(self, member: Member) -> Json:
         """The settings the member's training data depends on (a bank by its content, not its path)."""
         data = dict(self.settings["data"])
         if self.bank() is not None:
@@ -416,12 +419,12 @@ class Study(Experiment):
         return {"problem": self.problem_recipe(), "prior": self.prior_recipe(member), "data": data,
                 "seed": self.settings["seed"], "member": member["name"]}
 
-    def sample_data(self, member):
+    def sample_data(self, member: Member) -> dict[str, np.ndarray]:
         """Train/validation/test simulations under the member's prior (or the bank's), see sample_training_data."""
         seed = runtime.derived_seed(self.settings["seed"], "data", member["name"])
         return sample_training_data(self.problem(), self.prior(member), self.settings["data"], seed, self.bank())
 
-    def model_recipe(self, member):
+    def model_recipe(self, member: Member) -> Json:
         """The settings the member's model depends on (besides its data key and the backend)."""
         recipe = {"model": self.model_settings(), "training": self.training_settings(),
                   "seed": self.settings["seed"], "member": member["name"], "input_size": self.input_size()}
@@ -430,14 +433,14 @@ class Study(Experiment):
             recipe["embedding"] = embedding
         return recipe
 
-    def embedding(self):
+    def embedding(self) -> torch.nn.Module | None:
         """The study's network from standardised x (n, d) to features (n, k) before the classifier; None: none.
 
         Override it to return a fresh torch.nn.Module (docs/extending.md, "Your own network").
         """
         return None
 
-    def embedding_recipe(self):
+    def embedding_recipe(self) -> Json:
         """What the model key records of the embedding: its repr and feature width (None without one)."""
         with torch.random.fork_rng(devices=[]):          # building it must not move torch's global stream
             embedding = self.embedding()
@@ -447,14 +450,15 @@ class Study(Experiment):
         return {"network": repr(embedding),
                 "features": networks.embedding_features(embedding, self.problem().dimension, where)}
 
-    def build_model(self, member):
+    def build_model(self, member: Member) -> torch.nn.Module:
         """A freshly initialised network (the embedding, then the classifier), identical for a given seed and member."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(runtime.derived_seed(self.settings["seed"], "init", member["name"]))
             return networks.build_network(self.model_settings(), self.input_size(), self.standardize,
                                           self.embedding(), self.problem().dimension)
 
-    def train(self, member, model, data, rt, hooks=None):
+    def train(self, member: Member, model: torch.nn.Module, data: Any, rt: runtime.Runtime,
+              hooks: Any = None) -> tuple[dict[str, torch.Tensor], Any]:
         """Fit the input standardisation, then train with the bundled trainer; returns (state dict, history)."""
         tensors = trainer.training_tensors(data)          # read once, for the fit and the training
         if "train_x" in tensors:
@@ -464,22 +468,23 @@ class Study(Experiment):
         networks.fit_standardization(model, inputs)
         return super().train(member, model, tensors, rt, hooks)
 
-    def workload(self, member):
+    def workload(self, member: Member) -> dict[str, int]:
         """Training examples seen and network size: the training cost estimate (at most `epochs` epochs)."""
         epochs = trainer.check_training_settings(self.training_settings())["epochs"]
         return {**super().workload(member), "training_examples": self.settings["data"]["train"] * epochs}
 
-    def posterior(self, member, model, analysis_settings, observations, truth=None, device="cpu", case=0):
+    def posterior(self, member: Member, model: torch.nn.Module, analysis_settings: dict[str, Any], observations: Any,
+                  truth: Any = None, device: str | torch.device = "cpu", case: int = 0) -> Any:
         """The member's posterior for an observation, from its trained `model` (see posterior.py)."""
         return posterior.for_observation(self.problem(), self.prior(member), model, analysis_settings, observations,
                                          self.settings["seed"], truth=truth, device=device, case=case)
 
-    def plan_warnings(self):
+    def plan_warnings(self) -> list[str]:
         """Lines for plan: priors with mass outside the parameter box, models of the earlier data meaning,
         a build_model of the study's own that drops the input standardisation."""
         return self.box_warnings() + self.pairing_warnings() + self.network_warnings()
 
-    def network_warnings(self):
+    def network_warnings(self) -> list[str]:
         """One line when the study's own build_model returns a network the kit cannot standardise.
 
         Study.train fits the standardisation only of a networks.Standardized; any other network
@@ -497,7 +502,7 @@ class Study(Experiment):
                 "reads it; define embedding() instead to keep both, or set standardize = False on the class to "
                 'say so (docs/extending.md, "Your own network")']
 
-    def box_warnings(self):
+    def box_warnings(self) -> list[str]:
         """One line per prior whose draws leave the parameter box more than BOX_MASS_WARNING of the time.
 
         Training pairs drawn there teach the network outside the region every posterior is
@@ -514,7 +519,7 @@ class Study(Experiment):
                              "until it holds nearly all the prior's mass (docs/extending.md)")
         return found
 
-    def pairing_warnings(self):
+    def pairing_warnings(self) -> list[str]:
         """One line when the output root holds models of the earlier data meaning that these settings retrain."""
         if "pairing" in self.settings["data"]:
             return []
@@ -527,6 +532,6 @@ class Study(Experiment):
                 "half product; it now counts simulations, each a joint pair re-paired in every batch, so they are "
                 'retrained: set data.pairing = "fixed" to keep them (docs/training.md)']
 
-    def describe(self, member):
+    def describe(self, member: Member) -> Json:
         """A JSON description of the member's problem and prior for run.json."""
         return {"problem": self.problem().describe(), "prior": self.prior(member).describe()}

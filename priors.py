@@ -7,12 +7,18 @@ to give single parameters another family. The hyper-parameters of each parameter
 the study's `problem.parameter(name)`. A study may also give its own prior object: anything
 with `sample(n, generator) -> (n, p)` and `log_prob(theta) -> (...)` (see `custom_prior`).
 """
+from __future__ import annotations
+
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 import inference
 from settings import SettingsError, known_keys, one_of, require
+
+if TYPE_CHECKING:        # annotations only
+    from study import Json, PriorContract, ProblemContract
 
 FAMILIES = ("uniform", "normal", "exponential", "grid")
 PARAMETER_KEYS = ("low", "high", "normal_mean", "normal_std", "exponential_rate", "grid_step")
@@ -140,14 +146,14 @@ class _Coordinate:
 class Prior:
     """Independent prior over the inferred parameters, one family per coordinate."""
 
-    def __init__(self, problem, families):
+    def __init__(self, problem: ProblemContract, families: list[str]) -> None:
         """Build the per-coordinate distributions from the problem's resolved settings."""
         self.problem = problem
         self.families = list(families)
         self._coordinates = [_Coordinate(f, problem.parameter(n)) for f, n in zip(families, problem.names)]
         self.lattice_steps = [c.step for c in self._coordinates]
 
-    def support(self, j):
+    def support(self, j: int) -> torch.Tensor:
         """Lattice points of coordinate j (only for lattice coordinates)."""
         coordinate = self._coordinates[j]
         if coordinate.step is None:
@@ -155,15 +161,15 @@ class Prior:
                              f"not a lattice; it has no finite support")
         return coordinate.support()
 
-    def coordinate_log_prob(self, j, values):
+    def coordinate_log_prob(self, j: int, values: Any) -> torch.Tensor:
         """Log density (or lattice log mass) of coordinate j alone at the given values."""
         return self._coordinates[j].log_prob(torch.as_tensor(values, dtype=torch.float64))
 
-    def sample(self, n, generator):
+    def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """Draw n parameter rows (n, p) float64."""
         return torch.stack([c.sample(n, generator) for c in self._coordinates], dim=-1)
 
-    def log_prob(self, theta):
+    def log_prob(self, theta: Any) -> torch.Tensor:
         """Sum of per-coordinate log densities/masses of theta (..., p)."""
         theta = torch.as_tensor(theta, dtype=torch.float64)
         if theta.shape[-1:] != (len(self._coordinates),):
@@ -191,12 +197,12 @@ class Prior:
         lows, highs = torch.tensor([[c.low, c.high] for c in self._coordinates], dtype=torch.float64).T
         return bool((lowest >= lows).all() and (highest <= highs).all())
 
-    def describe(self):
+    def describe(self) -> Json:
         """JSON-able description: one entry per inferred name."""
         return {name: c.describe() for name, c in zip(self.problem.names, self._coordinates)}
 
 
-def make_prior(problem, prior_settings, path="prior"):
+def make_prior(problem: ProblemContract, prior_settings: Any, path: str = "prior") -> Prior:
     """Validate one prior definition ({'family', optional 'by_parameter'}) and build it."""
     if not isinstance(prior_settings, dict):
         raise SettingsError(f"{path}: expected a dict such as {{'family': 'uniform'}}, got {prior_settings!r}")
@@ -233,7 +239,7 @@ class CustomPrior:
     axes are continuous unless it says otherwise with `lattice_steps`.
     """
 
-    def __init__(self, prior, names):
+    def __init__(self, prior: Any, names: list[str]) -> None:
         """Wrap `prior`, checking it has the two methods."""
         for method in ("sample", "log_prob"):
             if not callable(getattr(prior, method, None)):
@@ -243,16 +249,16 @@ class CustomPrior:
         self.names = list(names)
         self.lattice_steps = list(getattr(prior, "lattice_steps", [None] * len(self.names)))
 
-    def sample(self, n, generator):
+    def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """n parameter rows (n, p) float64."""
         return torch.as_tensor(self.prior.sample(n, generator), dtype=torch.float64).reshape(n, len(self.names))
 
-    def log_prob(self, theta):
+    def log_prob(self, theta: Any) -> torch.Tensor:
         """The object's log density at theta (..., p)."""
         return torch.as_tensor(self.prior.log_prob(torch.as_tensor(theta, dtype=torch.float64)),
                                dtype=torch.float64)
 
-    def describe(self):
+    def describe(self) -> Json:
         """The object's own describe(), or its class and repr."""
         if callable(getattr(self.prior, "describe", None)):
             return self.prior.describe()
@@ -263,7 +269,7 @@ class CustomPrior:
         return info
 
 
-def quadrature_points(prior, draws, seed):
+def quadrature_points(prior: PriorContract, draws: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Points and log weights that integrate over the prior: its lattice when small, else draws."""
     if all(step is not None for step in prior.lattice_steps) and hasattr(prior, "support"):
         supports = [prior.support(j) for j in range(len(prior.lattice_steps))]

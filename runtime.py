@@ -18,6 +18,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import numpy as np
 import torch
@@ -365,7 +366,7 @@ def set_deterministic_algorithms(flag: bool) -> None:
     torch.set_deterministic_debug_mode("error" if flag else "default")
     inductor_config = sys.modules.get("torch._inductor.config")
     if inductor_config is not None:
-        inductor_config.deterministic = flag
+        inductor_config.deterministic = flag     # type: ignore[attr-defined]  # found in sys.modules: untyped
     else:
         os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1" if flag else "0"
 
@@ -415,7 +416,7 @@ def _create_group(rt: Runtime, environ) -> None:
         raise SettingsError(f"WORLD_SIZE={rt.world_size} but {', '.join(missing)} not set; launch with torchrun")
     backend, timeout = group_backend(rt), group_timeout(rt)
     # NCCL given its GPU at once: a wrong mapping fails here, not at the first collective.
-    device = {"device_id": rt.device} if backend == "nccl" else {}
+    device: dict[str, Any] = {"device_id": rt.device} if backend == "nccl" else {}
     # This module's functions bind `group=group.WORLD` as default arguments when it is first
     # imported (DDP imports it, through torch._dynamo); imported once the group exists, they
     # would keep the group alive past destroy_process_group (see stop).

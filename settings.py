@@ -120,7 +120,7 @@ _load_counter = itertools.count()
 class Choice:
     """Alternatives of one setting; the first option is the baseline."""
 
-    __hash__ = None  # options may hold lists, so a Choice is unhashable
+    __hash__ = None  # type: ignore[assignment]  # options may hold lists, so a Choice is unhashable
 
     def __init__(self, options):
         """Keep the options as a list (emptiness is reported with its path later)."""

@@ -10,6 +10,7 @@ Layout under an output root::
 A build writes into a temporary sibling directory, fsyncs every file, writes the
 manifest last and commits with one atomic rename. Readers take no lock.
 """
+from __future__ import annotations
 
 import contextlib
 import errno
@@ -28,8 +29,12 @@ import time
 import warnings
 from datetime import datetime, timezone
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
+
+if TYPE_CHECKING:       # for annotations only: the store imports torch where it loads a model
+    import torch
 
 SCHEMA = 1
 MANIFEST = "artifact.json"
@@ -454,7 +459,7 @@ class Artifact:
 # Files this process has hashed and found equal to their manifest, with what stat said of them
 # then. A launch opens the same artifact many times; one hash is enough unless the file has
 # changed since, and any write changes its ctime, whatever a tool does to keep the rest.
-_HASHED = {}
+_HASHED: dict[Path, tuple[int, int, int, int, str]] = {}      # path -> (inode, size, mtime, ctime, sha256)
 # File times tick coarsely (a few milliseconds): a file changed within the same tick as the
 # stat that vouched for it would keep its ctime, so only files settled for longer are remembered.
 _SETTLED_NS = 2_000_000_000
@@ -855,7 +860,8 @@ class Store:
 class Restored:
     """A finished run reopened: settings, member, history, model and artifacts."""
 
-    def __init__(self, run_dir, run, model, history, artifacts, missing=(), experiment=None):
+    def __init__(self, run_dir: Path, run: dict[str, Any], model: torch.nn.Module, history: Any,
+                 artifacts: dict[str, Artifact], missing: Iterable[str] = (), experiment: Any = None) -> None:
         self.run_dir = run_dir
         self.experiment = experiment     # the study's experiment, constructed with the run's settings
         self.run = run
@@ -866,7 +872,7 @@ class Restored:
         self.artifacts = artifacts
         self.missing = list(missing)     # artifacts the run refers to that the store lacks or found damaged
 
-    def posterior(self, observations, truth=None, device=None):
+    def posterior(self, observations: Any, truth: Any = None, device: str | torch.device | None = None) -> Any:
         """The posterior of the run's model for an observation (d,) or ensemble (m, d), as its analysis computed.
 
         For studies whose experiment gives one (those on the study kit: see posterior.py). It uses
@@ -878,7 +884,7 @@ class Restored:
         return self.experiment.posterior(self.member, self.model, self.analysis_settings(), observations,
                                          truth=truth, device=device)
 
-    def analysis_settings(self):
+    def analysis_settings(self) -> dict[str, Any]:
         """The analysis settings of the run's analysis, or {} (every default) for a run never analysed."""
         analysis = self.json("analysis")
         if analysis is None:
@@ -888,17 +894,17 @@ class Restored:
                              "`python nnpd.py analyze` again, or delete analysis.json to use the default settings")
         return analysis["settings"]
 
-    def array(self, artifact, name, mmap=False):
+    def array(self, artifact: str, name: str, mmap: bool = False) -> np.ndarray:
         """An array of one of the run's artifacts."""
         return self.artifacts[artifact].array(name, mmap=mmap)
 
-    def json(self, name):
+    def json(self, name: str) -> Any:
         """A JSON file of the run folder (e.g. "metrics", "status"), or None."""
         path = self.run_dir / f"{name}.json"
         return json.loads(path.read_text()) if path.exists() else None
 
     @property
-    def metrics(self):
+    def metrics(self) -> dict[str, Any] | None:
         """The run's metrics, or None unless its analysis is complete and intact."""
         analysis, metrics = self.json("analysis") or {}, self.json("metrics")
         complete = (analysis.get("state") == "complete" and analysis.get("checksum") == record_checksum(analysis)
@@ -1007,7 +1013,8 @@ def _read_references(run_dir):
     return references
 
 
-def restore(run_dir, device="cpu", experiment=None):
+def restore(run_dir: str | os.PathLike[str], device: str | torch.device = "cpu",
+            experiment: type | None = None) -> Restored:
     """Reopen a finished run with its trained model on `device` (CPU by default) in eval mode.
 
     Trust: unless `experiment` is given, restore imports the module run.json names and runs

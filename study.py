@@ -28,7 +28,7 @@ import time
 import types
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Iterator, Mapping, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -127,8 +127,16 @@ class ExperimentContract(Protocol):
     OPTIONAL_SECTIONS, plan_warnings(). restore's `r.posterior` calls `posterior(...)`
     where the experiment gives one (store.Restored: the store imports nothing of this module).
     """
-    DATA_SOURCES: Sequence[object]                # code besides the study's module that shapes its data
-    MODEL_SOURCES: Sequence[object]               # ... and its models
+    # Read-only (properties here): a class attribute of any sequence type, or a property, gives them.
+    @property
+    def DATA_SOURCES(self) -> Sequence[object]:
+        """Code besides the study's module that shapes its data."""
+        ...
+
+    @property
+    def MODEL_SOURCES(self) -> Sequence[object]:
+        """Code besides the study's module that shapes its models."""
+        ...
 
     def validate(self) -> None: ...
     def members(self) -> list[Member]: ...
@@ -153,11 +161,32 @@ class AnalysisContract(Protocol):
     plan_errors(), plan_warnings(); `settings` defaults to those nnpd constructed it with.
     """
     settings: dict[str, Any]
-    products: dict[str, Product]
-    metrics: dict[str, Metric]
-    plots: dict[str, Figure]
-    cohort_plots: dict[str, Figure]
-    SOURCES: Sequence[object]                     # code whose source enters every product's key
+
+    # Read-only (properties here): class attributes give them, as the kit's analysis does.
+    @property
+    def products(self) -> Mapping[str, Product]:
+        """Name -> product."""
+        ...
+
+    @property
+    def metrics(self) -> Mapping[str, Metric]:
+        """Name -> metric."""
+        ...
+
+    @property
+    def plots(self) -> Mapping[str, Figure]:
+        """Name -> a figure of one run."""
+        ...
+
+    @property
+    def cohort_plots(self) -> Mapping[str, Figure]:
+        """Name -> a figure of a configuration's cohort."""
+        ...
+
+    @property
+    def SOURCES(self) -> Sequence[object]:
+        """Code whose source enters every product's key."""
+        ...
 
     def validate(self) -> None: ...
     def workload(self, member: Member) -> dict[str, int]: ...
@@ -483,7 +512,7 @@ def json_value(value: Any, where: str) -> Json:
                      "lists and dicts (a tensor: .tolist())")
 
 
-def check_selection(section: str, selected: list[str], known: Sequence[str] | dict[str, Any]) -> None:
+def check_selection(section: str, selected: list[str], known: Sequence[str] | Mapping[str, Any]) -> None:
     """Every selected name exists and is listed once."""
     duplicates = sorted({name for name in selected if selected.count(name) > 1})
     if duplicates:
@@ -493,7 +522,7 @@ def check_selection(section: str, selected: list[str], known: Sequence[str] | di
             raise SettingsError(f"{section}: unknown name {name!r}; known: {', '.join(sorted(known)) or 'none'}")
 
 
-def check_graph(products: dict[str, Product], metrics: dict[str, Metric], selected: list[str]) -> list[str]:
+def check_graph(products: Mapping[str, Product], metrics: Mapping[str, Metric], selected: list[str]) -> list[str]:
     """Reject unknown or duplicate metrics, unknown dependencies and cycles (plan time).
 
     Returns the products in an order that builds every dependency before its dependents.

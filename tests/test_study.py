@@ -84,7 +84,7 @@ def test_an_optional_member_a_class_leaves_out_takes_the_contracts_one_default()
 def protocol_members(protocol):
     """The names a Protocol class declares: its methods and annotated attributes."""
     declared = set(vars(protocol).get("__annotations__", {})) | {
-        name for name, value in vars(protocol).items() if callable(value)}
+        name for name, value in vars(protocol).items() if callable(value) or isinstance(value, property)}
     return {name for name in declared if not name.startswith("_")}
 
 
