@@ -21,6 +21,12 @@ import runtime
 from probes import COMMUNICATE
 
 
+__all__ = [
+    "epoch_batches", "shard_slice", "shard_sizes", "loss_scale", "FlagExchange", "timed_allreduce", "wrapped",
+    "release_frames",
+]
+
+
 # ---------------------------------------------------------------- sharding math (pure)
 
 

@@ -14,6 +14,8 @@ import inference
 from priors import PARAMETER_KEYS
 from settings import SettingsError, integer, known_keys, number, require
 
+__all__ = ["GaussianProblem", "log_evidence"]
+
 KINDS = ("mean", "std")
 PROBLEM_KEYS = ("dimension", "infer", "fixed_mean", "fixed_std", "fixed", "parameters", "overrides")
 MAX_LATTICE_POINTS = 1_000_000

@@ -10,6 +10,9 @@ import nre_study
 from nre_analysis import NREAnalysis
 
 
+__all__ = ["GaussianExperiment", "GaussianAnalysis"]
+
+
 class GaussianExperiment(nre_study.Study):
     """One classifier per prior × replica on pairs from a diagonal Gaussian (the `problem` section)."""
 

@@ -28,6 +28,8 @@ import trainer
 from c2st import c2st
 from store import ROOT_MARKER, NnpdError, restore, write_bytes_atomic
 
+__all__ = ["InferError", "add_arguments", "command"]
+
 DEFAULT_SAMPLES = 1000
 MAX_SAMPLES = 10**7         # samples infer draws at most (10^7 rows of p float64 fit in memory for modest p)
 MAX_ELEMENTS = 10**8        # numbers infer reads from one .npy file

@@ -27,6 +27,12 @@ from store import DamagedArtifact, Store, now_iso, write_bytes_atomic, write_jso
 from training_hooks import TrainingHooks
 
 
+__all__ = [
+    "Job", "Launch", "keep_watch", "model_recipe", "train_job", "trained_artifacts", "analyze_job",
+    "matplotlib_missing", "draw_figures", "cohort_figures", "job_cost", "claim_jobs",
+]
+
+
 @dataclass
 class Job:
     """One trained model: a configuration times a cohort member."""

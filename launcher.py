@@ -15,6 +15,8 @@ import time
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import main as torchrun_main
 
+__all__ = ["main"]
+
 DEATH_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # those torchrun handles
 WORKER_GRACE = 60.0      # seconds the launch waits for workers still saving after torchrun gave up on them
 

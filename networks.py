@@ -16,6 +16,11 @@ import torch
 
 from settings import SettingsError, integer, known_keys, number, one_of, require
 
+__all__ = [
+    "MLP", "ResidualBlock", "ResidualNet", "check_model_settings", "build_classifier", "build_network", "Embedded",
+    "embedding_features", "Standardized", "fit_standardization",
+]
+
 MODEL_KEYS = ("kind", "hidden", "activation", "dropout", "width", "blocks", "standardize")
 ACTIVATIONS = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "gelu": torch.nn.GELU}
 MAX_WIDTH = 1 << 16

@@ -3,12 +3,11 @@
     python nnpd.py [plan|train|analyze|run|verify|report] [--profile NAME] [--settings-dir DIR]
     python nnpd.py infer RUN --observations FILE.npy [--samples N] [--plot]   (see infer.py)
 
-`plan` (the default) only resolves and validates; `train` stops at committed weights;
-`analyze` analyses the trained models and never trains; `run` does both per job;
-`verify` recomputes every checksum in the profile's store and moves damage aside;
-`report` tabulates the analysed runs (with --csv FILE and --plot). The same command works under `torchrun`, with
-workers taking disjoint jobs (`runtime.parallel="jobs"`) or training each model together
-(`runtime.parallel="ddp"`).
+`plan` (the default) only resolves and validates; `train` stops at committed weights; `analyze` analyses
+the trained models and never trains; `run` does both per job; `verify` recomputes every checksum in the
+profile's store and moves damage aside; `report` tabulates the analysed runs (with --csv FILE and --plot).
+The same command works under `torchrun`, with workers taking disjoint jobs (`runtime.parallel="jobs"`) or
+training each model together (`runtime.parallel="ddp"`).
 """
 import argparse
 import contextlib
@@ -35,6 +34,7 @@ from runs import LaunchError
 from settings import SettingsError
 from store import ROOT_MARKER, NnpdError, Store, disk_problem, write_bytes_atomic
 
+__all__ = ["load", "make_plan", "plan", "execute", "report", "main"]
 ACTIONS = ("plan", "train", "analyze", "run", "verify", "report", "infer")
 CODE_DIR = Path(__file__).resolve().parent
 

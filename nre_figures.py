@@ -17,6 +17,11 @@ import torch
 import inference
 import results
 
+__all__ = [
+    "TRUTH_BINS", "draw_priors", "draw_training", "draw_estimates", "draw_bias_width", "draw_diagnostic_cases",
+    "draw_expected_coverage",
+]
+
 MAX_AXES = 6   # parameters drawn per figure; the rest are left out
 CUSTOM_PRIOR_DRAWS = 20_000   # draws of a study's own prior per histogram: 400 a bin if flat, about 5% noise
 PRIOR_BINS = 50

@@ -46,6 +46,11 @@ from settings import SettingsError, integer, known_keys, name_list, number, one_
 import study
 from study import Experiment, Json, Member
 
+__all__ = [
+    "SPLITS", "SIMULATION_CHUNK", "KIT_MODEL", "KIT_TRAINING", "Problem", "sample_joint", "sample_pairs",
+    "sample_training_data", "Study",
+]
+
 SPLITS = ("train", "validation", "test")
 SIMULATION_CHUNK = 4096     # simulations per simulator call: progress between calls, and bounded memory
 MAX_ROWS = 10**9

@@ -20,6 +20,8 @@ from settings import SettingsError, known_keys, one_of, require
 if TYPE_CHECKING:        # annotations only
     from study import Json, PriorContract, ProblemContract
 
+__all__ = ["FAMILIES", "PARAMETER_KEYS", "Prior", "make_prior", "CustomPrior", "quadrature_points"]
+
 FAMILIES = ("uniform", "normal", "exponential", "grid")
 PARAMETER_KEYS = ("low", "high", "normal_mean", "normal_std", "exponential_rate", "grid_step")
 LATTICE_TOLERANCE = 1e-6  # in units of the step: float slack for "on the lattice"

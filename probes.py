@@ -39,6 +39,11 @@ import threading
 from threading import get_ident
 from time import perf_counter_ns, thread_time_ns
 
+__all__ = [
+    "STEP_PHASES", "COMMUNICATE", "PythonProbes", "OffProbes", "decorate", "CudaEventTimer", "probes_mode", "MODE",
+    "DEVICE_TIMER", "PROBLEM", "phase", "count", "snapshot", "reset",
+]
+
 # The training's timed phases that timings.py reads back: one step's (timed in trainer.py) and DDP's
 # gradient all-reduce within its backward pass (ddp.py). Named here so that timings needs neither module.
 STEP_PHASES = ("train.forward", "train.loss", "train.backward", "train.optimizer")

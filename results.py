@@ -21,6 +21,12 @@ from settings import is_number
 
 
 
+__all__ = [
+    "read_runs", "lookup", "flatten", "write_csv", "report_text", "member_style", "comparison_figure",
+    "comparison_png",
+]
+
+
 @dataclass
 class RunRecord:
     """One run folder of an output root."""

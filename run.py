@@ -3,5 +3,7 @@ import sys
 
 import nnpd
 
+__all__: list[str] = []      # a script: it gives nothing to import
+
 if __name__ == "__main__":
     sys.exit(nnpd.main())

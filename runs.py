@@ -23,6 +23,14 @@ from pathlib import Path
 from store import (ATOMIC_LEFTOVER, ROOT_MARKER, DamagedArtifact, LaunchError, digest, now_iso, own_folder,
                    record_checksum, refuse_link, write_bytes_atomic, write_json_atomic)
 
+__all__ = [
+    "warn", "read_json", "refuse_wrong_root", "owns_root", "root_errors", "claim_root", "refuse_unsafe_places",
+    "take_lease", "wait_for_leftovers", "join_launch", "tidy_root", "clear_run_places", "discard", "write_status",
+    "clear_analysis", "write_record", "add_to_record", "start_run", "trained_keys", "write_artifacts",
+    "referenced_keys", "analysis_problem", "fail_job", "source_snapshot", "write_snapshot", "copy_settings",
+    "record_launch", "clean_up", "latest_training_digest", "verify_records",
+]
+
 HISTORY_SLOTS = 3
 ANALYSIS_FILES = ("analysis.json", "metrics.json", "metrics", "plots", "timings.json")
 NNPD_ENTRIES = ("cache", "scratch", "runs", "locks", "source", "damaged", "history.json", "timings.json", "report",

@@ -27,6 +27,13 @@ import torch.distributed as dist
 from settings import DEVICE_FORMS, SettingsError, check_runtime
 from store import LaunchError
 
+__all__ = [
+    "PRECISIONS", "launch_environment", "resolve_device", "check_precision", "Interrupted", "Preempted",
+    "StopRequest", "STOP", "request_stop", "exit_status", "Runtime", "process_settings_kept", "set_determinism",
+    "derived_seed", "seeded_generator", "seed_everything", "group_backend", "group_timeout", "start", "stop",
+    "backend_identity", "barrier", "broadcast_object", "all_reduce_sum", "all_gather_object",
+]
+
 PRECISIONS = ("off", "float16", "bfloat16")
 _INDEXED_CUDA = re.compile(r"cuda:(\d+)")
 

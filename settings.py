@@ -23,6 +23,15 @@ from pathlib import Path
 import store
 
 
+__all__ = [
+    "SettingsError", "is_integer", "is_number", "require", "known_keys", "number", "integer", "one_of", "safe_name",
+    "name_list", "TRAINING_SECTIONS", "ANALYSIS_SECTIONS", "LAUNCH_INVARIANT", "Choice", "Configuration", "Profile",
+    "canonical_json", "digest", "check_structure", "resolve", "to_jsonable", "identity", "expand", "check_training",
+    "check_analysis", "RUNTIME_DEFAULTS", "DEVICE_FORMS", "check_runtime", "check_framework",
+    "make_study_importable", "load_profile",
+]
+
+
 class SettingsError(store.NnpdError, ValueError):
     """A settings problem the user can fix; the message names the setting."""
 

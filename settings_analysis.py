@@ -4,6 +4,8 @@ Analysis is not swept: edit these settings and run `python nnpd.py analyze`; eve
 product and model already in the store is reused.
 """
 
+__all__ = ["PROFILES", "make_settings"]
+
 PROFILES = ("smoke", "default", "paper")
 
 METRICS = ["classification", "bias", "coverage", "width", "resolution", "posterior",

@@ -6,6 +6,8 @@ configuration per further option with only that knob changed.
 """
 from settings import Choice
 
+__all__ = ["DEFAULT_PROFILE", "PROFILES", "base_settings", "make_settings"]
+
 DEFAULT_PROFILE = "smoke"
 PROFILES = ("smoke", "default", "paper")
 

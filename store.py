@@ -36,6 +36,13 @@ import numpy as np
 if TYPE_CHECKING:       # for annotations only: the store imports torch where it loads a model
     import torch
 
+__all__ = [
+    "MANIFEST", "NnpdError", "DamagedArtifact", "MissingArtifact", "LaunchError", "RestoreError", "disk_problem",
+    "refuse_link", "own_folder", "canonical_json", "sha256_text", "digest", "record_checksum", "write_json_atomic",
+    "ATOMIC_LEFTOVER", "write_bytes_atomic", "now_iso", "Writer", "Artifact", "Store", "EXPERIMENT_METHODS",
+    "ROOT_MARKER", "import_class", "restore",
+]
+
 SCHEMA = 1
 MANIFEST = "artifact.json"
 TMP_PREFIX = ".tmp-"

@@ -46,7 +46,7 @@ __all__ = [
     "check_logit_shape", "load_study", "report_layout", "report_warnings", "experiment_sources", "metric_value",
     "module_folder", "json_value", "check_selection", "check_graph", "referenced_names", "source_objects",
     "source_fingerprint", "source_text", "class_block", "library_versions",
-    "ANALYSIS_MEMBERS", "EXPERIMENT_SOURCES",
+    "ANALYSIS_MEMBERS", "EXPERIMENT_SOURCES", "Member", "Json", "Reporter",
 ]
 
 Member = dict[str, Any]          # one cohort member: a JSON dict with a unique, safe "name"

@@ -29,6 +29,11 @@ import runtime
 from store import now_iso, write_json_atomic
 from probes import COMMUNICATE, STEP_PHASES
 
+__all__ = [
+    "add_phases", "LaunchTimer", "run_sections", "job_record", "communication_share", "busy_share", "advise",
+    "plan_advice",
+]
+
 FILE = "timings.json"
 STAGES = ("training", "analysis")
 TABLE_ROWS = 12

@@ -35,6 +35,12 @@ from ddp import shard_sizes, timed_allreduce  # noqa: F401
 from training_hooks import TrainingHooks  # noqa: F401
 from probes import COMMUNICATE, STEP_PHASES  # noqa: F401
 
+__all__ = [
+    "Preempted", "PARTS", "TRAINING_DEFAULTS", "VALIDATION_CHUNK", "FLAG_EXCHANGE_SECONDS",
+    "check_training_settings", "FunctionalAdam", "make_optimizer", "training_tensors", "batch_loss",
+    "kept_validation", "train",
+]
+
 Preempted = runtime.Preempted      # the one class; trainer.Preempted is the name callers of train() know
 # The modules split from this one: their code shapes every model it trains, so they enter a
 # model's key beside trainer.py (study.experiment_sources).

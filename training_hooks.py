@@ -21,6 +21,9 @@ from settings import is_number
 from training_state import TrainingState
 
 
+__all__ = ["TrainingHooks", "HookRunner"]
+
+
 # ---------------------------------------------------------------- hooks
 
 

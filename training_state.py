@@ -19,6 +19,11 @@ import torch
 import runtime
 from settings import is_integer
 
+__all__ = [
+    "cpu_copy", "TrainingState", "state_identity", "global_rng", "set_global_rng", "saved_state", "state_problem",
+    "apply_saved_state", "first_problem", "one_line",
+]
+
 # Written into every saved state; a state of another format is ignored, never misread.
 STATE_FORMAT = "nnpd-training-state-1"
 
