@@ -22,8 +22,11 @@ import numpy as np
 import torch
 
 import adaptive
+import analysis_metrics
+import case_scores
 import contrast
-import inference
+import designs
+import hpd
 import nre_figures
 import priors
 import probes
@@ -33,6 +36,8 @@ from study import Analysis, Figure, Metric, Product, check_selection
 from settings import SettingsError, integer, is_number, name_list, one_of
 
 TARGETS = ("ratio", "posterior", "exact")
+# The modules of the analysis stack, whose sources enter every product's key (see NREAnalysis).
+ANALYSIS_STACK = (designs, case_scores, hpd, analysis_metrics, adaptive)
 SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer", "region_ess",
                   "edge_mass", "disagreement", "credibility", "credibility_upper")
 # Credibility levels of the expected-coverage curve: 0.01, 0.02, ..., 0.99.
@@ -44,7 +49,7 @@ INFERENCE_SCHEMA = {
     "truths": {"kind": ("grid", "sobol", "size_adaptive"), "truth_points_per_axis": int, "sobol_truths": int,
                "max_grid_truths": int, "truth_margin_fraction": float, "align_truths_to_grid": bool,
                "repeats": int},
-    "candidates": {"kind": inference.CANDIDATE_KINDS, "candidate_count": int, "candidate_points_per_axis": int,
+    "candidates": {"kind": designs.CANDIDATE_KINDS, "candidate_count": int, "candidate_points_per_axis": int,
                    "native_grid_prior": bool, "max_enumerated": int, "coarse_count": int, "refinement_stages": int},
     "observations": int, "chunk_rows": int, "diagnostic_cases": int, "retain": ("diagnostic", "full"),
     "precision": ("float32", "tf32", "bfloat16"),
@@ -160,7 +165,7 @@ def check_inference_settings(settings, parameter_count, likelihood=True):
 
 def candidate_lattice(ctx):
     """Lattice steps per coordinate of the candidates (None for continuous axes)."""
-    return inference.candidate_lattice(ctx.prior.lattice_steps, ctx.problem.parameter_count,
+    return designs.candidate_lattice(ctx.prior.lattice_steps, ctx.problem.parameter_count,
                                        ctx.analysis_settings["inference"]["candidates"])
 
 
@@ -169,7 +174,7 @@ def build_truths(ctx, writer):
     problem = ctx.problem
     settings = ctx.analysis_settings["inference"]["truths"]
     seed = runtime.derived_seed(ctx.settings["seed"], "truths")
-    truths = inference.make_truths(problem.low, problem.high, problem.grid_step, settings, seed)
+    truths = designs.make_truths(problem.low, problem.high, problem.grid_step, settings, seed)
     writer.array("truths", truths.numpy())
     return {"count": int(truths.shape[0])}
 
@@ -178,7 +183,7 @@ def build_observations(ctx, writer):
     """An ensemble of independent observations at every truth."""
     truths = torch.from_numpy(ctx.require("truths").array("truths"))
     seed = runtime.derived_seed(ctx.settings["seed"], "observations")
-    observations = inference.make_observations(
+    observations = designs.make_observations(
         ctx.problem.simulate, truths, ctx.analysis_settings["inference"]["observations"], seed)
     writer.array("observations", observations.numpy())
     return {"shape": list(observations.shape)}
@@ -187,7 +192,7 @@ def build_observations(ctx, writer):
 def candidate_design(ctx):
     """'enumerate', 'grid', 'sobol' or 'adaptive': how this member's cases are scored."""
     problem = ctx.problem
-    return inference.candidate_design(problem.parameter_count, candidate_lattice(ctx), problem.low, problem.high,
+    return designs.candidate_design(problem.parameter_count, candidate_lattice(ctx), problem.low, problem.high,
                                       ctx.analysis_settings["inference"]["candidates"])
 
 
@@ -195,7 +200,7 @@ def build_candidates(ctx, writer):
     """The shared design (the adaptive kind's coarse first pass) with its log measure."""
     problem = ctx.problem
     seed = runtime.derived_seed(ctx.settings["seed"], "candidates")
-    points, log_measure = inference.make_candidates(
+    points, log_measure = designs.make_candidates(
         problem.low, problem.high, candidate_lattice(ctx), ctx.analysis_settings["inference"]["candidates"], seed)
     writer.array("points", points.numpy())
     writer.array("log_measure", log_measure.numpy())
@@ -264,7 +269,7 @@ def summarise_cases(writer, targets, scoring, truths, points, log_measure, level
     (cases, p), candidates = truths.shape, points.shape[0]
     retained, outputs = retained_arrays(writer, retain, targets, cases, candidates), {}
     device_points, device_measure = points.to(scoring.device), log_measure.to(scoring.device)
-    block = inference.cases_per_block(cases, fixed_case_bytes(candidates, p, len(targets), len(levels)),
+    block = case_scores.cases_per_block(cases, fixed_case_bytes(candidates, p, len(targets), len(levels)),
                                       scoring.block_bytes)
     for start in range(0, cases, block):
         stop = min(cases, start + block)
@@ -273,8 +278,8 @@ def summarise_cases(writer, targets, scoring, truths, points, log_measure, level
         rows = scoring.scores(torch.arange(start, stop), torch.cat([device_points.expand(stop - start, -1, -1),
                                                                     truth[:, None]], dim=1))
         for target in targets:
-            inference._check_scores(rows[target][:, :-1], rows[target][:, -1])
-            summary = inference.host_summary(inference.summarise_block(
+            hpd.check_scores(rows[target][:, :-1], rows[target][:, -1])
+            summary = hpd.host_summary(hpd.summarise_block(
                 rows[target][:, :-1], device_measure, device_points, rows[target][:, -1], levels))
             # A shared design has no refined box to check against.
             summary["edge_mass"] = summary["disagreement"] = np.full(stop - start, np.nan)
@@ -312,7 +317,7 @@ def summarise_adaptive(writer, targets, scoring, truths, coarse, box, levels, re
         arrays = {"design_points": writer.allocate("design_points", (kept, total, p), "float64"),
                   "design_log_measure": writer.allocate("design_log_measure", (kept, total), "float64")}
         arrays.update({f"{t}_scores": writer.allocate(f"{t}_scores", (kept, total + 1), "float64") for t in targets})
-    block = inference.cases_per_block(cases, adaptive_case_bytes(sizes, p, len(targets), len(levels)),
+    block = case_scores.cases_per_block(cases, adaptive_case_bytes(sizes, p, len(targets), len(levels)),
                                       scoring.block_bytes)
     outputs = {}
     for start in range(0, cases, block):
@@ -323,7 +328,7 @@ def summarise_adaptive(writer, targets, scoring, truths, coarse, box, levels, re
                                        truths[start:stop].to(scoring.device), box, levels, sizes, seed,
                                        index.tolist())
         for target in targets:
-            write_summary(outputs, writer, target, inference.host_summary(result["summaries"][target]), start, cases)
+            write_summary(outputs, writer, target, hpd.host_summary(result["summaries"][target]), start, cases)
         retain_cases(arrays, start, result, kept)
     return {"cases": cases, "candidates": total, "targets": list(targets)}
 
@@ -348,7 +353,7 @@ def summarise_targets(ctx, writer, targets, scoring):
     design = candidate_design(ctx)
     levels, retain = settings["levels"], retain_settings(ctx)
     if design == "adaptive":
-        sizes = inference.adaptive_sizes(ctx.problem.parameter_count, settings["candidates"], len(targets))
+        sizes = designs.adaptive_sizes(ctx.problem.parameter_count, settings["candidates"], len(targets))
         box = adaptive.support_box(ctx.problem.low, ctx.problem.high, candidate_lattice(ctx))
         seed = runtime.derived_seed(ctx.settings["seed"], "refine")
         metadata = summarise_adaptive(writer, targets, scoring, truths, (points, log_measure), box, levels,
@@ -378,21 +383,21 @@ def network_precision(precision, device):
 
 def learned_scoring(model, device, prior, observations, targets, settings, counted, policy=None):
     """Scoring of the learned targets: the model's ensemble score of each case's observations
-    (ratio), plus the log prior (posterior); `counted` (an inference.Evaluations) counts the calls.
-    `policy` (an inference.CallPolicy) defaults to the device's own."""
+    (ratio), plus the log prior (posterior); `counted` (an case_scores.Evaluations) counts the calls.
+    `policy` (an case_scores.CallPolicy) defaults to the device's own."""
     input_width = observations.shape[2] + len(prior.lattice_steps)
-    policy = policy or inference.call_policy(device.type, settings["chunk_rows"],
-                                             inference.network_row_bytes(model, input_width))
+    policy = policy or case_scores.call_policy(device.type, settings["chunk_rows"],
+                                             case_scores.network_row_bytes(model, input_width))
     on_device, precision = observations.to(device), settings.get("precision", "float32")
 
     # The model is the logit function itself: the logits of any floating dtype (bfloat16 under
     # autocast) are summed in float64 (one conversion fewer after each network call).
     with network_precision(precision, device):
-        column_rows = inference.accepts_column_rows(model, input_width, device)
+        column_rows = case_scores.accepts_column_rows(model, input_width, device)
 
     def scores(cases, points):
         with network_precision(precision, device):
-            ratio = inference.ensemble_scores(model, on_device[cases.to(device)], points, policy.rows_per_call,
+            ratio = case_scores.ensemble_scores(model, on_device[cases.to(device)], points, policy.rows_per_call,
                                               counted, column_rows)
         values = {"ratio": ratio}
         if "posterior" in targets:
@@ -407,7 +412,7 @@ def build_learned(ctx, writer):
     settings = ctx.analysis_settings["inference"]
     targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
-    counted = inference.Evaluations()
+    counted = case_scores.Evaluations()
     scoring = learned_scoring(ctx.model, ctx.runtime.device, ctx.prior, observations, targets, settings, counted)
     with torch.no_grad():
         metadata = summarise_targets(ctx, writer, targets, scoring)
@@ -419,15 +424,15 @@ def build_learned(ctx, writer):
 
 def exact_scoring(log_likelihood, observations, device, chunk_rows, counted=None):
     """Scoring of the exact target: each case's summed log-likelihood on `device`; `counted`
-    (an inference.Evaluations) counts the likelihood terms."""
-    policy = inference.call_policy(device.type, chunk_rows)
+    (an case_scores.Evaluations) counts the likelihood terms."""
+    policy = case_scores.call_policy(device.type, chunk_rows)
     on_device = observations.to(device)
 
     def scores(cases, points):
         if counted is not None:
             terms = points.shape[0] * points.shape[1] * observations.shape[1]
             counted.add(terms, terms)
-        return {"exact": inference.exact_scores(log_likelihood, on_device[cases.to(device)], points,
+        return {"exact": case_scores.exact_scores(log_likelihood, on_device[cases.to(device)], points,
                                                 policy.rows_per_call)}
 
     return Scoring(scores, device, policy.block_bytes)
@@ -436,7 +441,7 @@ def exact_scoring(log_likelihood, observations, device, chunk_rows, counted=None
 def build_exact(ctx, writer):
     """HPD summaries of the exact likelihood, on the same kind of candidates, on the analysis' device."""
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
-    counted = inference.Evaluations()
+    counted = case_scores.Evaluations()
     scoring = exact_scoring(ctx.problem.log_likelihood, observations, ctx.runtime.device,
                             ctx.analysis_settings["inference"]["chunk_rows"], counted)
     with torch.no_grad():
@@ -531,10 +536,10 @@ def metric_pairwise(ctx):
     learned, exact = pairs.array("learned"), pairs.array("exact")
     error = learned - exact
     correlation = np.corrcoef(learned, exact)[0, 1] if len(error) > 1 and learned.std() > 0 else None
-    return {"pairs": int(len(error)), "mean_error": inference.finite_or_none(error.mean()),
-            "mean_absolute_error": inference.finite_or_none(np.abs(error).mean()),
-            "rmse": inference.finite_or_none(np.sqrt((error ** 2).mean())),
-            "correlation": inference.finite_or_none(correlation) if correlation is not None else None}
+    return {"pairs": int(len(error)), "mean_error": analysis_metrics.finite_or_none(error.mean()),
+            "mean_absolute_error": analysis_metrics.finite_or_none(np.abs(error).mean()),
+            "rmse": analysis_metrics.finite_or_none(np.sqrt((error ** 2).mean())),
+            "correlation": analysis_metrics.finite_or_none(correlation) if correlation is not None else None}
 
 
 def metric_reweighting(ctx):
@@ -550,11 +555,11 @@ def metric_reweighting(ctx):
     product_mask = labels == 0
     return {
         "sliced_wasserstein": {
-            "learned_weights": inference.sliced_wasserstein(joint, product, learned[product_mask], seed=seed),
-            "unweighted": inference.sliced_wasserstein(joint, product, None, seed=seed),
-            "exact_weights": inference.sliced_wasserstein(joint, product, exact[product_mask], seed=seed)},
-        "ess": {"learned_weights": inference.effective_sample_size(learned[product_mask]),
-                "exact_weights": inference.effective_sample_size(exact[product_mask]),
+            "learned_weights": analysis_metrics.sliced_wasserstein(joint, product, learned[product_mask], seed=seed),
+            "unweighted": analysis_metrics.sliced_wasserstein(joint, product, None, seed=seed),
+            "exact_weights": analysis_metrics.sliced_wasserstein(joint, product, exact[product_mask], seed=seed)},
+        "ess": {"learned_weights": analysis_metrics.effective_sample_size(learned[product_mask]),
+                "exact_weights": analysis_metrics.effective_sample_size(exact[product_mask]),
                 "sample": int(product_mask.sum())},
     }
 
@@ -568,8 +573,8 @@ def metric_normalization(ctx):
                          ("exact", ctx.require("reference_logits").array("logits"))):
         ratios = np.exp(np.asarray(logits, dtype=np.float64)[product.numpy()])
         error = ratios.std(ddof=1) / np.sqrt(len(ratios)) if len(ratios) > 1 else None
-        report[name] = {"mean_ratio": inference.finite_or_none(ratios.mean()),
-                        "standard_error": inference.finite_or_none(error) if error is not None else None}
+        report[name] = {"mean_ratio": analysis_metrics.finite_or_none(ratios.mean()),
+                        "standard_error": analysis_metrics.finite_or_none(error) if error is not None else None}
     report["rows"] = int(product.sum())
     return report
 
@@ -580,8 +585,8 @@ def summary_of(artifact, target):
 
 
 def resolution_report(ctx, artifact, target):
-    """Whether one target's candidates resolved its densities (see inference.resolution_metrics)."""
-    return inference.resolution_metrics(summary_of(artifact, target), artifact.metadata["candidates"],
+    """Whether one target's candidates resolved its densities (see analysis_metrics.resolution_metrics)."""
+    return analysis_metrics.resolution_metrics(summary_of(artifact, target), artifact.metadata["candidates"],
                                         ctx.analysis_settings["inference"]["levels"], artifact.metadata["design"])
 
 
@@ -591,16 +596,16 @@ def target_report(ctx, artifact, target):
     truths = ctx.require("truths").array("truths")
     summary = summary_of(artifact, target)
     names = ctx.problem.names
-    return {"bias": inference.bias_metrics(summary["mode"], truths, names),
-            "coverage": inference.coverage_metrics(summary, truths, settings["levels"], names),
-            "width": inference.width_metrics(summary, settings["levels"], names),
+    return {"bias": analysis_metrics.bias_metrics(summary["mode"], truths, names),
+            "coverage": analysis_metrics.coverage_metrics(summary, truths, settings["levels"], names),
+            "width": analysis_metrics.width_metrics(summary, settings["levels"], names),
             "resolution": resolution_report(ctx, artifact, target)}
 
 
 def metric_classification(ctx):
     """Held-out test BCE, accuracy and AUC."""
     predictions = ctx.require("test_predictions")
-    return inference.classification_metrics(torch.from_numpy(predictions.array("logits")),
+    return analysis_metrics.classification_metrics(torch.from_numpy(predictions.array("logits")),
                                           torch.from_numpy(predictions.array("labels")))
 
 
@@ -728,7 +733,7 @@ def coverage_curve(credibility, levels=CREDIBILITY_LEVELS):
     inside = [int((credibility < level).sum()) for level in levels]
     cases = int(credibility.size)
     z = statistics.NormalDist().inv_cdf(1 - 0.025 / len(levels))
-    bands = [inference.wilson_interval(hits, cases, z) for hits in inside]
+    bands = [analysis_metrics.wilson_interval(hits, cases, z) for hits in inside]
     return {"coverage": [hits / cases if cases else None for hits in inside],
             "lower": [band[0] if band else None for band in bands],
             "upper": [band[1] if band else None for band in bands]}
@@ -755,7 +760,7 @@ MIN_EXPECTED_INSIDE = 100   # design points a fixed design should put inside a 0
 # many coarse points expected there: ln(2 / 0.01) ≈ 5.3. Calibrated on the bundled study's
 # posteriors; narrower ones need fewer points than this asks, so there it errs toward warning.
 COARSE_REACH = 2.0
-MIN_COARSE_NEIGHBOURS = math.log(2 / inference.MAX_FLAGGED_SHARE)
+MIN_COARSE_NEIGHBOURS = math.log(2 / analysis_metrics.MAX_FLAGGED_SHARE)
 
 
 def chi_square_quantile(level, dof):
@@ -856,10 +861,10 @@ class NREAnalysis(Analysis):
     def __init__(self, settings, experiment):
         self.experiment = experiment
         self.settings = self.with_defaults(settings)
-        # The inference code (its designs, refinement and summaries) and the problem's (its
-        # simulator and likelihood: the truths' observations, the exact target) shape the
-        # products, so their sources enter every product's key.
-        self.SOURCES = ((inference, adaptive, priors, runtime.derived_seed)
+        # The analysis stack (its designs, scores, refinement, summaries and metrics) and the
+        # problem's code (its simulator and likelihood: the truths' observations, the exact
+        # target) shape the products, so their sources enter every product's key.
+        self.SOURCES = (ANALYSIS_STACK + (priors, runtime.derived_seed)
                         + tuple(getattr(experiment, "SCIENCE_SOURCES", ())))
 
     def with_defaults(self, settings):
@@ -922,9 +927,9 @@ class NREAnalysis(Analysis):
         """The member's candidate design and its lattice steps."""
         problem = self.experiment.problem()
         candidates = self.settings["inference"]["candidates"]
-        lattice = inference.candidate_lattice(self.experiment.prior(member).lattice_steps, problem.parameter_count,
+        lattice = designs.candidate_lattice(self.experiment.prior(member).lattice_steps, problem.parameter_count,
                                               candidates)
-        return inference.candidate_design(problem.parameter_count, lattice, problem.low, problem.high,
+        return designs.candidate_design(problem.parameter_count, lattice, problem.low, problem.high,
                                           candidates), lattice
 
     def check_adaptive_sizes(self):
@@ -935,7 +940,7 @@ class NREAnalysis(Analysis):
         groups = [len(self.learned_targets()), int("exact" in self.settings["inference"]["targets"])]
         try:
             for targets in filter(None, groups):
-                inference.adaptive_sizes(self.experiment.problem().parameter_count, candidates, targets)
+                designs.adaptive_sizes(self.experiment.problem().parameter_count, candidates, targets)
         except ValueError as error:
             raise SettingsError(f"inference.candidates: {error}") from None
 
@@ -945,17 +950,17 @@ class NREAnalysis(Analysis):
         problem = self.experiment.problem()
         p = problem.parameter_count
         design, lattice = self.design_of(member)
-        cases = inference.truth_count(p, settings["truths"])
-        shared = inference.candidate_count_for(p, lattice, problem.low, problem.high, settings["candidates"])
-        per_case = inference.points_per_case(p, lattice, problem.low, problem.high, settings["candidates"])
+        cases = designs.truth_count(p, settings["truths"])
+        shared = designs.candidate_count_for(p, lattice, problem.low, problem.high, settings["candidates"])
+        per_case = designs.points_per_case(p, lattice, problem.low, problem.high, settings["candidates"])
         ensemble, levels = settings["observations"], len(settings["levels"])
         learned = self.learned_targets()
         evaluations = cases * (per_case + 1) * ensemble if learned else 0
         retained = cases if settings["retain"] == "full" else min(cases, settings["diagnostic_cases"])
         targets = len(learned) + ("exact" in settings["targets"])
         products = bool(learned) + ("exact" in settings["targets"])
-        designs = products * retained * per_case * (p + 1) if design == "adaptive" else 0
-        saved = 8 * (cases * ensemble * problem.dimension + (p + 1) * shared + designs
+        design_bytes = products * retained * per_case * (p + 1) if design == "adaptive" else 0
+        saved = 8 * (cases * ensemble * problem.dimension + (p + 1) * shared + design_bytes
                      + targets * (retained * (per_case + 1) + cases * (2 * levels * p + 3 * levels + p + 7)))
         return {"model_evaluations": int(evaluations), "saved_bytes": int(saved), "candidate_points": int(per_case)}
 
@@ -984,7 +989,7 @@ class NREAnalysis(Analysis):
         for (design, lattice), prior_names in by_design.items():
             if design == "adaptive":
                 continue
-            count = inference.candidate_count_for(problem.parameter_count, list(lattice), problem.low, problem.high,
+            count = designs.candidate_count_for(problem.parameter_count, list(lattice), problem.low, problem.high,
                                                   candidates)
             expected = count * posterior_share(problem, list(lattice), self.settings["inference"]["observations"])
             if expected < MIN_EXPECTED_INSIDE:
@@ -1016,7 +1021,7 @@ class NREAnalysis(Analysis):
         needed = math.ceil(coarse * MIN_COARSE_NEIGHBOURS / max(fewest, 1e-300))
         targets = max(len(self.learned_targets()), int("exact" in inference_settings["targets"]), 1)
         total = needed * (int(candidates["refinement_stages"]) + 1) + \
-            targets * 2 * p * (inference.PROBE_RADII + inference.PROBE_REFINE)
+            targets * 2 * p * (designs.PROBE_RADII + designs.PROBE_REFINE)
         fit = (f" and candidate_count to at least {total:,}, which that needs"
                if total > int(candidates["candidate_count"]) else "")
         names = ", ".join(name for lattice in short for name in lattices[lattice])

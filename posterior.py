@@ -36,7 +36,10 @@ import numpy as np
 import torch
 
 import adaptive
-import inference
+import analysis_metrics
+import case_scores
+import designs
+import hpd
 import runtime
 import study
 from nre_analysis import check_inference_settings, flatness, learned_scoring, prior_sds
@@ -178,7 +181,7 @@ class Posterior:
             i = self.levels.index(level)
             summary = self._summary
         else:
-            summary = inference.hld_summaries(self.scores[None], self.log_measure, self.points, self.scores[:1],
+            summary = hpd.hld_summaries(self.scores[None], self.log_measure, self.points, self.scores[:1],
                                               [level])
             i = 0
         return {"level": float(level), "threshold": float(summary["threshold"][0, i]),
@@ -203,7 +206,7 @@ class Posterior:
         return {"parameters": self.names, "mode": self.mode().tolist(), "mean": self.mean().tolist(),
                 "sd": torch.sqrt(torch.diagonal(self.cov())).tolist(), "ess": self.ess,
                 "candidates": int(self.points.shape[0]),
-                "hpd": {inference.level_key(level): self.hpd(level) for level in (levels or self.levels)}}
+                "hpd": {analysis_metrics.level_key(level): self.hpd(level) for level in (levels or self.levels)}}
 
     def draw_corner(self, figure, samples, truth=None, run=None, prior=None):
         """Marginals on the diagonal, pairwise sample densities below it, HPD intervals and the truth if given.
@@ -428,8 +431,8 @@ def check_ensemble_cost(problem, prior, settings, observations):
     """The points the design scores; refused, before any work, when its network evaluations (candidate points ×
     observations, each observation's log ratio summed) exceed MAX_EVALUATIONS."""
     p = len(problem.names)
-    lattice = inference.candidate_lattice(prior.lattice_steps, p, settings["candidates"])
-    points = inference.points_per_case(p, lattice, inference._as_f64(problem.low), inference._as_f64(problem.high),
+    lattice = designs.candidate_lattice(prior.lattice_steps, p, settings["candidates"])
+    points = designs.points_per_case(p, lattice, designs.as_f64(problem.low), designs.as_f64(problem.high),
                                        settings["candidates"], len(score_targets(settings)))
     if points * observations <= MAX_EVALUATIONS:
         return points
@@ -497,7 +500,7 @@ def for_observation(problem, prior, model, analysis_settings, observations, seed
     x = observation_ensemble(observations, problem.dimension)
     points = check_ensemble_cost(problem, prior, settings, len(x))
     score_fn = host_scores(learned_scoring(model, torch.device(device), prior, x[None], score_targets(settings),
-                                           settings, inference.Evaluations()))
+                                           settings, case_scores.Evaluations()))
     counted = ScoredPoints(score_fn, points)
     posterior = from_scores(problem, prior.lattice_steps, counted, analysis_settings, seed, truth, case)
     counted.finish()
@@ -519,16 +522,16 @@ def from_scores(problem, lattice_steps, score_fn, analysis_settings, seed, truth
     if any(step is not None for step in lattice_steps):
         candidates["native_grid_prior"] = True      # a lattice prior has no density between its points
     p = len(problem.names)
-    lattice = inference.candidate_lattice(lattice_steps, p, candidates)
-    low, high = inference._as_f64(problem.low), inference._as_f64(problem.high)
+    lattice = designs.candidate_lattice(lattice_steps, p, candidates)
+    low, high = designs.as_f64(problem.low), designs.as_f64(problem.high)
     truth = (low + high) / 2 if truth is None else torch.as_tensor(truth, dtype=torch.float64)
     box = adaptive.support_box(low, high, lattice)
     with torch.no_grad():
-        points, log_measure = inference.make_candidates(low, high, lattice, candidates,
+        points, log_measure = designs.make_candidates(low, high, lattice, candidates,
                                                         runtime.derived_seed(seed, "candidates"))
-        design = inference.candidate_design(p, lattice, low, high, candidates)
+        design = designs.candidate_design(p, lattice, low, high, candidates)
         if design == "adaptive":
-            sizes = inference.adaptive_sizes(p, candidates, len(score_targets(settings)))
+            sizes = designs.adaptive_sizes(p, candidates, len(score_targets(settings)))
             result = adaptive.refine_case(score_fn, points, log_measure, truth, box, settings["levels"], sizes,
                                           runtime.derived_seed(seed, "refine"), case=case)
             points, log_measure = result["points"], result["log_measure"]
@@ -536,7 +539,7 @@ def from_scores(problem, lattice_steps, score_fn, analysis_settings, seed, truth
         else:   # as the analysis scores a fixed design: the truth in the same call
             scored = score_fn(torch.cat([points, truth[None]]))["posterior"]
             scores = scored[:-1]
-            summary = inference.hld_summaries(scores[None], log_measure, points, scored[-1:], settings["levels"])
+            summary = hpd.hld_summaries(scores[None], log_measure, points, scored[-1:], settings["levels"])
     if not bool(torch.isfinite(scores).any()):
         raise PosteriorError("the posterior is zero on every candidate: the observation is impossible under "
                              "the prior and the trained model")

@@ -32,9 +32,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 import adaptive  # noqa: E402
+import case_scores  # noqa: E402
+import designs  # noqa: E402
 import gaussian  # noqa: E402
 import gaussian_study  # noqa: E402
-import inference  # noqa: E402
 import networks  # noqa: E402
 import nre_analysis  # noqa: E402
 import priors  # noqa: E402
@@ -67,8 +68,8 @@ def profile_inputs(profile, dimension, cases):
     problem = gaussian.GaussianProblem.from_settings(training["problem"])
     prior = priors.make_prior(problem, training["priors"]["uniform"])
     analysis = settings_analysis.make_settings(profile)["inference"]
-    truths = inference.make_truths(problem.low, problem.high, problem.grid_step, analysis["truths"], 1)[:cases]
-    observations = inference.make_observations(problem.simulate, truths, analysis["observations"], 2)
+    truths = designs.make_truths(problem.low, problem.high, problem.grid_step, analysis["truths"], 1)[:cases]
+    observations = designs.make_observations(problem.simulate, truths, analysis["observations"], 2)
     return problem, prior, training, analysis, truths.contiguous(), observations.contiguous()
 
 
@@ -87,23 +88,23 @@ class Job:
                                             gaussian_study.GaussianExperiment.standardize).to(device).eval()
         self.targets = [t for t in ("ratio", "posterior") if t in self.settings["targets"]]
         candidates, p = self.settings["candidates"], self.problem.parameter_count
-        lattice = inference.candidate_lattice(self.prior.lattice_steps, p, candidates)
-        self.design = inference.make_candidates(self.problem.low, self.problem.high, lattice, candidates, 3)
+        lattice = designs.candidate_lattice(self.prior.lattice_steps, p, candidates)
+        self.design = designs.make_candidates(self.problem.low, self.problem.high, lattice, candidates, 3)
         self.adaptive = candidates["kind"] == "adaptive"
         self.box = adaptive.support_box(self.problem.low, self.problem.high, lattice)
         # Model rows the learned product evaluates: every case's points and its truth, each observation.
-        self.rows = self.truths.shape[0] * self.observations.shape[1] * (inference.points_per_case(
+        self.rows = self.truths.shape[0] * self.observations.shape[1] * (designs.points_per_case(
             p, lattice, self.problem.low, self.problem.high, candidates, len(self.targets)) + 1)
-        self.rows_per_call = inference.call_policy(
+        self.rows_per_call = case_scores.call_policy(
             device.type, self.settings["chunk_rows"],
-            inference.network_row_bytes(self.model, self.input_size)).rows_per_call
+            case_scores.network_row_bytes(self.model, self.input_size)).rows_per_call
 
     def summarise(self, targets, scoring):
         """Every case through the study's driver for `targets`."""
         writer, levels = MemoryWriter(), self.settings["levels"]
         retain = {"mode": "diagnostic", "cases": 0}     # keep nothing: the bench times the work, not the store
         if self.adaptive:
-            sizes = inference.adaptive_sizes(self.problem.parameter_count, self.settings["candidates"], len(targets))
+            sizes = designs.adaptive_sizes(self.problem.parameter_count, self.settings["candidates"], len(targets))
             nre_analysis.summarise_adaptive(writer, targets, scoring, self.truths, self.design, self.box, levels,
                                             retain, sizes, 4, lambda case: None)
         else:
@@ -112,7 +113,7 @@ class Job:
 
     def learned(self):
         """The learned product; returns the model rows evaluated and the rows per call."""
-        counted = inference.Evaluations()
+        counted = case_scores.Evaluations()
         scoring = nre_analysis.learned_scoring(self.model, self.device, self.prior, self.observations, self.targets,
                                                self.settings, counted)
         self.summarise(self.targets, scoring)
@@ -121,7 +122,7 @@ class Job:
 
     def exact(self):
         """The exact product; returns the likelihood terms evaluated."""
-        counted = inference.Evaluations()
+        counted = case_scores.Evaluations()
         self.summarise(["exact"], nre_analysis.exact_scoring(self.problem.log_likelihood, self.observations,
                                                              self.device, self.settings["chunk_rows"], counted))
         synchronize(self.device)

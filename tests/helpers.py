@@ -26,8 +26,8 @@ import pytest
 import torch
 
 import adaptive
+import designs
 import gaussian
-import inference as inf
 import nre_analysis
 import runtime
 import settings_training
@@ -411,8 +411,8 @@ def patched_settings(tmp_path, replacements):
 # ---------------------------------------------------------------- a kit study beside its settings
 
 LINE_STUDY = '''
-import torch
 import nre_study
+import torch
 
 
 def noise_scale():
@@ -559,7 +559,7 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
     """Every case's exact-target summaries on a design, through the study's summarise functions."""
     p = problem.parameter_count
     seed = 11
-    points, log_measure = inf.make_candidates(problem.low, problem.high, [None] * p, candidates, seed)
+    points, log_measure = designs.make_candidates(problem.low, problem.high, [None] * p, candidates, seed)
 
     scoring = nre_analysis.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
     writer = Writer(tmp_path / name)
@@ -567,7 +567,7 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
     retain = {"mode": "diagnostic", "cases": 0}
     if candidates["kind"] == "adaptive":
         box = adaptive.support_box(problem.low, problem.high, [None] * p)
-        sizes = inf.adaptive_sizes(p, candidates, 1)
+        sizes = designs.adaptive_sizes(p, candidates, 1)
         nre_analysis.summarise_adaptive(writer, ["exact"], scoring, truths, (points, log_measure), box,
                                         LEVELS, retain, sizes, seed, lambda case: None)
     else:
