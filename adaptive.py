@@ -19,13 +19,16 @@ One case, in order (refine_block):
    bounds: they change no mass, threshold or coverage, only where a region is seen to end.
 """
 import math
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 import designs
 import hpd
+
+__all__ = ["Box", "Proposal", "Refinement", "case_seed", "draw_proposals", "fit_proposals", "mixture_log_terms",
+           "proposal_log_density", "refine_block", "refine_case", "stack_proposals", "support_box"]
 
 INFLATION = 1.5      # a refined proposal's sd over the density's estimated sd: wide enough not to clip it
 REACH = 4.0          # a refined box spans the proposal mean ± REACH proposal sds (and the modes found)
@@ -75,6 +78,15 @@ def support_box(low, high, lattice_steps):
     return Box(low, last, lattice, step)
 
 
+class Refinement(NamedTuple):
+    """What refine_block needs besides the cases: the prior's support box, the levels summarised,
+    the passes' sizes (designs.adaptive_sizes) and the seed of the cases' streams (see case_seed)."""
+    box: Box
+    levels: Sequence[float]
+    sizes: Mapping[str, Any] | None    # None: a fixed design, nothing to refine
+    seed: int
+
+
 class Proposal(NamedTuple):
     """Products of normals truncated to boxes [low, high], one per case (fields (B, p)); a lattice
     point takes its cell's mass. Stacked proposals have fields (B, C, p) and counts (C,)."""
@@ -82,7 +94,7 @@ class Proposal(NamedTuple):
     sd: torch.Tensor
     low: torch.Tensor
     high: torch.Tensor
-    count: int              # points drawn from it, per case
+    count: int  # type: ignore[assignment]  # points drawn from it, per case (shadows tuple.count)
 
 
 def _log1mexp(x):
@@ -540,21 +552,21 @@ def _measured_summaries(points, log_weights, scores, truth_scores, levels, box, 
     return summaries, frames
 
 
-def refine_block(score_fn, coarse_points, coarse_log_measure, truths, box, levels, sizes, seed, cases):
+def refine_block(score_fn, coarse, truths, cases, refinement):
     """Adaptive candidates and HPD summaries of a block of cases, for every target score_fn returns.
 
     `score_fn(points (B, n, p)) -> {target: scores (B, n)}` is called on the coarse
-    design and the truths, once per refined pass and twice for probes, so every case
-    evaluates exactly sizes["total"] points besides its truth (see the module's
-    docstring for the steps). `cases` are the block's case indices (they seed each
-    case's stream). Returns per case points (B, n, p) and log_measure (B, n) (probes
+    design (points (K, p) and log measure (K,)) and the truths, once per refined pass
+    and twice for probes, so every case evaluates exactly sizes["total"] points besides
+    its truth (see the module's docstring for the steps). `cases` are the block's case
+    indices (they seed each case's stream). Returns per case points (B, n, p) and log_measure (B, n) (probes
     last, at −inf; repeated lattice points at −inf too), scores (B, n + 1) (the truth's
     last), summaries of tensors (with edge_mass and disagreement), the last proposal
     per target, and the count of points each case evaluated.
     """
-    levels = hpd.check_levels(levels)
-    device, box = truths.device, box.to(truths.device)
-    coarse_points, coarse_log_measure = coarse_points.to(device), coarse_log_measure.to(device)
+    levels, sizes, seed = hpd.check_levels(refinement.levels), refinement.sizes, refinement.seed
+    device, box = truths.device, refinement.box.to(truths.device)
+    coarse_points, coarse_log_measure = (values.to(device) for values in coarse)
     first, truth_scores = _coarse_scores(score_fn, coarse_points, truths, cases)
     multiplicity = coarse_log_measure + math.log(sizes["coarse"]) - box.log_measure()
     # Coarse points merged on a lattice leave their places to the last pass: every case evaluates the same count.
@@ -587,15 +599,14 @@ def refine_block(score_fn, coarse_points, coarse_log_measure, truths, box, level
             "summaries": summaries, "proposals": last, "evaluated": total}
 
 
-def refine_case(score_fn, coarse_points, coarse_log_measure, truth, box, levels, sizes, seed, case=0):
+def refine_case(score_fn, coarse, truth, refinement, case=0):
     """One case refined on its own: refine_block on a block of one, with
     `score_fn(points (n, p)) -> {target: scores (n,)}`; results without the block axis,
     summaries as numpy arrays of one case."""
     def block_scores(points):
         return {target: values[None] for target, values in score_fn(points[0]).items()}
 
-    block = refine_block(block_scores, coarse_points, coarse_log_measure, truth[None], box, levels, sizes, seed,
-                         [case])
+    block = refine_block(block_scores, coarse, truth[None], [case], refinement)
     return {"points": block["points"][0], "log_measure": block["log_measure"][0],
             "scores": {t: s[0] for t, s in block["scores"].items()},
             "summaries": {t: hpd.host_summary(s) for t, s in block["summaries"].items()},

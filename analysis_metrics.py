@@ -3,18 +3,27 @@ coverage, width and resolution of HPD summaries, classification, effective sampl
 sliced Wasserstein distances.
 """
 
+from __future__ import annotations
+
 import math
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
 import hpd
 
+__all__ = ["MAX_FLAGGED_SHARE", "bias_metrics", "classification_metrics", "coverage_metrics", "effective_sample_size",
+           "effective_sizes", "finite_or_none", "level_key", "randomised_inside", "resolution_flags",
+           "resolution_metrics", "sliced_wasserstein", "wasserstein_1d", "width_metrics", "wilson_interval"]
+
+Summaries = Mapping[str, Any]     # HPD summaries per case, as numpy arrays (see hpd.hld_summaries)
+
 # ---------------------------------------------------------------------------
 # Metrics (JSON-able: python floats/lists, None where undefined)
 # ---------------------------------------------------------------------------
 
-def finite_or_none(value):
+def finite_or_none(value: Any) -> float | None:
     """A python float, or None when undefined (NaN/inf or no data)."""
     value = float(value)
     return value if math.isfinite(value) else None
@@ -26,12 +35,12 @@ def _mean(values):
     return finite_or_none(values.mean()) if values.size else None
 
 
-def level_key(level):
+def level_key(level: float) -> str:
     """The JSON key of a level, e.g. '0.68'."""
     return f"{float(level):g}"
 
 
-def bias_metrics(modes, truths, names):
+def bias_metrics(modes: Any, truths: Any, names: Sequence[str]) -> dict[str, Any]:
     """Per-axis signed/absolute mean error and RMSE of the modes, and overall RMSE."""
     error = np.asarray(modes, dtype=np.float64) - np.asarray(truths, dtype=np.float64)
     per_axis = {}
@@ -43,7 +52,7 @@ def bias_metrics(modes, truths, names):
     return {"cases": int(error.shape[0]), "per_axis": per_axis, "rmse": rmse}
 
 
-def wilson_interval(successes, trials, z=1.959963984540054):
+def wilson_interval(successes: float, trials: int, z: float = 1.959963984540054) -> list[float] | None:
     """The 95% Wilson score interval [lo, hi] of a binomial proportion, None without trials."""
     if trials == 0:
         return None
@@ -53,7 +62,7 @@ def wilson_interval(successes, trials, z=1.959963984540054):
     return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
-def randomised_inside(credibility, credibility_upper, level):
+def randomised_inside(credibility: Any, credibility_upper: Any, level: float) -> np.ndarray:
     """Per case, the probability that the randomised HPD region of `level` holds the truth.
 
     The truth's credibility is spread uniformly over [credibility, credibility_upper] (the
@@ -70,7 +79,8 @@ def randomised_inside(credibility, credibility_upper, level):
     return np.where(tie > 0, np.clip(spread, 0.0, 1.0), (low < level).astype(np.float64))
 
 
-def coverage_metrics(summaries, truths, levels, names):
+def coverage_metrics(summaries: Summaries, truths: Any, levels: Sequence[float],
+                     names: Sequence[str]) -> dict[str, Any]:
     """Per level: the fraction of truths inside the projected bounds per axis (and their mean) and
     inside the joint region, with the case count and 95% Wilson intervals of each fraction; and
     `lattice`, the randomised joint coverage (see randomised_inside), nominal for an exact
@@ -97,7 +107,7 @@ def coverage_metrics(summaries, truths, levels, names):
     return result
 
 
-def width_metrics(summaries, levels, names):
+def width_metrics(summaries: Summaries, levels: Sequence[float], names: Sequence[str]) -> dict[str, Any]:
     """Mean projected width (upper − lower) per level, per axis and averaged over axes."""
     result = {}
     for i, level in enumerate(hpd.check_levels(levels)):
@@ -114,7 +124,7 @@ MAX_EDGE_MASS = 0.01       # mass allowed near the edge of a refined box
 MAX_FLAGGED_SHARE = 0.01   # a larger share of flagged cases raises the warning
 
 
-def resolution_flags(summaries, design):
+def resolution_flags(summaries: Summaries, design: str) -> dict[str, np.ndarray]:
     """Per case: too few effective points in the widest region, mass at a refined box's edge, or a
     refined density that disagrees with the passes that placed it (booleans, one per case)."""
     region_ess = np.asarray(summaries["region_ess"], dtype=np.float64)
@@ -139,7 +149,8 @@ def _flag_problem(flagged, cases, levels):
             "disagrees with the passes that placed it)")
 
 
-def resolution_metrics(summaries, candidate_count, levels, design="sobol"):
+def resolution_metrics(summaries: Summaries, candidate_count: int, levels: Sequence[float] | np.ndarray,
+                       design: str = "sobol") -> dict[str, Any]:
     """Candidate count, ESS spread, attained mass per level, counts of under-resolved cases, a warning."""
     levels = hpd.check_levels(levels)
     ess = np.asarray(summaries["ess"], dtype=np.float64)
@@ -184,7 +195,7 @@ def _average_ranks(values: torch.Tensor) -> torch.Tensor:
     return (ends - (counts.to(torch.float64) - 1) / 2)[inverse]
 
 
-def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
+def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
     """BCE (from logits), accuracy at logit 0 and AUC (None when one class is absent)."""
     # On the host in float64: exact enough for ranks, and free of device determinism limits.
     logits = logits.detach().reshape(-1).to("cpu", torch.float64)
@@ -204,17 +215,17 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict:
 
 # ---------------------------------------------------------------- sample-based checks
 
-def effective_sizes(log_weights):
+def effective_sizes(log_weights: torch.Tensor) -> torch.Tensor:
     """Kish's effective sample size (Σw)²/Σw² of weights given as logs, over the last axis."""
     return torch.exp(2 * torch.logsumexp(log_weights, -1) - torch.logsumexp(2 * log_weights, -1))
 
 
-def effective_sample_size(log_weights):
+def effective_sample_size(log_weights: Any) -> float | None:
     """The effective sample size of one set of weights given as logs, as a JSON number."""
     return finite_or_none(effective_sizes(torch.as_tensor(log_weights, dtype=torch.float64)))
 
 
-def wasserstein_1d(a, a_weights, b, b_weights):
+def wasserstein_1d(a: torch.Tensor, a_weights: torch.Tensor, b: torch.Tensor, b_weights: torch.Tensor) -> float:
     """W1 between two weighted empirical distributions on the line: ∫|F_a − F_b| dx."""
     values = torch.cat([a, b])
     order = torch.argsort(values)
@@ -223,7 +234,7 @@ def wasserstein_1d(a, a_weights, b, b_weights):
     return float((torch.cumsum(masses, 0)[:-1].abs() * gaps).sum())
 
 
-def sliced_wasserstein(a, b, b_log_weights=None, projections=64, seed=0):
+def sliced_wasserstein(a: Any, b: Any, b_log_weights: Any = None, projections: int = 64, seed: int = 0) -> float:
     """Mean W1 over random 1-D projections between sample `a` and (weighted) sample `b`.
 
     Coordinates are standardised by the pooled spread first, so every column counts

@@ -5,9 +5,16 @@ log-likelihood (exact_scores) on its candidates, and how the analysis sizes that
 Generic on purpose: it works on callables and tensors and knows no study.
 """
 
-from typing import NamedTuple
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
 
 import torch
+
+__all__ = ["CallPolicy", "EVAL_BLOCK_ROWS", "Evaluations", "ROW_PAD", "accepts_column_rows", "call_policy",
+           "cases_per_block", "ensemble_scores", "exact_scores", "network_row_bytes"]
+
+LogitFn = Callable[[torch.Tensor], torch.Tensor]         # rows (n, d + p) -> one logit per row
 
 # Network calls always see this many rows (whole candidates, last block padded) when
 # chunk_rows allows it, so ensemble scores are bitwise independent of chunk_rows.
@@ -33,7 +40,7 @@ CUDA_MAX_ROWS = 1 << 24         # the most rows of one network call on CUDA
 CALL_GROUP_BYTES = 4 << 20
 
 
-def call_policy(device_type, chunk_rows, row_bytes=1024, free_bytes=None):
+def call_policy(device_type: str, chunk_rows: int, row_bytes: int = 1024, free_bytes: int | None = None) -> CallPolicy:
     """Rows per network call and the bytes a block of cases may use, for a device type.
 
     On the CPU a call holds EVAL_BLOCK_ROWS rows, whose activations stay in cache. On
@@ -52,14 +59,14 @@ def call_policy(device_type, chunk_rows, row_bytes=1024, free_bytes=None):
     return CallPolicy(min(rows, int(chunk_rows)), budget)
 
 
-def network_row_bytes(model, input_width):
+def network_row_bytes(model: torch.nn.Module, input_width: int) -> int:
     """Bytes one row of a network call takes at its widest: the input, and two float32 activations of
     every layer the network has (a generous bound for an MLP or residual net)."""
     widths = [module.out_features for module in model.modules() if isinstance(module, torch.nn.Linear)]
     return 4 * (input_width + 2 * sum(widths)) if widths else 4096
 
 
-def cases_per_block(cases, case_bytes, block_bytes):
+def cases_per_block(cases: int, case_bytes: int, block_bytes: int) -> int:
     """Cases refined together: as many as fit into block_bytes at case_bytes each (at least one)."""
     return max(1, min(int(cases), int(block_bytes) // max(int(case_bytes), 1)))
 
@@ -86,17 +93,17 @@ def _call_layout(m, cases, n, rows_per_call):
 class Evaluations:
     """What a product's network calls did: rows evaluated, rows the calls held (padding too), calls."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.rows = self.call_rows = self.calls = 0
 
-    def add(self, rows, call_rows, calls=1):
+    def add(self, rows: int, call_rows: int, calls: int = 1) -> None:
         """Count `calls` calls of call_rows rows in all, `rows` of them real."""
         self.rows += rows
         self.call_rows += call_rows
         self.calls += calls
 
 
-def accepts_column_rows(logit_fn, width, device):
+def accepts_column_rows(logit_fn: LogitFn, width: int, device: torch.device | str) -> bool:
     """Whether logit_fn gives the same logits for rows held column by column (the transpose of a
     (width, rows) buffer) as for the same rows made contiguous: a network that reshapes its input
     with `view`, or whose arithmetic depends on the layout, is given contiguous rows instead."""
@@ -108,19 +115,19 @@ def accepts_column_rows(logit_fn, width, device):
             return False
 
 
-def ensemble_scores(logit_fn, observations, points, rows_per_call, counted=None, column_rows=True):
+def ensemble_scores(logit_fn: LogitFn, observations: torch.Tensor, points: torch.Tensor, rows_per_call: int,
+                    counted: Evaluations | None = None, column_rows: bool = True) -> torch.Tensor:
     """S(θ) = Σ_k logit(x_k, θ) of every case's candidates: observations (B, m, d), points (B, n, p)
     -> (B, n) float64 on the observations' device. A single case's (m, d) and (n, p) give (n,).
 
     Each network call holds whole candidates (all m observations) of one case, or of several
     whole cases (see _call_layout), observation by observation ([x_1, θ] for every candidate
     of the call, then [x_2, θ], ...), in a (d + p, rows) buffer padded to a multiple of ROW_PAD
-    and built a few calls at a time (see CALL_GROUP_BYTES). logit_fn sees a call's rows as the
-    buffer's transpose, (rows, d + p) column by column (a contiguous copy with
-    column_rows=False, see accepts_column_rows), and must return one new logit per row each
-    call: they are summed after the group. Every row is computed on its own, so a case's scores
-    do not depend on the other cases of its block, and on the CPU they are bitwise the same for
-    every rows_per_call from EVAL_BLOCK_ROWS up. `counted` (an Evaluations) counts the calls.
+    and built a few calls at a time (see CALL_GROUP_BYTES). logit_fn sees a call's rows as the buffer's
+    transpose, (rows, d + p) column by column (a contiguous copy with column_rows=False, see accepts_column_rows),
+    and must return one new logit per row each call: they are summed after the group. Every row is computed on
+    its own, so a case's scores do not depend on the other cases of its block, and on the CPU they are bitwise
+    the same for every rows_per_call from EVAL_BLOCK_ROWS up. `counted` (an Evaluations) counts the calls.
     """
     if observations.dim() == 2:
         return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted, column_rows)[0]
@@ -188,7 +195,8 @@ def _fill_observations(observed, beside, first, together):
     observed.view(d, m, together, block // together)[:, :, :cases.shape[0]].copy_(cases.permute(1, 2, 0, 3))
 
 
-def exact_scores(log_likelihood, observations, points, chunk_rows=EVAL_BLOCK_ROWS):
+def exact_scores(log_likelihood: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], observations: torch.Tensor,
+                 points: torch.Tensor, chunk_rows: int = EVAL_BLOCK_ROWS) -> torch.Tensor:
     """Σ_k log p(x_k | θ) of every case's candidates, with `log_likelihood(x (c, m, d), θ (c, 1, p)) -> (c, m)`
     broadcasting: observations (B, m, d), points (B, n, p) -> (B, n) float64 on the observations'
     device; a single case's (m, d) and (n, p) give (n,). Each candidate's sum depends on its own

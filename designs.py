@@ -5,24 +5,34 @@ Generic on purpose: it works on boxes (low/high tensors), lattice steps and sett
 and knows no study: the study kit (nre_analysis.py) calls it.
 """
 
+from __future__ import annotations
+
 import math
+from typing import Any, Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
+__all__ = ["CANDIDATE_KINDS", "PROBE_RADII", "PROBE_REFINE", "adaptive_sizes", "as_f64", "candidate_count_for",
+           "candidate_design", "candidate_lattice", "check_box", "lattice_size", "lattice_support", "make_candidates",
+           "make_observations", "make_truths", "merge_duplicates", "points_per_case", "snap_to_lattice", "truth_count"]
+
 CANDIDATE_KINDS = ("sobol", "grid", "adaptive")
+# Bounds of a box or lattice steps as given: a tensor, or one number per parameter.
+Values = Any
+Steps = Sequence["float | None"]
 
 
 # ---------------------------------------------------------------------------
 # Small helpers
 # ---------------------------------------------------------------------------
 
-def as_f64(values):
+def as_f64(values: Values) -> torch.Tensor:
     """Return values as a 1-D CPU float64 tensor."""
     return torch.as_tensor(values, dtype=torch.float64).reshape(-1).cpu()
 
 
-def check_box(low, high):
+def check_box(low: torch.Tensor, high: torch.Tensor) -> None:
     """Raise when the box is empty, inverted or not finite."""
     if low.shape != high.shape:
         raise ValueError(f"box bounds differ in size: low {tuple(low.shape)} vs high {tuple(high.shape)}")
@@ -42,7 +52,7 @@ def _cartesian(axes):
     return torch.stack([m.reshape(-1) for m in mesh], dim=1)
 
 
-def lattice_size(low, high, step):
+def lattice_size(low: float, high: float, step: float) -> int:
     """Number of lattice points low, low+step, ... that lie in [low, high]."""
     if not step > 0:
         raise ValueError(f"grid_step must be positive, got {step}; fix problem.parameters")
@@ -50,13 +60,13 @@ def lattice_size(low, high, step):
     return int(math.floor((high - low) / step + 1e-6)) + 1
 
 
-def lattice_support(low, high, step):
+def lattice_support(low: Values, high: Values, step: Values) -> torch.Tensor:
     """The lattice low + k·step inside [low, high] as a float64 tensor."""
     n = lattice_size(float(low), float(high), float(step))
     return float(low) + torch.arange(n, dtype=torch.float64) * float(step)
 
 
-def snap_to_lattice(theta, low, high, step):
+def snap_to_lattice(theta: torch.Tensor, low: Values, high: Values, step: Values) -> torch.Tensor:
     """Round each column to its lattice low + k·step, clamped into [low, high]."""
     low, high, step = as_f64(low), as_f64(high), as_f64(step)
     top = torch.tensor([lattice_size(a, b, s) - 1 for a, b, s in
@@ -78,7 +88,7 @@ def _first_occurrences(points):
     return np.sort(first), rank[inverse]
 
 
-def merge_duplicates(points, log_measure):
+def merge_duplicates(points: torch.Tensor, log_measure: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge exactly equal points, summing their weights in log space; order kept."""
     keep, group = _first_occurrences(points)
     merged = np.full(keep.size, -np.inf)
@@ -101,7 +111,7 @@ def _truth_kind(p, settings):
     return kind
 
 
-def truth_count(p, settings):
+def truth_count(p: int, settings: Mapping[str, Any]) -> int:
     """Number of truth cases, repeats included."""
     kind = _truth_kind(p, settings)
     if kind == "grid":
@@ -111,7 +121,8 @@ def truth_count(p, settings):
     return count * int(settings.get("repeats", 1))
 
 
-def make_truths(low, high, grid_step, settings, seed):
+def make_truths(low: Values, high: Values, grid_step: Values | None, settings: Mapping[str, Any],
+                seed: int) -> torch.Tensor:
     """Truth parameters (T, p) float64 inside the margin-shrunk box."""
     low, high = as_f64(low), as_f64(high)
     check_box(low, high)
@@ -148,7 +159,8 @@ def make_truths(low, high, grid_step, settings, seed):
     return truths.repeat_interleave(repeats, dim=0).contiguous()
 
 
-def make_observations(simulate, truths, observations, seed):
+def make_observations(simulate: Callable[[torch.Tensor, torch.Generator], torch.Tensor], truths: torch.Tensor,
+                      observations: int, seed: int) -> torch.Tensor:
     """Ensembles (N, m, d): m independent simulator draws at each case's truth."""
     m = int(observations)
     if m < 1:
@@ -163,14 +175,13 @@ def make_observations(simulate, truths, observations, seed):
 # Candidates
 # ---------------------------------------------------------------------------
 
-def candidate_lattice(lattice_steps, p, settings):
+def candidate_lattice(lattice_steps: Steps | None, p: int, settings: Mapping[str, Any]) -> list[float | None]:
     """Per-coordinate lattice step of the candidates: the prior's own with native_grid_prior, else None."""
-    steps = list(lattice_steps) if lattice_steps is not None else [None] * p
+    continuous: list[float | None] = [None] * p
+    steps = list(lattice_steps) if lattice_steps is not None else continuous
     if len(steps) != p:
         raise ValueError(f"lattice_steps has {len(steps)} entries for {p} parameters")
-    if not settings.get("native_grid_prior", True):
-        return [None] * p
-    return steps
+    return steps if settings.get("native_grid_prior", True) else continuous
 
 
 def _candidate_plan(p, lattice_steps, low, high, settings):
@@ -200,17 +211,20 @@ def _candidate_plan(p, lattice_steps, low, high, settings):
     return kind, count
 
 
-def candidate_design(p, lattice_steps, low, high, settings):
+def candidate_design(p: int, lattice_steps: Steps | None, low: Values, high: Values,
+                     settings: Mapping[str, Any]) -> str:
     """The design each case is scored on: 'enumerate', 'grid', 'sobol' or 'adaptive'."""
     return _candidate_plan(p, lattice_steps, low, high, settings)[0]
 
 
-def candidate_count_for(p, lattice_steps, low, high, settings):
+def candidate_count_for(p: int, lattice_steps: Steps | None, low: Values, high: Values,
+                        settings: Mapping[str, Any]) -> int:
     """Size of the shared design (before duplicate merging) without building it."""
     return _candidate_plan(p, lattice_steps, low, high, settings)[1]
 
 
-def points_per_case(p, lattice_steps, low, high, settings, targets=1):
+def points_per_case(p: int, lattice_steps: Steps | None, low: Values, high: Values, settings: Mapping[str, Any],
+                    targets: int = 1) -> int:
     """Points each case is scored on (the truth aside): the shared design, or every adaptive pass."""
     design, count = _candidate_plan(p, lattice_steps, low, high, settings)
     if design == "adaptive":
@@ -227,7 +241,8 @@ def _trapezoid(low, high, n):
     return points, weights
 
 
-def make_candidates(low, high, lattice_steps, settings, seed):
+def make_candidates(low: Values, high: Values, lattice_steps: Steps | None, settings: Mapping[str, Any],
+                    seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate points (K, p) and their log quadrature weights (K,), duplicates merged.
 
     Lattice coordinates (with native_grid_prior) carry counting measure. An all-lattice
@@ -282,7 +297,7 @@ PROBE_RADII = 16     # first probe round: evenly spaced radii along each ray
 PROBE_REFINE = 16    # second round, per ray: points inside the brackets where the levels' regions end
 
 
-def adaptive_sizes(p, settings, targets=1):
+def adaptive_sizes(p: int, settings: Mapping[str, Any], targets: int = 1) -> dict[str, Any]:
     """Points per case of an adaptive design: coarse, each refined pass, probes and total.
 
     Every refined pass but the last draws coarse_count points; probes take

@@ -4,12 +4,23 @@ mode, effective sizes and the truth's credibility (hld_summaries, weighted_summa
 Generic on purpose: it works on scores, log measures and points, and knows no study.
 """
 
+from __future__ import annotations
+
 import math
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 import torch
 
 import designs
+
+__all__ = ["check_levels", "check_scores", "hld_summaries", "host_summary", "point_columns", "region_bounds",
+           "summarise_block", "weighted_summary"]
+
+Summary = dict[str, torch.Tensor]               # a block's summaries, one tensor per field
+Ranking = tuple[torch.Tensor, torch.Tensor]     # density order (B, K) and the levels' region sizes (B, L)
+Levels = Sequence[float] | np.ndarray            # enclosed masses in (0, 1]
+Ranked = tuple[Summary, Ranking]                # another target's summary and ranking (weighted_summary)
 
 # Cases summarised at once: bounds the (cases, K) work arrays of hld_summaries.
 SUMMARY_CELLS = 1 << 22
@@ -19,7 +30,7 @@ SUMMARY_CELLS = 1 << 22
 # Highest-density summaries
 # ---------------------------------------------------------------------------
 
-def check_levels(levels):
+def check_levels(levels: Levels) -> np.ndarray:
     """Levels as a float64 array, each in (0, 1]."""
     levels = np.asarray(list(levels), dtype=np.float64)
     if levels.size == 0 or not ((levels > 0) & (levels <= 1)).all():
@@ -27,7 +38,7 @@ def check_levels(levels):
     return levels
 
 
-def check_scores(scores, truth_scores):
+def check_scores(scores: torch.Tensor, truth_scores: torch.Tensor) -> None:
     """Raise naming the first case whose scores are NaN, +inf or all -inf."""
     bad = torch.isnan(scores).any(dim=1) | torch.isposinf(scores).any(dim=1)
     bad |= torch.isneginf(scores).all(dim=1) | torch.isnan(truth_scores) | torch.isposinf(truth_scores)
@@ -45,7 +56,7 @@ def _mass_above(ascending, cumulative, values, side):
     return torch.where(count[:, 0] > 0, mass, torch.zeros_like(mass))
 
 
-def region_bounds(columns, scores, threshold):
+def region_bounds(columns: torch.Tensor, scores: torch.Tensor, threshold: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Per case and level, the bounds (B, L, p) of the level's region {scores >= threshold}
     (+inf/−inf where it holds no point); columns (B, p, K) holds each coordinate of the points
     as a contiguous row.
@@ -66,7 +77,7 @@ def region_bounds(columns, scores, threshold):
     return tuple(bounds)
 
 
-def point_columns(points):
+def point_columns(points: torch.Tensor) -> torch.Tensor:
     """Each case's points (B, n, p) as columns (B, p, n), each coordinate a contiguous row: the
     transpose itself when its rows are contiguous already (points held as columns), else a copy."""
     columns = points.transpose(1, 2)
@@ -95,7 +106,8 @@ def _density_order(scores, order=None):
     return torch.argsort(scores, dim=1, descending=True, stable=True)
 
 
-def summarise_block(scores, log_measure, points, truth_scores, levels):
+def summarise_block(scores: torch.Tensor, log_measure: torch.Tensor, points: torch.Tensor, truth_scores: torch.Tensor,
+                    levels: Levels) -> Summary:
     """HPD summaries of a block of cases as tensors on the scores' device (see hld_summaries).
 
     scores (B, K); log_measure (K,) and points (K, p) shared by the cases, or each
@@ -104,11 +116,11 @@ def summarise_block(scores, log_measure, points, truth_scores, levels):
     return weighted_summary(scores, log_measure, points, truth_scores, levels)[0]
 
 
-def weighted_summary(scores, log_measure, points, truth_scores, levels, other=None):
-    """summarise_block's summaries, the normalised weights q (B, K) of the candidates and their
-    ranking: density order (B, K) and the levels' region sizes (B, L). `other`, another target's
-    summary and ranking on the same points: its order is used where it orders these scores
-    too, and its bounds where every region holds the same points."""
+def weighted_summary(scores: torch.Tensor, log_measure: torch.Tensor, points: torch.Tensor, truth_scores: torch.Tensor,
+                     levels: Levels, other: Ranked | None = None) -> tuple[Summary, torch.Tensor, Ranking]:
+    """summarise_block's summaries, the candidates' normalised weights q (B, K) and their ranking: density
+    order (B, K) and the levels' region sizes (B, L). `other`, another target's summary and ranking on the
+    same points: its order is used where it orders these scores too, its bounds where every region agrees."""
     n, count = scores.shape
     # Each coordinate as a contiguous row (B, p, K), the layout the bounds' reductions run along.
     columns = points.T.contiguous().expand(n, -1, -1) if points.dim() == 2 else point_columns(points)
@@ -159,12 +171,13 @@ def _bounds(columns, scores, threshold, ranking, other):
     return region_bounds(columns, scores, threshold)
 
 
-def host_summary(summary):
+def host_summary(summary: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     """A block's summaries as numpy arrays on the host."""
     return {key: value.cpu().numpy() for key, value in summary.items()}
 
 
-def hld_summaries(scores, log_measure, points, truth_scores, levels):
+def hld_summaries(scores: Any, log_measure: Any, points: Any, truth_scores: Any,
+                  levels: Levels) -> dict[str, np.ndarray]:
     """Highest-density summaries per case as a dict of numpy arrays.
 
     q ∝ exp(score + log_measure). Candidates are ranked by score (density), and the

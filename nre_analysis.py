@@ -12,17 +12,20 @@ summaries of every case, the test split's predictions and Bayes-optimal referenc
 Metrics: classification, bias, coverage, width, resolution, posterior, exact_reference,
 expected_coverage, pairwise, reweighting, normalization (docs/results.md says what each holds).
 """
+from __future__ import annotations
+
 import contextlib
 import copy
 import math
 import statistics
-from typing import NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 import adaptive
 import analysis_metrics
+import case_blocks
 import case_scores
 import contrast
 import designs
@@ -35,9 +38,14 @@ import trainer
 from study import Analysis, Figure, Metric, Product, check_selection
 from settings import SettingsError, integer, is_number, name_list, one_of
 
+__all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "INFERENCE_DEFAULTS", "MIN_COARSE_NEIGHBOURS",
+           "NREAnalysis", "SUMMARY_FIELDS", "TARGETS", "bayes_optimal_logits", "build_learned", "case_design",
+           "check_inference_settings", "chi_square_quantile", "coverage_curve", "exact_scoring", "flatness",
+           "learned_scoring", "posterior_share", "prior_sds", "summarise_cases", "summarise_targets"]
+
 TARGETS = ("ratio", "posterior", "exact")
 # The modules of the analysis stack, whose sources enter every product's key (see NREAnalysis).
-ANALYSIS_STACK = (designs, case_scores, hpd, analysis_metrics, adaptive)
+ANALYSIS_STACK = (designs, case_scores, hpd, analysis_metrics, adaptive, case_blocks)
 SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer", "region_ess",
                   "edge_mass", "disagreement", "credibility", "credibility_upper")
 # Credibility levels of the expected-coverage curve: 0.01, 0.02, ..., 0.99.
@@ -191,17 +199,15 @@ def build_observations(ctx, writer):
 
 def candidate_design(ctx):
     """'enumerate', 'grid', 'sobol' or 'adaptive': how this member's cases are scored."""
-    problem = ctx.problem
-    return designs.candidate_design(problem.parameter_count, candidate_lattice(ctx), problem.low, problem.high,
-                                      ctx.analysis_settings["inference"]["candidates"])
+    return case_design(ctx).kind
 
 
 def build_candidates(ctx, writer):
     """The shared design (the adaptive kind's coarse first pass) with its log measure."""
     problem = ctx.problem
-    seed = runtime.derived_seed(ctx.settings["seed"], "candidates")
-    points, log_measure = designs.make_candidates(
-        problem.low, problem.high, candidate_lattice(ctx), ctx.analysis_settings["inference"]["candidates"], seed)
+    points, log_measure = case_blocks.shared_candidates((problem.low, problem.high), candidate_lattice(ctx),
+                                                        ctx.analysis_settings["inference"]["candidates"],
+                                                        ctx.settings["seed"])
     writer.array("points", points.numpy())
     writer.array("log_measure", log_measure.numpy())
     return {"count": int(points.shape[0]), "design": candidate_design(ctx)}
@@ -226,142 +232,105 @@ def write_summary(outputs, writer, target, summary, start, cases):
         outputs[key][start:start + value.shape[0]] = value
 
 
-class Scoring(NamedTuple):
-    """How a product scores blocks of cases: `scores(cases (B,), points (B, n, p)) -> {target: (B, n)}`
-    on `device`, and the bytes a block of cases may use there."""
-    scores: object
-    device: torch.device
-    block_bytes: int
+class Cases(NamedTuple):
+    """The cases a product summarises: the targets scored, the truths (T, p), the shared candidates
+    (the adaptive design's coarse pass) and which scores to keep (see retain_settings)."""
+    targets: list[str]
+    truths: torch.Tensor
+    shared: case_blocks.Candidates
+    retain: dict[str, Any]
 
 
-def case_bytes(candidates, p, targets, levels, components=0, draws=0):
-    """About the bytes one case's refinement or summary holds at once: its points, weights and scores,
-    the proposals' densities, the summaries' sorted copies and region flags (one byte a level),
-    and the refined passes' unit draws."""
-    per_point = p + 1 + 2 * targets + 3 * components + 14
-    return 8 * (candidates * per_point + draws * p) + candidates * levels
-
-
-def fixed_case_bytes(candidates, p, targets, levels):
-    """case_bytes of a case scored on a shared design of `candidates` points (and its truth)."""
-    return case_bytes(candidates + 1, p, targets, levels)
-
-
-def adaptive_case_bytes(sizes, p, targets, levels):
-    """case_bytes of a case refined by adaptive.refine_block with these sizes."""
-    return case_bytes(sizes["total"] + 1, p, targets, levels, targets * len(sizes["passes"]), sum(sizes["passes"]))
-
-
-def retained_arrays(writer, retain, targets, cases, candidates):
-    """The arrays that keep whole cases' scores: memory-mapped for `full`, else the first diagnostic cases."""
-    if retain["mode"] == "full":
-        return {t: writer.allocate(f"{t}_scores", (cases, candidates + 1), "float64") for t in targets}
-    kept = min(retain["cases"], cases)
-    return {t: np.zeros((kept, candidates + 1)) for t in targets} if kept else {}
-
-
-def summarise_cases(writer, targets, scoring, truths, points, log_measure, levels, retain, progress):
-    """Score blocks of cases on the shared design and write one HPD summary per case and target.
-
-    Each case's candidates are followed by its truth. Scores of all cases are never
-    held at once: each block's summaries are written into memory-mapped arrays.
-    """
-    (cases, p), candidates = truths.shape, points.shape[0]
-    retained, outputs = retained_arrays(writer, retain, targets, cases, candidates), {}
-    device_points, device_measure = points.to(scoring.device), log_measure.to(scoring.device)
-    block = case_scores.cases_per_block(cases, fixed_case_bytes(candidates, p, len(targets), len(levels)),
-                                      scoring.block_bytes)
-    for start in range(0, cases, block):
-        stop = min(cases, start + block)
-        progress(start)
-        truth = truths[start:stop].to(scoring.device)
-        rows = scoring.scores(torch.arange(start, stop), torch.cat([device_points.expand(stop - start, -1, -1),
-                                                                    truth[:, None]], dim=1))
-        for target in targets:
-            hpd.check_scores(rows[target][:, :-1], rows[target][:, -1])
-            summary = hpd.host_summary(hpd.summarise_block(
-                rows[target][:, :-1], device_measure, device_points, rows[target][:, -1], levels))
-            # A shared design has no refined box to check against.
-            summary["edge_mass"] = summary["disagreement"] = np.full(stop - start, np.nan)
-            write_summary(outputs, writer, target, summary, start, cases)
-            if target in retained and start < retained[target].shape[0]:
-                keep = min(stop, retained[target].shape[0])
-                retained[target][start:keep] = rows[target][:keep - start].cpu().numpy()
-    for target, array in retained.items():
-        if retain["mode"] != "full":
-            writer.array(f"{target}_scores", array)
-    return {"cases": cases, "candidates": candidates, "targets": list(targets)}
-
-
-def retain_cases(arrays, start, result, kept):
-    """Keep the refined cases start… of a block below `kept`: points, log measure and scores."""
-    count = min(kept - start, result["points"].shape[0])
-    if count <= 0:
-        return
-    arrays["design_points"][start:start + count] = result["points"][:count].cpu().numpy()
-    arrays["design_log_measure"][start:start + count] = result["log_measure"][:count].cpu().numpy()
-    for target, scores in result["scores"].items():
-        arrays[f"{target}_scores"][start:start + count] = scores[:count].cpu().numpy()
-
-
-def summarise_adaptive(writer, targets, scoring, truths, coarse, box, levels, retain, sizes, seed, progress):
-    """Refine blocks of cases (adaptive.refine_block) and write one HPD summary per case and target.
-
-    Retained cases keep their own points (design_points), log measure (probes and
-    repeated lattice points at −inf) and scores.
-    """
-    (cases, p), total = truths.shape, sizes["total"]
-    kept = cases if retain["mode"] == "full" else min(retain["cases"], cases)
-    arrays = {}
-    if kept:
+def retained_arrays(writer: Any, design: case_blocks.Design, work: Cases) -> dict[str, np.ndarray]:
+    """The arrays that keep whole cases, by name: an adaptive design's kept cases' own points, log measure
+    and scores (memory-mapped); a fixed design's scores, memory-mapped for `full`, else the first
+    diagnostic cases (written at the end, see finish_retained)."""
+    (cases, p), retain = work.truths.shape, work.retain
+    kept, sizes = cases if retain["mode"] == "full" else min(retain["cases"], cases), design.refinement.sizes
+    if sizes is not None:            # an adaptive design: each case has points of its own
+        total = sizes["total"]
+        if not kept:
+            return {}
         arrays = {"design_points": writer.allocate("design_points", (kept, total, p), "float64"),
                   "design_log_measure": writer.allocate("design_log_measure", (kept, total), "float64")}
-        arrays.update({f"{t}_scores": writer.allocate(f"{t}_scores", (kept, total + 1), "float64") for t in targets})
-    block = case_scores.cases_per_block(cases, adaptive_case_bytes(sizes, p, len(targets), len(levels)),
-                                      scoring.block_bytes)
-    outputs = {}
-    for start in range(0, cases, block):
-        stop = min(cases, start + block)
-        progress(start)
-        index = torch.arange(start, stop)
-        result = adaptive.refine_block(lambda points: scoring.scores(index, points), *coarse,
-                                       truths[start:stop].to(scoring.device), box, levels, sizes, seed,
-                                       index.tolist())
-        for target in targets:
+        arrays.update({f"{t}_scores": writer.allocate(f"{t}_scores", (kept, total + 1), "float64")
+                       for t in work.targets})
+        return arrays
+    candidates = work.shared.points.shape[0]
+    if retain["mode"] == "full":
+        return {f"{t}_scores": writer.allocate(f"{t}_scores", (cases, candidates + 1), "float64")
+                for t in work.targets}
+    return {f"{t}_scores": np.zeros((kept, candidates + 1)) for t in work.targets} if kept else {}
+
+
+def retain_cases(arrays: dict[str, np.ndarray], start: int, result: Mapping[str, Any]) -> None:
+    """Keep the cases start… of a block that the arrays hold: every target's scores, and an adaptive
+    design's points and log measure."""
+    kept = next(iter(arrays.values())).shape[0] if arrays else 0
+    count = min(kept - start, next(iter(result["scores"].values())).shape[0])
+    if count <= 0:
+        return
+    for name, key in (("design_points", "points"), ("design_log_measure", "log_measure")):
+        if name in arrays:
+            arrays[name][start:start + count] = result[key][:count].cpu().numpy()
+    for target, scores in result["scores"].items():
+        if f"{target}_scores" in arrays:
+            arrays[f"{target}_scores"][start:start + count] = scores[:count].cpu().numpy()
+
+
+def summarise_cases(writer: Any, scoring: case_blocks.Scoring, design: case_blocks.Design, work: Cases,
+                    progress: Callable[[int], None]) -> dict[str, Any]:
+    """Refine or score blocks of cases (case_blocks.blocks_of_cases) and write one HPD summary per case
+    and target.
+
+    Scores of all cases are never held at once: each block's summaries are written into
+    memory-mapped arrays. Retained cases keep their scores (each case's truth last) and, on an
+    adaptive design, their own points (design_points) and log measure (probes and repeated
+    lattice points at −inf).
+    """
+    cases, arrays = work.truths.shape[0], retained_arrays(writer, design, work)
+    outputs: dict[str, np.ndarray] = {}         # the summaries' arrays, by name
+    for start, result in case_blocks.blocks_of_cases(design, work.shared, scoring, work.truths, len(work.targets),
+                                                     progress):
+        for target in work.targets:
             write_summary(outputs, writer, target, hpd.host_summary(result["summaries"][target]), start, cases)
-        retain_cases(arrays, start, result, kept)
-    return {"cases": cases, "candidates": total, "targets": list(targets)}
+        retain_cases(arrays, start, result)
+    if design.kind != "adaptive" and work.retain["mode"] != "full":
+        for name, array in arrays.items():
+            writer.array(name, array)
+    sizes = design.refinement.sizes
+    candidates = work.shared.points.shape[0] if sizes is None else sizes["total"]
+    return {"cases": cases, "candidates": candidates, "targets": list(work.targets)}
 
 
-def retain_settings(ctx):
+def retain_settings(ctx: Any) -> dict[str, Any]:
     """Which scores are kept: `full` (memory-mapped) or the first `diagnostic_cases`."""
     settings = ctx.analysis_settings["inference"]
     cases = settings["diagnostic_cases"] if settings["retain"] == "diagnostic" else 0
     return {"mode": settings["retain"], "cases": cases}
 
 
-def summarise_targets(ctx, writer, targets, scoring):
+def case_design(ctx: Any, targets: int = 1) -> case_blocks.Design:
+    """The design of this member's cases for `targets` targets scored together (case_blocks.decide_design)."""
+    problem = ctx.problem
+    return case_blocks.decide_design((problem.low, problem.high), ctx.prior.lattice_steps,
+                                     ctx.analysis_settings["inference"], targets, ctx.settings["seed"])
+
+
+def summarise_targets(ctx: Any, writer: Any, targets: list[str], scoring: case_blocks.Scoring) -> dict[str, Any]:
     """Summaries of every case for the targets `scoring` gives.
 
     Adaptive candidates are refined per case, in blocks (the shared design is their
     coarse pass); other designs score every case on the shared design.
     """
-    settings = ctx.analysis_settings["inference"]
     truths, _, points, log_measure = inference_inputs(ctx)
     what = "+".join(targets)
     progress = lambda case: ctx.report_progress(what, case, truths.shape[0])   # noqa: E731
-    design = candidate_design(ctx)
-    levels, retain = settings["levels"], retain_settings(ctx)
-    if design == "adaptive":
-        sizes = designs.adaptive_sizes(ctx.problem.parameter_count, settings["candidates"], len(targets))
-        box = adaptive.support_box(ctx.problem.low, ctx.problem.high, candidate_lattice(ctx))
-        seed = runtime.derived_seed(ctx.settings["seed"], "refine")
-        metadata = summarise_adaptive(writer, targets, scoring, truths, (points, log_measure), box, levels,
-                                      retain, sizes, seed, progress)
-    else:
-        metadata = summarise_cases(writer, targets, scoring, truths, points, log_measure, levels, retain, progress)
+    design = case_design(ctx, len(targets))
+    work = Cases(list(targets), truths, case_blocks.Candidates(points, log_measure), retain_settings(ctx))
+    metadata = summarise_cases(writer, scoring, design, work, progress)
     progress(truths.shape[0])
-    return {**metadata, "design": design}
+    return {**metadata, "design": design.kind}
 
 
 @contextlib.contextmanager
@@ -404,7 +373,7 @@ def learned_scoring(model, device, prior, observations, targets, settings, count
             values["posterior"] = ratio + torch.as_tensor(prior.log_prob(points), device=device)
         return {t: values[t] for t in targets}
 
-    return Scoring(scores, device, policy.block_bytes)
+    return case_blocks.Scoring(scores, device, policy.block_bytes)
 
 
 def build_learned(ctx, writer):
@@ -435,7 +404,7 @@ def exact_scoring(log_likelihood, observations, device, chunk_rows, counted=None
         return {"exact": case_scores.exact_scores(log_likelihood, on_device[cases.to(device)], points,
                                                 policy.rows_per_call)}
 
-    return Scoring(scores, device, policy.block_bytes)
+    return case_blocks.Scoring(scores, device, policy.block_bytes)
 
 
 def build_exact(ctx, writer):
@@ -858,7 +827,7 @@ class NREAnalysis(Analysis):
         "bias_width": Figure(nre_figures.draw_bias_width),
     }
 
-    def __init__(self, settings, experiment):
+    def __init__(self, settings: Mapping[str, Any], experiment: Any) -> None:
         self.experiment = experiment
         self.settings = self.with_defaults(settings)
         # The analysis stack (its designs, scores, refinement, summaries and metrics) and the
@@ -867,7 +836,7 @@ class NREAnalysis(Analysis):
         self.SOURCES = (ANALYSIS_STACK + (priors, runtime.derived_seed)
                         + tuple(getattr(experiment, "SCIENCE_SOURCES", ())))
 
-    def with_defaults(self, settings):
+    def with_defaults(self, settings: Mapping[str, Any]) -> dict[str, Any]:
         """The analysis settings with the defaults of `inference` and `metrics` filled in for this study."""
         problem = self.experiment.problem()
         likelihood = callable(getattr(problem, "log_likelihood", None))
@@ -876,13 +845,13 @@ class NREAnalysis(Analysis):
         return {**settings, "inference": inference_settings,
                 "metrics": settings.get("metrics", self.default_metrics(inference_settings["targets"], likelihood))}
 
-    def default_metrics(self, targets, likelihood):
+    def default_metrics(self, targets: Sequence[str], likelihood: bool) -> list[str]:
         """Every metric the targets and the study's likelihood allow."""
         return [name for name in self.metrics if (likelihood or name not in LIKELIHOOD_METRICS)
                 and ("ratio" in targets or name not in self.NEEDS_RATIO)
                 and ("exact" in targets or name != "exact_reference")]
 
-    def validate(self):
+    def validate(self) -> None:
         """Check that every selected metric can be computed (the inference settings were checked when filled)."""
         self.check_adaptive_sizes()
         targets = self.settings["inference"]["targets"]
@@ -908,7 +877,7 @@ class NREAnalysis(Analysis):
             raise SettingsError("plots: 'diagnostic_cases' draws retained scores; set inference.diagnostic_cases "
                                 "above 0 or inference.retain to 'full'")
 
-    def check_likelihood(self, targets):
+    def check_likelihood(self, targets: Sequence[str]) -> None:
         """The exact target and the likelihood metrics need the problem's log_likelihood."""
         if callable(getattr(self.experiment.problem(), "log_likelihood", None)):
             return
@@ -919,11 +888,11 @@ class NREAnalysis(Analysis):
                                 f"{type(self.experiment).__name__} does not give; define log_likelihood(x, theta) "
                                 "in the study, or remove them")
 
-    def learned_targets(self):
+    def learned_targets(self) -> list[str]:
         """The targets the learned product scores with the model."""
         return [t for t in ("ratio", "posterior") if t in self.settings["inference"]["targets"]]
 
-    def design_of(self, member):
+    def design_of(self, member: Mapping[str, Any]) -> tuple[str, list[float | None]]:
         """The member's candidate design and its lattice steps."""
         problem = self.experiment.problem()
         candidates = self.settings["inference"]["candidates"]
@@ -932,7 +901,7 @@ class NREAnalysis(Analysis):
         return designs.candidate_design(problem.parameter_count, lattice, problem.low, problem.high,
                                           candidates), lattice
 
-    def check_adaptive_sizes(self):
+    def check_adaptive_sizes(self) -> None:
         """An adaptive design must fit its passes and probes into candidate_count."""
         candidates = self.settings["inference"]["candidates"]
         if candidates["kind"] != "adaptive":
@@ -944,7 +913,7 @@ class NREAnalysis(Analysis):
         except ValueError as error:
             raise SettingsError(f"inference.candidates: {error}") from None
 
-    def workload(self, member):
+    def workload(self, member: Mapping[str, Any]) -> dict[str, int]:
         """Model evaluations, saved bytes and candidate points this member's analysis needs."""
         settings = self.settings["inference"]
         problem = self.experiment.problem()
@@ -964,7 +933,7 @@ class NREAnalysis(Analysis):
                      + targets * (retained * (per_case + 1) + cases * (2 * levels * p + 3 * levels + p + 7)))
         return {"model_evaluations": int(evaluations), "saved_bytes": int(saved), "candidate_points": int(per_case)}
 
-    def plan_errors(self):
+    def plan_errors(self) -> list[str]:
         """What stops the analysis (not the training) before any compute: a study with no simulator, trained
         on a bank, cannot simulate the observations of its truths."""
         if self.experiment.problem().simulate is not None:
@@ -972,26 +941,26 @@ class NREAnalysis(Analysis):
         return [f"{type(self.experiment).__name__} defines no simulate(theta, generator): the analysis simulates "
                 "observations at its truths; `train` on data.bank and `infer` work without it"]
 
-    def plan_warnings(self):
+    def plan_warnings(self) -> list[str]:
         """One line per candidate design predicted to under-resolve the posteriors, before any compute:
         a fixed design too sparse for them, or an adaptive design whose coarse pass is."""
         candidates = self.settings["inference"]["candidates"]
         problem = self.experiment.problem()
         if not callable(getattr(problem, "posterior_sds", None)):
             return []               # nothing to predict the posterior's size from
-        by_design = {}
+        by_design: dict[tuple[str, tuple[float | None, ...]], list[str]] = {}
         for member in self.experiment.members():
             design, lattice = self.design_of(member)
             if design in ("sobol", "grid", "adaptive"):
                 by_design.setdefault((design, tuple(lattice)), []).append(member["prior"])
         lines = self.coarse_warnings({lattice: names for (design, lattice), names in by_design.items()
                                       if design == "adaptive"})
-        for (design, lattice), prior_names in by_design.items():
+        for (design, steps), prior_names in by_design.items():
             if design == "adaptive":
                 continue
-            count = designs.candidate_count_for(problem.parameter_count, list(lattice), problem.low, problem.high,
+            count = designs.candidate_count_for(problem.parameter_count, list(steps), problem.low, problem.high,
                                                   candidates)
-            expected = count * posterior_share(problem, list(lattice), self.settings["inference"]["observations"])
+            expected = count * posterior_share(problem, list(steps), self.settings["inference"]["observations"])
             if expected < MIN_EXPECTED_INSIDE:
                 needed = math.ceil(count * MIN_EXPECTED_INSIDE / max(expected, 1e-300))
                 knob = f"candidate_count to about {needed:,}" if design == "sobol" else "candidate_points_per_axis"
@@ -1002,7 +971,7 @@ class NREAnalysis(Analysis):
                     f"design; set inference.candidates.kind to 'adaptive' or raise {knob}")
         return lines
 
-    def coarse_warnings(self, lattices):
+    def coarse_warnings(self, lattices: Mapping[tuple[float | None, ...], list[str]]) -> list[str]:
         """The line for an adaptive design whose coarse pass is predicted to leave too many posteriors
         without a coarse point near them (see MIN_COARSE_NEIGHBOURS), or none.
 

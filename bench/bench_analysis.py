@@ -1,7 +1,7 @@
 """One job's whole analysis (learned and exact products) against a plain forward pass, on cpu or cuda.
 
-The analysis runs through the study kit's own drivers (nre_analysis.summarise_adaptive
-or summarise_cases, with learned_scoring and the exact likelihood), on the network and
+The analysis runs through the study kit's own driver (nre_analysis.summarise_cases, over
+case_blocks' blocks, with learned_scoring and the exact likelihood), on the network and
 settings of a bundled profile at a dimension (the default profile's mlp [64]*4; freshly
 initialised: the rate depends on shapes, not weights). Side by side in one run,
 alternating, it times:
@@ -32,6 +32,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 import adaptive  # noqa: E402
+import case_blocks  # noqa: E402
 import case_scores  # noqa: E402
 import designs  # noqa: E402
 import gaussian  # noqa: E402
@@ -91,7 +92,7 @@ class Job:
         lattice = designs.candidate_lattice(self.prior.lattice_steps, p, candidates)
         self.design = designs.make_candidates(self.problem.low, self.problem.high, lattice, candidates, 3)
         self.adaptive = candidates["kind"] == "adaptive"
-        self.box = adaptive.support_box(self.problem.low, self.problem.high, lattice)
+        self.box, self.lattice = adaptive.support_box(self.problem.low, self.problem.high, lattice), lattice
         # Model rows the learned product evaluates: every case's points and its truth, each observation.
         self.rows = self.truths.shape[0] * self.observations.shape[1] * (designs.points_per_case(
             p, lattice, self.problem.low, self.problem.high, candidates, len(self.targets)) + 1)
@@ -101,15 +102,15 @@ class Job:
 
     def summarise(self, targets, scoring):
         """Every case through the study's driver for `targets`."""
-        writer, levels = MemoryWriter(), self.settings["levels"]
-        retain = {"mode": "diagnostic", "cases": 0}     # keep nothing: the bench times the work, not the store
+        sizes = None
         if self.adaptive:
             sizes = designs.adaptive_sizes(self.problem.parameter_count, self.settings["candidates"], len(targets))
-            nre_analysis.summarise_adaptive(writer, targets, scoring, self.truths, self.design, self.box, levels,
-                                            retain, sizes, 4, lambda case: None)
-        else:
-            nre_analysis.summarise_cases(writer, targets, scoring, self.truths, *self.design, levels, retain,
-                                         lambda case: None)
+        design = case_blocks.Design(self.settings["candidates"]["kind"], self.lattice,
+                                    adaptive.Refinement(self.box, self.settings["levels"], sizes, 4))
+        # Keep nothing: the bench times the work, not the store.
+        work = nre_analysis.Cases(targets, self.truths, case_blocks.Candidates(*self.design),
+                                  {"mode": "diagnostic", "cases": 0})
+        nre_analysis.summarise_cases(MemoryWriter(), scoring, design, work, lambda case: None)
 
     def learned(self):
         """The learned product; returns the model rows evaluated and the rows per call."""

@@ -25,6 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 import adaptive  # noqa: E402
+import case_blocks  # noqa: E402
 import analysis_metrics  # noqa: E402
 import case_scores  # noqa: E402
 import designs  # noqa: E402
@@ -58,15 +59,12 @@ def summarise(problem, truths, observations, candidates, targets, scoring, folde
     """Run the study's summarise step for one design; returns its written arrays and the points per case."""
     p = problem.parameter_count
     points, log_measure = designs.make_candidates(problem.low, problem.high, [None] * p, candidates, 11)
-    writer, retain = Writer(folder), {"mode": "diagnostic", "cases": 0}
-    if candidates["kind"] == "adaptive":
-        box = adaptive.support_box(problem.low, problem.high, [None] * p)
-        sizes = designs.adaptive_sizes(p, candidates, len(targets))
-        meta = nre_analysis.summarise_adaptive(writer, targets, scoring, truths, (points, log_measure), box,
-                                               LEVELS, retain, sizes, 5, lambda case: None)
-    else:
-        meta = nre_analysis.summarise_cases(writer, targets, scoring, truths, points, log_measure, LEVELS, retain,
-                                            lambda case: None)
+    box = adaptive.support_box(problem.low, problem.high, [None] * p)
+    sizes = designs.adaptive_sizes(p, candidates, len(targets)) if candidates["kind"] == "adaptive" else None
+    design = case_blocks.Design(candidates["kind"], [None] * p, adaptive.Refinement(box, LEVELS, sizes, 5))
+    work = nre_analysis.Cases(targets, truths, case_blocks.Candidates(points, log_measure),
+                              {"mode": "diagnostic", "cases": 0})
+    meta = nre_analysis.summarise_cases(Writer(folder), scoring, design, work, lambda case: None)
     arrays = {f"{t}_{f}": np.load(Path(folder) / f"{t}_{f}.npy")
               for t in targets for f in nre_analysis.SUMMARY_FIELDS}
     return arrays, meta["candidates"]

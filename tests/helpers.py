@@ -26,6 +26,7 @@ import pytest
 import torch
 
 import adaptive
+import case_blocks
 import designs
 import gaussian
 import nre_analysis
@@ -564,15 +565,12 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
     scoring = nre_analysis.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
     writer = Writer(tmp_path / name)
     (tmp_path / name).mkdir()
-    retain = {"mode": "diagnostic", "cases": 0}
-    if candidates["kind"] == "adaptive":
-        box = adaptive.support_box(problem.low, problem.high, [None] * p)
-        sizes = designs.adaptive_sizes(p, candidates, 1)
-        nre_analysis.summarise_adaptive(writer, ["exact"], scoring, truths, (points, log_measure), box,
-                                        LEVELS, retain, sizes, seed, lambda case: None)
-    else:
-        nre_analysis.summarise_cases(writer, ["exact"], scoring, truths, points, log_measure, LEVELS, retain,
-                                     lambda case: None)
+    box = adaptive.support_box(problem.low, problem.high, [None] * p)
+    sizes = designs.adaptive_sizes(p, candidates, 1) if candidates["kind"] == "adaptive" else None
+    design = case_blocks.Design(candidates["kind"], [None] * p, adaptive.Refinement(box, LEVELS, sizes, seed))
+    work = nre_analysis.Cases(["exact"], truths, case_blocks.Candidates(points, log_measure),
+                              {"mode": "diagnostic", "cases": 0})
+    nre_analysis.summarise_cases(writer, scoring, design, work, lambda case: None)
     return {field: np.load(tmp_path / name / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}
 
 

@@ -40,7 +40,7 @@ def refine(score, box, settings_, truth, seed=1, case=0, targets=1):
     steps = [float(s) if lattice else None for s, lattice in zip(box.step, box.lattice)]
     points, log_measure = designs.make_candidates(box.low, box.high, steps, settings_, seed=3)
     sizes = designs.adaptive_sizes(p, settings_, targets)
-    return adaptive.refine_case(score, points, log_measure, truth, box, LEVELS, sizes, seed, case)
+    return adaptive.refine_case(score, (points, log_measure), truth, adaptive.Refinement(box, LEVELS, sizes, seed), case)
 
 
 def measured(result):
@@ -237,7 +237,8 @@ def test_refined_boxes_always_contain_the_coarse_mode(p, lattice, centre, log_sd
     settings_ = dict(adaptive_settings(768, 32), max_enumerated=10)
     coarse, coarse_log_measure = designs.make_candidates(box.low, box.high, steps, settings_, seed=seed)
     sizes = designs.adaptive_sizes(p, settings_, 2)
-    result = adaptive.refine_case(score, coarse, coarse_log_measure, centre.clamp(0, 10), box, LEVELS, sizes, seed)
+    result = adaptive.refine_case(score, (coarse, coarse_log_measure), centre.clamp(0, 10),
+                                  adaptive.Refinement(box, LEVELS, sizes, seed))
     coarse_scores = score(coarse)
     for target, proposal in result["proposals"].items():
         mode = coarse[int(torch.argmax(coarse_scores[target]))]

@@ -13,6 +13,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import adaptive
+import case_blocks
 import case_scores
 import designs
 import nre_analysis
@@ -74,17 +75,13 @@ def analyse(design, lattice, cases, block_cases, blocks=None):
 
 def summarise(writer, design, targets, score, truths, design_points, box, block_cases):
     """One product's summaries through the study's driver, with a memory budget of block_cases cases."""
-    retain, no_progress = {"mode": "full", "cases": 0}, lambda case: None
-    if design == "adaptive":
-        sizes = designs.adaptive_sizes(2, DESIGNS[design], len(targets))
-        per_case = nre_analysis.adaptive_case_bytes(sizes, 2, len(targets), len(LEVELS))
-        scoring = nre_analysis.Scoring(score, torch.device("cpu"), block_cases * per_case)
-        nre_analysis.summarise_adaptive(writer, targets, scoring, truths, design_points, box, LEVELS, retain, sizes,
-                                        5, no_progress)
-    else:
-        per_case = nre_analysis.fixed_case_bytes(design_points[0].shape[0], 2, len(targets), len(LEVELS))
-        scoring = nre_analysis.Scoring(score, torch.device("cpu"), block_cases * per_case)
-        nre_analysis.summarise_cases(writer, targets, scoring, truths, *design_points, LEVELS, retain, no_progress)
+    sizes = designs.adaptive_sizes(2, DESIGNS[design], len(targets)) if design == "adaptive" else None
+    plan = case_blocks.Design(design, [None, None], adaptive.Refinement(box, LEVELS, sizes, 5))
+    shared = case_blocks.Candidates(*design_points)
+    per_case = case_blocks.design_case_bytes(plan, shared.points.shape[0], 2, len(targets))
+    scoring = case_blocks.Scoring(score, torch.device("cpu"), block_cases * per_case)
+    work = nre_analysis.Cases(targets, truths, shared, {"mode": "full", "cases": 0})
+    nre_analysis.summarise_cases(writer, scoring, plan, work, lambda case: None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,11 +164,12 @@ def test_the_cuda_policy_puts_millions_of_rows_into_each_network_call_of_the_lea
                                            {"chunk_rows": 1 << 24}, counted, policy)
     points, log_measure = designs.make_candidates(torch.zeros(1), torch.full((1,), 10.0), [None], settings_, seed=1)
     box = adaptive.support_box(torch.zeros(1), torch.full((1,), 10.0), [None])
-    sizes = designs.adaptive_sizes(1, settings_, 2)
+    refinement = adaptive.Refinement(box, LEVELS, designs.adaptive_sizes(1, settings_, 2), 5)
+    design = case_blocks.Design("adaptive", [None], refinement)
+    work = nre_analysis.Cases(["ratio", "posterior"], truths, case_blocks.Candidates(points, log_measure),
+                              {"mode": "diagnostic", "cases": 0})
     with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
-        nre_analysis.summarise_adaptive(Writer(Path(folder)), ["ratio", "posterior"], scoring, truths,
-                                        (points, log_measure), box, LEVELS, {"mode": "diagnostic", "cases": 0}, sizes,
-                                        5, lambda case: None)
+        nre_analysis.summarise_cases(Writer(Path(folder)), scoring, design, work, lambda case: None)
     assert counted.rows == cases * (2048 + 1) * observations
     assert counted.call_rows // counted.calls >= 1 << 20
 

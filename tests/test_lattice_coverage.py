@@ -6,7 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+import adaptive
 import analysis_metrics
+import case_blocks
 import designs
 import hpd
 import nre_analysis
@@ -29,8 +31,11 @@ def lattice_exact_summaries(tmp_path, problem, lattice_steps, cases, seed):
     writer = Writer(tmp_path)
 
     scoring = nre_analysis.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
-    nre_analysis.summarise_cases(writer, ["exact"], scoring, truths, points, log_measure, LEVELS,
-                                 {"mode": "diagnostic", "cases": 0}, lambda case: None)
+    box = adaptive.support_box(problem.low, problem.high, lattice_steps)
+    design = case_blocks.Design("sobol", list(lattice_steps), adaptive.Refinement(box, LEVELS, None, seed))
+    work = nre_analysis.Cases(["exact"], truths, case_blocks.Candidates(points, log_measure),
+                              {"mode": "diagnostic", "cases": 0})
+    nre_analysis.summarise_cases(writer, scoring, design, work, lambda case: None)
     summaries = {field: np.load(tmp_path / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}
     return truths, points, summaries
 

@@ -1,4 +1,5 @@
-"""Tests for inference.py: truths, candidates, scores, HLD summaries and metrics."""
+"""Tests for the analysis stack: designs.py, case_scores.py, hpd.py and analysis_metrics.py (truths,
+candidates, scores, HLD summaries and metrics)."""
 
 import json
 import math
