@@ -4,7 +4,7 @@ Every case of a block draws the same number of points in each pass, so the whole
 refinement is a set of tensors with the block as their first axis, on the device the
 cases' scores come from. A case's results do not depend on the block it is refined in:
 every step works on each case's own rows, its refined passes draw from its own Sobol
-stream (see case_seed), and network calls see each row alone (see inference.ensemble_scores).
+stream (see case_seed), and network calls see each row alone (see case_scores.ensemble_scores).
 
 One case, in order (refine_block):
 1. the coarse design (shared) and the truth are scored;
@@ -19,12 +19,16 @@ One case, in order (refine_block):
    bounds: they change no mass, threshold or coverage, only where a region is seen to end.
 """
 import math
-from typing import NamedTuple
+from typing import Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
-import inference
+import designs
+import hpd
+
+__all__ = ["Box", "Proposal", "Refinement", "case_seed", "draw_proposals", "fit_proposals", "mixture_log_terms",
+           "proposal_log_density", "refine_block", "refine_case", "stack_proposals", "support_box"]
 
 INFLATION = 1.5      # a refined proposal's sd over the density's estimated sd: wide enough not to clip it
 REACH = 4.0          # a refined box spans the proposal mean ± REACH proposal sds (and the modes found)
@@ -65,13 +69,22 @@ class Box(NamedTuple):
 
 def support_box(low, high, lattice_steps):
     """The Box of a prior's support; lattice axes end on their last lattice point."""
-    low, high = inference._as_f64(low), inference._as_f64(high)
-    inference._check_box(low, high)
+    low, high = designs.as_f64(low), designs.as_f64(high)
+    designs.check_box(low, high)
     lattice = torch.tensor([s is not None for s in lattice_steps])
     step = torch.tensor([1.0 if s is None else float(s) for s in lattice_steps], dtype=torch.float64)
-    last = torch.tensor([float(inference.lattice_support(a, b, s)[-1]) if s is not None else b
+    last = torch.tensor([float(designs.lattice_support(a, b, s)[-1]) if s is not None else b
                          for a, b, s in zip(low.tolist(), high.tolist(), lattice_steps)], dtype=torch.float64)
     return Box(low, last, lattice, step)
+
+
+class Refinement(NamedTuple):
+    """What refine_block needs besides the cases: the prior's support box, the levels summarised,
+    the passes' sizes (designs.adaptive_sizes) and the seed of the cases' streams (see case_seed)."""
+    box: Box
+    levels: Sequence[float]
+    sizes: Mapping[str, Any] | None    # None: a fixed design, nothing to refine
+    seed: int
 
 
 class Proposal(NamedTuple):
@@ -81,7 +94,7 @@ class Proposal(NamedTuple):
     sd: torch.Tensor
     low: torch.Tensor
     high: torch.Tensor
-    count: int              # points drawn from it, per case
+    count: int  # type: ignore[assignment]  # points drawn from it, per case (shadows tuple.count)
 
 
 def _log1mexp(x):
@@ -126,7 +139,7 @@ def proposal_log_density(proposals, points, box, offset=None, extremes=None):
     Lebesgue × counting measure, −inf outside each proposal's box; `offset` (C,) or (B, C), if
     given, is added to each proposal's (its log count, say). `extremes`: the points' (see
     point_extremes), if known."""
-    columns = inference.point_columns(points)
+    columns = hpd.point_columns(points)
     inside = _inside_boxes(columns, proposals.low, proposals.high, extremes)
     continuous = ~box.lattice
     everywhere = bool(continuous.all())     # no lattice axis: no column to pick out
@@ -230,7 +243,7 @@ def fit_proposals(points, log_q, spread, box, anchors, count):
     sds either side of the mean and always holds the anchors (B, a, p), the modes found so far.
     """
     q = torch.softmax(log_q, dim=1)
-    mean, covariance, _ = weighted_moments(inference.point_columns(points), q)
+    mean, covariance, _ = weighted_moments(hpd.point_columns(points), q)
     floor = torch.where(box.lattice, box.step / 2, (box.high - box.low) * 1e-9)
     # Few effective points place the mean roughly and see too little of the tails: widen more
     # (1/√ESS = √Σq², Kish's effective size of normalised weights).
@@ -441,7 +454,7 @@ def _bracket_radii(scores, radii, thresholds):
     padded = torch.cat([torch.zeros(cases, rays, 1, dtype=radii.dtype, device=radii.device), radii], dim=2)
     position = torch.arange(1, count + 1, device=radii.device)
     parts = []
-    for level, share in enumerate(_shares(inference.PROBE_REFINE, thresholds.shape[1])):
+    for level, share in enumerate(_shares(designs.PROBE_REFINE, thresholds.shape[1])):
         inside = scores >= thresholds[:, level, None, None]
         last = (inside * position).amax(dim=2, keepdim=True)   # 0 when no radius is inside
         inner, outer = padded.gather(2, last), padded.gather(2, (last + 1).clamp(max=count))
@@ -456,15 +469,15 @@ def _probe(score_fn, frames, box):
     frames: {target: (origin, rays, ends, thresholds)}. One call per round scores all
     targets' probes together.
     """
-    steps = torch.arange(1, inference.PROBE_RADII + 1, dtype=torch.float64, device=box.low.device)
-    first = {t: ends[..., None] * steps / inference.PROBE_RADII for t, (_, _, ends, _) in frames.items()}
+    steps = torch.arange(1, designs.PROBE_RADII + 1, dtype=torch.float64, device=box.low.device)
+    first = {t: ends[..., None] * steps / designs.PROBE_RADII for t, (_, _, ends, _) in frames.items()}
     points = torch.cat([_ray_points(origin, rays, first[t], box) for t, (origin, rays, _, _) in frames.items()],
                        dim=1)
     scores = score_fn(points)
     second, offset = {}, 0
     for target, (_, rays, _, thresholds) in frames.items():
-        size = rays.shape[1] * inference.PROBE_RADII
-        own = scores[target][:, offset:offset + size].reshape(-1, rays.shape[1], inference.PROBE_RADII)
+        size = rays.shape[1] * designs.PROBE_RADII
+        own = scores[target][:, offset:offset + size].reshape(-1, rays.shape[1], designs.PROBE_RADII)
         second[target] = _bracket_radii(own, first[target], thresholds)
         offset += size
     more = torch.cat([_ray_points(origin, rays, second[t], box) for t, (origin, rays, _, _) in frames.items()],
@@ -478,7 +491,7 @@ def _widen(summary, probes, probe_scores, best):
 
     Probes carry no measure: they sharpen where a region ends without changing its mass.
     """
-    lowest, highest = inference.region_bounds(inference.point_columns(probes), probe_scores, summary["threshold"])
+    lowest, highest = hpd.region_bounds(hpd.point_columns(probes), probe_scores, summary["threshold"])
     summary["lower"] = torch.minimum(summary["lower"], lowest)
     summary["upper"] = torch.maximum(summary["upper"], highest)
     top, where = probe_scores.max(dim=1)
@@ -523,10 +536,10 @@ def _coarse_scores(score_fn, coarse_points, truths, cases):
 def _measured_summaries(points, log_weights, scores, truth_scores, levels, box, last, extremes):
     """Per target: the summary on the measured points (their extremes given), with the refinement
     checks against the target's last proposal, and the probe frame."""
-    columns = inference.point_columns(points)
+    columns = hpd.point_columns(points)
     summaries, frames, other = {}, {}, None
     for target, values in scores.items():
-        summary, q, ranking = inference.weighted_summary(values, log_weights, points, truth_scores[target], levels,
+        summary, q, ranking = hpd.weighted_summary(values, log_weights, points, truth_scores[target], levels,
                                                          other)
         other = other or (summary, ranking)
         origin, covariance, scaled = weighted_moments(columns, q)
@@ -539,21 +552,21 @@ def _measured_summaries(points, log_weights, scores, truth_scores, levels, box, 
     return summaries, frames
 
 
-def refine_block(score_fn, coarse_points, coarse_log_measure, truths, box, levels, sizes, seed, cases):
+def refine_block(score_fn, coarse, truths, cases, refinement):
     """Adaptive candidates and HPD summaries of a block of cases, for every target score_fn returns.
 
     `score_fn(points (B, n, p)) -> {target: scores (B, n)}` is called on the coarse
-    design and the truths, once per refined pass and twice for probes, so every case
-    evaluates exactly sizes["total"] points besides its truth (see the module's
-    docstring for the steps). `cases` are the block's case indices (they seed each
-    case's stream). Returns per case points (B, n, p) and log_measure (B, n) (probes
+    design (points (K, p) and log measure (K,)) and the truths, once per refined pass
+    and twice for probes, so every case evaluates exactly sizes["total"] points besides
+    its truth (see the module's docstring for the steps). `cases` are the block's case
+    indices (they seed each case's stream). Returns per case points (B, n, p) and log_measure (B, n) (probes
     last, at −inf; repeated lattice points at −inf too), scores (B, n + 1) (the truth's
     last), summaries of tensors (with edge_mass and disagreement), the last proposal
     per target, and the count of points each case evaluated.
     """
-    levels = inference._check_levels(levels)
-    device, box = truths.device, box.to(truths.device)
-    coarse_points, coarse_log_measure = coarse_points.to(device), coarse_log_measure.to(device)
+    levels, sizes, seed = hpd.check_levels(refinement.levels), refinement.sizes, refinement.seed
+    device, box = truths.device, refinement.box.to(truths.device)
+    coarse_points, coarse_log_measure = (values.to(device) for values in coarse)
     first, truth_scores = _coarse_scores(score_fn, coarse_points, truths, cases)
     multiplicity = coarse_log_measure + math.log(sizes["coarse"]) - box.log_measure()
     # Coarse points merged on a lattice leave their places to the last pass: every case evaluates the same count.
@@ -561,7 +574,7 @@ def refine_block(score_fn, coarse_points, coarse_log_measure, truths, box, level
     passes = sizes["passes"][:-1] + [sizes["passes"][-1] + sizes["coarse"] - coarse]
     measured = coarse + sum(passes)
     # One buffer per quantity holds every point of a case (probes last, then the truth's score).
-    total = measured + len(first) * 2 * truths.shape[1] * (inference.PROBE_RADII + inference.PROBE_REFINE)
+    total = measured + len(first) * 2 * truths.shape[1] * (designs.PROBE_RADII + designs.PROBE_REFINE)
     columns = torch.empty(truths.shape[0], truths.shape[1], total, dtype=torch.float64, device=device)
     columns[:, :, :coarse] = coarse_points.T
     scores = {t: torch.empty(truths.shape[0], total + 1, dtype=torch.float64, device=device) for t in first}
@@ -586,17 +599,16 @@ def refine_block(score_fn, coarse_points, coarse_log_measure, truths, box, level
             "summaries": summaries, "proposals": last, "evaluated": total}
 
 
-def refine_case(score_fn, coarse_points, coarse_log_measure, truth, box, levels, sizes, seed, case=0):
+def refine_case(score_fn, coarse, truth, refinement, case=0):
     """One case refined on its own: refine_block on a block of one, with
     `score_fn(points (n, p)) -> {target: scores (n,)}`; results without the block axis,
     summaries as numpy arrays of one case."""
     def block_scores(points):
         return {target: values[None] for target, values in score_fn(points[0]).items()}
 
-    block = refine_block(block_scores, coarse_points, coarse_log_measure, truth[None], box, levels, sizes, seed,
-                         [case])
+    block = refine_block(block_scores, coarse, truth[None], [case], refinement)
     return {"points": block["points"][0], "log_measure": block["log_measure"][0],
             "scores": {t: s[0] for t, s in block["scores"].items()},
-            "summaries": {t: inference.host_summary(s) for t, s in block["summaries"].items()},
+            "summaries": {t: hpd.host_summary(s) for t, s in block["summaries"].items()},
             "proposals": {t: Proposal(*(f[0] for f in c[:4]), c.count) for t, c in block["proposals"].items()},
             "evaluated": block["evaluated"]}

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-import inference
+import designs
 from priors import PARAMETER_KEYS
 from settings import SettingsError, integer, known_keys, number, require
 
@@ -238,7 +238,7 @@ def _check_parameter(kind, values, sources):
     if step <= 0 or step > high - low:
         raise SettingsError(f"{sources['grid_step']}={step} does not fit the box [{low}, {high}]; "
                             f"use a step in (0, {high - low}]")
-    if inference.lattice_size(low, high, step) > MAX_LATTICE_POINTS:
+    if designs.lattice_size(low, high, step) > MAX_LATTICE_POINTS:
         raise SettingsError(f"{sources['grid_step']}={step} gives more than {MAX_LATTICE_POINTS} "
                             f"lattice points on [{low}, {high}]; use a larger step")
 

@@ -12,18 +12,24 @@ summaries of every case, the test split's predictions and Bayes-optimal referenc
 Metrics: classification, bias, coverage, width, resolution, posterior, exact_reference,
 expected_coverage, pairwise, reweighting, normalization (docs/results.md says what each holds).
 """
+from __future__ import annotations
+
 import contextlib
 import copy
 import math
 import statistics
-from typing import NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 import adaptive
+import analysis_metrics
+import case_blocks
+import case_scores
 import contrast
-import inference
+import designs
+import hpd
 import nre_figures
 import priors
 import probes
@@ -32,7 +38,14 @@ import trainer
 from study import Analysis, Figure, Metric, Product, check_selection
 from settings import SettingsError, integer, is_number, name_list, one_of
 
+__all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "INFERENCE_DEFAULTS", "MIN_COARSE_NEIGHBOURS",
+           "NREAnalysis", "SUMMARY_FIELDS", "TARGETS", "bayes_optimal_logits", "build_learned", "case_design",
+           "check_inference_settings", "chi_square_quantile", "coverage_curve", "exact_scoring", "flatness",
+           "learned_scoring", "posterior_share", "prior_sds", "summarise_cases", "summarise_targets"]
+
 TARGETS = ("ratio", "posterior", "exact")
+# The modules of the analysis stack, whose sources enter every product's key (see NREAnalysis).
+ANALYSIS_STACK = (designs, case_scores, hpd, analysis_metrics, adaptive, case_blocks)
 SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer", "region_ess",
                   "edge_mass", "disagreement", "credibility", "credibility_upper")
 # Credibility levels of the expected-coverage curve: 0.01, 0.02, ..., 0.99.
@@ -44,7 +57,7 @@ INFERENCE_SCHEMA = {
     "truths": {"kind": ("grid", "sobol", "size_adaptive"), "truth_points_per_axis": int, "sobol_truths": int,
                "max_grid_truths": int, "truth_margin_fraction": float, "align_truths_to_grid": bool,
                "repeats": int},
-    "candidates": {"kind": inference.CANDIDATE_KINDS, "candidate_count": int, "candidate_points_per_axis": int,
+    "candidates": {"kind": designs.CANDIDATE_KINDS, "candidate_count": int, "candidate_points_per_axis": int,
                    "native_grid_prior": bool, "max_enumerated": int, "coarse_count": int, "refinement_stages": int},
     "observations": int, "chunk_rows": int, "diagnostic_cases": int, "retain": ("diagnostic", "full"),
     "precision": ("float32", "tf32", "bfloat16"),
@@ -160,7 +173,7 @@ def check_inference_settings(settings, parameter_count, likelihood=True):
 
 def candidate_lattice(ctx):
     """Lattice steps per coordinate of the candidates (None for continuous axes)."""
-    return inference.candidate_lattice(ctx.prior.lattice_steps, ctx.problem.parameter_count,
+    return designs.candidate_lattice(ctx.prior.lattice_steps, ctx.problem.parameter_count,
                                        ctx.analysis_settings["inference"]["candidates"])
 
 
@@ -169,7 +182,7 @@ def build_truths(ctx, writer):
     problem = ctx.problem
     settings = ctx.analysis_settings["inference"]["truths"]
     seed = runtime.derived_seed(ctx.settings["seed"], "truths")
-    truths = inference.make_truths(problem.low, problem.high, problem.grid_step, settings, seed)
+    truths = designs.make_truths(problem.low, problem.high, problem.grid_step, settings, seed)
     writer.array("truths", truths.numpy())
     return {"count": int(truths.shape[0])}
 
@@ -178,7 +191,7 @@ def build_observations(ctx, writer):
     """An ensemble of independent observations at every truth."""
     truths = torch.from_numpy(ctx.require("truths").array("truths"))
     seed = runtime.derived_seed(ctx.settings["seed"], "observations")
-    observations = inference.make_observations(
+    observations = designs.make_observations(
         ctx.problem.simulate, truths, ctx.analysis_settings["inference"]["observations"], seed)
     writer.array("observations", observations.numpy())
     return {"shape": list(observations.shape)}
@@ -186,17 +199,15 @@ def build_observations(ctx, writer):
 
 def candidate_design(ctx):
     """'enumerate', 'grid', 'sobol' or 'adaptive': how this member's cases are scored."""
-    problem = ctx.problem
-    return inference.candidate_design(problem.parameter_count, candidate_lattice(ctx), problem.low, problem.high,
-                                      ctx.analysis_settings["inference"]["candidates"])
+    return case_design(ctx).kind
 
 
 def build_candidates(ctx, writer):
     """The shared design (the adaptive kind's coarse first pass) with its log measure."""
     problem = ctx.problem
-    seed = runtime.derived_seed(ctx.settings["seed"], "candidates")
-    points, log_measure = inference.make_candidates(
-        problem.low, problem.high, candidate_lattice(ctx), ctx.analysis_settings["inference"]["candidates"], seed)
+    points, log_measure = case_blocks.shared_candidates((problem.low, problem.high), candidate_lattice(ctx),
+                                                        ctx.analysis_settings["inference"]["candidates"],
+                                                        ctx.settings["seed"])
     writer.array("points", points.numpy())
     writer.array("log_measure", log_measure.numpy())
     return {"count": int(points.shape[0]), "design": candidate_design(ctx)}
@@ -221,142 +232,105 @@ def write_summary(outputs, writer, target, summary, start, cases):
         outputs[key][start:start + value.shape[0]] = value
 
 
-class Scoring(NamedTuple):
-    """How a product scores blocks of cases: `scores(cases (B,), points (B, n, p)) -> {target: (B, n)}`
-    on `device`, and the bytes a block of cases may use there."""
-    scores: object
-    device: torch.device
-    block_bytes: int
+class Cases(NamedTuple):
+    """The cases a product summarises: the targets scored, the truths (T, p), the shared candidates
+    (the adaptive design's coarse pass) and which scores to keep (see retain_settings)."""
+    targets: list[str]
+    truths: torch.Tensor
+    shared: case_blocks.Candidates
+    retain: dict[str, Any]
 
 
-def case_bytes(candidates, p, targets, levels, components=0, draws=0):
-    """About the bytes one case's refinement or summary holds at once: its points, weights and scores,
-    the proposals' densities, the summaries' sorted copies and region flags (one byte a level),
-    and the refined passes' unit draws."""
-    per_point = p + 1 + 2 * targets + 3 * components + 14
-    return 8 * (candidates * per_point + draws * p) + candidates * levels
-
-
-def fixed_case_bytes(candidates, p, targets, levels):
-    """case_bytes of a case scored on a shared design of `candidates` points (and its truth)."""
-    return case_bytes(candidates + 1, p, targets, levels)
-
-
-def adaptive_case_bytes(sizes, p, targets, levels):
-    """case_bytes of a case refined by adaptive.refine_block with these sizes."""
-    return case_bytes(sizes["total"] + 1, p, targets, levels, targets * len(sizes["passes"]), sum(sizes["passes"]))
-
-
-def retained_arrays(writer, retain, targets, cases, candidates):
-    """The arrays that keep whole cases' scores: memory-mapped for `full`, else the first diagnostic cases."""
-    if retain["mode"] == "full":
-        return {t: writer.allocate(f"{t}_scores", (cases, candidates + 1), "float64") for t in targets}
-    kept = min(retain["cases"], cases)
-    return {t: np.zeros((kept, candidates + 1)) for t in targets} if kept else {}
-
-
-def summarise_cases(writer, targets, scoring, truths, points, log_measure, levels, retain, progress):
-    """Score blocks of cases on the shared design and write one HPD summary per case and target.
-
-    Each case's candidates are followed by its truth. Scores of all cases are never
-    held at once: each block's summaries are written into memory-mapped arrays.
-    """
-    (cases, p), candidates = truths.shape, points.shape[0]
-    retained, outputs = retained_arrays(writer, retain, targets, cases, candidates), {}
-    device_points, device_measure = points.to(scoring.device), log_measure.to(scoring.device)
-    block = inference.cases_per_block(cases, fixed_case_bytes(candidates, p, len(targets), len(levels)),
-                                      scoring.block_bytes)
-    for start in range(0, cases, block):
-        stop = min(cases, start + block)
-        progress(start)
-        truth = truths[start:stop].to(scoring.device)
-        rows = scoring.scores(torch.arange(start, stop), torch.cat([device_points.expand(stop - start, -1, -1),
-                                                                    truth[:, None]], dim=1))
-        for target in targets:
-            inference._check_scores(rows[target][:, :-1], rows[target][:, -1])
-            summary = inference.host_summary(inference.summarise_block(
-                rows[target][:, :-1], device_measure, device_points, rows[target][:, -1], levels))
-            # A shared design has no refined box to check against.
-            summary["edge_mass"] = summary["disagreement"] = np.full(stop - start, np.nan)
-            write_summary(outputs, writer, target, summary, start, cases)
-            if target in retained and start < retained[target].shape[0]:
-                keep = min(stop, retained[target].shape[0])
-                retained[target][start:keep] = rows[target][:keep - start].cpu().numpy()
-    for target, array in retained.items():
-        if retain["mode"] != "full":
-            writer.array(f"{target}_scores", array)
-    return {"cases": cases, "candidates": candidates, "targets": list(targets)}
-
-
-def retain_cases(arrays, start, result, kept):
-    """Keep the refined cases start… of a block below `kept`: points, log measure and scores."""
-    count = min(kept - start, result["points"].shape[0])
-    if count <= 0:
-        return
-    arrays["design_points"][start:start + count] = result["points"][:count].cpu().numpy()
-    arrays["design_log_measure"][start:start + count] = result["log_measure"][:count].cpu().numpy()
-    for target, scores in result["scores"].items():
-        arrays[f"{target}_scores"][start:start + count] = scores[:count].cpu().numpy()
-
-
-def summarise_adaptive(writer, targets, scoring, truths, coarse, box, levels, retain, sizes, seed, progress):
-    """Refine blocks of cases (adaptive.refine_block) and write one HPD summary per case and target.
-
-    Retained cases keep their own points (design_points), log measure (probes and
-    repeated lattice points at −inf) and scores.
-    """
-    (cases, p), total = truths.shape, sizes["total"]
-    kept = cases if retain["mode"] == "full" else min(retain["cases"], cases)
-    arrays = {}
-    if kept:
+def retained_arrays(writer: Any, design: case_blocks.Design, work: Cases) -> dict[str, np.ndarray]:
+    """The arrays that keep whole cases, by name: an adaptive design's kept cases' own points, log measure
+    and scores (memory-mapped); a fixed design's scores, memory-mapped for `full`, else the first
+    diagnostic cases (written at the end, see finish_retained)."""
+    (cases, p), retain = work.truths.shape, work.retain
+    kept, sizes = cases if retain["mode"] == "full" else min(retain["cases"], cases), design.refinement.sizes
+    if sizes is not None:            # an adaptive design: each case has points of its own
+        total = sizes["total"]
+        if not kept:
+            return {}
         arrays = {"design_points": writer.allocate("design_points", (kept, total, p), "float64"),
                   "design_log_measure": writer.allocate("design_log_measure", (kept, total), "float64")}
-        arrays.update({f"{t}_scores": writer.allocate(f"{t}_scores", (kept, total + 1), "float64") for t in targets})
-    block = inference.cases_per_block(cases, adaptive_case_bytes(sizes, p, len(targets), len(levels)),
-                                      scoring.block_bytes)
-    outputs = {}
-    for start in range(0, cases, block):
-        stop = min(cases, start + block)
-        progress(start)
-        index = torch.arange(start, stop)
-        result = adaptive.refine_block(lambda points: scoring.scores(index, points), *coarse,
-                                       truths[start:stop].to(scoring.device), box, levels, sizes, seed,
-                                       index.tolist())
-        for target in targets:
-            write_summary(outputs, writer, target, inference.host_summary(result["summaries"][target]), start, cases)
-        retain_cases(arrays, start, result, kept)
-    return {"cases": cases, "candidates": total, "targets": list(targets)}
+        arrays.update({f"{t}_scores": writer.allocate(f"{t}_scores", (kept, total + 1), "float64")
+                       for t in work.targets})
+        return arrays
+    candidates = work.shared.points.shape[0]
+    if retain["mode"] == "full":
+        return {f"{t}_scores": writer.allocate(f"{t}_scores", (cases, candidates + 1), "float64")
+                for t in work.targets}
+    return {f"{t}_scores": np.zeros((kept, candidates + 1)) for t in work.targets} if kept else {}
 
 
-def retain_settings(ctx):
+def retain_cases(arrays: dict[str, np.ndarray], start: int, result: Mapping[str, Any]) -> None:
+    """Keep the cases start… of a block that the arrays hold: every target's scores, and an adaptive
+    design's points and log measure."""
+    kept = next(iter(arrays.values())).shape[0] if arrays else 0
+    count = min(kept - start, next(iter(result["scores"].values())).shape[0])
+    if count <= 0:
+        return
+    for name, key in (("design_points", "points"), ("design_log_measure", "log_measure")):
+        if name in arrays:
+            arrays[name][start:start + count] = result[key][:count].cpu().numpy()
+    for target, scores in result["scores"].items():
+        if f"{target}_scores" in arrays:
+            arrays[f"{target}_scores"][start:start + count] = scores[:count].cpu().numpy()
+
+
+def summarise_cases(writer: Any, scoring: case_blocks.Scoring, design: case_blocks.Design, work: Cases,
+                    progress: Callable[[int], None]) -> dict[str, Any]:
+    """Refine or score blocks of cases (case_blocks.blocks_of_cases) and write one HPD summary per case
+    and target.
+
+    Scores of all cases are never held at once: each block's summaries are written into
+    memory-mapped arrays. Retained cases keep their scores (each case's truth last) and, on an
+    adaptive design, their own points (design_points) and log measure (probes and repeated
+    lattice points at −inf).
+    """
+    cases, arrays = work.truths.shape[0], retained_arrays(writer, design, work)
+    outputs: dict[str, np.ndarray] = {}         # the summaries' arrays, by name
+    for start, result in case_blocks.blocks_of_cases(design, work.shared, scoring, work.truths, len(work.targets),
+                                                     progress):
+        for target in work.targets:
+            write_summary(outputs, writer, target, hpd.host_summary(result["summaries"][target]), start, cases)
+        retain_cases(arrays, start, result)
+    if design.kind != "adaptive" and work.retain["mode"] != "full":
+        for name, array in arrays.items():
+            writer.array(name, array)
+    sizes = design.refinement.sizes
+    candidates = work.shared.points.shape[0] if sizes is None else sizes["total"]
+    return {"cases": cases, "candidates": candidates, "targets": list(work.targets)}
+
+
+def retain_settings(ctx: Any) -> dict[str, Any]:
     """Which scores are kept: `full` (memory-mapped) or the first `diagnostic_cases`."""
     settings = ctx.analysis_settings["inference"]
     cases = settings["diagnostic_cases"] if settings["retain"] == "diagnostic" else 0
     return {"mode": settings["retain"], "cases": cases}
 
 
-def summarise_targets(ctx, writer, targets, scoring):
+def case_design(ctx: Any, targets: int = 1) -> case_blocks.Design:
+    """The design of this member's cases for `targets` targets scored together (case_blocks.decide_design)."""
+    problem = ctx.problem
+    return case_blocks.decide_design((problem.low, problem.high), ctx.prior.lattice_steps,
+                                     ctx.analysis_settings["inference"], targets, ctx.settings["seed"])
+
+
+def summarise_targets(ctx: Any, writer: Any, targets: list[str], scoring: case_blocks.Scoring) -> dict[str, Any]:
     """Summaries of every case for the targets `scoring` gives.
 
     Adaptive candidates are refined per case, in blocks (the shared design is their
     coarse pass); other designs score every case on the shared design.
     """
-    settings = ctx.analysis_settings["inference"]
     truths, _, points, log_measure = inference_inputs(ctx)
     what = "+".join(targets)
     progress = lambda case: ctx.report_progress(what, case, truths.shape[0])   # noqa: E731
-    design = candidate_design(ctx)
-    levels, retain = settings["levels"], retain_settings(ctx)
-    if design == "adaptive":
-        sizes = inference.adaptive_sizes(ctx.problem.parameter_count, settings["candidates"], len(targets))
-        box = adaptive.support_box(ctx.problem.low, ctx.problem.high, candidate_lattice(ctx))
-        seed = runtime.derived_seed(ctx.settings["seed"], "refine")
-        metadata = summarise_adaptive(writer, targets, scoring, truths, (points, log_measure), box, levels,
-                                      retain, sizes, seed, progress)
-    else:
-        metadata = summarise_cases(writer, targets, scoring, truths, points, log_measure, levels, retain, progress)
+    design = case_design(ctx, len(targets))
+    work = Cases(list(targets), truths, case_blocks.Candidates(points, log_measure), retain_settings(ctx))
+    metadata = summarise_cases(writer, scoring, design, work, progress)
     progress(truths.shape[0])
-    return {**metadata, "design": design}
+    return {**metadata, "design": design.kind}
 
 
 @contextlib.contextmanager
@@ -378,28 +352,28 @@ def network_precision(precision, device):
 
 def learned_scoring(model, device, prior, observations, targets, settings, counted, policy=None):
     """Scoring of the learned targets: the model's ensemble score of each case's observations
-    (ratio), plus the log prior (posterior); `counted` (an inference.Evaluations) counts the calls.
-    `policy` (an inference.CallPolicy) defaults to the device's own."""
+    (ratio), plus the log prior (posterior); `counted` (an case_scores.Evaluations) counts the calls.
+    `policy` (an case_scores.CallPolicy) defaults to the device's own."""
     input_width = observations.shape[2] + len(prior.lattice_steps)
-    policy = policy or inference.call_policy(device.type, settings["chunk_rows"],
-                                             inference.network_row_bytes(model, input_width))
+    policy = policy or case_scores.call_policy(device.type, settings["chunk_rows"],
+                                             case_scores.network_row_bytes(model, input_width))
     on_device, precision = observations.to(device), settings.get("precision", "float32")
 
     # The model is the logit function itself: the logits of any floating dtype (bfloat16 under
     # autocast) are summed in float64 (one conversion fewer after each network call).
     with network_precision(precision, device):
-        column_rows = inference.accepts_column_rows(model, input_width, device)
+        column_rows = case_scores.accepts_column_rows(model, input_width, device)
 
     def scores(cases, points):
         with network_precision(precision, device):
-            ratio = inference.ensemble_scores(model, on_device[cases.to(device)], points, policy.rows_per_call,
+            ratio = case_scores.ensemble_scores(model, on_device[cases.to(device)], points, policy.rows_per_call,
                                               counted, column_rows)
         values = {"ratio": ratio}
         if "posterior" in targets:
             values["posterior"] = ratio + torch.as_tensor(prior.log_prob(points), device=device)
         return {t: values[t] for t in targets}
 
-    return Scoring(scores, device, policy.block_bytes)
+    return case_blocks.Scoring(scores, device, policy.block_bytes)
 
 
 def build_learned(ctx, writer):
@@ -407,7 +381,7 @@ def build_learned(ctx, writer):
     settings = ctx.analysis_settings["inference"]
     targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
-    counted = inference.Evaluations()
+    counted = case_scores.Evaluations()
     scoring = learned_scoring(ctx.model, ctx.runtime.device, ctx.prior, observations, targets, settings, counted)
     with torch.no_grad():
         metadata = summarise_targets(ctx, writer, targets, scoring)
@@ -419,24 +393,24 @@ def build_learned(ctx, writer):
 
 def exact_scoring(log_likelihood, observations, device, chunk_rows, counted=None):
     """Scoring of the exact target: each case's summed log-likelihood on `device`; `counted`
-    (an inference.Evaluations) counts the likelihood terms."""
-    policy = inference.call_policy(device.type, chunk_rows)
+    (an case_scores.Evaluations) counts the likelihood terms."""
+    policy = case_scores.call_policy(device.type, chunk_rows)
     on_device = observations.to(device)
 
     def scores(cases, points):
         if counted is not None:
             terms = points.shape[0] * points.shape[1] * observations.shape[1]
             counted.add(terms, terms)
-        return {"exact": inference.exact_scores(log_likelihood, on_device[cases.to(device)], points,
+        return {"exact": case_scores.exact_scores(log_likelihood, on_device[cases.to(device)], points,
                                                 policy.rows_per_call)}
 
-    return Scoring(scores, device, policy.block_bytes)
+    return case_blocks.Scoring(scores, device, policy.block_bytes)
 
 
 def build_exact(ctx, writer):
     """HPD summaries of the exact likelihood, on the same kind of candidates, on the analysis' device."""
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
-    counted = inference.Evaluations()
+    counted = case_scores.Evaluations()
     scoring = exact_scoring(ctx.problem.log_likelihood, observations, ctx.runtime.device,
                             ctx.analysis_settings["inference"]["chunk_rows"], counted)
     with torch.no_grad():
@@ -531,10 +505,10 @@ def metric_pairwise(ctx):
     learned, exact = pairs.array("learned"), pairs.array("exact")
     error = learned - exact
     correlation = np.corrcoef(learned, exact)[0, 1] if len(error) > 1 and learned.std() > 0 else None
-    return {"pairs": int(len(error)), "mean_error": inference.finite_or_none(error.mean()),
-            "mean_absolute_error": inference.finite_or_none(np.abs(error).mean()),
-            "rmse": inference.finite_or_none(np.sqrt((error ** 2).mean())),
-            "correlation": inference.finite_or_none(correlation) if correlation is not None else None}
+    return {"pairs": int(len(error)), "mean_error": analysis_metrics.finite_or_none(error.mean()),
+            "mean_absolute_error": analysis_metrics.finite_or_none(np.abs(error).mean()),
+            "rmse": analysis_metrics.finite_or_none(np.sqrt((error ** 2).mean())),
+            "correlation": analysis_metrics.finite_or_none(correlation) if correlation is not None else None}
 
 
 def metric_reweighting(ctx):
@@ -550,11 +524,11 @@ def metric_reweighting(ctx):
     product_mask = labels == 0
     return {
         "sliced_wasserstein": {
-            "learned_weights": inference.sliced_wasserstein(joint, product, learned[product_mask], seed=seed),
-            "unweighted": inference.sliced_wasserstein(joint, product, None, seed=seed),
-            "exact_weights": inference.sliced_wasserstein(joint, product, exact[product_mask], seed=seed)},
-        "ess": {"learned_weights": inference.effective_sample_size(learned[product_mask]),
-                "exact_weights": inference.effective_sample_size(exact[product_mask]),
+            "learned_weights": analysis_metrics.sliced_wasserstein(joint, product, learned[product_mask], seed=seed),
+            "unweighted": analysis_metrics.sliced_wasserstein(joint, product, None, seed=seed),
+            "exact_weights": analysis_metrics.sliced_wasserstein(joint, product, exact[product_mask], seed=seed)},
+        "ess": {"learned_weights": analysis_metrics.effective_sample_size(learned[product_mask]),
+                "exact_weights": analysis_metrics.effective_sample_size(exact[product_mask]),
                 "sample": int(product_mask.sum())},
     }
 
@@ -568,8 +542,8 @@ def metric_normalization(ctx):
                          ("exact", ctx.require("reference_logits").array("logits"))):
         ratios = np.exp(np.asarray(logits, dtype=np.float64)[product.numpy()])
         error = ratios.std(ddof=1) / np.sqrt(len(ratios)) if len(ratios) > 1 else None
-        report[name] = {"mean_ratio": inference.finite_or_none(ratios.mean()),
-                        "standard_error": inference.finite_or_none(error) if error is not None else None}
+        report[name] = {"mean_ratio": analysis_metrics.finite_or_none(ratios.mean()),
+                        "standard_error": analysis_metrics.finite_or_none(error) if error is not None else None}
     report["rows"] = int(product.sum())
     return report
 
@@ -580,8 +554,8 @@ def summary_of(artifact, target):
 
 
 def resolution_report(ctx, artifact, target):
-    """Whether one target's candidates resolved its densities (see inference.resolution_metrics)."""
-    return inference.resolution_metrics(summary_of(artifact, target), artifact.metadata["candidates"],
+    """Whether one target's candidates resolved its densities (see analysis_metrics.resolution_metrics)."""
+    return analysis_metrics.resolution_metrics(summary_of(artifact, target), artifact.metadata["candidates"],
                                         ctx.analysis_settings["inference"]["levels"], artifact.metadata["design"])
 
 
@@ -591,16 +565,16 @@ def target_report(ctx, artifact, target):
     truths = ctx.require("truths").array("truths")
     summary = summary_of(artifact, target)
     names = ctx.problem.names
-    return {"bias": inference.bias_metrics(summary["mode"], truths, names),
-            "coverage": inference.coverage_metrics(summary, truths, settings["levels"], names),
-            "width": inference.width_metrics(summary, settings["levels"], names),
+    return {"bias": analysis_metrics.bias_metrics(summary["mode"], truths, names),
+            "coverage": analysis_metrics.coverage_metrics(summary, truths, settings["levels"], names),
+            "width": analysis_metrics.width_metrics(summary, settings["levels"], names),
             "resolution": resolution_report(ctx, artifact, target)}
 
 
 def metric_classification(ctx):
     """Held-out test BCE, accuracy and AUC."""
     predictions = ctx.require("test_predictions")
-    return inference.classification_metrics(torch.from_numpy(predictions.array("logits")),
+    return analysis_metrics.classification_metrics(torch.from_numpy(predictions.array("logits")),
                                           torch.from_numpy(predictions.array("labels")))
 
 
@@ -728,7 +702,7 @@ def coverage_curve(credibility, levels=CREDIBILITY_LEVELS):
     inside = [int((credibility < level).sum()) for level in levels]
     cases = int(credibility.size)
     z = statistics.NormalDist().inv_cdf(1 - 0.025 / len(levels))
-    bands = [inference.wilson_interval(hits, cases, z) for hits in inside]
+    bands = [analysis_metrics.wilson_interval(hits, cases, z) for hits in inside]
     return {"coverage": [hits / cases if cases else None for hits in inside],
             "lower": [band[0] if band else None for band in bands],
             "upper": [band[1] if band else None for band in bands]}
@@ -755,7 +729,7 @@ MIN_EXPECTED_INSIDE = 100   # design points a fixed design should put inside a 0
 # many coarse points expected there: ln(2 / 0.01) ≈ 5.3. Calibrated on the bundled study's
 # posteriors; narrower ones need fewer points than this asks, so there it errs toward warning.
 COARSE_REACH = 2.0
-MIN_COARSE_NEIGHBOURS = math.log(2 / inference.MAX_FLAGGED_SHARE)
+MIN_COARSE_NEIGHBOURS = math.log(2 / analysis_metrics.MAX_FLAGGED_SHARE)
 
 
 def chi_square_quantile(level, dof):
@@ -853,16 +827,16 @@ class NREAnalysis(Analysis):
         "bias_width": Figure(nre_figures.draw_bias_width),
     }
 
-    def __init__(self, settings, experiment):
+    def __init__(self, settings: Mapping[str, Any], experiment: Any) -> None:
         self.experiment = experiment
         self.settings = self.with_defaults(settings)
-        # The inference code (its designs, refinement and summaries) and the problem's (its
-        # simulator and likelihood: the truths' observations, the exact target) shape the
-        # products, so their sources enter every product's key.
-        self.SOURCES = ((inference, adaptive, priors, runtime.derived_seed)
+        # The analysis stack (its designs, scores, refinement, summaries and metrics) and the
+        # problem's code (its simulator and likelihood: the truths' observations, the exact
+        # target) shape the products, so their sources enter every product's key.
+        self.SOURCES = (ANALYSIS_STACK + (priors, runtime.derived_seed)
                         + tuple(getattr(experiment, "SCIENCE_SOURCES", ())))
 
-    def with_defaults(self, settings):
+    def with_defaults(self, settings: Mapping[str, Any]) -> dict[str, Any]:
         """The analysis settings with the defaults of `inference` and `metrics` filled in for this study."""
         problem = self.experiment.problem()
         likelihood = callable(getattr(problem, "log_likelihood", None))
@@ -871,13 +845,13 @@ class NREAnalysis(Analysis):
         return {**settings, "inference": inference_settings,
                 "metrics": settings.get("metrics", self.default_metrics(inference_settings["targets"], likelihood))}
 
-    def default_metrics(self, targets, likelihood):
+    def default_metrics(self, targets: Sequence[str], likelihood: bool) -> list[str]:
         """Every metric the targets and the study's likelihood allow."""
         return [name for name in self.metrics if (likelihood or name not in LIKELIHOOD_METRICS)
                 and ("ratio" in targets or name not in self.NEEDS_RATIO)
                 and ("exact" in targets or name != "exact_reference")]
 
-    def validate(self):
+    def validate(self) -> None:
         """Check that every selected metric can be computed (the inference settings were checked when filled)."""
         self.check_adaptive_sizes()
         targets = self.settings["inference"]["targets"]
@@ -903,7 +877,7 @@ class NREAnalysis(Analysis):
             raise SettingsError("plots: 'diagnostic_cases' draws retained scores; set inference.diagnostic_cases "
                                 "above 0 or inference.retain to 'full'")
 
-    def check_likelihood(self, targets):
+    def check_likelihood(self, targets: Sequence[str]) -> None:
         """The exact target and the likelihood metrics need the problem's log_likelihood."""
         if callable(getattr(self.experiment.problem(), "log_likelihood", None)):
             return
@@ -914,20 +888,20 @@ class NREAnalysis(Analysis):
                                 f"{type(self.experiment).__name__} does not give; define log_likelihood(x, theta) "
                                 "in the study, or remove them")
 
-    def learned_targets(self):
+    def learned_targets(self) -> list[str]:
         """The targets the learned product scores with the model."""
         return [t for t in ("ratio", "posterior") if t in self.settings["inference"]["targets"]]
 
-    def design_of(self, member):
+    def design_of(self, member: Mapping[str, Any]) -> tuple[str, list[float | None]]:
         """The member's candidate design and its lattice steps."""
         problem = self.experiment.problem()
         candidates = self.settings["inference"]["candidates"]
-        lattice = inference.candidate_lattice(self.experiment.prior(member).lattice_steps, problem.parameter_count,
+        lattice = designs.candidate_lattice(self.experiment.prior(member).lattice_steps, problem.parameter_count,
                                               candidates)
-        return inference.candidate_design(problem.parameter_count, lattice, problem.low, problem.high,
+        return designs.candidate_design(problem.parameter_count, lattice, problem.low, problem.high,
                                           candidates), lattice
 
-    def check_adaptive_sizes(self):
+    def check_adaptive_sizes(self) -> None:
         """An adaptive design must fit its passes and probes into candidate_count."""
         candidates = self.settings["inference"]["candidates"]
         if candidates["kind"] != "adaptive":
@@ -935,31 +909,31 @@ class NREAnalysis(Analysis):
         groups = [len(self.learned_targets()), int("exact" in self.settings["inference"]["targets"])]
         try:
             for targets in filter(None, groups):
-                inference.adaptive_sizes(self.experiment.problem().parameter_count, candidates, targets)
+                designs.adaptive_sizes(self.experiment.problem().parameter_count, candidates, targets)
         except ValueError as error:
             raise SettingsError(f"inference.candidates: {error}") from None
 
-    def workload(self, member):
+    def workload(self, member: Mapping[str, Any]) -> dict[str, int]:
         """Model evaluations, saved bytes and candidate points this member's analysis needs."""
         settings = self.settings["inference"]
         problem = self.experiment.problem()
         p = problem.parameter_count
         design, lattice = self.design_of(member)
-        cases = inference.truth_count(p, settings["truths"])
-        shared = inference.candidate_count_for(p, lattice, problem.low, problem.high, settings["candidates"])
-        per_case = inference.points_per_case(p, lattice, problem.low, problem.high, settings["candidates"])
+        cases = designs.truth_count(p, settings["truths"])
+        shared = designs.candidate_count_for(p, lattice, problem.low, problem.high, settings["candidates"])
+        per_case = designs.points_per_case(p, lattice, problem.low, problem.high, settings["candidates"])
         ensemble, levels = settings["observations"], len(settings["levels"])
         learned = self.learned_targets()
         evaluations = cases * (per_case + 1) * ensemble if learned else 0
         retained = cases if settings["retain"] == "full" else min(cases, settings["diagnostic_cases"])
         targets = len(learned) + ("exact" in settings["targets"])
         products = bool(learned) + ("exact" in settings["targets"])
-        designs = products * retained * per_case * (p + 1) if design == "adaptive" else 0
-        saved = 8 * (cases * ensemble * problem.dimension + (p + 1) * shared + designs
+        design_bytes = products * retained * per_case * (p + 1) if design == "adaptive" else 0
+        saved = 8 * (cases * ensemble * problem.dimension + (p + 1) * shared + design_bytes
                      + targets * (retained * (per_case + 1) + cases * (2 * levels * p + 3 * levels + p + 7)))
         return {"model_evaluations": int(evaluations), "saved_bytes": int(saved), "candidate_points": int(per_case)}
 
-    def plan_errors(self):
+    def plan_errors(self) -> list[str]:
         """What stops the analysis (not the training) before any compute: a study with no simulator, trained
         on a bank, cannot simulate the observations of its truths."""
         if self.experiment.problem().simulate is not None:
@@ -967,26 +941,26 @@ class NREAnalysis(Analysis):
         return [f"{type(self.experiment).__name__} defines no simulate(theta, generator): the analysis simulates "
                 "observations at its truths; `train` on data.bank and `infer` work without it"]
 
-    def plan_warnings(self):
+    def plan_warnings(self) -> list[str]:
         """One line per candidate design predicted to under-resolve the posteriors, before any compute:
         a fixed design too sparse for them, or an adaptive design whose coarse pass is."""
         candidates = self.settings["inference"]["candidates"]
         problem = self.experiment.problem()
         if not callable(getattr(problem, "posterior_sds", None)):
             return []               # nothing to predict the posterior's size from
-        by_design = {}
+        by_design: dict[tuple[str, tuple[float | None, ...]], list[str]] = {}
         for member in self.experiment.members():
             design, lattice = self.design_of(member)
             if design in ("sobol", "grid", "adaptive"):
                 by_design.setdefault((design, tuple(lattice)), []).append(member["prior"])
         lines = self.coarse_warnings({lattice: names for (design, lattice), names in by_design.items()
                                       if design == "adaptive"})
-        for (design, lattice), prior_names in by_design.items():
+        for (design, steps), prior_names in by_design.items():
             if design == "adaptive":
                 continue
-            count = inference.candidate_count_for(problem.parameter_count, list(lattice), problem.low, problem.high,
+            count = designs.candidate_count_for(problem.parameter_count, list(steps), problem.low, problem.high,
                                                   candidates)
-            expected = count * posterior_share(problem, list(lattice), self.settings["inference"]["observations"])
+            expected = count * posterior_share(problem, list(steps), self.settings["inference"]["observations"])
             if expected < MIN_EXPECTED_INSIDE:
                 needed = math.ceil(count * MIN_EXPECTED_INSIDE / max(expected, 1e-300))
                 knob = f"candidate_count to about {needed:,}" if design == "sobol" else "candidate_points_per_axis"
@@ -997,7 +971,7 @@ class NREAnalysis(Analysis):
                     f"design; set inference.candidates.kind to 'adaptive' or raise {knob}")
         return lines
 
-    def coarse_warnings(self, lattices):
+    def coarse_warnings(self, lattices: Mapping[tuple[float | None, ...], list[str]]) -> list[str]:
         """The line for an adaptive design whose coarse pass is predicted to leave too many posteriors
         without a coarse point near them (see MIN_COARSE_NEIGHBOURS), or none.
 
@@ -1016,7 +990,7 @@ class NREAnalysis(Analysis):
         needed = math.ceil(coarse * MIN_COARSE_NEIGHBOURS / max(fewest, 1e-300))
         targets = max(len(self.learned_targets()), int("exact" in inference_settings["targets"]), 1)
         total = needed * (int(candidates["refinement_stages"]) + 1) + \
-            targets * 2 * p * (inference.PROBE_RADII + inference.PROBE_REFINE)
+            targets * 2 * p * (designs.PROBE_RADII + designs.PROBE_REFINE)
         fit = (f" and candidate_count to at least {total:,}, which that needs"
                if total > int(candidates["candidate_count"]) else "")
         names = ", ".join(name for lattice in short for name in lattices[lattice])

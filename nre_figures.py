@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import inference
+import analysis_metrics
 import results
 
 __all__ = [
@@ -193,7 +193,7 @@ def draw_training(contexts, figure):
                         markeredgecolor="black")
         predictions = ctx.require("test_predictions")
         logits, labels = predictions.array("logits").reshape(-1), predictions.array("labels").reshape(-1)
-        auc = inference.classification_metrics(torch.from_numpy(logits), torch.from_numpy(labels))["auc"]
+        auc = analysis_metrics.classification_metrics(torch.from_numpy(logits), torch.from_numpy(labels))["auc"]
         fpr, tpr = roc_curve(logits, labels)
         roc.plot(fpr, tpr, color=colour, linestyle=style, label=f"{name} (AUC {auc:.3f})" if auc is not None else name)
     for label, style in (("training BCE", "-"), ("validation BCE", "--")):

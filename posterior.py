@@ -28,19 +28,28 @@ from its masses; a design with lattice axes that is not enumerated is importance
 from its candidates (c2st.py scores samples against reference draws).
 """
 
+from __future__ import annotations
+
 import math
 import warnings
-from typing import NamedTuple
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
 
 import adaptive
-import inference
+import analysis_metrics
+import case_blocks
+import case_scores
+import designs
+import hpd
 import runtime
 import study
 from nre_analysis import check_inference_settings, flatness, learned_scoring, prior_sds
 from store import NnpdError
+
+__all__ = ["POSTERIOR_CANDIDATES", "Posterior", "PosteriorError", "draw_corner", "for_observation", "from_scores",
+           "marginal_interval", "posterior_settings", "rejection_sample"]
 
 # Network rows one posterior may score: candidate points × observations of the ensemble. At about 2.4 µs
 # a row for the kit's network on one CPU core, 10^8 is some four minutes; more is refused before any work.
@@ -81,7 +90,9 @@ class PosteriorError(NnpdError, ValueError):
 class Posterior:
     """The normalised posterior on a refined candidate design (see the module's docstring)."""
 
-    def __init__(self, names, score, points, log_measure, scores, summary, levels, enumerated=False, box=None):
+    def __init__(self, names: Sequence[str], score: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor,
+                 log_measure: torch.Tensor, scores: torch.Tensor, summary: Mapping[str, Any], levels: Sequence[float],
+                 enumerated: bool = False, box: adaptive.Box | None = None) -> None:
         self.names = list(names)
         self.enumerated = enumerated                # every support point is a candidate: the masses are exact
         self._score = score                         # score(θ (n, p)) -> unnormalised log density (n,)
@@ -94,15 +105,15 @@ class Posterior:
         self.levels = list(levels)
         self._summary = summary                     # the analysis-style summary at `levels`, probes included
         self.box = box                              # the prior's support (adaptive.Box); None: the candidates' hull
-        self.sampling = None                        # how the last sample() drew (see sample)
-        self.prior_sd = None                        # the prior's marginal sds (p,), for flatness(); set by for_observation
+        self.sampling: dict[str, Any] | None = None   # how the last sample() drew (see sample)
+        self.prior_sd: torch.Tensor | None = None                        # the prior's marginal sds (p,), for flatness(); set by for_observation
 
-    def log_prob(self, theta):
+    def log_prob(self, theta: Any) -> torch.Tensor:
         """log p(θ | x_o) at rows θ (n, p): −inf outside the prior's support."""
         theta = torch.as_tensor(theta, dtype=torch.float64).reshape(-1, len(self.names))
         return self._score(theta) - self.log_normalizer
 
-    def sample(self, n, seed=0, budget=None):
+    def sample(self, n: int, seed: int = 0, budget: int | None = None) -> torch.Tensor:
         """n draws (n, p), as good as independent draws of the posterior; `self.sampling` says how they were made.
 
         Continuous posteriors: rejection sampling from a mixture fitted to the weighted
@@ -165,47 +176,48 @@ class Posterior:
             return ""
         return f", acceptance {info['acceptance']:.2g} over {info['evaluations']} evaluations"
 
-    def flatness(self, validation_auc=None):
+    def flatness(self, validation_auc: float | None = None) -> dict[str, Any]:
         """Whether the posterior is nearly flat against its prior, with one line saying why (nre_analysis.flatness).
 
         `validation_auc`, the model's, names the likely cause.
         """
         return flatness(self.names, torch.sqrt(torch.diagonal(self.cov())), self.prior_sd, validation_auc)
 
-    def hpd(self, level):
+    def hpd(self, level: float) -> dict[str, Any]:
         """The HPD region holding `level` of the mass: its score threshold, attained mass and per-axis bounds."""
         if level in self.levels:
             i = self.levels.index(level)
             summary = self._summary
         else:
-            summary = inference.hld_summaries(self.scores[None], self.log_measure, self.points, self.scores[:1],
+            summary = hpd.hld_summaries(self.scores[None], self.log_measure, self.points, self.scores[:1],
                                               [level])
             i = 0
         return {"level": float(level), "threshold": float(summary["threshold"][0, i]),
                 "mass": float(summary["mass"][0, i]), "lower": summary["lower"][0, i].tolist(),
                 "upper": summary["upper"][0, i].tolist()}
 
-    def mode(self):
+    def mode(self) -> torch.Tensor:
         """The densest point scored (p,): a candidate, or a probe of the bounds where one was denser."""
         return torch.as_tensor(self._summary["mode"][0], dtype=torch.float64)
 
-    def mean(self):
+    def mean(self) -> torch.Tensor:
         """The posterior mean (p,)."""
         return self.masses @ self.points
 
-    def cov(self):
+    def cov(self) -> torch.Tensor:
         """The posterior covariance (p, p)."""
         centred = self.points - self.mean()
         return (self.masses[:, None] * centred).T @ centred
 
-    def summary(self, levels=None):
+    def summary(self, levels: Sequence[float] | None = None) -> dict[str, Any]:
         """A JSON-able summary: mode, mean, sd and HPD bounds per level, with the effective sample size."""
         return {"parameters": self.names, "mode": self.mode().tolist(), "mean": self.mean().tolist(),
                 "sd": torch.sqrt(torch.diagonal(self.cov())).tolist(), "ess": self.ess,
                 "candidates": int(self.points.shape[0]),
-                "hpd": {inference.level_key(level): self.hpd(level) for level in (levels or self.levels)}}
+                "hpd": {analysis_metrics.level_key(level): self.hpd(level) for level in (levels or self.levels)}}
 
-    def draw_corner(self, figure, samples, truth=None, run=None, prior=None):
+    def draw_corner(self, figure: Any, samples: Any, truth: Any = None, run: str | None = None,
+                    prior: str | None = None) -> None:
         """Marginals on the diagonal, pairwise sample densities below it, HPD intervals and the truth if given.
 
         `run` and `prior` name the run and its prior in the title (infer passes them).
@@ -426,11 +438,11 @@ def observation_ensemble(observations, dimension):
 
 def check_ensemble_cost(problem, prior, settings, observations):
     """The points the design scores; refused, before any work, when its network evaluations (candidate points ×
-    observations, each observation's log ratio summed) exceed MAX_EVALUATIONS."""
+    observations, each observation's log ratio summed) exceed MAX_EVALUATIONS. `settings`: posterior_settings'."""
     p = len(problem.names)
-    lattice = inference.candidate_lattice(prior.lattice_steps, p, settings["candidates"])
-    points = inference.points_per_case(p, lattice, inference._as_f64(problem.low), inference._as_f64(problem.high),
-                                       settings["candidates"], len(score_targets(settings)))
+    lattice = designs.candidate_lattice(prior.lattice_steps, p, settings["candidates"])
+    points = designs.points_per_case(p, lattice, designs.as_f64(problem.low), designs.as_f64(problem.high),
+                                     settings["candidates"], len(score_targets(settings)))
     if points * observations <= MAX_EVALUATIONS:
         return points
     raise PosteriorError(f"{observations:,} observations × {points:,} candidate points are "
@@ -471,6 +483,15 @@ def host_scores(scoring):
     return score_fn
 
 
+def one_case_scores(score_fn):
+    """A one-case score function (points (n, p) -> {target: (n,)}) as a block's (B = 1), in float64."""
+    def block_scores(points):
+        return {target: torch.as_tensor(values, dtype=torch.float64)[None]
+                for target, values in score_fn(points[0]).items()}
+
+    return block_scores
+
+
 def score_targets(settings):
     """The targets a posterior's score function returns, for the analysis' `inference` settings: the
     analysis' own, with the posterior always among them."""
@@ -485,6 +506,15 @@ def inference_settings(problem, analysis_settings):
     return check_inference_settings(inference, len(problem.names), callable(getattr(problem, "log_likelihood", None)))
 
 
+def posterior_settings(problem, lattice_steps, analysis_settings):
+    """inference_settings with native_grid_prior set for a lattice prior, whose posterior has no density
+    between its lattice points: the settings the posterior's design is decided and priced with."""
+    settings = inference_settings(problem, analysis_settings)
+    if any(step is not None for step in lattice_steps):
+        settings["candidates"] = dict(settings["candidates"], native_grid_prior=True)
+    return settings
+
+
 def for_observation(problem, prior, model, analysis_settings, observations, seed, truth=None, device="cpu", case=0):
     """The posterior of `model` (a member's trained network) for an observation (see the module's docstring).
 
@@ -493,11 +523,11 @@ def for_observation(problem, prior, model, analysis_settings, observations, seed
     that case's design. Without a truth, the box's centre stands in (it changes nothing
     but the truth-only fields of the analysis' summary).
     """
-    settings = inference_settings(problem, analysis_settings)
+    settings = posterior_settings(problem, prior.lattice_steps, analysis_settings)
     x = observation_ensemble(observations, problem.dimension)
     points = check_ensemble_cost(problem, prior, settings, len(x))
     score_fn = host_scores(learned_scoring(model, torch.device(device), prior, x[None], score_targets(settings),
-                                           settings, inference.Evaluations()))
+                                           settings, case_scores.Evaluations()))
     counted = ScoredPoints(score_fn, points)
     posterior = from_scores(problem, prior.lattice_steps, counted, analysis_settings, seed, truth, case)
     counted.finish()
@@ -514,34 +544,22 @@ def from_scores(problem, lattice_steps, score_fn, analysis_settings, seed, truth
     −inf outside the prior's support). A trained model's posterior is built through here,
     and so is one of an exact likelihood, which checks the candidates and the sampler alone.
     """
-    settings = inference_settings(problem, analysis_settings)
-    candidates = dict(settings["candidates"])
-    if any(step is not None for step in lattice_steps):
-        candidates["native_grid_prior"] = True      # a lattice prior has no density between its points
-    p = len(problem.names)
-    lattice = inference.candidate_lattice(lattice_steps, p, candidates)
-    low, high = inference._as_f64(problem.low), inference._as_f64(problem.high)
-    truth = (low + high) / 2 if truth is None else torch.as_tensor(truth, dtype=torch.float64)
-    box = adaptive.support_box(low, high, lattice)
+    settings = posterior_settings(problem, lattice_steps, analysis_settings)
+    box = designs.as_f64(problem.low), designs.as_f64(problem.high)
+    truth = (box[0] + box[1]) / 2 if truth is None else torch.as_tensor(truth, dtype=torch.float64)
+    design = case_blocks.decide_design(box, lattice_steps, settings, len(score_targets(settings)), seed)
     with torch.no_grad():
-        points, log_measure = inference.make_candidates(low, high, lattice, candidates,
-                                                        runtime.derived_seed(seed, "candidates"))
-        design = inference.candidate_design(p, lattice, low, high, candidates)
-        if design == "adaptive":
-            sizes = inference.adaptive_sizes(p, candidates, len(score_targets(settings)))
-            result = adaptive.refine_case(score_fn, points, log_measure, truth, box, settings["levels"], sizes,
-                                          runtime.derived_seed(seed, "refine"), case=case)
-            points, log_measure = result["points"], result["log_measure"]
-            scores, summary = result["scores"]["posterior"][:-1], result["summaries"]["posterior"]
-        else:   # as the analysis scores a fixed design: the truth in the same call
-            scored = score_fn(torch.cat([points, truth[None]]))["posterior"]
-            scores = scored[:-1]
-            summary = inference.hld_summaries(scores[None], log_measure, points, scored[-1:], settings["levels"])
+        shared = case_blocks.shared_candidates(box, design.lattice, settings["candidates"], seed)
+        result = case_blocks.analyse_block(design, shared, one_case_scores(score_fn), truth[None], [case])
+    # An adaptive design's points are the case's own; a fixed design's are the shared ones.
+    own = design.kind == "adaptive"
+    points, log_measure = (result[key][0] if own else result[key] for key in ("points", "log_measure"))
+    scores, summary = result["scores"]["posterior"][0, :-1], hpd.host_summary(result["summaries"]["posterior"])
     if not bool(torch.isfinite(scores).any()):
         raise PosteriorError("the posterior is zero on every candidate: the observation is impossible under "
                              "the prior and the trained model")
     return Posterior(problem.names, lambda theta: score_fn(theta)["posterior"], points, log_measure, scores,
-                     summary, settings["levels"], enumerated=design == "enumerate", box=box)
+                     summary, settings["levels"], enumerated=design.kind == "enumerate", box=design.refinement.box)
 
 
 def draw_corner(figure, posterior, samples, truth, run=None, prior=None):

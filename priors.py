@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import inference
+import designs
 from settings import SettingsError, known_keys, one_of, require
 
 if TYPE_CHECKING:        # annotations only
@@ -69,7 +69,7 @@ class _Coordinate:
         self.rate = values["exponential_rate"]
         self.mu, self.sigma = values["normal_mean"], values["normal_std"]
         if family == "grid":
-            self.count = inference.lattice_size(self.low, self.high, self.step)
+            self.count = designs.lattice_size(self.low, self.high, self.step)
         elif family == "normal":
             a, b = (self.low - self.mu) / self.sigma, (self.high - self.mu) / self.sigma
             # Work on the side of the mean where the mass is, so Phi differences do not cancel.

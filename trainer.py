@@ -25,7 +25,7 @@ import runtime
 import training_hooks
 import training_state
 from ddp import epoch_batches, loss_scale, shard_slice
-from inference import classification_metrics
+from analysis_metrics import classification_metrics
 from settings import SettingsError, integer, is_number, known_keys, number, one_of
 from training_hooks import HookRunner
 from training_state import TrainingState, cpu_copy, state_identity

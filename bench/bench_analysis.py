@@ -1,7 +1,7 @@
 """One job's whole analysis (learned and exact products) against a plain forward pass, on cpu or cuda.
 
-The analysis runs through the study kit's own drivers (nre_analysis.summarise_adaptive
-or summarise_cases, with learned_scoring and the exact likelihood), on the network and
+The analysis runs through the study kit's own driver (nre_analysis.summarise_cases, over
+case_blocks' blocks, with learned_scoring and the exact likelihood), on the network and
 settings of a bundled profile at a dimension (the default profile's mlp [64]*4; freshly
 initialised: the rate depends on shapes, not weights). Side by side in one run,
 alternating, it times:
@@ -32,9 +32,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 import adaptive  # noqa: E402
+import case_blocks  # noqa: E402
+import case_scores  # noqa: E402
+import designs  # noqa: E402
 import gaussian  # noqa: E402
 import gaussian_study  # noqa: E402
-import inference  # noqa: E402
 import networks  # noqa: E402
 import nre_analysis  # noqa: E402
 import priors  # noqa: E402
@@ -67,8 +69,8 @@ def profile_inputs(profile, dimension, cases):
     problem = gaussian.GaussianProblem.from_settings(training["problem"])
     prior = priors.make_prior(problem, training["priors"]["uniform"])
     analysis = settings_analysis.make_settings(profile)["inference"]
-    truths = inference.make_truths(problem.low, problem.high, problem.grid_step, analysis["truths"], 1)[:cases]
-    observations = inference.make_observations(problem.simulate, truths, analysis["observations"], 2)
+    truths = designs.make_truths(problem.low, problem.high, problem.grid_step, analysis["truths"], 1)[:cases]
+    observations = designs.make_observations(problem.simulate, truths, analysis["observations"], 2)
     return problem, prior, training, analysis, truths.contiguous(), observations.contiguous()
 
 
@@ -87,32 +89,32 @@ class Job:
                                             gaussian_study.GaussianExperiment.standardize).to(device).eval()
         self.targets = [t for t in ("ratio", "posterior") if t in self.settings["targets"]]
         candidates, p = self.settings["candidates"], self.problem.parameter_count
-        lattice = inference.candidate_lattice(self.prior.lattice_steps, p, candidates)
-        self.design = inference.make_candidates(self.problem.low, self.problem.high, lattice, candidates, 3)
+        lattice = designs.candidate_lattice(self.prior.lattice_steps, p, candidates)
+        self.design = designs.make_candidates(self.problem.low, self.problem.high, lattice, candidates, 3)
         self.adaptive = candidates["kind"] == "adaptive"
-        self.box = adaptive.support_box(self.problem.low, self.problem.high, lattice)
+        self.box, self.lattice = adaptive.support_box(self.problem.low, self.problem.high, lattice), lattice
         # Model rows the learned product evaluates: every case's points and its truth, each observation.
-        self.rows = self.truths.shape[0] * self.observations.shape[1] * (inference.points_per_case(
+        self.rows = self.truths.shape[0] * self.observations.shape[1] * (designs.points_per_case(
             p, lattice, self.problem.low, self.problem.high, candidates, len(self.targets)) + 1)
-        self.rows_per_call = inference.call_policy(
+        self.rows_per_call = case_scores.call_policy(
             device.type, self.settings["chunk_rows"],
-            inference.network_row_bytes(self.model, self.input_size)).rows_per_call
+            case_scores.network_row_bytes(self.model, self.input_size)).rows_per_call
 
     def summarise(self, targets, scoring):
         """Every case through the study's driver for `targets`."""
-        writer, levels = MemoryWriter(), self.settings["levels"]
-        retain = {"mode": "diagnostic", "cases": 0}     # keep nothing: the bench times the work, not the store
+        sizes = None
         if self.adaptive:
-            sizes = inference.adaptive_sizes(self.problem.parameter_count, self.settings["candidates"], len(targets))
-            nre_analysis.summarise_adaptive(writer, targets, scoring, self.truths, self.design, self.box, levels,
-                                            retain, sizes, 4, lambda case: None)
-        else:
-            nre_analysis.summarise_cases(writer, targets, scoring, self.truths, *self.design, levels, retain,
-                                         lambda case: None)
+            sizes = designs.adaptive_sizes(self.problem.parameter_count, self.settings["candidates"], len(targets))
+        design = case_blocks.Design(self.settings["candidates"]["kind"], self.lattice,
+                                    adaptive.Refinement(self.box, self.settings["levels"], sizes, 4))
+        # Keep nothing: the bench times the work, not the store.
+        work = nre_analysis.Cases(targets, self.truths, case_blocks.Candidates(*self.design),
+                                  {"mode": "diagnostic", "cases": 0})
+        nre_analysis.summarise_cases(MemoryWriter(), scoring, design, work, lambda case: None)
 
     def learned(self):
         """The learned product; returns the model rows evaluated and the rows per call."""
-        counted = inference.Evaluations()
+        counted = case_scores.Evaluations()
         scoring = nre_analysis.learned_scoring(self.model, self.device, self.prior, self.observations, self.targets,
                                                self.settings, counted)
         self.summarise(self.targets, scoring)
@@ -121,7 +123,7 @@ class Job:
 
     def exact(self):
         """The exact product; returns the likelihood terms evaluated."""
-        counted = inference.Evaluations()
+        counted = case_scores.Evaluations()
         self.summarise(["exact"], nre_analysis.exact_scoring(self.problem.log_likelihood, self.observations,
                                                              self.device, self.settings["chunk_rows"], counted))
         synchronize(self.device)

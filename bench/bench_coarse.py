@@ -22,8 +22,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import analysis_metrics  # noqa: E402
 import bench_resolution  # noqa: E402
-import inference  # noqa: E402
+import designs  # noqa: E402
 import nre_analysis  # noqa: E402
 
 ROWS = ["6:64", "6:128", "6:256", "6:512", "6:1024", "1:64", "3:64"]
@@ -33,7 +34,7 @@ def row(p, coarse, candidate_count, stages, cases, observations):
     """One table row for the exact target at dimension p with an adaptive design of coarse_count `coarse`."""
     problem = bench_resolution.study_problem(p)
     truths = bench_resolution.bench_truths(problem, cases)
-    observed = inference.make_observations(problem.simulate, truths, observations, 2)
+    observed = designs.make_observations(problem.simulate, truths, observations, 2)
     candidates = {"kind": "adaptive", "candidate_count": candidate_count, "coarse_count": coarse,
                   "refinement_stages": stages}
 
@@ -43,9 +44,9 @@ def row(p, coarse, candidate_count, stages, cases, observations):
                                                       bench_resolution.exact_scoring(problem, observed), folder)
     summary = {f: arrays[f"exact_{f}"] for f in nre_analysis.SUMMARY_FIELDS}
     levels = bench_resolution.LEVELS
-    coverage = inference.coverage_metrics(summary, truths.numpy(), levels, problem.names)["0.68"]
-    width = inference.width_metrics(summary, levels, problem.names)["0.68"]["mean"]
-    resolution = inference.resolution_metrics(summary, per_case, levels, "adaptive")
+    coverage = analysis_metrics.coverage_metrics(summary, truths.numpy(), levels, problem.names)["0.68"]
+    width = analysis_metrics.width_metrics(summary, levels, problem.names)["0.68"]["mean"]
+    resolution = analysis_metrics.resolution_metrics(summary, per_case, levels, "adaptive")
     inside = coarse * nre_analysis.posterior_share(problem, [None] * p, observations)
     doubled = coarse * nre_analysis.posterior_share(problem, [None] * p, observations, nre_analysis.COARSE_REACH)
     flagged = resolution["flagged"]["any"]

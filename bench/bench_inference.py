@@ -13,8 +13,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
+import case_scores  # noqa: E402
 import networks  # noqa: E402
-import inference  # noqa: E402
 import runtime  # noqa: E402
 
 
@@ -45,8 +45,8 @@ def main():
     evaluations = rows.shape[0]
     timings = {"ensemble_scores": [], "plain forward": []}
     # Both at the rows per network call the analysis uses on this device.
-    per_call = inference.call_policy(device.type, 1 << 24, inference.network_row_bytes(model, 2)).rows_per_call
-    runs = {"ensemble_scores": lambda: inference.ensemble_scores(model, observations, points, per_call).sum().item(),
+    per_call = case_scores.call_policy(device.type, 1 << 24, case_scores.network_row_bytes(model, 2)).rows_per_call
+    runs = {"ensemble_scores": lambda: case_scores.ensemble_scores(model, observations, points, per_call).sum().item(),
             "plain forward": lambda: plain_forward(model, rows, per_call)}
     with torch.no_grad():
         for run in runs.values():        # warm-up, untimed

@@ -25,13 +25,16 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
 
 import adaptive  # noqa: E402
+import case_blocks  # noqa: E402
+import analysis_metrics  # noqa: E402
+import case_scores  # noqa: E402
+import designs  # noqa: E402
 import gaussian  # noqa: E402
 import gaussian_study  # noqa: E402
-import inference  # noqa: E402
 import networks  # noqa: E402
+import nnpd  # noqa: E402
 import nre_analysis  # noqa: E402
 import priors  # noqa: E402
-import nnpd  # noqa: E402
 import runtime  # noqa: E402
 import settings_analysis  # noqa: E402
 import settings_training  # noqa: E402
@@ -55,16 +58,13 @@ def default_inference():
 def summarise(problem, truths, observations, candidates, targets, scoring, folder):
     """Run the study's summarise step for one design; returns its written arrays and the points per case."""
     p = problem.parameter_count
-    points, log_measure = inference.make_candidates(problem.low, problem.high, [None] * p, candidates, 11)
-    writer, retain = Writer(folder), {"mode": "diagnostic", "cases": 0}
-    if candidates["kind"] == "adaptive":
-        box = adaptive.support_box(problem.low, problem.high, [None] * p)
-        sizes = inference.adaptive_sizes(p, candidates, len(targets))
-        meta = nre_analysis.summarise_adaptive(writer, targets, scoring, truths, (points, log_measure), box,
-                                               LEVELS, retain, sizes, 5, lambda case: None)
-    else:
-        meta = nre_analysis.summarise_cases(writer, targets, scoring, truths, points, log_measure, LEVELS, retain,
-                                            lambda case: None)
+    points, log_measure = designs.make_candidates(problem.low, problem.high, [None] * p, candidates, 11)
+    box = adaptive.support_box(problem.low, problem.high, [None] * p)
+    sizes = designs.adaptive_sizes(p, candidates, len(targets)) if candidates["kind"] == "adaptive" else None
+    design = case_blocks.Design(candidates["kind"], [None] * p, adaptive.Refinement(box, LEVELS, sizes, 5))
+    work = nre_analysis.Cases(targets, truths, case_blocks.Candidates(points, log_measure),
+                              {"mode": "diagnostic", "cases": 0})
+    meta = nre_analysis.summarise_cases(Writer(folder), scoring, design, work, lambda case: None)
     arrays = {f"{t}_{f}": np.load(Path(folder) / f"{t}_{f}.npy")
               for t in targets for f in nre_analysis.SUMMARY_FIELDS}
     return arrays, meta["candidates"]
@@ -125,7 +125,7 @@ def truncated_analytic(problem, truths, level, draws=16, inner=2048, seed=0, chu
     """
     s = SIGMA / math.sqrt(OBSERVATIONS)
     truths = torch.as_tensor(truths, dtype=torch.float64)
-    low, high = inference._as_f64(problem.low), inference._as_f64(problem.high)
+    low, high = designs.as_f64(problem.low), designs.as_f64(problem.high)
     generator = torch.Generator().manual_seed(seed)
     target = truths.repeat_interleave(draws, 0)
     xbar = target + s * torch.randn(target.shape, generator=generator, dtype=torch.float64)
@@ -146,7 +146,7 @@ def bench_truths(problem, cases):
     """The table's truths: the default profile's, `cases` Sobol points whatever the dimension."""
     settings = default_inference()["truths"]
     p = problem.parameter_count
-    return inference.make_truths(problem.low, problem.high, problem.grid_step,
+    return designs.make_truths(problem.low, problem.high, problem.grid_step,
                                  dict(settings, sobol_truths=max(1, cases >> (p - 1))), 1)
 
 
@@ -167,14 +167,14 @@ def exact_row(p, design, candidates, cases, folder, reference):
     problem = study_problem(p)
     settings = default_inference()
     truths = bench_truths(problem, cases)
-    observations = inference.make_observations(problem.simulate, truths, settings["observations"], 2)
+    observations = designs.make_observations(problem.simulate, truths, settings["observations"], 2)
 
     arrays, per_case = summarise(problem, truths, observations, candidates, ["exact"],
                                  exact_scoring(problem, observations), folder)
     summary = {f: arrays[f"exact_{f}"] for f in nre_analysis.SUMMARY_FIELDS}
-    coverage = inference.coverage_metrics(summary, truths.numpy(), LEVELS, problem.names)
-    width = inference.width_metrics(summary, LEVELS, problem.names)["0.68"]["mean"]
-    warning = inference.resolution_metrics(summary, per_case, LEVELS, candidates["kind"])["warning"]
+    coverage = analysis_metrics.coverage_metrics(summary, truths.numpy(), LEVELS, problem.names)
+    width = analysis_metrics.width_metrics(summary, LEVELS, problem.names)["0.68"]["mean"]
+    warning = analysis_metrics.resolution_metrics(summary, per_case, LEVELS, candidates["kind"])["warning"]
     (projected, _), (truncated_width, _) = reference["truncated"]
     plain_projected, plain_width = reference["untruncated"]
     joint = " / ".join("{:.3f} [{:.3f}, {:.3f}]".format(coverage[k]["joint"], *coverage[k]["interval"])
@@ -219,13 +219,13 @@ def learned_timer(cases, candidates):
     model = networks.build_network({"kind": "mlp", "hidden": [64] * 4, "activation": "relu", "dropout": 0.0}, 12,
                                    gaussian_study.GaussianExperiment.standardize)
     model.eval()
-    truths = inference.make_truths(problem.low, problem.high, problem.grid_step, default_inference()["truths"], 1)
+    truths = designs.make_truths(problem.low, problem.high, problem.grid_step, default_inference()["truths"], 1)
     truths = truths[:cases]
-    observations = inference.make_observations(problem.simulate, truths, 15, 2)
+    observations = designs.make_observations(problem.simulate, truths, 15, 2)
     targets = ["ratio", "posterior"]
 
     def timed():
-        counted = inference.Evaluations()
+        counted = case_scores.Evaluations()
         scoring = nre_analysis.learned_scoring(model, torch.device("cpu"), prior, observations, targets,
                                                default_inference(), counted)
         started = time.perf_counter()

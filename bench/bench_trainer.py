@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-import inference  # noqa: E402
+import analysis_metrics  # noqa: E402
 import runtime  # noqa: E402
 import trainer  # noqa: E402
 
@@ -73,7 +73,7 @@ def plain_loop(model, data, epochs, batch_size, lr) -> list[float]:
         model.eval()
         with torch.no_grad():
             logits = model(data["validation_inputs"])
-        inference.classification_metrics(logits, data["validation_labels"])
+        analysis_metrics.classification_metrics(logits, data["validation_labels"])
     return losses
 
 

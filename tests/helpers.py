@@ -26,8 +26,9 @@ import pytest
 import torch
 
 import adaptive
+import case_blocks
+import designs
 import gaussian
-import inference as inf
 import nre_analysis
 import runtime
 import settings_training
@@ -411,8 +412,8 @@ def patched_settings(tmp_path, replacements):
 # ---------------------------------------------------------------- a kit study beside its settings
 
 LINE_STUDY = '''
-import torch
 import nre_study
+import torch
 
 
 def noise_scale():
@@ -559,20 +560,17 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
     """Every case's exact-target summaries on a design, through the study's summarise functions."""
     p = problem.parameter_count
     seed = 11
-    points, log_measure = inf.make_candidates(problem.low, problem.high, [None] * p, candidates, seed)
+    points, log_measure = designs.make_candidates(problem.low, problem.high, [None] * p, candidates, seed)
 
     scoring = nre_analysis.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
     writer = Writer(tmp_path / name)
     (tmp_path / name).mkdir()
-    retain = {"mode": "diagnostic", "cases": 0}
-    if candidates["kind"] == "adaptive":
-        box = adaptive.support_box(problem.low, problem.high, [None] * p)
-        sizes = inf.adaptive_sizes(p, candidates, 1)
-        nre_analysis.summarise_adaptive(writer, ["exact"], scoring, truths, (points, log_measure), box,
-                                        LEVELS, retain, sizes, seed, lambda case: None)
-    else:
-        nre_analysis.summarise_cases(writer, ["exact"], scoring, truths, points, log_measure, LEVELS, retain,
-                                     lambda case: None)
+    box = adaptive.support_box(problem.low, problem.high, [None] * p)
+    sizes = designs.adaptive_sizes(p, candidates, 1) if candidates["kind"] == "adaptive" else None
+    design = case_blocks.Design(candidates["kind"], [None] * p, adaptive.Refinement(box, LEVELS, sizes, seed))
+    work = nre_analysis.Cases(["exact"], truths, case_blocks.Candidates(points, log_measure),
+                              {"mode": "diagnostic", "cases": 0})
+    nre_analysis.summarise_cases(writer, scoring, design, work, lambda case: None)
     return {field: np.load(tmp_path / name / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}
 
 

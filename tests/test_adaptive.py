@@ -8,7 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import adaptive
-import inference as inf
+import case_scores
+import designs
 
 LEVELS = (0.68, 0.95)
 # Chi-square quantiles from standard tables: the squared radius of a p-D HLD ball per level.
@@ -37,9 +38,9 @@ def refine(score, box, settings_, truth, seed=1, case=0, targets=1):
     """One case refined on the adaptive design of `settings_` (its coarse pass drawn here)."""
     p = box.low.numel()
     steps = [float(s) if lattice else None for s, lattice in zip(box.step, box.lattice)]
-    points, log_measure = inf.make_candidates(box.low, box.high, steps, settings_, seed=3)
-    sizes = inf.adaptive_sizes(p, settings_, targets)
-    return adaptive.refine_case(score, points, log_measure, truth, box, LEVELS, sizes, seed, case)
+    points, log_measure = designs.make_candidates(box.low, box.high, steps, settings_, seed=3)
+    sizes = designs.adaptive_sizes(p, settings_, targets)
+    return adaptive.refine_case(score, (points, log_measure), truth, adaptive.Refinement(box, LEVELS, sizes, seed), case)
 
 
 def measured(result):
@@ -90,7 +91,7 @@ def test_lattice_axes_keep_counting_measure():
     centre = torch.tensor([3.3, 6.7], dtype=torch.float64)
     result = refine(gaussian_score(centre, sd), box, adaptive_settings(2048, 128), centre)
     points, log_measure = measured(result)
-    lattice = inf.lattice_support(0.0, 10.0, step)
+    lattice = designs.lattice_support(0.0, 10.0, step)
     assert torch.isin(result["points"][:, 0], lattice).all()          # probes too: only lattice values
     assert len({tuple(row) for row in points.tolist()}) == points.shape[0]   # repeats merged
     assert float(log_measure.exp().sum()) == pytest.approx(51 * 10.0, rel=1e-12)
@@ -103,11 +104,11 @@ def test_lattice_axes_keep_counting_measure():
 def test_all_lattice_box_too_large_to_enumerate_is_refined_on_the_lattice():
     box = box_of(3, steps=[0.2, 0.2, 0.2])
     settings_ = dict(adaptive_settings(2048, 128), max_enumerated=1000)
-    assert inf.candidate_design(3, [0.2] * 3, box.low, box.high, settings_) == "adaptive"
+    assert designs.candidate_design(3, [0.2] * 3, box.low, box.high, settings_) == "adaptive"
     centre = torch.tensor([4.0, 2.2, 7.6], dtype=torch.float64)
     result = refine(gaussian_score(centre, 0.5), box, settings_, centre)
     points, log_measure = measured(result)
-    assert torch.isin(points, inf.lattice_support(0.0, 10.0, 0.2)).all()
+    assert torch.isin(points, designs.lattice_support(0.0, 10.0, 0.2)).all()
     assert float(log_measure.exp().sum()) == pytest.approx(51.0 ** 3, rel=1e-12)
     np.testing.assert_allclose(result["summaries"]["exact"]["mode"][0], centre.numpy(), atol=1e-9)
 
@@ -128,12 +129,12 @@ def test_results_do_not_depend_on_chunk_rows():
     def run(chunk_rows):
         def score(points):
             with torch.no_grad():
-                ratio = inf.ensemble_scores(lambda rows: net(rows).squeeze(-1), observations, points, chunk_rows)
+                ratio = case_scores.ensemble_scores(lambda rows: net(rows).squeeze(-1), observations, points, chunk_rows)
             return {"ratio": ratio, "posterior": ratio - 0.1 * points[:, 0]}
         return refine(score, box, adaptive_settings(1536, 128), torch.tensor([5.0, 5.0], dtype=torch.float64),
                       targets=2)
 
-    reference = run(inf.EVAL_BLOCK_ROWS)
+    reference = run(case_scores.EVAL_BLOCK_ROWS)
     for chunk_rows in (20_000, 10 ** 7):
         other = run(chunk_rows)
         assert torch.equal(other["points"], reference["points"])
@@ -152,10 +153,10 @@ def test_exact_scores_refine_identically_whatever_the_chunk():
 
     def run(chunk_rows):
         def score(points):
-            return {"exact": inf.exact_scores(log_likelihood, observations, points, chunk_rows)}
+            return {"exact": case_scores.exact_scores(log_likelihood, observations, points, chunk_rows)}
         return refine(score, box_of(2), adaptive_settings(1536, 128), centre)["summaries"]["exact"]
 
-    reference = run(inf.EVAL_BLOCK_ROWS)
+    reference = run(case_scores.EVAL_BLOCK_ROWS)
     for chunk_rows in (15, 1000, 10 ** 6):
         for name, value in run(chunk_rows).items():
             np.testing.assert_array_equal(value, reference[name])
@@ -175,9 +176,9 @@ def test_a_case_is_deterministic_from_seed_and_case_index():
 @pytest.mark.unit
 def test_too_small_a_candidate_count_is_refused_clearly():
     with pytest.raises(ValueError, match="candidate_count=600 is too small.*raise candidate_count"):
-        inf.adaptive_sizes(3, adaptive_settings(600, 128), 1)
-    sizes = inf.adaptive_sizes(3, adaptive_settings(4096, 128), 2)
-    assert sizes["probes"] == 2 * 2 * 3 * (inf.PROBE_RADII + inf.PROBE_REFINE)
+        designs.adaptive_sizes(3, adaptive_settings(600, 128), 1)
+    sizes = designs.adaptive_sizes(3, adaptive_settings(4096, 128), 2)
+    assert sizes["probes"] == 2 * 2 * 3 * (designs.PROBE_RADII + designs.PROBE_REFINE)
     assert sizes["coarse"] + sum(sizes["passes"]) + sizes["probes"] == 4096 == sizes["total"]
 
 
@@ -234,9 +235,10 @@ def test_refined_boxes_always_contain_the_coarse_mode(p, lattice, centre, log_sd
         return {"ratio": torch.logaddexp(first, other), "posterior": first}
 
     settings_ = dict(adaptive_settings(768, 32), max_enumerated=10)
-    coarse, coarse_log_measure = inf.make_candidates(box.low, box.high, steps, settings_, seed=seed)
-    sizes = inf.adaptive_sizes(p, settings_, 2)
-    result = adaptive.refine_case(score, coarse, coarse_log_measure, centre.clamp(0, 10), box, LEVELS, sizes, seed)
+    coarse, coarse_log_measure = designs.make_candidates(box.low, box.high, steps, settings_, seed=seed)
+    sizes = designs.adaptive_sizes(p, settings_, 2)
+    result = adaptive.refine_case(score, (coarse, coarse_log_measure), centre.clamp(0, 10),
+                                  adaptive.Refinement(box, LEVELS, sizes, seed))
     coarse_scores = score(coarse)
     for target, proposal in result["proposals"].items():
         mode = coarse[int(torch.argmax(coarse_scores[target]))]

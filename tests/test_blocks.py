@@ -13,7 +13,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 import adaptive
-import inference as inf
+import case_blocks
+import case_scores
+import designs
 import nre_analysis
 from helpers import run_cli, write_settings
 from store import Writer
@@ -49,12 +51,12 @@ def scorings(observations, network, blocks):
     """The learned (ratio, posterior) and exact scorings of blocks of cases; `blocks` records each block's size."""
     def learned(cases, points):
         blocks.append(points.shape[0])
-        ratio = inf.ensemble_scores(lambda rows: network(rows).squeeze(-1), observations[cases], points,
-                                    inf.EVAL_BLOCK_ROWS)
+        ratio = case_scores.ensemble_scores(lambda rows: network(rows).squeeze(-1), observations[cases], points,
+                                    case_scores.EVAL_BLOCK_ROWS)
         return {"ratio": ratio, "posterior": ratio - 0.05 * points.sum(dim=2)}
 
     def exact(cases, points):
-        return {"exact": inf.exact_scores(log_likelihood, observations[cases], points, 4096)}
+        return {"exact": case_scores.exact_scores(log_likelihood, observations[cases], points, 4096)}
 
     return {("ratio", "posterior"): learned, ("exact",): exact}
 
@@ -62,7 +64,7 @@ def scorings(observations, network, blocks):
 def analyse(design, lattice, cases, block_cases, blocks=None):
     """Every summary array and retained score of the first `cases` cases, refined `block_cases` at a time."""
     truths, observations, steps, network = problem(lattice)
-    points, log_measure = inf.make_candidates(torch.zeros(2), torch.full((2,), 10.0), steps, DESIGNS[design], seed=3)
+    points, log_measure = designs.make_candidates(torch.zeros(2), torch.full((2,), 10.0), steps, DESIGNS[design], seed=3)
     box = adaptive.support_box(torch.zeros(2), torch.full((2,), 10.0), steps)
     with tempfile.TemporaryDirectory() as folder:
         for targets, score in scorings(observations, network, [] if blocks is None else blocks).items():
@@ -73,17 +75,13 @@ def analyse(design, lattice, cases, block_cases, blocks=None):
 
 def summarise(writer, design, targets, score, truths, design_points, box, block_cases):
     """One product's summaries through the study's driver, with a memory budget of block_cases cases."""
-    retain, no_progress = {"mode": "full", "cases": 0}, lambda case: None
-    if design == "adaptive":
-        sizes = inf.adaptive_sizes(2, DESIGNS[design], len(targets))
-        per_case = nre_analysis.adaptive_case_bytes(sizes, 2, len(targets), len(LEVELS))
-        scoring = nre_analysis.Scoring(score, torch.device("cpu"), block_cases * per_case)
-        nre_analysis.summarise_adaptive(writer, targets, scoring, truths, design_points, box, LEVELS, retain, sizes,
-                                        5, no_progress)
-    else:
-        per_case = nre_analysis.fixed_case_bytes(design_points[0].shape[0], 2, len(targets), len(LEVELS))
-        scoring = nre_analysis.Scoring(score, torch.device("cpu"), block_cases * per_case)
-        nre_analysis.summarise_cases(writer, targets, scoring, truths, *design_points, LEVELS, retain, no_progress)
+    sizes = designs.adaptive_sizes(2, DESIGNS[design], len(targets)) if design == "adaptive" else None
+    plan = case_blocks.Design(design, [None, None], adaptive.Refinement(box, LEVELS, sizes, 5))
+    shared = case_blocks.Candidates(*design_points)
+    per_case = case_blocks.design_case_bytes(plan, shared.points.shape[0], 2, len(targets))
+    scoring = case_blocks.Scoring(score, torch.device("cpu"), block_cases * per_case)
+    work = nre_analysis.Cases(targets, truths, shared, {"mode": "full", "cases": 0})
+    nre_analysis.summarise_cases(writer, scoring, plan, work, lambda case: None)
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,20 +125,20 @@ def test_a_block_larger_than_the_memory_budget_is_split():
     # Each block is scored on its coarse design, three passes and two probe rounds.
     assert blocks == [3] * 6 + [3] * 6 + [3] * 6 + [1] * 6
     assert_same(results, one_at_a_time("adaptive", False), 10)
-    assert inf.cases_per_block(1000, 10, 95) == 9 and inf.cases_per_block(5, 10, 10 ** 9) == 5
-    assert inf.cases_per_block(5, 10 ** 9, 10) == 1          # one case always fits: it is the unit of work
+    assert case_scores.cases_per_block(1000, 10, 95) == 9 and case_scores.cases_per_block(5, 10, 10 ** 9) == 5
+    assert case_scores.cases_per_block(5, 10 ** 9, 10) == 1          # one case always fits: it is the unit of work
 
 
 @pytest.mark.unit
 def test_the_cuda_policy_sizes_calls_from_free_memory_and_chunk_rows_caps_them():
     row_bytes = 2104                        # the bundled network at d = 6
-    policy = inf.call_policy("cuda", 1 << 24, row_bytes, free_bytes=80 * 10 ** 9)
+    policy = case_scores.call_policy("cuda", 1 << 24, row_bytes, free_bytes=80 * 10 ** 9)
     assert (1 << 20) <= policy.rows_per_call <= (1 << 24) and policy.block_bytes == 20 * 10 ** 9
-    assert inf.call_policy("cuda", 1 << 24, row_bytes, free_bytes=10 ** 12).rows_per_call == 1 << 24
-    assert inf.call_policy("cuda", 5000, row_bytes, free_bytes=80 * 10 ** 9).rows_per_call == 5000
-    assert inf.call_policy("cpu", 1 << 24).rows_per_call == inf.EVAL_BLOCK_ROWS
+    assert case_scores.call_policy("cuda", 1 << 24, row_bytes, free_bytes=10 ** 12).rows_per_call == 1 << 24
+    assert case_scores.call_policy("cuda", 5000, row_bytes, free_bytes=80 * 10 ** 9).rows_per_call == 5000
+    assert case_scores.call_policy("cpu", 1 << 24).rows_per_call == case_scores.EVAL_BLOCK_ROWS
     with pytest.raises(ValueError, match="chunk_rows"):
-        inf.call_policy("cpu", 0)
+        case_scores.call_policy("cpu", 0)
 
 
 class Uniform:
@@ -160,17 +158,18 @@ def test_the_cuda_policy_puts_millions_of_rows_into_each_network_call_of_the_lea
     truths = torch.rand(cases, 1, dtype=torch.float64) * 8 + 1
     x = truths[:, None, :] + torch.randn(cases, observations, 1, dtype=torch.float64)
     settings_ = {"kind": "adaptive", "candidate_count": 2048, "coarse_count": 256, "refinement_stages": 3}
-    policy = inf.call_policy("cuda", 1 << 24, inf.network_row_bytes(network, 2), free_bytes=16 << 30)
-    counted = inf.Evaluations()
+    policy = case_scores.call_policy("cuda", 1 << 24, case_scores.network_row_bytes(network, 2), free_bytes=16 << 30)
+    counted = case_scores.Evaluations()
     scoring = nre_analysis.learned_scoring(network, torch.device("cpu"), Uniform(), x, ["ratio", "posterior"],
                                            {"chunk_rows": 1 << 24}, counted, policy)
-    points, log_measure = inf.make_candidates(torch.zeros(1), torch.full((1,), 10.0), [None], settings_, seed=1)
+    points, log_measure = designs.make_candidates(torch.zeros(1), torch.full((1,), 10.0), [None], settings_, seed=1)
     box = adaptive.support_box(torch.zeros(1), torch.full((1,), 10.0), [None])
-    sizes = inf.adaptive_sizes(1, settings_, 2)
+    refinement = adaptive.Refinement(box, LEVELS, designs.adaptive_sizes(1, settings_, 2), 5)
+    design = case_blocks.Design("adaptive", [None], refinement)
+    work = nre_analysis.Cases(["ratio", "posterior"], truths, case_blocks.Candidates(points, log_measure),
+                              {"mode": "diagnostic", "cases": 0})
     with torch.no_grad(), tempfile.TemporaryDirectory() as folder:
-        nre_analysis.summarise_adaptive(Writer(Path(folder)), ["ratio", "posterior"], scoring, truths,
-                                        (points, log_measure), box, LEVELS, {"mode": "diagnostic", "cases": 0}, sizes,
-                                        5, lambda case: None)
+        nre_analysis.summarise_cases(Writer(Path(folder)), scoring, design, work, lambda case: None)
     assert counted.rows == cases * (2048 + 1) * observations
     assert counted.call_rows // counted.calls >= 1 << 20
 
@@ -188,7 +187,7 @@ def test_a_launch_reports_each_product_s_rate_and_the_precision_keys_the_learned
     assert rate["evaluations"] == sum(a["metadata"]["model_evaluations"] for a in learned) > 0
     assert rate["evaluations_per_s"] > 0
     calls = sum(a["metadata"]["network_calls"] for a in learned)
-    assert 0 < rate["rows_per_call"] <= inf.EVAL_BLOCK_ROWS and calls > 0
+    assert 0 < rate["rows_per_call"] <= case_scores.EVAL_BLOCK_ROWS and calls > 0
     subprocess.run(["cp", "-a", str(trained_smoke_root), str(tmp_path / "out")], check=True)
     settings_dir = write_settings(tmp_path / "s", tmp_path / "out",
                                   analysis='settings["inference"]["precision"] = "bfloat16"\n')

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+import analysis_metrics
 import contrast
-import inference
 import runtime
 from helpers import EXAMPLE, REPO, main_in_process, patched_settings
 from store import restore
@@ -102,7 +102,7 @@ def test_restore_gives_the_model_that_was_analysed(trained, monkeypatch):
     x, theta = (torch.from_numpy(np.asarray(restored.array("training-data", f"test_{name}"))) for name in ("x", "theta"))
     inputs, labels = contrast.fixed_pairs(x, theta, runtime.derived_seed(restored.settings["seed"], "test pairs"))
     with torch.no_grad():
-        again = inference.classification_metrics(restored.model(inputs), labels)
+        again = analysis_metrics.classification_metrics(restored.model(inputs), labels)
     assert again == pytest.approx(restored.metrics["classification"], rel=1e-6)
     assert type(restored.model).__name__ == "Standardized" and not restored.model.training
 

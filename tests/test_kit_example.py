@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+import analysis_metrics
 import contrast
-import inference
 import results
 import runtime
 from helpers import REPO, main_in_process, run_cli
@@ -148,7 +148,7 @@ def test_restore_gives_the_analysed_model(trained, monkeypatch):
     with torch.no_grad():
         logits = restored.model(inputs)
     assert logits.shape == (len(inputs),)
-    again = inference.classification_metrics(logits, labels)
+    again = analysis_metrics.classification_metrics(logits, labels)
     assert again == pytest.approx(restored.metrics["classification"], rel=1e-6)
     # On fresh observations the learned log ratio prefers the parameters they were simulated at.
     study = importlib.import_module("weibull_study").Weibull(restored.settings)

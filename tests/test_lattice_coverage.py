@@ -6,7 +6,11 @@ import numpy as np
 import pytest
 import torch
 
-import inference as inf
+import adaptive
+import analysis_metrics
+import case_blocks
+import designs
+import hpd
 import nre_analysis
 import priors
 import settings_analysis
@@ -19,16 +23,19 @@ pytestmark = pytest.mark.unit
 def lattice_exact_summaries(tmp_path, problem, lattice_steps, cases, seed):
     """The exact target's summaries of `cases` default-profile truths on the prior's own candidates."""
     analysis = settings_analysis.make_settings("default")["inference"]
-    truths = inf.make_truths(problem.low, problem.high, problem.grid_step,
+    truths = designs.make_truths(problem.low, problem.high, problem.grid_step,
                              dict(analysis["truths"], sobol_truths=cases), seed=seed)
-    observations = inf.make_observations(problem.simulate, truths, analysis["observations"], seed=seed + 1)
+    observations = designs.make_observations(problem.simulate, truths, analysis["observations"], seed=seed + 1)
     candidates = dict(analysis["candidates"], kind="sobol", candidate_count=1024)
-    points, log_measure = inf.make_candidates(problem.low, problem.high, lattice_steps, candidates, seed)
+    points, log_measure = designs.make_candidates(problem.low, problem.high, lattice_steps, candidates, seed)
     writer = Writer(tmp_path)
 
     scoring = nre_analysis.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
-    nre_analysis.summarise_cases(writer, ["exact"], scoring, truths, points, log_measure, LEVELS,
-                                 {"mode": "diagnostic", "cases": 0}, lambda case: None)
+    box = adaptive.support_box(problem.low, problem.high, lattice_steps)
+    design = case_blocks.Design("sobol", list(lattice_steps), adaptive.Refinement(box, LEVELS, None, seed))
+    work = nre_analysis.Cases(["exact"], truths, case_blocks.Candidates(points, log_measure),
+                              {"mode": "diagnostic", "cases": 0})
+    nre_analysis.summarise_cases(writer, scoring, design, work, lambda case: None)
     summaries = {field: np.load(tmp_path / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}
     return truths, points, summaries
 
@@ -44,9 +51,9 @@ def test_exact_lattice_coverage_is_nominal_on_the_grid_prior_where_plain_coverag
     assert (summaries["credibility_upper"] > summaries["credibility"]).all()
     mass = summaries["mass"].mean(axis=0)
     assert mass[0] > 0.74 and mass[1] > 0.96          # the smallest regions reaching α hold more than α
-    coverage = inf.coverage_metrics(summaries, truths.numpy(), LEVELS, problem.names)
+    coverage = analysis_metrics.coverage_metrics(summaries, truths.numpy(), LEVELS, problem.names)
     for level, excess in zip(LEVELS, (0.05, 0.01)):
-        entry = coverage[inf.level_key(level)]
+        entry = coverage[analysis_metrics.level_key(level)]
         se = math.sqrt(level * (1 - level) / cases)
         # The randomised coverage is nominal within binomial noise (the truths' distance from the box's
         # edges lowers it by about 0.003 and 0.004, as it does on a continuous prior).
@@ -61,17 +68,17 @@ def test_randomised_coverage_is_exactly_nominal_on_an_unbounded_lattice():
     # regions is nominal at every level, tightly, and that of the plain regions is far above.
     problem = study_problem(1)
     cases = 16384
-    truths = inf.make_truths(problem.low, problem.high, problem.grid_step,
+    truths = designs.make_truths(problem.low, problem.high, problem.grid_step,
                              {"kind": "sobol", "sobol_truths": cases, "truth_margin_fraction": 0.3}, seed=2)
-    observations = inf.make_observations(problem.simulate, truths, 15, seed=3)
-    points = inf.lattice_support(0.0, 10.0, 0.2)[:, None]
+    observations = designs.make_observations(problem.simulate, truths, 15, seed=3)
+    points = designs.lattice_support(0.0, 10.0, 0.2)[:, None]
     scores = log_likelihood(observations[:, None], points[None, :, None]).sum(dim=2)
     truth_scores = log_likelihood(observations, truths[:, None]).sum(dim=1)
     levels = [0.5, 0.68, 0.9, 0.95]
-    summaries = inf.hld_summaries(scores, torch.zeros(points.shape[0]), points, truth_scores, levels)
-    coverage = inf.coverage_metrics(summaries, truths.numpy(), levels, problem.names)
+    summaries = hpd.hld_summaries(scores, torch.zeros(points.shape[0]), points, truth_scores, levels)
+    coverage = analysis_metrics.coverage_metrics(summaries, truths.numpy(), levels, problem.names)
     for level in levels:
-        entry = coverage[inf.level_key(level)]
+        entry = coverage[analysis_metrics.level_key(level)]
         se = math.sqrt(level * (1 - level) / cases)
         assert abs(entry["lattice"] - level) < 3 * se, entry
         assert entry["joint"] - level > 5 * se, entry
@@ -80,7 +87,7 @@ def test_randomised_coverage_is_exactly_nominal_on_an_unbounded_lattice():
 def test_lattice_coverage_is_joint_coverage_on_a_continuous_prior(tmp_path, one_thread):
     problem = study_problem(1)
     truths, _, summaries = lattice_exact_summaries(tmp_path, problem, [None], 512, seed=3)
-    coverage = inf.coverage_metrics(summaries, truths.numpy(), LEVELS, problem.names)
+    coverage = analysis_metrics.coverage_metrics(summaries, truths.numpy(), LEVELS, problem.names)
     for level in LEVELS:
-        entry = coverage[inf.level_key(level)]
+        entry = coverage[analysis_metrics.level_key(level)]
         assert entry["lattice"] == entry["joint"] and entry["lattice_interval"] == entry["interval"]

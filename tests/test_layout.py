@@ -14,8 +14,8 @@ MAY_IMPORT_THE_STUDY = STUDY | {"settings_training", "settings_analysis"}
 # The study kit, written on the framework; studies are written on it.
 KIT = {"nre_study", "nre_analysis", "nre_figures", "priors", "networks", "posterior"}
 FRAMEWORK = {"nnpd", "jobs", "runs", "store", "runtime", "trainer", "study", "settings", "results", "timings",
-             "probes", "launcher", "inference", "infer", "contrast", "c2st",
-             "ddp", "training_state", "training_hooks"}
+             "probes", "launcher", "designs", "case_scores", "case_blocks", "hpd", "analysis_metrics", "infer",
+             "contrast", "c2st", "ddp", "training_state", "training_hooks"}
 MAX_FUNCTION_LINES = 45
 
 

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 import adaptive
-import inference as inf
+import analysis_metrics
+import designs
 import settings_analysis
 
 from helpers import LEVELS, exact_summaries, log_likelihood, study_problem
@@ -28,24 +29,24 @@ def test_the_fast_likelihood_is_the_study_likelihood():
 def test_dimension_six_exact_target_is_resolved_by_adaptive_candidates_only(tmp_path, one_thread):
     problem = study_problem(6)
     analysis = settings_analysis.make_settings("default")["inference"]
-    truths = inf.make_truths(problem.low, problem.high, problem.grid_step,
+    truths = designs.make_truths(problem.low, problem.high, problem.grid_step,
                              dict(analysis["truths"], sobol_truths=32), seed=1)
     assert truths.shape == (1024, 6)
-    observations = inf.make_observations(problem.simulate, truths, analysis["observations"], seed=2)
+    observations = designs.make_observations(problem.simulate, truths, analysis["observations"], seed=2)
     names = problem.names
     adaptive = exact_summaries(tmp_path, problem, truths, observations, analysis["candidates"], "adaptive")
-    coverage = inf.coverage_metrics(adaptive, truths.numpy(), LEVELS, names)
+    coverage = analysis_metrics.coverage_metrics(adaptive, truths.numpy(), LEVELS, names)
     for level in LEVELS:
-        entry = coverage[inf.level_key(level)]
+        entry = coverage[analysis_metrics.level_key(level)]
         assert abs(entry["joint"] - level) <= 3 * math.sqrt(level * (1 - level) / 1024)
         assert entry["cases"] == 1024 and entry["interval"][0] < entry["joint"] < entry["interval"][1]
     assert coverage["0.68"]["mean"] >= 0.95
     analytic_width = 2 * RADIUS_68 * 2 / math.sqrt(15)
-    assert abs(inf.width_metrics(adaptive, LEVELS, names)["0.68"]["mean"] / analytic_width - 1) < 0.10
-    resolution = inf.resolution_metrics(adaptive, analysis["candidates"]["candidate_count"], LEVELS, "adaptive")
+    assert abs(analysis_metrics.width_metrics(adaptive, LEVELS, names)["0.68"]["mean"] / analytic_width - 1) < 0.10
+    resolution = analysis_metrics.resolution_metrics(adaptive, analysis["candidates"]["candidate_count"], LEVELS, "adaptive")
     assert resolution["warning"] is None and resolution["flagged"]["any"] == 0
     # Today's fixed design of the same size, on the first 256 cases: nearly every one is flagged.
     fixed = exact_summaries(tmp_path, problem, truths[:256], observations, {"kind": "sobol", "candidate_count": 16384},
                             "fixed")
-    resolution = inf.resolution_metrics(fixed, 16384, LEVELS, "sobol")
+    resolution = analysis_metrics.resolution_metrics(fixed, 16384, LEVELS, "sobol")
     assert resolution["warning"] is not None and resolution["flagged"]["few_effective_points"] > 250

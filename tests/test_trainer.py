@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import inference
+import analysis_metrics
 import runtime
 import trainer
 from settings import SettingsError
@@ -90,7 +90,7 @@ def test_sharding_rejects_bad_arguments():
 def test_classification_metrics_by_hand():
     logits = torch.tensor([2.0, -1.0, 0.5, -3.0])
     labels = torch.tensor([1.0, 0.0, 0.0, 1.0])
-    m = inference.classification_metrics(logits, labels)
+    m = analysis_metrics.classification_metrics(logits, labels)
     bce = [math.log1p(math.exp(-2.0)), math.log1p(math.exp(-1.0)), math.log1p(math.exp(0.5)), math.log1p(math.exp(3.0))]
     assert m["bce"] == pytest.approx(sum(bce) / 4, rel=1e-12)
     assert m["accuracy"] == pytest.approx(0.5)  # rows 1 and 2 right
@@ -103,14 +103,14 @@ def test_auc_counts_ties_as_half():
     logits = torch.tensor([1.0, 1.0, 1.0, 0.0, 2.0])
     labels = torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0])
     # positives 1.0 and 2.0 vs negatives 1.0,1.0,0.0: 1.0 -> 0.5+0.5+1, 2.0 -> 3 ; total 5/6
-    assert inference.classification_metrics(logits, labels)["auc"] == pytest.approx(5 / 6)
-    all_tied = inference.classification_metrics(torch.zeros(4), torch.tensor([1.0, 0.0, 1.0, 0.0]))
+    assert analysis_metrics.classification_metrics(logits, labels)["auc"] == pytest.approx(5 / 6)
+    all_tied = analysis_metrics.classification_metrics(torch.zeros(4), torch.tensor([1.0, 0.0, 1.0, 0.0]))
     assert all_tied["auc"] == pytest.approx(0.5)
 
 
 @pytest.mark.unit
 def test_auc_is_none_when_one_class_is_absent_and_bce_is_stable():
-    m = inference.classification_metrics(torch.tensor([800.0, -800.0]), torch.tensor([1.0, 1.0]))
+    m = analysis_metrics.classification_metrics(torch.tensor([800.0, -800.0]), torch.tensor([1.0, 1.0]))
     assert m["auc"] is None
     assert m["bce"] == pytest.approx(400.0) and m["accuracy"] == 0.5
 
@@ -215,7 +215,7 @@ def test_best_keeps_the_lowest_validation_epoch_and_last_the_final_one():
     model.load_state_dict(best)
     data = _data()
     logits = model(data["validation_inputs"]).detach()
-    again = inference.classification_metrics(logits, data["validation_labels"])["bce"]
+    again = analysis_metrics.classification_metrics(logits, data["validation_labels"])["bce"]
     assert again == pytest.approx(min(bces), rel=1e-5)
     if h_best["selected_epoch"] != 6:
         assert any(not torch.equal(best[k], last[k]) for k in best)

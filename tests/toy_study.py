@@ -6,7 +6,7 @@ product (the model's log ratio on a θ grid for a fixed ensemble) and two metric
 import numpy as np
 import torch
 
-import inference
+import analysis_metrics
 import runtime
 import trainer
 from study import Metric, Product
@@ -123,7 +123,7 @@ def metric_accuracy(ctx):
     inputs = torch.from_numpy(np.asarray(ctx.data.array("test_inputs")))
     labels = torch.from_numpy(np.asarray(ctx.data.array("test_labels")))
     with torch.no_grad():
-        return inference.classification_metrics(ctx.model(inputs), labels)
+        return analysis_metrics.classification_metrics(ctx.model(inputs), labels)
 
 
 class SlopeAnalysis:
