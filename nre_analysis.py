@@ -18,7 +18,7 @@ import contextlib
 import copy
 import math
 import statistics
-from typing import Any, Callable, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, cast
 
 import numpy as np
 import torch
@@ -35,13 +35,14 @@ import priors
 import probes
 import runtime
 import trainer
-from study import Analysis, Figure, Metric, Product, check_selection
+from study import Analysis, Context, ExperimentContract, Figure, Json, Member, Metric, Product, check_selection
 from settings import SettingsError, integer, is_number, name_list, one_of
 
-__all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "INFERENCE_DEFAULTS", "MIN_COARSE_NEIGHBOURS",
-           "NREAnalysis", "SUMMARY_FIELDS", "TARGETS", "bayes_optimal_logits", "build_learned", "case_design",
-           "check_inference_settings", "chi_square_quantile", "coverage_curve", "exact_scoring", "flatness",
-           "learned_scoring", "posterior_share", "prior_sds", "summarise_cases", "summarise_targets"]
+__all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "INFERENCE_DEFAULTS", "KitExperiment",
+           "MIN_COARSE_NEIGHBOURS", "NREAnalysis", "SUMMARY_FIELDS", "TARGETS", "bayes_optimal_logits",
+           "build_learned", "case_design", "check_inference_settings", "chi_square_quantile", "coverage_curve",
+           "exact_scoring", "flatness", "learned_scoring", "posterior_share", "prior_sds", "summarise_cases",
+           "summarise_targets"]
 
 TARGETS = ("ratio", "posterior", "exact")
 # The modules of the analysis stack, whose sources enter every product's key (see NREAnalysis).
@@ -90,6 +91,18 @@ CANDIDATES_PER_PARAMETER = 1024
 
 # Counts beyond a billion (points, cases, rows) are surely typos.
 MAX_COUNT = 10**9
+
+
+class KitExperiment(ExperimentContract, Protocol):
+    """What this analysis reads of its experiment beyond nnpd's contract: a kit study (nre_study.Study)."""
+
+    def problem_recipe(self) -> Json: ...
+    def prior_recipe(self, member: Member) -> Json: ...
+
+
+def kit_experiment(ctx: Context) -> KitExperiment:
+    """The run's experiment as this analysis reads it: the kit's analysis runs on kit studies only."""
+    return cast(KitExperiment, ctx.experiment)
 
 
 def default_design_sizes(parameter_count):
@@ -778,15 +791,15 @@ class NREAnalysis(Analysis):
 
     products = {
         "truths": Product(build_truths, lambda ctx: {
-            "problem": ctx.experiment.problem_recipe(), "seed": ctx.settings["seed"],
+            "problem": kit_experiment(ctx).problem_recipe(), "seed": ctx.settings["seed"],
             "truths": ctx.analysis_settings["inference"]["truths"]}),
         "observations": Product(build_observations, lambda ctx: {
             "observations": ctx.analysis_settings["inference"]["observations"]}, needs=("truths",)),
         "candidates": Product(build_candidates, lambda ctx: {
-            "problem": ctx.experiment.problem_recipe(), "seed": ctx.settings["seed"],
+            "problem": kit_experiment(ctx).problem_recipe(), "seed": ctx.settings["seed"],
             "candidates": ctx.analysis_settings["inference"]["candidates"], "lattice": candidate_lattice(ctx)}),
         "learned": Product(build_learned, lambda ctx: {
-            "prior": ctx.experiment.prior_recipe(ctx.member),
+            "prior": kit_experiment(ctx).prior_recipe(ctx.member),
             "inference": {k: ctx.analysis_settings["inference"][k] for k in
                           ("targets", "levels", "retain", "diagnostic_cases", "precision")}},
             needs=("truths", "observations", "candidates"), uses_model=True),
@@ -797,8 +810,8 @@ class NREAnalysis(Analysis):
         "test_predictions": Product(build_test_predictions, lambda ctx: {"data": ctx.data.key},
                                     uses_model=True),
         "reference_logits": Product(build_reference_logits, lambda ctx: {
-            "data": ctx.data.key, "problem": ctx.experiment.problem_recipe(),
-            "prior": ctx.experiment.prior_recipe(ctx.member), "seed": ctx.settings["seed"],
+            "data": ctx.data.key, "problem": kit_experiment(ctx).problem_recipe(),
+            "prior": kit_experiment(ctx).prior_recipe(ctx.member), "seed": ctx.settings["seed"],
             "member": ctx.member["name"]}),
         "pairwise": Product(build_pairwise, lambda ctx: {"data": ctx.data.key}, uses_model=True),
     }
@@ -892,7 +905,7 @@ class NREAnalysis(Analysis):
         """The targets the learned product scores with the model."""
         return [t for t in ("ratio", "posterior") if t in self.settings["inference"]["targets"]]
 
-    def design_of(self, member: Mapping[str, Any]) -> tuple[str, list[float | None]]:
+    def design_of(self, member: Member) -> tuple[str, list[float | None]]:
         """The member's candidate design and its lattice steps."""
         problem = self.experiment.problem()
         candidates = self.settings["inference"]["candidates"]
@@ -913,7 +926,7 @@ class NREAnalysis(Analysis):
         except ValueError as error:
             raise SettingsError(f"inference.candidates: {error}") from None
 
-    def workload(self, member: Mapping[str, Any]) -> dict[str, int]:
+    def workload(self, member: Member) -> dict[str, int]:
         """Model evaluations, saved bytes and candidate points this member's analysis needs."""
         settings = self.settings["inference"]
         problem = self.experiment.problem()
