@@ -540,7 +540,7 @@ def _measured_summaries(points, log_weights, scores, truth_scores, levels, box, 
     summaries, frames, other = {}, {}, None
     for target, values in scores.items():
         summary, q, ranking = hpd.weighted_summary(values, log_weights, points, truth_scores[target], levels,
-                                                         other)
+                                                   other)
         other = other or (summary, ranking)
         origin, covariance, scaled = weighted_moments(columns, q)
         summary["edge_mass"], summary["disagreement"] = refinement_checks(columns, q, (origin, covariance),

@@ -187,7 +187,7 @@ def check_inference_settings(settings, parameter_count, likelihood=True):
 def candidate_lattice(ctx):
     """Lattice steps per coordinate of the candidates (None for continuous axes)."""
     return designs.candidate_lattice(ctx.prior.lattice_steps, ctx.problem.parameter_count,
-                                       ctx.analysis_settings["inference"]["candidates"])
+                                     ctx.analysis_settings["inference"]["candidates"])
 
 
 def build_truths(ctx, writer):
@@ -369,7 +369,7 @@ def learned_scoring(model, device, prior, observations, targets, settings, count
     `policy` (an case_scores.CallPolicy) defaults to the device's own."""
     input_width = observations.shape[2] + len(prior.lattice_steps)
     policy = policy or case_scores.call_policy(device.type, settings["chunk_rows"],
-                                             case_scores.network_row_bytes(model, input_width))
+                                               case_scores.network_row_bytes(model, input_width))
     on_device, precision = observations.to(device), settings.get("precision", "float32")
 
     # The model is the logit function itself: the logits of any floating dtype (bfloat16 under
@@ -380,7 +380,7 @@ def learned_scoring(model, device, prior, observations, targets, settings, count
     def scores(cases, points):
         with network_precision(precision, device):
             ratio = case_scores.ensemble_scores(model, on_device[cases.to(device)], points, policy.rows_per_call,
-                                              counted, column_rows)
+                                                counted, column_rows)
         values = {"ratio": ratio}
         if "posterior" in targets:
             values["posterior"] = ratio + torch.as_tensor(prior.log_prob(points), device=device)
@@ -415,7 +415,7 @@ def exact_scoring(log_likelihood, observations, device, chunk_rows, counted=None
             terms = points.shape[0] * points.shape[1] * observations.shape[1]
             counted.add(terms, terms)
         return {"exact": case_scores.exact_scores(log_likelihood, on_device[cases.to(device)], points,
-                                                policy.rows_per_call)}
+                                                  policy.rows_per_call)}
 
     return case_blocks.Scoring(scores, device, policy.block_bytes)
 
@@ -569,7 +569,7 @@ def summary_of(artifact, target):
 def resolution_report(ctx, artifact, target):
     """Whether one target's candidates resolved its densities (see analysis_metrics.resolution_metrics)."""
     return analysis_metrics.resolution_metrics(summary_of(artifact, target), artifact.metadata["candidates"],
-                                        ctx.analysis_settings["inference"]["levels"], artifact.metadata["design"])
+                                               ctx.analysis_settings["inference"]["levels"], artifact.metadata["design"])
 
 
 def target_report(ctx, artifact, target):
@@ -588,7 +588,7 @@ def metric_classification(ctx):
     """Held-out test BCE, accuracy and AUC."""
     predictions = ctx.require("test_predictions")
     return analysis_metrics.classification_metrics(torch.from_numpy(predictions.array("logits")),
-                                          torch.from_numpy(predictions.array("labels")))
+                                                   torch.from_numpy(predictions.array("labels")))
 
 
 def metric_bias(ctx):
@@ -806,7 +806,7 @@ class NREAnalysis(Analysis):
         "exact": Product(build_exact, lambda ctx: {
             "inference": {k: ctx.analysis_settings["inference"][k] for k in
                           ("levels", "retain", "diagnostic_cases")}},
-            needs=("truths", "observations", "candidates")),
+                         needs=("truths", "observations", "candidates")),
         "test_predictions": Product(build_test_predictions, lambda ctx: {"data": ctx.data.key},
                                     uses_model=True),
         "reference_logits": Product(build_reference_logits, lambda ctx: {
@@ -910,9 +910,9 @@ class NREAnalysis(Analysis):
         problem = self.experiment.problem()
         candidates = self.settings["inference"]["candidates"]
         lattice = designs.candidate_lattice(self.experiment.prior(member).lattice_steps, problem.parameter_count,
-                                              candidates)
+                                            candidates)
         return designs.candidate_design(problem.parameter_count, lattice, problem.low, problem.high,
-                                          candidates), lattice
+                                        candidates), lattice
 
     def check_adaptive_sizes(self) -> None:
         """An adaptive design must fit its passes and probes into candidate_count."""
@@ -972,7 +972,7 @@ class NREAnalysis(Analysis):
             if design == "adaptive":
                 continue
             count = designs.candidate_count_for(problem.parameter_count, list(steps), problem.low, problem.high,
-                                                  candidates)
+                                                candidates)
             expected = count * posterior_share(problem, list(steps), self.settings["inference"]["observations"])
             if expected < MIN_EXPECTED_INSIDE:
                 needed = math.ceil(count * MIN_EXPECTED_INSIDE / max(expected, 1e-300))

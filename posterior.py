@@ -190,7 +190,7 @@ class Posterior:
             summary = self._summary
         else:
             summary = hpd.hld_summaries(self.scores[None], self.log_measure, self.points, self.scores[:1],
-                                              [level])
+                                        [level])
             i = 0
         return {"level": float(level), "threshold": float(summary["threshold"][0, i]),
                 "mass": float(summary["mass"][0, i]), "lower": summary["lower"][0, i].tolist(),
@@ -409,7 +409,7 @@ def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET)
         if log_bound == -math.inf:
             continue        # nothing of positive density seen yet
         kept, kept_log_w, kept_log_u = (torch.cat(pair) for pair in ((kept, drawn), (kept_log_w, log_w),
-                                                                      (kept_log_u, log_u)))
+                                                                     (kept_log_u, log_u)))
         inside = kept_log_u < kept_log_w - log_bound        # u < w / M, for the bound as it is now
         kept, kept_log_w, kept_log_u = kept[inside], kept_log_w[inside], kept_log_u[inside]
         study.report_progress("samples", min(kept.shape[0], n), n)

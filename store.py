@@ -898,7 +898,7 @@ class Restored:
             return {}
         if not isinstance(analysis.get("settings"), dict) or analysis.get("checksum") != record_checksum(analysis):
             raise DamagedArtifact(f"{self.run_dir}: analysis.json is damaged (its settings are unreadable); run "
-                             "`python nnpd.py analyze` again, or delete analysis.json to use the default settings")
+                                  "`python nnpd.py analyze` again, or delete analysis.json to use the default settings")
         return analysis["settings"]
 
     def array(self, artifact: str, name: str, mmap: bool = False) -> np.ndarray:
@@ -986,7 +986,7 @@ def find_root(run_dir):
     if len(run_dir.parents) > 2 and (run_dir.parents[2] / "cache").is_dir():
         return run_dir.parents[2]        # an output root written before roots carried the marker
     raise RestoreError(f"{run_dir}: no output root above it (no {ROOT_MARKER} marker and no cache/); "
-                            f"a run folder cannot be moved without its output root")
+                       f"a run folder cannot be moved without its output root")
 
 
 def _read_run_record(run_dir):
@@ -1008,7 +1008,7 @@ def _read_references(run_dir):
     path = run_dir / "artifacts.json"
     if not path.is_file():          # missing, or not a regular file (a FIFO would block the read)
         raise RestoreError(f"{run_dir}: no artifacts.json (the record of its trained model); run train to "
-                                "make it again")
+                           "make it again")
     try:
         references = json.loads(path.read_text())
     except ValueError:
@@ -1016,7 +1016,7 @@ def _read_references(run_dir):
     if not (isinstance(references, dict) and "model" in references
             and all(isinstance(key, str) and isinstance(value, str) for key, value in references.items())):
         raise DamagedArtifact(f"{path}: damaged (not a record of the run's artifacts with its model); run train to make "
-                         "it again")
+                              "it again")
     return references
 
 

@@ -188,7 +188,7 @@ def _progress_problem(saved: dict, epochs: int, n_batches: int, world_size: int)
         return f"its progress (epoch index {epoch}, batch {position}) does not fit {epochs} epochs of {n_batches} batches"
     history = shared["history"]
     if any(len(history.get(name, ())) != epoch for name in ("train_loss", "validation", "validation_objective",
-                                                             "validation_balance")):
+                                                            "validation_balance")):
         return "its history does not match its progress"
     ranks, ongoing = saved["ranks"], position > 0
     if len(ranks) != world_size:
@@ -213,7 +213,7 @@ def state_problem(saved, state: TrainingState, identity: dict, n_batches: int) -
             return _IDENTITY_PHRASES[key]
     epochs = identity["settings"]["epochs"]
     return _tensors_problem(saved["state"], state) or _progress_problem(saved, epochs, n_batches,
-                                                                         identity["world_size"])
+                                                                        identity["world_size"])
 
 
 def apply_saved_state(saved: dict, state: TrainingState, rt: runtime.Runtime) -> None:

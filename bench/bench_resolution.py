@@ -147,7 +147,7 @@ def bench_truths(problem, cases):
     settings = default_inference()["truths"]
     p = problem.parameter_count
     return designs.make_truths(problem.low, problem.high, problem.grid_step,
-                                 dict(settings, sobol_truths=max(1, cases >> (p - 1))), 1)
+                               dict(settings, sobol_truths=max(1, cases >> (p - 1))), 1)
 
 
 def references(p, cases, level=0.68):

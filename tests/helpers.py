@@ -316,10 +316,10 @@ def finish_agent(agent, seconds=TIMEOUT):
 
 # Tiny settings (one prior) that train long enough to be interrupted.
 INTERRUPTIBLE_TRAINING = ('settings["data"]["train"] = 12_000\n'
-            'settings["training"]["epochs"] = 3\n'
-            'settings["training"]["batch_size"] = 64\n'
-            'settings["cohort"]["priors"] = ["uniform"]\n'
-            'settings["runtime"]["resume_seconds"] = 0.2\n')
+                          'settings["training"]["epochs"] = 3\n'
+                          'settings["training"]["batch_size"] = 64\n'
+                          'settings["cohort"]["priors"] = ["uniform"]\n'
+                          'settings["runtime"]["resume_seconds"] = 0.2\n')
 
 
 def settings_for(folder, extra=""):

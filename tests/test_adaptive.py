@@ -19,7 +19,7 @@ CHI2 = {(1, 0.68): 0.98895, (1, 0.95): 3.84146, (3, 0.68): 3.50588, (3, 0.95): 7
 def box_of(p, high=10.0, steps=None):
     """The Box [0, high]^p, lattice axes where steps name a step."""
     return adaptive.support_box(torch.zeros(p, dtype=torch.float64), torch.full((p,), high, dtype=torch.float64),
-                           steps or [None] * p)
+                                steps or [None] * p)
 
 
 def adaptive_settings(total, coarse, stages=3):
@@ -81,7 +81,7 @@ def test_weights_integrate_the_prior_box_exactly_and_the_density_accurately():
     assert bool(((points >= 0) & (points <= 8)).all())
     # The importance weights also integrate the density: ∫ exp(score) dθ = 2π sd² (far from the edges).
     assert result["summaries"]["exact"]["log_normalizer"][0] == pytest.approx(math.log(2 * math.pi * sd ** 2),
-                                                                               abs=0.02)
+                                                                              abs=0.02)
 
 
 @pytest.mark.unit

@@ -83,8 +83,8 @@ def test_coverage_is_nominal_in_one_dimension():
     sigma, m = 1.0, 5
     low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
     truths = designs.make_truths(low, high, torch.tensor([0.2]), {"kind": "sobol", "sobol_truths": 1024,
-                                                             "truth_margin_fraction": 0.2,
-                                                             "align_truths_to_grid": False}, seed=1)
+                                                                  "truth_margin_fraction": 0.2,
+                                                                  "align_truths_to_grid": False}, seed=1)
     assert truths.shape == (1024, 1)
     obs = designs.make_observations(gaussian_simulator(sigma), truths, m, seed=2)
     points, log_measure = designs.make_candidates(low, high, [None], {"kind": "grid", "candidate_points_per_axis": 801}, 0)
@@ -104,11 +104,11 @@ def test_coverage_is_nominal_in_two_dimensions():
     low = torch.tensor([0.0, 0.0], dtype=torch.float64)
     high = torch.tensor([10.0, 10.0], dtype=torch.float64)
     truths = designs.make_truths(low, high, None, {"kind": "sobol", "sobol_truths": 512, "truth_margin_fraction": 0.3,
-                                               "align_truths_to_grid": False}, seed=5)
+                                                   "align_truths_to_grid": False}, seed=5)
     assert truths.shape == (1024, 2)
     obs = designs.make_observations(gaussian_simulator(sigma), truths, m, seed=6)
     points, log_measure = designs.make_candidates(low, high, [None, None],
-                                              {"kind": "grid", "candidate_points_per_axis": 41}, 0)
+                                                  {"kind": "grid", "candidate_points_per_axis": 41}, 0)
     scores, truth_scores = exact_case_scores(truths, obs, points, log_measure, sigma)
     s = hpd.hld_summaries(scores, log_measure, points, truth_scores, LEVELS)
     cov = analysis_metrics.coverage_metrics(s, truths.numpy(), LEVELS, ["mean:0", "mean:1"])
@@ -315,11 +315,11 @@ def test_ensemble_scores_do_not_depend_on_how_many_calls_are_built_together(monk
         monkeypatch.setattr(case_scores, "CALL_GROUP_BYTES", group_bytes)
         for column_rows in (True, False):
             scores = case_scores.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs, points, case_scores.EVAL_BLOCK_ROWS,
-                                         column_rows=column_rows)
+                                                 column_rows=column_rows)
             assert torch.equal(scores, reference)
         for case in range(cases):
             alone = case_scores.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs[case], points[case],
-                                        case_scores.EVAL_BLOCK_ROWS)
+                                                case_scores.EVAL_BLOCK_ROWS)
             assert torch.equal(alone, reference[case])
 
 
@@ -355,7 +355,7 @@ def test_a_network_giving_more_than_one_logit_per_row_is_refused():
         case_scores.ensemble_scores(lambda rows: net(rows).expand(-1, 2), obs, points, case_scores.EVAL_BLOCK_ROWS)
     column = case_scores.ensemble_scores(lambda rows: net(rows), obs, points, case_scores.EVAL_BLOCK_ROWS)     # (rows, 1) is one
     assert torch.equal(column, case_scores.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs, points,
-                                                   case_scores.EVAL_BLOCK_ROWS))
+                                                           case_scores.EVAL_BLOCK_ROWS))
 
 
 @pytest.mark.unit
@@ -641,7 +641,7 @@ def test_wasserstein_1d_matches_a_shift_and_respects_weights():
     # Weighting b's sample onto its left half moves its mean; W1 to a's left half is then small.
     b_weights = (a < 0.5).double()
     assert analysis_metrics.wasserstein_1d(a[a < 0.5], torch.ones(int((a < 0.5).sum()), dtype=torch.float64),
-                                     a, b_weights) == pytest.approx(0.0, abs=1e-9)
+                                           a, b_weights) == pytest.approx(0.0, abs=1e-9)
 
 
 @pytest.mark.unit

@@ -52,7 +52,7 @@ def scorings(observations, network, blocks):
     def learned(cases, points):
         blocks.append(points.shape[0])
         ratio = case_scores.ensemble_scores(lambda rows: network(rows).squeeze(-1), observations[cases], points,
-                                    case_scores.EVAL_BLOCK_ROWS)
+                                            case_scores.EVAL_BLOCK_ROWS)
         return {"ratio": ratio, "posterior": ratio - 0.05 * points.sum(dim=2)}
 
     def exact(cases, points):

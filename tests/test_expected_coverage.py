@@ -18,7 +18,7 @@ def test_the_exact_target_follows_the_diagonal_and_agrees_with_joint_coverage(tm
     problem = study_problem(dimension)
     analysis = settings_analysis.make_settings("default")["inference"]
     truths = designs.make_truths(problem.low, problem.high, problem.grid_step,
-                             dict(analysis["truths"], sobol_truths=cases), seed=3)[:cases]
+                                 dict(analysis["truths"], sobol_truths=cases), seed=3)[:cases]
     observations = designs.make_observations(problem.simulate, truths, analysis["observations"], seed=4)
     candidates = dict(analysis["candidates"], candidate_count=1024, coarse_count=128)
     summaries = exact_summaries(tmp_path, problem, truths, observations, candidates, "adaptive")

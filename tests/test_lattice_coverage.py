@@ -24,7 +24,7 @@ def lattice_exact_summaries(tmp_path, problem, lattice_steps, cases, seed):
     """The exact target's summaries of `cases` default-profile truths on the prior's own candidates."""
     analysis = settings_analysis.make_settings("default")["inference"]
     truths = designs.make_truths(problem.low, problem.high, problem.grid_step,
-                             dict(analysis["truths"], sobol_truths=cases), seed=seed)
+                                 dict(analysis["truths"], sobol_truths=cases), seed=seed)
     observations = designs.make_observations(problem.simulate, truths, analysis["observations"], seed=seed + 1)
     candidates = dict(analysis["candidates"], kind="sobol", candidate_count=1024)
     points, log_measure = designs.make_candidates(problem.low, problem.high, lattice_steps, candidates, seed)
@@ -69,7 +69,7 @@ def test_randomised_coverage_is_exactly_nominal_on_an_unbounded_lattice():
     problem = study_problem(1)
     cases = 16384
     truths = designs.make_truths(problem.low, problem.high, problem.grid_step,
-                             {"kind": "sobol", "sobol_truths": cases, "truth_margin_fraction": 0.3}, seed=2)
+                                 {"kind": "sobol", "sobol_truths": cases, "truth_margin_fraction": 0.3}, seed=2)
     observations = designs.make_observations(problem.simulate, truths, 15, seed=3)
     points = designs.lattice_support(0.0, 10.0, 0.2)[:, None]
     scores = log_likelihood(observations[:, None], points[None, :, None]).sum(dim=2)

@@ -30,7 +30,7 @@ def test_dimension_six_exact_target_is_resolved_by_adaptive_candidates_only(tmp_
     problem = study_problem(6)
     analysis = settings_analysis.make_settings("default")["inference"]
     truths = designs.make_truths(problem.low, problem.high, problem.grid_step,
-                             dict(analysis["truths"], sobol_truths=32), seed=1)
+                                 dict(analysis["truths"], sobol_truths=32), seed=1)
     assert truths.shape == (1024, 6)
     observations = designs.make_observations(problem.simulate, truths, analysis["observations"], seed=2)
     names = problem.names
