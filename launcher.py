@@ -7,6 +7,7 @@ a scheduler records as a failed job. Here that exception ends the launch with on
 the status of a process killed by the signal (143 for SIGTERM, 130 for SIGINT). Every other
 outcome, exit status and output is torchrun's own.
 """
+import logging
 import os
 import signal
 import sys
@@ -15,7 +16,7 @@ import time
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.run import main as torchrun_main
 
-__all__ = ["main"]
+__all__ = ["main", "leave_now"]
 
 DEATH_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # those torchrun handles
 WORKER_GRACE = 60.0      # seconds the launch waits for workers still saving after torchrun gave up on them
@@ -60,5 +61,19 @@ def main(argv=None):
     return 0
 
 
+def leave_now(status):
+    """End the process with `status` at once, its output flushed, skipping the interpreter's teardown."""
+    # The teardown finalises torchrun's objects (its rendezvous' keep-alive thread, its handles on
+    # workers already reaped here): on a busy machine one printed a stray "Exception ignored in:"
+    # after the stopped line. Once the workers are reaped nothing is left to clean up.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status:          # stopped by a signal: the line just printed stays the launch's last word
+        leave_now(status)
+    sys.exit(status)
