@@ -43,7 +43,7 @@ test-fast: setup
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "unit or property" tests
 
 # mypy on the kit's public modules (the list and the strictness, default mypy plus
-# warn_unused_ignores and warn_redundant_casts, are in pyproject.toml's [tool.mypy]). mypy is
+# check_untyped_defs, warn_unused_ignores and warn_redundant_casts, are in pyproject.toml's [tool.mypy]). mypy is
 # installed into the venv here, when the check runs: it is no dependency of nnpd, nor part of setup.
 typecheck: setup
 	$(PY) -c "import mypy" 2>/dev/null || $(PY) -m pip install mypy

@@ -68,7 +68,7 @@ INFERENCE_SCHEMA = {
 # What a study's `inference` section may leave out (docs/extending.md tabulates every key). The None
 # entries are each study's own (study_defaults): the candidate sizes from its parameter count, the
 # targets from whether it gives an exact likelihood.
-INFERENCE_DEFAULTS = {
+INFERENCE_DEFAULTS: dict[str, Any] = {
     "truths": {"kind": "sobol", "sobol_truths": 512, "truth_points_per_axis": 7, "max_grid_truths": 1024,
                "truth_margin_fraction": 0.0, "align_truths_to_grid": False, "repeats": 1},
     "observations": 1,
@@ -550,7 +550,7 @@ def metric_normalization(ctx):
     """Monte Carlo check that the mean of r(x, θ) over the prior's evidence is 1."""
     _, labels = split_pairs(ctx)
     product = labels == 0
-    report = {}
+    report: dict[str, Any] = {}
     for name, logits in (("learned", ctx.require("test_predictions").array("logits")),
                          ("exact", ctx.require("reference_logits").array("logits"))):
         ratios = np.exp(np.asarray(logits, dtype=np.float64)[product.numpy()])
@@ -724,7 +724,7 @@ def coverage_curve(credibility, levels=CREDIBILITY_LEVELS):
 def metric_expected_coverage(ctx):
     """Expected coverage over every credibility level, for every target (see coverage_curve)."""
     targets = ctx.analysis_settings["inference"]["targets"]
-    report = {"levels": list(CREDIBILITY_LEVELS), "cases": None}
+    report: dict[str, Any] = {"levels": list(CREDIBILITY_LEVELS), "cases": None}
     for target in targets:
         artifact = ctx.require("exact" if target == "exact" else "learned")
         credibility = artifact.array(f"{target}_credibility")

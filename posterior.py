@@ -302,6 +302,7 @@ def select_mixture(x, q, generator):
         if best is not None and bic >= best[0]:
             break       # more components stopped paying for themselves
         best = (bic, mixture)
+    assert best is not None             # the first choice, one component, is always fitted
     return best[1]
 
 

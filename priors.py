@@ -69,7 +69,7 @@ class _Coordinate:
         self.rate = values["exponential_rate"]
         self.mu, self.sigma = values["normal_mean"], values["normal_std"]
         if family == "grid":
-            self.count = designs.lattice_size(self.low, self.high, self.step)
+            self.count = designs.lattice_size(self.low, self.high, values["grid_step"])
         elif family == "normal":
             a, b = (self.low - self.mu) / self.sigma, (self.high - self.mu) / self.sigma
             # Work on the side of the mean where the mass is, so Phi differences do not cancel.
@@ -113,7 +113,7 @@ class _Coordinate:
         """Draw n values by inverse CDF (or a uniform index for the lattice)."""
         if self.family == "grid":
             index = torch.randint(0, self.count, (n,), generator=generator)
-            return self.low + index.to(torch.float64) * self.step
+            return self.low + index.to(torch.float64) * self.grid_step()
         u = torch.rand(n, generator=generator, dtype=torch.float64)  # in [0, 1)
         if self.family == "uniform" or (self.family == "exponential" and self.flat):
             t = self.low + self.width * u
@@ -129,7 +129,13 @@ class _Coordinate:
 
     def support(self):
         """Lattice points of a grid coordinate."""
-        return self.low + torch.arange(self.count, dtype=torch.float64) * self.step
+        return self.low + torch.arange(self.count, dtype=torch.float64) * self.grid_step()
+
+    def grid_step(self) -> float:
+        """The lattice step of a grid coordinate."""
+        if self.step is None:
+            raise ValueError(f"a {self.family} coordinate has no lattice step")
+        return self.step
 
     def describe(self):
         """JSON-able description of this coordinate's distribution."""

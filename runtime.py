@@ -214,7 +214,8 @@ class StopRequest:
         """The signal handler."""
         name = signal.Signals(signum).name
         if self.requested is not None:
-            repeated = self.polled or time.monotonic() - self.requested_at < self.REPEAT_SECONDS
+            since = time.monotonic() - (self.requested_at or 0.0)     # set with `requested`
+            repeated = self.polled or since < self.REPEAT_SECONDS
             if repeated and not (name == self.requested == "SIGINT"):
                 return                       # the same request delivered twice
             raise Interrupted(f"stopped by {name}")

@@ -566,7 +566,7 @@ def _no_exit():
     file raising KeyboardInterrupt itself is told apart from a user who stops nnpd.
     """
     hard_exit, os._exit = os._exit, _refuse_exit
-    pressed = []
+    pressed: list[int] = []
     previous = _note_ctrl_c(pressed)
     try:
         yield pressed

@@ -929,13 +929,13 @@ def _module_source(module_name):
     """The source file that importing `module_name` would run, found without running anything, or None."""
     from importlib.machinery import PathFinder
 
-    spec, path = None, sys.path
+    spec, path = None, list(sys.path)
     for depth in range(len(module_name.split("."))):
         spec = PathFinder.find_spec(".".join(module_name.split(".")[:depth + 1]), path)
         if spec is None:
             return None
-        path = spec.submodule_search_locations
-    return spec.origin if spec.origin and spec.origin.endswith(".py") else None
+        path = list(spec.submodule_search_locations or ())
+    return spec.origin if spec is not None and spec.origin and spec.origin.endswith(".py") else None
 
 
 def check_defines_class(spec):
