@@ -210,20 +210,15 @@ def build_observations(ctx, writer):
     return {"shape": list(observations.shape)}
 
 
-def candidate_design(ctx):
-    """'enumerate', 'grid', 'sobol' or 'adaptive': how this member's cases are scored."""
-    return case_design(ctx).kind
-
-
 def build_candidates(ctx, writer):
     """The shared design (the adaptive kind's coarse first pass) with its log measure."""
-    problem = ctx.problem
-    points, log_measure = case_blocks.shared_candidates((problem.low, problem.high), candidate_lattice(ctx),
+    problem, design = ctx.problem, case_design(ctx)
+    points, log_measure = case_blocks.shared_candidates((problem.low, problem.high), design.lattice,
                                                         ctx.analysis_settings["inference"]["candidates"],
                                                         ctx.settings["seed"])
     writer.array("points", points.numpy())
     writer.array("log_measure", log_measure.numpy())
-    return {"count": int(points.shape[0]), "design": candidate_design(ctx)}
+    return {"count": int(points.shape[0]), "design": design.kind}
 
 
 def inference_inputs(ctx):
