@@ -111,6 +111,8 @@ def accepts_column_rows(logit_fn: LogitFn, width: int, device: torch.device | st
     with torch.no_grad():
         try:
             return bool(torch.equal(logit_fn(buffer.T).reshape(-1), logit_fn(buffer.T.contiguous()).reshape(-1)))
+        except KeyboardInterrupt:   # a stop (runtime.Interrupted is also an Exception) is never swallowed
+            raise
         except Exception:     # whatever the network objects to, contiguous rows are what it was always given
             return False
 

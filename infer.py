@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+import runtime
 import study
 import trainer
 from c2st import c2st
@@ -102,9 +103,13 @@ def command(arguments):
     try:
         written, lines = infer(arguments)
         print("\n".join([f"written: {path}" for path in written] + lines))
+    except KeyboardInterrupt:           # a stop is an NnpdError too, but not one to answer with exit status 2
+        raise
     # Only nnpd's own errors are the user's to fix: a TypeError or a bare ValueError from the
     # study's code is a bug, and stays a traceback rather than a misleading one-line answer.
     except NnpdError as error:
+        if runtime.STOP.requested is not None:      # raised after a stop the study's code swallowed: that stop
+            raise
         print(f"nnpd: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
     return 0

@@ -218,7 +218,8 @@ def get_trained(launch, job):
     data = find_intact(store, "training-data", data_key)
     if data is None:
         launch.log(f"data    {job.run}: sampling", every_worker=True)
-        data = store.get("training-data", recipe_of_data, build=lambda writer: write_data(launch, job, writer))
+        build = runtime.unless_stopped(lambda writer: write_data(launch, job, writer))
+        data = store.get("training-data", recipe_of_data, build=build)
     else:
         launch.log(f"data    {job.run}: reused", every_worker=True)
     model = get_model(launch, job, data, recipe)
@@ -255,12 +256,13 @@ def get_model(launch, job, data, recipe):
     launch.log(f"train   {job.run}", every_worker=True)
     started = time.monotonic()
     if not rt.ddp:
-        model = store.get("model", recipe, build=lambda writer: write_model(writer, *train_model(launch, job, data, key)))
+        build = runtime.unless_stopped(lambda writer: write_model(writer, *train_model(launch, job, data, key)))
+        model = store.get("model", recipe, build=build)
     else:
         # Training cannot happen under the artifact's lock here: rank 0 commits what all trained.
         state, history = train_model(launch, job, data, key)
-        model = store.get("model", recipe, build=lambda writer: write_model(writer, state, history)) \
-            if rt.is_main else None
+        build = runtime.unless_stopped(lambda writer: write_model(writer, state, history))
+        model = store.get("model", recipe, build=build) if rt.is_main else None
         runtime.barrier(rt)
     if launch.owner:
         store.drop_scratch("model", key)

@@ -166,6 +166,8 @@ def embedding_features(embedding: torch.nn.Module, observation_size: int, where:
     try:
         with torch.no_grad():
             features = embedding(torch.zeros(2, observation_size))
+    except KeyboardInterrupt:           # a stop (runtime.Interrupted is also an Exception) is never swallowed
+        raise
     except Exception as error:          # the study's code: any failure is reported as a settings error
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SettingsError(f"{where}: calling it on x (2, {observation_size}) failed: {first}") from None

@@ -164,11 +164,6 @@ def plan_advice(profile, made):
 
 # ---------------------------------------------------------------- the launch
 
-def training_identity(profile):
-    """The digest that tells distinct training settings apart in history.json."""
-    return settings.identity(profile.training)
-
-
 def latest_training(profile):
     """For analyze: the profile with the training settings of the output root's latest training.
 
@@ -177,7 +172,7 @@ def latest_training(profile):
     """
     root = Path(profile.training["output"]["root"])
     latest = runs.latest_training_digest(root) if (root / ROOT_MARKER).is_file() else None
-    if latest in (None, training_identity(profile)) or not (root / profile.training_path.name).exists():
+    if latest in (None, settings.identity(profile.training)) or not (root / profile.training_path.name).exists():
         return profile
     loaded = settings.load_profile(profile.settings_dir, profile.name, training_dir=root)
     settings.check_framework(loaded)
@@ -295,6 +290,8 @@ def do_job(launch, job, trained=None):
     except (LaunchError, KeyboardInterrupt):
         raise
     except Exception as error:
+        if runtime.STOP.requested is not None:      # the study's code swallowed a stop, then failed for want of it
+            raise
         run_dir = launch.root / job.run
         runs.fail_job(run_dir, stage, error)
         where = run_dir / ("status.json" if stage == "train" else "analysis.json")
@@ -309,8 +306,9 @@ def finish_launch(launch, planned, trained, used):
     root, profile = launch.root, launch.profile
     if launch.stage != "train":
         jobs.cohort_figures(launch, planned, trained)
-    fields = {"digest": training_identity(profile), "profile": profile.name, "runs": sorted(job.run for job in planned),
-              "source": launch.snapshot, "settings": settings.to_jsonable(profile.training)}
+    fields = {"digest": settings.identity(profile.training), "profile": profile.name,
+              "runs": sorted(job.run for job in planned), "source": launch.snapshot,
+              "settings": settings.to_jsonable(profile.training)}
     backend = {"digest": settings.digest(launch.identity), "identity": launch.identity}
     # A training launch keeps the analyses still valid for its models, so it keeps what they refer to.
     used = used | runs.referenced_keys(root, fields["runs"])
@@ -410,6 +408,17 @@ def run_action(arguments):
     return 0
 
 
+def ended_by(error):
+    """The exit status of a launch that `error` ended, after its one line on stderr; None for a bug's traceback."""
+    stopped = runtime.reported_stop(error)     # a stop first: an NnpdError too, and it explains what failed after it
+    problem = one_line(error) if isinstance(error, NnpdError) else \
+        disk_problem(error) if isinstance(error, OSError) else None
+    if stopped is None and problem is not None:     # a launch's, the store's, restore's, a full disk: the user's to fix
+        print(f"nnpd: {'settings error' if isinstance(error, SettingsError) else 'error'}: {problem}", file=sys.stderr)
+        return 2 if isinstance(error, SettingsError) else 1
+    return stopped
+
+
 def main(argv=None):
     """Run the command line; returns the exit status."""
     arguments = parse_arguments(sys.argv[1:] if argv is None else argv)
@@ -427,22 +436,11 @@ def main(argv=None):
             # What is still buffered goes nowhere, so the flush at exit cannot fail again.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 1
-        except SettingsError as error:
-            print(f"nnpd: settings error: {one_line(error)}", file=sys.stderr)
-            return 2
-        except NnpdError as error:      # a launch's, the store's, restore's: the user's to fix, in one line
-            print(f"nnpd: error: {one_line(error)}", file=sys.stderr)
-            return 1
-        except OSError as error:
-            if disk_problem(error) is None:
+        except (KeyboardInterrupt, Exception) as error:
+            status = ended_by(error)
+            if status is None:
                 raise
-            print(f"nnpd: error: {disk_problem(error)}", file=sys.stderr)
-            return 1
-        except KeyboardInterrupt as error:
-            message = one_line(error) or "interrupted"
-            then = "" if "same command" in message else "; everything committed so far is kept, and the same command resumes"
-            print(f"nnpd: {message}{then}", file=sys.stderr)
-            return 143 if runtime.STOP.requested == "SIGTERM" else 130
+            return status
 
 
 if __name__ == "__main__":

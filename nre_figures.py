@@ -111,6 +111,8 @@ def draw_custom_prior(axes, prior, problem, prior_name, colour):
     """A study's own prior object on each parameter's axis, or a legend entry saying why it cannot be drawn."""
     try:
         curves = custom_prior_curves(prior, problem, len(axes))
+    except KeyboardInterrupt:           # a stop (runtime.Interrupted is also an Exception) is never swallowed
+        raise
     except Exception as error:          # any failure of the study's object: name it rather than fail the figure
         reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         for axis in axes:
@@ -142,6 +144,8 @@ def custom_prior_curves(prior, problem, count, points=400):
         x = torch.linspace(float(problem.low[0]), float(problem.high[0]), points, dtype=torch.float64)
         try:
             y = torch.exp(torch.as_tensor(prior.log_prob(x[:, None]), dtype=torch.float64).reshape(-1)).numpy()
+        except KeyboardInterrupt:       # a stop is never swallowed
+            raise
         except Exception:               # a log_prob that fails on a grid of values: its draws may still serve
             y = np.full(points, np.nan)
         if np.isfinite(y).all() and y.max() > 0:

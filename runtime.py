@@ -18,20 +18,20 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from settings import DEVICE_FORMS, SettingsError, check_runtime
-from store import LaunchError
+from store import LaunchError, NnpdError
 
 __all__ = [
     "PRECISIONS", "launch_environment", "resolve_device", "check_precision", "Interrupted", "Preempted",
-    "StopRequest", "STOP", "request_stop", "exit_status", "Runtime", "process_settings_kept", "set_determinism",
-    "derived_seed", "seeded_generator", "seed_everything", "group_backend", "group_timeout", "start", "stop",
-    "backend_identity", "barrier", "broadcast_object", "all_reduce_sum", "all_gather_object",
+    "StopRequest", "STOP", "unless_stopped", "reported_stop", "request_stop", "exit_status", "Runtime",
+    "process_settings_kept", "set_determinism", "derived_seed", "seeded_generator", "seed_everything",
+    "group_backend", "group_timeout", "start", "stop", "backend_identity", "barrier", "broadcast_object", "all_reduce_sum", "all_gather_object",
 ]
 
 PRECISIONS = ("off", "float16", "bfloat16")
@@ -134,9 +134,11 @@ def check_precision(precision: str, device) -> torch.dtype | None:
     return {"off": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[precision]
 
 
-# Interruptions are KeyboardInterrupts, outside NnpdError and Exception: an `except Exception` (a
-# failed job's record, a damaged state's fallback) must never swallow a stop the user asked for.
-class Interrupted(KeyboardInterrupt):
+# A stop is one of nnpd's errors and a KeyboardInterrupt: `except NnpdError` and `except
+# KeyboardInterrupt` both see it. An `except Exception` sees it too, so nnpd's own handlers of
+# that kind let KeyboardInterrupt through first, and a stop that a study's own handler swallowed
+# is raised again before anything is committed (unless_stopped).
+class Interrupted(NnpdError, KeyboardInterrupt):
     """SIGTERM or SIGINT ended the launch; what was committed is kept, and the same command resumes."""
 
 
@@ -238,6 +240,43 @@ class StopRequest:
 
 
 STOP = StopRequest()
+
+
+def unless_stopped(build: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`build`, ending in Interrupted when a stop was requested while it ran.
+
+    A stop interrupts the build at once. If the study's own `except Exception` caught that,
+    the build may go on to return a result the stop spoiled (a simulation turned invalid, a
+    training cut short), which must not be committed, or to fail for that reason, which must
+    not be reported as the study's fault.
+    """
+    def guarded(writer):
+        try:
+            produced = build(writer)
+        except Exception as error:
+            if STOP.requested is None or isinstance(error, KeyboardInterrupt):
+                raise
+            raise Interrupted(f"stopped by {STOP.requested}; what was being built is not committed") from error
+        if STOP.requested is not None:
+            raise Interrupted(f"stopped by {STOP.requested}; what was being built is not committed")
+        return produced
+    return guarded
+
+
+def reported_stop(error: BaseException) -> int | None:
+    """The exit status of a launch a stop ended (143 for SIGTERM, 130 for SIGINT), after its one line on
+    stderr; None when `error` is no stop.
+
+    An error raised while a stop was pending is that stop: a study's `except Exception` caught the
+    stop, then its code failed for want of what the stop cut short.
+    """
+    if not isinstance(error, KeyboardInterrupt) and STOP.requested is None:
+        return None
+    message = " ".join(str(error).split()) if isinstance(error, KeyboardInterrupt) else f"stopped by {STOP.requested}"
+    message = message or "interrupted"
+    then = "" if "same command" in message else "; everything committed so far is kept, and the same command resumes"
+    print(f"nnpd: {message}{then}", file=sys.stderr)
+    return 143 if STOP.requested == "SIGTERM" else 130
 
 
 def request_stop():

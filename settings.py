@@ -598,8 +598,9 @@ def _note_ctrl_c(pressed):
 
 
 def _reraise_ctrl_c(error, pressed):
-    """Let a real Ctrl-C stop nnpd as usual; any other exception of settings code is a settings error."""
-    if isinstance(error, KeyboardInterrupt) and pressed:
+    """Let a real Ctrl-C or nnpd's own stop (SIGTERM: an NnpdError that is a KeyboardInterrupt) stop nnpd as
+    usual; any other exception of settings code is a settings error."""
+    if isinstance(error, KeyboardInterrupt) and (pressed or isinstance(error, store.NnpdError)):
         raise error
 
 

@@ -703,7 +703,8 @@ class Context:
             return self.used[name]
         spec = self.analysis.products[name]
         recipe = self.product_recipe(name)
+        build = runtime.unless_stopped(lambda writer: spec.build(self, writer))
         with probes.phase(f"product.{name}"):
-            artifact = self.store.get(name, recipe, build=lambda writer: spec.build(self, writer))
+            artifact = self.store.get(name, recipe, build=build)
         self.used[name] = artifact
         return artifact

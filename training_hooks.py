@@ -148,6 +148,8 @@ class HookRunner:
                 problem = training_state.state_problem(saved, state, self.identity, self.n_batches)
                 if problem is None:
                     training_state.apply_saved_state(saved, state, self.rt)
+        except KeyboardInterrupt:   # a stop (runtime.Interrupted is also an Exception) is never swallowed
+            raise
         except Exception as error:  # a damaged state must never stop a training that can start afresh
             problem = training_state.one_line(error)
         save_id = saved.get("save_id") if isinstance(saved, dict) else None

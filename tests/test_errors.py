@@ -22,11 +22,13 @@ from helpers import REPO, kit_study, main_in_process, run_without_pythonpath, wi
 @pytest.mark.unit
 def test_every_error_nnpd_raises_for_the_user_is_an_nnpd_error():
     family = (settings.SettingsError, store.LaunchError, DamagedArtifact, store.MissingArtifact, RestoreError,
-              posterior.PosteriorError, infer.InferError)
+              posterior.PosteriorError, infer.InferError, runtime.Interrupted, runtime.Preempted)
     assert all(issubclass(error, NnpdError) for error in family)
     assert not issubclass(DamagedArtifact, OSError) and not issubclass(store.LaunchError, RuntimeError)
     assert issubclass(settings.SettingsError, ValueError)           # what user code caught before stays caught
-    assert trainer.Preempted is runtime.Preempted and not issubclass(runtime.Preempted, Exception)
+    # One Preempted, a stop: `except KeyboardInterrupt` (torchrun's, the interpreter's exit status) still sees it.
+    assert trainer.Preempted is runtime.Preempted and issubclass(runtime.Preempted, runtime.Interrupted)
+    assert issubclass(runtime.Interrupted, KeyboardInterrupt)
 
 
 @pytest.mark.unit

@@ -150,3 +150,34 @@ def test_every_module_lists_its_public_names_in_all_and_each_exists():
         missing = sorted(set(listed) - bound_names(ast.parse(MODULES[name].read_text()).body))
         problems += [f"{name}: __all__ lists {missing} it does not define"] if missing else []
     assert not problems, "; ".join(problems)
+
+
+BROAD = {"Exception", "NnpdError", "BaseException"}     # handlers that would also catch runtime.Interrupted
+
+
+def caught_names(handler):
+    """The class names an except clause names (the last part of a dotted name)."""
+    kinds = handler.type.elts if isinstance(handler.type, ast.Tuple) else [handler.type]
+    return {kind.attr if isinstance(kind, ast.Attribute) else getattr(kind, "id", None) for kind in kinds}
+
+
+def swallowing_handlers(path):
+    """(line, names) of every broad except clause of a module that can end without raising and that no
+    earlier clause of its try lets a KeyboardInterrupt pass."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Try):
+            continue
+        for handler in node.handlers:
+            names = caught_names(handler) if handler.type is not None else {"BaseException"}
+            if "KeyboardInterrupt" in names or "Interrupted" in names or "Preempted" in names:
+                break
+            if names & BROAD and not isinstance(handler.body[-1], ast.Raise):
+                found.append((handler.lineno, sorted(names & BROAD)))
+    return found
+
+
+def test_no_handler_of_nnpd_swallows_a_stop():
+    # A stop is an NnpdError (and so an Exception); every broad handler lets it pass first (docs/extending.md).
+    swallowing = {name: found for name in sorted(MODULES) if (found := swallowing_handlers(MODULES[name]))}
+    assert not swallowing, f"broad except clauses with no `except KeyboardInterrupt: raise` before them: {swallowing}"

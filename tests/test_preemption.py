@@ -15,7 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (command, finish_launch, main_in_process, saved_states, settings_for, side_by_side, start,
+from helpers import (command, finish_launch, kit_study, main_in_process, module_name, saved_states, settings_for,
+                     side_by_side, start,
                      wait_for, weights, worker_pids, write_settings)
 
 pytestmark = pytest.mark.launch
@@ -76,6 +77,55 @@ def test_sigterm_saves_and_exits_with_one_line_then_resumes_bitwise(tmp_path, re
     again = finish_launch(command(settings))
     assert again.returncode == 0 and "resumed" in again.stdout, again.stderr
     assert_bitwise_equal(weights(tmp_path / "out"), reference["single"])
+
+
+# A simulator of two halves that says so and waits the first time a half has HOLD_ROWS rows or more,
+# catching every Exception as many simulators do. nnpd's plan checks simulate 2 rows, the training
+# data 256 in one call: a stop there spoils its second half only, which data.invalid "drop" would drop.
+HOLDING_STUDY = """
+import pathlib
+import time
+
+
+class Holding(Line):
+    def simulate(self, theta, generator):
+        half = theta.shape[0] // 2
+        return torch.cat([super().simulate(theta[:half], generator), self.held(theta[half:], generator)])
+
+    def held(self, theta, generator):
+        started = pathlib.Path(__file__).with_name("simulating")
+        try:
+            if theta.shape[0] >= {rows} and not started.exists():
+                started.touch()
+                time.sleep(120)
+            return super().simulate(theta, generator)
+        except Exception:
+            return torch.full((theta.shape[0], 3), float("nan"), dtype=torch.float64)
+"""
+
+
+@pytest.mark.parametrize("rows, invalid", [(1, "error"), (64, "error"), (64, "drop")],
+                         ids=["plan check", "data, invalid fails", "data, invalid dropped"])
+def test_a_stop_the_study_swallows_still_stops_and_commits_nothing_it_spoiled(tmp_path, rows, invalid):
+    """SIGTERM inside a simulator whose `except Exception` catches the stop: the launch stops as
+    asked, the failures that follow are not blamed on the study, and spoiled rows are not committed."""
+    choice = f'settings["experiment"] = "{module_name(tmp_path)}:Holding"\nsettings["data"]["invalid"] = "{invalid}"\n'
+    folder, module, root = kit_study(tmp_path, extra=HOLDING_STUDY.format(rows=rows), training=choice)
+    process = start(command(folder, action="run"))
+    wait_for(lambda: (folder / "simulating").exists(), "the simulator to start", process=process)
+    time.sleep(0.2)
+    process.send_signal(signal.SIGTERM)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 143, stderr
+    *warned, last = stderr.strip().splitlines()         # "drop" warns of the rows it drops, then the stop
+    assert last.startswith("nnpd: stopped by SIGTERM") and "same command" in last, stderr
+    assert all(line.startswith("nnpd: warning: data.train: 128 of 256") for line in warned) and len(warned) <= 1
+    assert not list(root.glob("cache/training-data/*/artifact.json"))
+    if invalid == "drop":
+        assert "not committed" in last and warned
+        again = finish_launch(command(folder, action="run"))
+        assert again.returncode == 0, again.stderr
+        assert "dropped_simulations" not in json.loads(next(root.glob("runs/*/*/run.json")).read_text())
 
 
 def test_sigterm_repeated_until_the_launch_has_exited_changes_nothing(tmp_path):
