@@ -481,8 +481,8 @@ class Study(Experiment):
     def posterior(self, member: Member, model: torch.nn.Module, analysis_settings: dict[str, Any], observations: Any,
                   truth: Any = None, device: str | torch.device = "cpu", case: int = 0) -> Any:
         """The member's posterior for an observation, from its trained `model` (see posterior.py)."""
-        return posterior.for_observation(self.problem(), self.prior(member), model, analysis_settings, observations,
-                                         self.settings["seed"], truth=truth, device=device, case=case)
+        learned = posterior.Learned(self.problem(), self.prior(member), model, analysis_settings, self.settings["seed"])
+        return posterior.for_observation(learned, observations, truth=truth, device=device, case=case)
 
     def plan_warnings(self) -> list[str]:
         """Lines for plan: priors with mass outside the parameter box, models of the earlier data meaning,

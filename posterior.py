@@ -48,8 +48,8 @@ import study
 from nre_analysis import check_inference_settings, flatness, learned_scoring, prior_sds
 from store import NnpdError
 
-__all__ = ["POSTERIOR_CANDIDATES", "Posterior", "PosteriorError", "draw_corner", "for_observation", "from_scores",
-           "marginal_interval", "posterior_settings", "rejection_sample"]
+__all__ = ["POSTERIOR_CANDIDATES", "Learned", "Posterior", "PosteriorError", "Support", "draw_corner",
+           "for_observation", "from_scores", "marginal_interval", "posterior_settings", "rejection_sample"]
 
 # Network rows one posterior may score: candidate points × observations of the ensemble. At about 2.4 µs
 # a row for the kit's network on one CPU core, 10^8 is some four minutes; more is refused before any work.
@@ -87,24 +87,42 @@ class PosteriorError(NnpdError, ValueError):
     """A posterior that cannot be computed or sampled as asked; the message says why and what to change."""
 
 
+class Support(NamedTuple):
+    """The candidates a posterior lives on: points θ (n, p), their log measure (n,) and log posterior scores (n,)."""
+    points: torch.Tensor
+    log_measure: torch.Tensor
+    scores: torch.Tensor
+    enumerated: bool = False                    # every support point is a candidate: the masses are exact
+    box: adaptive.Box | None = None             # the prior's support; None: the candidates' hull
+
+
+class Learned(NamedTuple):
+    """A trained member's network and what its posterior needs beside it."""
+    problem: Any
+    prior: Any
+    model: torch.nn.Module
+    analysis_settings: Mapping[str, Any] | None     # those the run was analysed with; None: never analysed
+    seed: int                                       # the training settings' seed: the analysis' designs derive from it
+
+
 class Posterior:
     """The normalised posterior on a refined candidate design (see the module's docstring)."""
 
-    def __init__(self, names: Sequence[str], score: Callable[[torch.Tensor], torch.Tensor], points: torch.Tensor,
-                 log_measure: torch.Tensor, scores: torch.Tensor, summary: Mapping[str, Any], levels: Sequence[float],
-                 enumerated: bool = False, box: adaptive.Box | None = None) -> None:
+    def __init__(self, names: Sequence[str], score: Callable[[torch.Tensor], torch.Tensor], support: Support,
+                 summary: Mapping[str, Any], levels: Sequence[float]) -> None:
         self.names = list(names)
-        self.enumerated = enumerated                # every support point is a candidate: the masses are exact
+        self.enumerated = support.enumerated
         self._score = score                         # score(θ (n, p)) -> unnormalised log density (n,)
-        measured = torch.isfinite(log_measure)      # zero-measure probes only sharpen projected bounds
-        self.points, self.scores, self.log_measure = points[measured], scores[measured], log_measure[measured]
+        measured = torch.isfinite(support.log_measure)      # zero-measure probes only sharpen projected bounds
+        self.points, self.scores = support.points[measured], support.scores[measured]
+        self.log_measure = support.log_measure[measured]
         self.log_weights = self.scores + self.log_measure
         self.log_normalizer = float(torch.logsumexp(self.log_weights, 0))
         self.masses = torch.exp(self.log_weights - self.log_normalizer)
         self.ess = float(1.0 / (self.masses * self.masses).sum())
         self.levels = list(levels)
         self._summary = summary                     # the analysis-style summary at `levels`, probes included
-        self.box = box                              # the prior's support (adaptive.Box); None: the candidates' hull
+        self.box = support.box
         self.sampling: dict[str, Any] | None = None   # how the last sample() drew (see sample)
         self.prior_sd: torch.Tensor | None = None                        # the prior's marginal sds (p,), for flatness(); set by for_observation
 
@@ -516,21 +534,23 @@ def posterior_settings(problem, lattice_steps, analysis_settings):
     return settings
 
 
-def for_observation(problem, prior, model, analysis_settings, observations, seed, truth=None, device="cpu", case=0):
-    """The posterior of `model` (a member's trained network) for an observation (see the module's docstring).
+def for_observation(learned, observations, truth=None, device="cpu", case=0):
+    """The posterior of a member's trained network (`learned`, a Learned) for an observation (see the
+    module's docstring).
 
-    `seed` is the training settings' seed, from which the analysis derives its designs;
     `case` picks the refinement's stream, so a case's index, observations and truth give
     that case's design. Without a truth, the box's centre stands in (it changes nothing
     but the truth-only fields of the analysis' summary).
     """
-    settings = posterior_settings(problem, prior.lattice_steps, analysis_settings)
+    problem, prior = learned.problem, learned.prior
+    settings = posterior_settings(problem, prior.lattice_steps, learned.analysis_settings)
     x = observation_ensemble(observations, problem.dimension)
     points = check_ensemble_cost(problem, prior, settings, len(x))
-    score_fn = host_scores(learned_scoring(model, torch.device(device), prior, x[None], score_targets(settings),
-                                           settings, case_scores.Evaluations()))
+    score_fn = host_scores(learned_scoring(learned.model, torch.device(device), prior, x[None],
+                                           score_targets(settings), settings, case_scores.Evaluations()))
     counted = ScoredPoints(score_fn, points)
-    posterior = from_scores(problem, prior.lattice_steps, counted, analysis_settings, seed, truth, case)
+    posterior = from_scores(problem, prior.lattice_steps, counted, learned.analysis_settings, learned.seed, truth,
+                            case)
     counted.finish()
     posterior.prior_sd = prior_sds(prior, problem.parameter_count)
     return posterior
@@ -559,8 +579,8 @@ def from_scores(problem, lattice_steps, score_fn, analysis_settings, seed, truth
     if not bool(torch.isfinite(scores).any()):
         raise PosteriorError("the posterior is zero on every candidate: the observation is impossible under "
                              "the prior and the trained model")
-    return Posterior(problem.names, lambda theta: score_fn(theta)["posterior"], points, log_measure, scores,
-                     summary, settings["levels"], enumerated=design.kind == "enumerate", box=design.refinement.box)
+    support = Support(points, log_measure, scores, enumerated=design.kind == "enumerate", box=design.refinement.box)
+    return Posterior(problem.names, lambda theta: score_fn(theta)["posterior"], support, summary, settings["levels"])
 
 
 def draw_corner(figure, posterior, samples, truth, run=None, prior=None):

@@ -78,7 +78,7 @@ def timing_rows(dimensions, draws):
         truth = torch.full((d,), 4.0, dtype=torch.float64)
         x = problem.simulate(truth.expand(OBSERVATIONS, -1), torch.Generator().manual_seed(7))
         started = time.process_time()
-        posterior = post.for_observation(problem, prior, CostlyExactLogit(problem), analysis, x, seed=1)
+        posterior = post.for_observation(post.Learned(problem, prior, CostlyExactLogit(problem), analysis, 1), x)
         built = time.process_time() - started
         started = time.process_time()
         test_sampler.old_resampling(posterior, draws)

@@ -49,7 +49,7 @@ def test_a_network_that_needs_contiguous_rows_gives_the_same_posterior():
     x = problem.simulate(torch.full((OBSERVATIONS, 2), 5.0, dtype=torch.float64), torch.Generator().manual_seed(7))
     analysis = settings_analysis.make_settings("default")
     analysis["inference"]["candidates"].update(kind="adaptive", candidate_count=2048, coarse_count=256)
-    plain, flattening = (post.for_observation(problem, prior, network, analysis, x, seed=1)
+    plain, flattening = (post.for_observation(post.Learned(problem, prior, network, analysis, 1), x)
                          for network in (ExactLogit(problem), FlatteningExactLogit(problem)))
     assert torch.equal(plain.points, flattening.points) and torch.equal(plain.scores, flattening.scores)
 
@@ -62,7 +62,7 @@ def exact_posterior(dimension, prior_settings=None, truth=None, kind="adaptive")
     x = problem.simulate(truth.expand(OBSERVATIONS, -1), torch.Generator().manual_seed(7))
     analysis = settings_analysis.make_settings("default")
     analysis["inference"]["candidates"].update(kind=kind, candidate_count=4096, coarse_count=512)
-    return post.for_observation(problem, prior, ExactLogit(problem), analysis, x, seed=1), x
+    return post.for_observation(post.Learned(problem, prior, ExactLogit(problem), analysis, 1), x), x
 
 
 @pytest.mark.parametrize("dimension", [1, 3])
