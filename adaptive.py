@@ -343,13 +343,19 @@ def _fit_targets(points, scores, log_weights, anchors, spread, box, size):
     return fitted
 
 
+class Refined(NamedTuple):
+    """What the refined passes leave: the mixture weights (B, n) of the n points measured (coarse and
+    refined), each target's last proposal and the points' extremes (see point_extremes)."""
+    log_weights: torch.Tensor
+    last: dict
+    extremes: tuple
+
+
 def _refined_passes(score_fn, columns, scores, multiplicity, box, sizes, seeds):
-    """Run the refined passes: each target fits its next proposal on its own weighted scores.
+    """Run the refined passes (a Refined): each target fits its next proposal on its own weighted scores.
 
     columns (B, p, N) holds the coarse points first and scores {target: (B, N)} their
     scores; each pass writes its points and scores after them, so nothing grows by copying.
-    Returns the mixture weights (B, n) of the n points measured (coarse and refined), each
-    target's last proposal and the points' extremes (see point_extremes).
     """
     targets, cases = list(scores), len(seeds)
     filled = sizes["coarse_points"]
@@ -382,7 +388,7 @@ def _refined_passes(score_fn, columns, scores, multiplicity, box, sizes, seeds):
         extremes = (torch.minimum(extremes[0], fresh_extremes[0]), torch.maximum(extremes[1], fresh_extremes[1]))
         filled = start
         points = columns[:, :, :filled].transpose(1, 2)
-    return _log_weights(log_denominator, multiplicity), last, extremes
+    return Refined(_log_weights(log_denominator, multiplicity), last, extremes)
 
 
 def _merged(points, log_weights, box):
@@ -533,9 +539,10 @@ def _coarse_scores(score_fn, coarse_points, truths, cases):
     return {t: s[:, :-1] for t, s in first.items()}, {t: s[:, -1] for t, s in first.items()}
 
 
-def _measured_summaries(points, log_weights, scores, truth_scores, levels, box, last, extremes):
-    """Per target: the summary on the measured points (their extremes given), with the refinement
-    checks against the target's last proposal, and the probe frame."""
+def _measured_summaries(points, refined, scores, truth_scores, levels, box):
+    """Per target: the summary on the measured points (their weights and extremes in `refined`), with
+    the refinement checks against the target's last proposal, and the probe frame."""
+    log_weights, last, extremes = refined
     columns = hpd.point_columns(points)
     summaries, frames, other = {}, {}, None
     for target, values in scores.items():
@@ -581,22 +588,20 @@ def refine_block(score_fn, coarse, truths, cases, refinement):
     for target, values in scores.items():
         values[:, :coarse], values[:, -1] = first[target], truth_scores[target]
     measured_scores = {t: s[:, :measured] for t, s in scores.items()}
-    log_weights, last, extremes = _refined_passes(score_fn, columns, measured_scores, multiplicity, box,
-                                                  dict(sizes, passes=passes, coarse_points=coarse),
-                                                  [case_seed(seed, case) for case in cases])
+    refined = _refined_passes(score_fn, columns, measured_scores, multiplicity, box,
+                              dict(sizes, passes=passes, coarse_points=coarse), [case_seed(seed, case) for case in cases])
     points = columns[:, :, :measured].transpose(1, 2)
-    log_weights = _merged(points, log_weights, box)
-    summaries, frames = _measured_summaries(points, log_weights, measured_scores, truth_scores, levels, box, last,
-                                            extremes)
+    refined = refined._replace(log_weights=_merged(points, refined.log_weights, box))
+    summaries, frames = _measured_summaries(points, refined, measured_scores, truth_scores, levels, box)
     probes, probe_scores = _probe(score_fn, frames, box)
     columns[:, :, measured:] = probes.transpose(1, 2)
     for target, summary in summaries.items():
         scores[target][:, measured:total] = probe_scores[target]
         _widen(summary, probes, probe_scores[target], measured_scores[target].amax(dim=1))
     log_measure = torch.full((truths.shape[0], total), -math.inf, dtype=torch.float64, device=device)
-    log_measure[:, :measured] = log_weights
+    log_measure[:, :measured] = refined.log_weights
     return {"points": columns.transpose(1, 2), "log_measure": log_measure, "scores": scores,
-            "summaries": summaries, "proposals": last, "evaluated": total}
+            "summaries": summaries, "proposals": refined.last, "evaluated": total}
 
 
 def refine_case(score_fn, coarse, truth, refinement, case=0):

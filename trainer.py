@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -381,12 +382,22 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor | None, batch_len: int
     return loss, record
 
 
-def _step(state: TrainingState, net, params, shard: tuple, batch_len: int, index: int, settings, rt) -> None:
+class Fit(NamedTuple):
+    """What every step of one training reads: its state, the network to call (DDP's wrapper under DDP),
+    the checked `training` settings and the runtime."""
+    state: TrainingState
+    net: torch.nn.Module
+    settings: dict
+    rt: runtime.Runtime
+
+
+def _step(fit: Fit, params: list, shard: tuple, batch_len: int, index: int) -> None:
     """One optimizer step on this rank's shard of a global batch; records its loss and gradient norm.
 
     Its parts are timed as the phases train.forward, train.loss, train.backward (with DDP's
     gradient communication inside) and train.optimizer (clipping included).
     """
+    state, net, settings, rt = fit
     xb, yb = shard
     device = rt.device
     with probes.phase("train.forward", device=device), _autocast(device, settings["precision"]):
@@ -410,12 +421,13 @@ def _step(state: TrainingState, net, params, shard: tuple, batch_len: int, index
     state.batch_losses[index] = record
 
 
-def _joint_shard(state: TrainingState, xs, thetas, batch: tuple, index: int, settings, rt) -> tuple:
+def _joint_shard(fit: Fit, xs, thetas, batch: tuple, index: int) -> tuple:
     """This rank's rows of a global batch of joint pairs, each followed by its atoms' re-paired rows.
 
     Returns ((inputs, labels), loss units of the global batch): labels 1/0 and 2B units for
     the binary objectives, no labels and B units (one NRE-C loss per pair) for "contrastive".
     """
+    state, _, settings, rt = fit
     start, stop = batch
     atoms = contrast.batch_atoms(start, stop, contrast_classes(settings), state.seed, state.epoch, index)
     part = shard_slice(stop - start, rt.rank if rt.ddp else 0, rt.train_world_size)
@@ -426,11 +438,12 @@ def _joint_shard(state: TrainingState, xs, thetas, batch: tuple, index: int, set
     return (inputs, contrast.binary_labels(own.shape[0], xs.device)), 2 * (stop - start)
 
 
-def _run_epoch(state: TrainingState, net, x, y, settings, rt, runner: HookRunner, joint: bool):
+def _run_epoch(fit: Fit, x, y, runner: HookRunner, joint: bool):
     """The rest of the current epoch; returns this rank's per-batch loss sums and gradient norms.
 
     `y` holds the labels of fixed pairs, or the θ of joint pairs (x then being their x).
     """
+    state, _, settings, rt = fit
     rows, device = x.shape[0], rt.device
     perm = state.permutation(rows).to(device)
     # One gather per epoch makes every global batch a contiguous view.
@@ -444,11 +457,11 @@ def _run_epoch(state: TrainingState, net, x, y, settings, rt, runner: HookRunner
     for index in range(state.position, len(batches)):
         start, stop = batches[index]
         if joint:
-            shard, units = _joint_shard(state, xs, ys, (start, stop), index, settings, rt)
+            shard, units = _joint_shard(fit, xs, ys, (start, stop), index)
         else:
             part = shard_slice(stop - start, rt.rank if rt.ddp else 0, rt.train_world_size)
             shard, units = (xs[start:stop][part], ys[start:stop][part]), stop - start
-        _step(state, net, params, shard, units, index, settings, rt)
+        _step(fit, params, shard, units, index)
         state.position = index + 1
         runner.after_step(state)
     # With float16 an overflowing norm is the scaler's business: it skips that step.
@@ -480,8 +493,9 @@ def patience_exhausted(history: dict, settings: dict) -> bool:
     return len(scores) - 1 - best >= settings["patience"]
 
 
-def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, settings, rt) -> dict:
+def _close_epoch(fit: Fit, batch_losses, norms, validation: tuple) -> dict:
     """Reduce the epoch's losses, validate, keep the checkpoint; returns the epoch's metrics."""
+    state, _, settings, rt = fit
     if rt.ddp:
         # One collective per epoch: every rank sees the same losses and fails together.
         # Gradient norms need no reduction: after the all-reduce every rank has the same grads.
@@ -516,20 +530,20 @@ def _close_epoch(state: TrainingState, batch_losses, norms, validation: tuple, s
     return {"train_loss": train_loss, **metrics, "objective": objective, "balance": balance}
 
 
-def _train_epochs(state: TrainingState, net, tensors: tuple, validation: tuple, settings: dict, rt,
-                  runner: HookRunner) -> None:
+def _train_epochs(fit: Fit, tensors: tuple, validation: tuple, runner: HookRunner) -> None:
     """The epoch loop: train, close and report each epoch, saving and stopping where agreed.
 
     It ends after `epochs`, or earlier once the selected validation loss has not improved
     for `patience` epochs (decided from the history, so a resumed training ends alike).
     """
+    state, settings = fit.state, fit.settings
     x, y = tensors
     joint = validation[1] is None
     while state.epoch < settings["epochs"] and not patience_exhausted(state.history, settings):
         began = time.monotonic()
-        batch_losses, norms = _run_epoch(state, net, x, y, settings, rt, runner, joint)
+        batch_losses, norms = _run_epoch(fit, x, y, runner, joint)
         stop = runner.drain()
-        metrics = _close_epoch(state, batch_losses, norms, validation, settings, rt)
+        metrics = _close_epoch(fit, batch_losses, norms, validation)
         record = {**metrics, "seconds": time.monotonic() - began, "epochs": settings["epochs"]}
         runner.epoch_done(state, stop, record)
 
@@ -621,5 +635,5 @@ def _train(model, data: dict, training_settings: dict, rt: runtime.Runtime, seed
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(runtime.derived_seed(seed, "dropout", rt.rank if rt.ddp else 0))
         runner.resume(state)
-        _train_epochs(state, net, tensors[:2], validation, settings, rt, runner)
+        _train_epochs(Fit(state, net, settings, rt), tensors[:2], validation, runner)
     return state.best_weights, state.history
