@@ -102,7 +102,8 @@ def test_an_analysis_product_moved_aside_by_verify_is_rebuilt_by_the_next_run(co
     settings, root = copy
     product = next(path for path in root.glob("cache/learned/*") if path.is_dir())
     flip_byte(next(product.glob("*.npy")))
-    assert cli(monkeypatch, "verify", "--settings-dir", str(settings)) == 1
+    with pytest.warns(UserWarning, match=f"{product.name} was damaged .*checksum mismatch.*; moved to"):
+        assert cli(monkeypatch, "verify", "--settings-dir", str(settings)) == 1
     report = json.loads(capsys.readouterr().out)
     assert f"out/cache/learned/{product.name}" in report["damaged"]
     assert any("artifacts.json" in line and product.name in line for line in report["damaged"])   # its users
@@ -155,7 +156,8 @@ def test_verify_moves_rewritten_metrics_aside(copy, monkeypatch, capsys):
     metrics = json.loads((run / "metrics.json").read_text())
     metrics["classification"]["auc"] = 0.5
     (run / "metrics.json").write_text(json.dumps(metrics))
-    assert cli(monkeypatch, "verify", "--settings-dir", str(settings)) == 1
+    with pytest.warns(UserWarning, match="metrics.json was damaged .*not what its analysis wrote.*; moved to"):
+        assert cli(monkeypatch, "verify", "--settings-dir", str(settings)) == 1
     assert str((run / "metrics.json").relative_to(root.parent)) in json.loads(capsys.readouterr().out)["damaged"]
     assert not (run / "metrics.json").exists()
 

@@ -113,10 +113,14 @@ def test_invalid_simulations_fail_the_sampling_with_the_share_and_a_theta_or_are
     dropping["data"]["invalid"] = "drop"
     study = SometimesInvalid(dropping)
     study.validate()
-    with pytest.warns(UserWarning, match=r"data\.train: .* dropped"):
+    with pytest.warns(UserWarning, match=r"data\.\w+: .* dropped") as warned:
         arrays = study.sample_data(member)
     dropped = arrays["dropped_simulations"]
     assert dropped.shape == (3,) and dropped[0] > 0
+    # One line per split that dropped simulations, each naming its split and count.
+    assert sorted(str(warning.message).split(" simulations")[0] for warning in warned) == sorted(
+        f"data.{split}: {count} of {rows}" for split, count, rows in zip(("train", "validation", "test"), dropped,
+                                                                        (100, 20, 20)) if count)
     assert len(arrays["train_x"]) == 100 - dropped[0] and np.isfinite(arrays["train_x"]).all()
     assert (arrays["train_theta"] <= 2.4).all()
     with pytest.raises(SettingsError, match=r"^data\.invalid: 'skip' is not valid"):
