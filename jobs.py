@@ -6,7 +6,6 @@ building analysis products lazily. Workers of a launch meet at marker files on t
 root rather than in timed collectives, because one may wait long for another.
 """
 import io
-import json
 import os
 import sys
 import threading

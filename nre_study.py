@@ -30,7 +30,7 @@ import hashlib
 import sys
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch

@@ -43,9 +43,9 @@ import case_blocks
 import case_scores
 import designs
 import hpd
-import runtime
 import study
-from nre_analysis import check_inference_settings, flatness, learned_scoring, prior_sds
+from inference_settings import check_inference_settings
+from nre_analysis import flatness, learned_scoring, prior_sds
 from store import NnpdError
 
 __all__ = ["POSTERIOR_CANDIDATES", "Learned", "Posterior", "PosteriorError", "Support", "draw_corner",

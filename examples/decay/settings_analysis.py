@@ -1,6 +1,6 @@
 """What is computed from the decay-rate example's models: the kit's analysis (nre_analysis.py).
 
-Only what differs from the kit's defaults (nre_analysis.INFERENCE_DEFAULTS, docs/extending.md):
+Only what differs from the kit's defaults (inference_settings.INFERENCE_DEFAULTS, docs/extending.md):
 more truths (Sobol points filling the whole range of θ, one observation each), scored on a grid
 of 512 values of θ. The "exact" target, a default since the study gives its likelihood, repeats
 the analysis with the exact likelihood.

@@ -1,6 +1,6 @@
 """What is computed from the pulse example's models: the kit's analysis (nre_analysis.py).
 
-Only what differs from the kit's defaults (nre_analysis.INFERENCE_DEFAULTS, docs/extending.md):
+Only what differs from the kit's defaults (inference_settings.INFERENCE_DEFAULTS, docs/extending.md):
 fewer truths in the quick profile, so its analysis takes seconds, and every metric but
 `reweighting` and `normalization`: their Monte Carlo evidence costs 20,000 likelihoods of 200
 samples per test simulation (minutes). The "exact" target, a default since the study gives its
