@@ -45,6 +45,17 @@ def test_loading_settings_leaves_the_import_path_as_it_was(tmp_path):
     assert sys.path == before
 
 
+@pytest.mark.unit
+def test_a_sigterm_inside_settings_code_is_a_stop_not_a_settings_error(tmp_path):
+    # A settings file raising KeyboardInterrupt itself stays a settings error (test_cli_edges.py);
+    # nnpd's own stop, which SIGTERM raises wherever the code is, passes through as the stop.
+    stopping = "import os, signal, time\nos.kill(os.getpid(), signal.SIGTERM)\ntime.sleep(5)\n"
+    folder = write_settings(tmp_path / "settings", tmp_path / "out", training=stopping)
+    with runtime.STOP.handling(), pytest.raises(runtime.Interrupted, match="stopped by SIGTERM"):
+        settings.load_profile(folder, "smoke")
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.fixture(scope="module")
 def kit_run(tmp_path_factory):
     """A kit study beside its settings, run without PYTHONPATH: (settings folder, module name, run folder)."""
