@@ -117,6 +117,22 @@ def accepts_column_rows(logit_fn: LogitFn, width: int, device: torch.device | st
             return False
 
 
+def _call_groups(calls, call_floats):
+    """(group, stride): the calls whose rows (call_floats float32 each) one buffer of CALL_GROUP_BYTES
+    holds at once, and the stride of its slots: slot j of the g-th group holds call j·stride + g."""
+    group = max(1, min(calls, CALL_GROUP_BYTES // (4 * call_floats)))
+    return group, -(-calls // group)
+
+
+def _theta_rows(points, span, length, device):
+    """The candidates (B, n, p) as p float32 rows of `length`, each coordinate a row: case b's
+    candidates from b·span on, its padding and the rows' tail zero."""
+    cases, n, p = points.shape
+    theta = torch.zeros(p, length, dtype=torch.float32, device=device)
+    theta[:, :cases * span].view(p, cases, span)[:, :, :n].copy_(points.permute(2, 0, 1))
+    return theta
+
+
 def ensemble_scores(logit_fn: LogitFn, observations: torch.Tensor, points: torch.Tensor, rows_per_call: int,
                     counted: Evaluations | None = None, column_rows: bool = True) -> torch.Tensor:
     """S(θ) = Σ_k logit(x_k, θ) of every case's candidates: observations (B, m, d), points (B, n, p)
@@ -138,10 +154,8 @@ def ensemble_scores(logit_fn: LogitFn, observations: torch.Tensor, points: torch
     block, span, together = _call_layout(m, cases, n, rows_per_call)
     count = cases * span                        # candidate slots: each case's n and its padding
     calls, width = -(-count // block), -(-block * m // ROW_PAD) * ROW_PAD
-    group = max(1, min(calls, CALL_GROUP_BYTES // (4 * (d + p) * width)))
-    stride = -(-calls // group)                 # slot j of the g-th group holds call j·stride + g
-    theta = torch.zeros(p, group * stride * block, dtype=torch.float32, device=beside.device)
-    theta[:, :count].view(p, cases, span)[:, :, :n].copy_(points.permute(2, 0, 1))   # each coordinate a row
+    group, stride = _call_groups(calls, (d + p) * width)
+    theta = _theta_rows(points, span, group * stride * block, beside.device)
     buffer = torch.zeros(d + p, group, width, dtype=torch.float32, device=beside.device)
     slots = buffer.view(d + p, group * width).T.split(width)
     scores = torch.empty(stride, group, block, dtype=torch.float64, device=beside.device)

@@ -241,6 +241,36 @@ def _trapezoid(low, high, n):
     return points, weights
 
 
+def _grid_rule(low, high, steps, n):
+    """The product rule: n trapezoid nodes per continuous axis, every lattice point (weight 1) per lattice axis."""
+    axes, weights = [], []
+    for j, step in enumerate(steps):
+        if step is None:
+            a, w = _trapezoid(float(low[j]), float(high[j]), n)
+        else:
+            a = lattice_support(low[j], high[j], step)
+            w = torch.ones_like(a)
+        axes.append(a)
+        weights.append(w.log())
+    return _cartesian(axes), _cartesian(weights).sum(dim=1)
+
+
+def _sobol_rule(low, high, steps, count, seed):
+    """The Monte Carlo rule of count Sobol points: lattice indices drawn uniformly, equal weights."""
+    unit = _sobol(low.numel(), count, seed)
+    columns, log_total = [], 0.0
+    for j, step in enumerate(steps):
+        if step is None:
+            columns.append(low[j] + unit[:, j] * (high[j] - low[j]))
+            log_total += math.log(float(high[j] - low[j]))
+        else:
+            support = lattice_support(low[j], high[j], step)
+            index = (unit[:, j] * support.numel()).floor().long().clamp(max=support.numel() - 1)
+            columns.append(support[index])
+            log_total += math.log(support.numel())
+    return torch.stack(columns, dim=1), torch.full((count,), log_total - math.log(count), dtype=torch.float64)
+
+
 def make_candidates(low: Values, high: Values, lattice_steps: Steps | None, settings: Mapping[str, Any],
                     seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate points (K, p) and their log quadrature weights (K,), duplicates merged.
@@ -259,34 +289,10 @@ def make_candidates(low: Values, high: Values, lattice_steps: Steps | None, sett
     steps = candidate_lattice(lattice_steps, p, settings)
     plan, count = _candidate_plan(p, lattice_steps, low, high, settings)
     if plan in ("enumerate", "grid"):
-        axes, weights = [], []
-        n = int(settings.get("candidate_points_per_axis", 64))
-        for j, step in enumerate(steps):
-            if step is None:
-                a, w = _trapezoid(float(low[j]), float(high[j]), n)
-            else:
-                a = lattice_support(low[j], high[j], step)
-                w = torch.ones_like(a)
-            axes.append(a)
-            weights.append(w.log())
-        points = _cartesian(axes)
-        log_measure = _cartesian(weights).sum(dim=1)
+        points, log_measure = _grid_rule(low, high, steps, int(settings.get("candidate_points_per_axis", 64)))
     else:
-        unit = _sobol(p, count, seed)
-        columns, log_total = [], 0.0
-        for j, step in enumerate(steps):
-            if step is None:
-                columns.append(low[j] + unit[:, j] * (high[j] - low[j]))
-                log_total += math.log(float(high[j] - low[j]))
-            else:
-                support = lattice_support(low[j], high[j], step)
-                index = (unit[:, j] * support.numel()).floor().long().clamp(max=support.numel() - 1)
-                columns.append(support[index])
-                log_total += math.log(support.numel())
-        points = torch.stack(columns, dim=1)
-        log_measure = torch.full((count,), log_total - math.log(count), dtype=torch.float64)
+        points, log_measure = _sobol_rule(low, high, steps, count, seed)
     return merge_duplicates(points.contiguous(), log_measure)
-
 
 
 # ---------------------------------------------------------------------------

@@ -116,6 +116,13 @@ def summarise_block(scores: torch.Tensor, log_measure: torch.Tensor, points: tor
     return weighted_summary(scores, log_measure, points, truth_scores, levels)[0]
 
 
+def _widest_region_ess(running, sorted_q, widest):
+    """Kish ESS (B,) of the points inside the widest region, how well it is resolved: running holds the
+    cumulative weights in density order and widest (B, 1) the region's last index. Squares sorted_q in place."""
+    return (torch.gather(running, 1, widest) ** 2
+            / torch.gather(torch.cumsum(sorted_q.mul_(sorted_q), dim=1), 1, widest))[:, 0]
+
+
 def weighted_summary(scores: torch.Tensor, log_measure: torch.Tensor, points: torch.Tensor, truth_scores: torch.Tensor,
                      levels: Levels, other: Ranked | None = None) -> tuple[Summary, torch.Tensor, Ranking]:
     """summarise_block's summaries, the candidates' normalised weights q (B, K) and their ranking: density
@@ -142,10 +149,7 @@ def weighted_summary(scores: torch.Tensor, log_measure: torch.Tensor, points: to
     size = torch.searchsorted(ascending, -threshold, side="right")
     last = size - 1
     mass = torch.gather(cumulative, 1, last)
-    # Kish ESS of the points inside the widest region: how well that region is resolved.
-    widest = last[:, int(np.argmax(levels))][:, None]
-    region_ess = (torch.gather(running, 1, widest) ** 2
-                  / torch.gather(torch.cumsum(sorted_q.mul_(sorted_q), dim=1), 1, widest))[:, 0]
+    region_ess = _widest_region_ess(running, sorted_q, last[:, int(np.argmax(levels))][:, None])
     # The truth's credibility: the mass of the candidates denser than the truth. The truth is
     # in the region of level α exactly when its credibility is below α (as `covered` says).
     # With its ties (such as its own lattice point) the mass reaches credibility_upper.
