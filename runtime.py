@@ -31,7 +31,8 @@ __all__ = [
     "PRECISIONS", "launch_environment", "resolve_device", "check_precision", "Interrupted", "Preempted",
     "StopRequest", "STOP", "unless_stopped", "reported_stop", "request_stop", "exit_status", "Runtime",
     "process_settings_kept", "set_determinism", "derived_seed", "seeded_generator", "seed_everything",
-    "group_backend", "group_timeout", "start", "stop", "backend_identity", "barrier", "broadcast_object", "all_reduce_sum", "all_gather_object",
+    "group_backend", "group_timeout", "start", "stop", "backend_identity", "barrier", "broadcast_object",
+    "all_reduce_sum", "all_gather_object",
 ]
 
 PRECISIONS = ("off", "float16", "bfloat16")
