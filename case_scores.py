@@ -144,8 +144,8 @@ def ensemble_scores(logit_fn: LogitFn, observations: torch.Tensor, points: torch
     and built a few calls at a time (see CALL_GROUP_BYTES). logit_fn sees a call's rows as the buffer's
     transpose, (rows, d + p) column by column (a contiguous copy with column_rows=False, see accepts_column_rows),
     and must return one new logit per row each call: they are summed after the group. Every row is computed on
-    its own, so a case's scores do not depend on the other cases of its block, and on the CPU they are bitwise
-    the same for every rows_per_call from EVAL_BLOCK_ROWS up. `counted` (an Evaluations) counts the calls.
+    its own, so a case's scores do not depend on the other cases of its block: to float32 rounding, since a
+    call of another shape may get another BLAS kernel (docs/devices.md). `counted` counts the calls.
     """
     if observations.dim() == 2:
         return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted, column_rows)[0]

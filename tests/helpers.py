@@ -227,6 +227,22 @@ def made_ahead(made, case, folder, **params):
 
 # ---------------------------------------------------------------- launches: torchrun, signals, processes
 
+# A CPU's BLAS picks its kernel by a matrix's shape and by the instruction set it finds, so the same
+# row can round differently in a call of another size (a network's float32 logits, a batched float64
+# product). Results that must not depend on how rows or cases are grouped agree to this tolerance, a
+# few float32 ulps (2^-23 ≈ 1.2e-7) relative, not bitwise: README.md, "Tests and benchmarks".
+GROUPING_ROUNDING = {"rtol": 2e-6, "atol": 2e-6}
+
+
+def assert_same_but_rounding(actual, expected, what=""):
+    """Floating arrays equal to within GROUPING_ROUNDING, every other array (flags, counts) bitwise."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    if np.issubdtype(expected.dtype, np.floating):
+        np.testing.assert_allclose(actual, expected, err_msg=what, **GROUPING_ROUNDING)
+    else:
+        np.testing.assert_array_equal(actual, expected, err_msg=what)
+
+
 TIMEOUT = 600           # seconds a launch may take before a test gives up on it
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")

@@ -13,6 +13,7 @@ import analysis_metrics
 import case_scores
 import designs
 import hpd
+from helpers import GROUPING_ROUNDING
 
 LEVELS = (0.68, 0.95)
 
@@ -283,11 +284,12 @@ def test_ensemble_scores_do_not_depend_on_chunk_rows():
         assert torch.equal(case_scores.ensemble_scores(logit_fn, obs, points, chunk), reference)
     few = points[:50]  # small chunks mean many calls: keep them cheap
     few_reference = case_scores.ensemble_scores(logit_fn, obs, few, 10 ** 7)
-    torch.testing.assert_close(few_reference, reference[:50], rtol=1e-9, atol=0)
+    # Fewer candidates make calls of other shapes, whose BLAS kernels may round otherwise.
+    torch.testing.assert_close(few_reference, reference[:50], **GROUPING_ROUNDING)
     for chunk in (1, 7, 15, 16, 100, 301, 4099):
         seen.clear()
         scores = case_scores.ensemble_scores(logit_fn, obs, few, chunk)
-        torch.testing.assert_close(scores, few_reference, rtol=1e-9, atol=0)
+        torch.testing.assert_close(scores, few_reference, **GROUPING_ROUNDING)
         cap = max(chunk // m * m, m)
         assert max(seen) < cap + case_scores.ROW_PAD
 

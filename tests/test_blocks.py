@@ -1,5 +1,6 @@
-"""Blocks of cases: a case's results are bitwise the same whatever block it is refined or summarised in,
-blocks stay inside their memory budget, and the CUDA policy puts millions of rows into a network call."""
+"""Blocks of cases: a case's results are the same, to float32 rounding, whatever block it is refined or
+summarised in, blocks stay inside their memory budget, and the CUDA policy puts millions of rows into a
+network call."""
 import functools
 import json
 import re
@@ -17,7 +18,7 @@ import case_blocks
 import case_scores
 import designs
 import nre_analysis
-from helpers import run_cli, write_settings
+from helpers import assert_same_but_rounding, run_cli, write_settings
 from store import Writer
 
 LEVELS = (0.68, 0.95)
@@ -91,16 +92,17 @@ def one_at_a_time(design, lattice):
 
 
 def assert_same(results, reference, cases):
-    """Every array of `results` is bitwise the reference's first `cases` rows."""
+    """Every array of `results` is the reference's first `cases` rows: flags and counts bitwise, floating
+    values to float32 rounding (a block's matrix products have other shapes, so other BLAS kernels)."""
     assert set(results) == set(reference)
     for key, value in results.items():
-        np.testing.assert_array_equal(value, reference[key][:cases], err_msg=key)
+        assert_same_but_rounding(value, reference[key][:cases], key)
 
 
 @pytest.mark.parametrize("design", ["adaptive", "sobol"])
 @pytest.mark.parametrize("lattice", [False, True])
 @pytest.mark.unit
-def test_a_block_of_every_case_gives_bitwise_the_per_case_results(design, lattice):
+def test_a_block_of_every_case_gives_the_per_case_results(design, lattice):
     reference = one_at_a_time(design, lattice)
     assert {"ratio_lower", "posterior_mode", "exact_credibility", "exact_scores"} <= set(reference)
     if design == "adaptive":
