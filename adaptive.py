@@ -19,7 +19,7 @@ One case, in order (refine_block):
    bounds: they change no mass, threshold or coverage, only where a region is seen to end.
 """
 import math
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -28,7 +28,7 @@ import designs
 import hpd
 
 __all__ = ["Box", "Proposal", "Refinement", "case_seed", "draw_proposals", "fit_proposals", "mixture_log_terms",
-           "proposal_log_density", "refine_block", "refine_case", "stack_proposals", "support_box"]
+           "proposal_log_density", "refine_block", "stack_proposals", "support_box"]
 
 INFLATION = 1.5      # a refined proposal's sd over the density's estimated sd: wide enough not to clip it
 REACH = 4.0          # a refined box spans the proposal mean ± REACH proposal sds (and the modes found)
@@ -94,7 +94,12 @@ class Proposal(NamedTuple):
     sd: torch.Tensor
     low: torch.Tensor
     high: torch.Tensor
-    count: int  # type: ignore[assignment]  # points drawn from it, per case (shadows tuple.count)
+    # points drawn from it per case, a list of one per proposal when stacked (shadows tuple.count)
+    count: Any
+
+    def mapped(self, change: Callable[[torch.Tensor], torch.Tensor]) -> "Proposal":
+        """This proposal with change(field) for each of its four tensor fields, its count kept."""
+        return Proposal(change(self.mean), change(self.sd), change(self.low), change(self.high), self.count)
 
 
 def _log1mexp(x):
@@ -119,7 +124,7 @@ def _standard_z(proposal, box):
 def draw_proposals(proposal, unit, box, out=None):
     """Map unit-cube points (B, n, p) through each case's truncated normals' inverse CDF; lattice axes
     snap (the points are written into `out` if given)."""
-    proposal = Proposal(*(field[:, None] for field in proposal[:4]), proposal.count)
+    proposal = proposal.mapped(lambda field: field[:, None])
     za, zb = _standard_z(proposal, box)
     pa, pb = torch.special.ndtr(za), torch.special.ndtr(zb)
     z = torch.special.ndtri(torch.addcmul(pa, unit, pb - pa))
@@ -195,8 +200,9 @@ def _inside_boxes(columns, low, high, extremes=None):
 
 def stack_proposals(proposals):
     """Proposals stacked along a second axis (fields (B, C, p)), for proposal_log_density."""
-    return Proposal(*(torch.stack([getattr(c, name) for c in proposals], dim=1)
-                      for name in ("mean", "sd", "low", "high")), [c.count for c in proposals])
+    def stacked(name):
+        return torch.stack([getattr(c, name) for c in proposals], dim=1)
+    return Proposal(stacked("mean"), stacked("sd"), stacked("low"), stacked("high"), [c.count for c in proposals])
 
 
 def mixture_log_terms(proposals, points, box, extremes=None):
@@ -602,18 +608,3 @@ def refine_block(score_fn, coarse, truths, cases, refinement):
     log_measure[:, :measured] = refined.log_weights
     return {"points": columns.transpose(1, 2), "log_measure": log_measure, "scores": scores,
             "summaries": summaries, "proposals": refined.last, "evaluated": total}
-
-
-def refine_case(score_fn, coarse, truth, refinement, case=0):
-    """One case refined on its own: refine_block on a block of one, with
-    `score_fn(points (n, p)) -> {target: scores (n,)}`; results without the block axis,
-    summaries as numpy arrays of one case."""
-    def block_scores(points):
-        return {target: values[None] for target, values in score_fn(points[0]).items()}
-
-    block = refine_block(block_scores, coarse, truth[None], [case], refinement)
-    return {"points": block["points"][0], "log_measure": block["log_measure"][0],
-            "scores": {t: s[0] for t, s in block["scores"].items()},
-            "summaries": {t: hpd.host_summary(s) for t, s in block["summaries"].items()},
-            "proposals": {t: Proposal(*(f[0] for f in c[:4]), c.count) for t, c in block["proposals"].items()},
-            "evaluated": block["evaluated"]}

@@ -12,6 +12,7 @@ import contextlib
 import time
 import traceback
 import weakref
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -61,7 +62,7 @@ def loss_scale(shard_len: int, batch_len: int, world_size: int) -> float:
 
 # Weak references to (default group, its Gloo side group) under NCCL: c10d holds both until
 # destroy_process_group, which must end them (see runtime.stop).
-_side_group = (lambda: None, lambda: None)
+_side_group: tuple[Callable[[], object], Callable[[], object]] = (lambda: None, lambda: None)
 
 
 def _flag_group(rt: runtime.Runtime):
@@ -95,7 +96,7 @@ class FlagExchange:
         self.step = 0                              # steps trained in this call
         self.next_post = 1                         # the step that posts next, the same on every rank
         self.last_post = (0, time.monotonic())     # step and time of the latest post
-        self.pending = None
+        self.pending: tuple[Any, torch.Tensor] | None = None
 
     def collect(self) -> tuple[bool, bool]:
         """Wait for the pending exchange: the agreed (stop, save due); (False, False) without one."""
@@ -160,7 +161,7 @@ def _gloo_timed_allreduce(world: int):
         tensor = bucket.buffer().mul_(1.0 / world)
         with probes.phase(COMMUNICATE):
             dist.all_reduce(tensor)
-        done = torch.futures.Future()
+        done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(tensor)
         return done
     return hook
@@ -216,10 +217,11 @@ def release_frames(error: BaseException) -> None:
     exception lives: past runtime.stop, which must destroy the group (see there). The
     tracebacks keep their lines.
     """
-    pending, seen = [error], set()
+    pending: list[BaseException | None] = [error]
+    seen: set[int] = set()
     while pending:
-        error = pending.pop()
-        if error is not None and id(error) not in seen:
-            seen.add(id(error))
-            traceback.clear_frames(error.__traceback__)
-            pending += [error.__cause__, error.__context__]
+        link = pending.pop()
+        if link is not None and id(link) not in seen:
+            seen.add(id(link))
+            traceback.clear_frames(link.__traceback__)
+            pending += [link.__cause__, link.__context__]

@@ -21,7 +21,7 @@ import runtime
 import study
 import timings
 from runs import LaunchError
-from settings import digest
+from settings import Configuration, Profile, digest
 from store import DamagedArtifact, Store, now_iso, write_bytes_atomic, write_json_atomic
 from training_hooks import TrainingHooks
 
@@ -35,10 +35,10 @@ __all__ = [
 @dataclass
 class Job:
     """One trained model: a configuration times a cohort member."""
-    configuration: object
+    configuration: Configuration
     member: dict
-    experiment: object
-    analysis: object
+    experiment: study.ExperimentContract
+    analysis: study.AnalysisContract
     analysis_workload: dict
 
     @property
@@ -57,21 +57,20 @@ class Job:
 class Launch:
     """What every job of one launch shares: where it writes, how it runs, who it is."""
     stage: str
-    profile: object
+    profile: Profile
     root: Path
     store: Store
-    rt: object
+    rt: runtime.Runtime
     identity: dict
     snapshot: str = ""
     id: str = ""
     waits: int = 0
     used: set = field(default_factory=set)      # keys of every artifact this worker's jobs used
-    timer: object = None                        # this worker's timings.LaunchTimer (made with the launch)
+    timer: timings.LaunchTimer = field(init=False)   # this worker's timings of the launch
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
         """Start this worker's timings of the launch."""
-        if self.timer is None:
-            self.timer = timings.LaunchTimer(self.rt)
+        self.timer = timings.LaunchTimer(self.rt)
 
     @property
     def owner(self):

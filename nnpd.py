@@ -88,7 +88,8 @@ class Plan:
 
 def make_plan(profile):
     """Validate every configuration and member before anything is computed."""
-    found, errors, analysis_errors, warnings_found = [], [], [], []
+    found, errors, analysis_errors = [], [], []
+    warnings_found: list[str] = []
     for configuration in profile.configurations:
         try:
             mine = configuration_jobs(configuration, profile.analysis)

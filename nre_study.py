@@ -315,10 +315,10 @@ class Study(Experiment):
     custom_priors: dict[str, Any] = {}       # a study's own prior objects by name, beside the bundled families in settings
     standardize = True       # model.standardize when the settings leave it out
     log_likelihood: Any = None    # define log_likelihood(self, x, theta) for the exact target
-    SECTIONS = ("cohort", "priors", "data")
-    OPTIONAL_SECTIONS = ("problem", "model", "training")
-    DATA_SOURCES = (priors, sample_training_data, sample_joint, runtime.derived_seed)
-    MODEL_SOURCES = (networks, trainer, contrast, runtime.derived_seed)
+    SECTIONS: tuple[str, ...] = ("cohort", "priors", "data")
+    OPTIONAL_SECTIONS: tuple[str, ...] = ("problem", "model", "training")
+    DATA_SOURCES: tuple[object, ...] = (priors, sample_training_data, sample_joint, runtime.derived_seed)
+    MODEL_SOURCES: tuple[object, ...] = (networks, trainer, contrast, runtime.derived_seed)
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = settings

@@ -241,8 +241,8 @@ class CudaEventTimer:
     """Device time of phases on CUDA devices, from pairs of CUDA events resolved lazily."""
 
     def __init__(self):
-        self.pending = collections.deque()  # (name, start event, end event), oldest first
-        self.seconds = {}
+        self.pending: collections.deque = collections.deque()  # (name, start event, end event), oldest first
+        self.seconds: dict[str, float] = {}
         self.lock = threading.Lock()
 
     def __call__(self, name, device):
@@ -309,7 +309,7 @@ def cuda_events_enabled(environ=os.environ):
 def _native_module():
     """The C extension, or None when it is not built."""
     try:
-        import _probes
+        import _probes  # type: ignore[import-not-found]   # built by setup.py; no stubs
     except ImportError:
         return None
     return _probes
@@ -348,7 +348,7 @@ PROBES = make_probes(MODE, DEVICE_TIMER)
 phase = PROBES.phase
 
 
-COUNTERS = {}   # phase -> {counter: amount} added by count() since the last reset
+COUNTERS: dict[str, dict[str, float]] = {}   # phase -> {counter: amount} added by count() since the last reset
 
 
 def count(name, **amounts):

@@ -9,7 +9,6 @@ import hashlib
 import json
 import os
 import platform
-import random
 import re
 import signal
 import sys
@@ -20,7 +19,6 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -30,7 +28,7 @@ from store import LaunchError, NnpdError
 __all__ = [
     "PRECISIONS", "launch_environment", "resolve_device", "check_precision", "Interrupted", "Preempted",
     "StopRequest", "STOP", "unless_stopped", "reported_stop", "request_stop", "exit_status", "Runtime",
-    "process_settings_kept", "set_determinism", "derived_seed", "seeded_generator", "seed_everything",
+    "process_settings_kept", "set_determinism", "derived_seed", "seeded_generator",
     "group_backend", "group_timeout", "start", "stop", "backend_identity", "barrier", "broadcast_object",
     "all_reduce_sum", "all_gather_object",
 ]
@@ -448,13 +446,6 @@ def derived_seed(seed: int, *labels) -> int:
 def seeded_generator(seed: int, *labels) -> torch.Generator:
     """A CPU generator seeded with derived_seed(seed, *labels)."""
     return torch.Generator().manual_seed(derived_seed(seed, *labels))
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python, NumPy and torch (all devices) global streams."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
 
 
 def _create_group(rt: Runtime, environ) -> None:

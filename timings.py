@@ -205,7 +205,7 @@ def launch_record(info, profile, workers, device_type):
               "workers": {str(worker["rank"]): {"wall_s": worker["wall_s"], "phases": worker["phases"]}
                           for worker in workers},
               "jobs": jobs, "steps": steps}
-    summed = {}
+    summed: dict[str, dict] = {}
     for worker in workers:
         add_phases(summed, worker["phases"])
     record["throughput"] = throughput(summed)
@@ -230,7 +230,7 @@ def throughput(phases):
 
 def table_lines(record, where):
     """The launch's phases as a short table: total, share of the workers' summed wall, count."""
-    phases = {}
+    phases: dict[str, dict] = {}
     for worker in record["workers"].values():
         add_phases(phases, worker["phases"])
     wall = sum(worker["wall_s"] for worker in record["workers"].values()) or 1.0
@@ -327,7 +327,8 @@ def plan_advice(root, costs, runtime_settings):
     if not record:
         line = advise(parallel, 1, list(costs.values()), "not measured yet")
         return f"estimated from the workload (no timings in {root} yet): {line}"
-    jobs = record.get("jobs") if isinstance(record.get("jobs"), dict) else {}
+    jobs = record.get("jobs")
+    jobs = jobs if isinstance(jobs, dict) else {}
     measured = {run: job.get("size_s") for run, job in jobs.items() if isinstance(job, dict)}
     known = all(isinstance(measured.get(run), (int, float)) for run in costs)
     sizes = [measured[run] for run in costs] if known else list(costs.values())

@@ -10,6 +10,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 import adaptive
 import case_scores
 import designs
+import hpd
 
 LEVELS = (0.68, 0.95)
 # Chi-square quantiles from standard tables: the squared radius of a p-D HLD ball per level.
@@ -34,13 +35,28 @@ def gaussian_score(centre, sd, target="exact"):
     return score
 
 
+def refine_case(score_fn, coarse, truth, refinement, case=0):
+    """One case refined on its own: refine_block on a block of one, with
+    `score_fn(points (n, p)) -> {target: scores (n,)}`; results without the block axis,
+    summaries as numpy arrays of one case."""
+    def block_scores(points):
+        return {target: values[None] for target, values in score_fn(points[0]).items()}
+
+    block = adaptive.refine_block(block_scores, coarse, truth[None], [case], refinement)
+    return {"points": block["points"][0], "log_measure": block["log_measure"][0],
+            "scores": {t: s[0] for t, s in block["scores"].items()},
+            "summaries": {t: hpd.host_summary(s) for t, s in block["summaries"].items()},
+            "proposals": {t: c.mapped(lambda field: field[0]) for t, c in block["proposals"].items()},
+            "evaluated": block["evaluated"]}
+
+
 def refine(score, box, settings_, truth, seed=1, case=0, targets=1):
     """One case refined on the adaptive design of `settings_` (its coarse pass drawn here)."""
     p = box.low.numel()
     steps = [float(s) if lattice else None for s, lattice in zip(box.step, box.lattice)]
     points, log_measure = designs.make_candidates(box.low, box.high, steps, settings_, seed=3)
     sizes = designs.adaptive_sizes(p, settings_, targets)
-    return adaptive.refine_case(score, (points, log_measure), truth, adaptive.Refinement(box, LEVELS, sizes, seed), case)
+    return refine_case(score, (points, log_measure), truth, adaptive.Refinement(box, LEVELS, sizes, seed), case)
 
 
 def measured(result):
@@ -237,7 +253,7 @@ def test_refined_boxes_always_contain_the_coarse_mode(p, lattice, centre, log_sd
     settings_ = dict(adaptive_settings(768, 32), max_enumerated=10)
     coarse, coarse_log_measure = designs.make_candidates(box.low, box.high, steps, settings_, seed=seed)
     sizes = designs.adaptive_sizes(p, settings_, 2)
-    result = adaptive.refine_case(score, (coarse, coarse_log_measure), centre.clamp(0, 10),
+    result = refine_case(score, (coarse, coarse_log_measure), centre.clamp(0, 10),
                                   adaptive.Refinement(box, LEVELS, sizes, seed))
     coarse_scores = score(coarse)
     for target, proposal in result["proposals"].items():
