@@ -44,7 +44,7 @@ import runtime
 import trainer
 from settings import SettingsError, integer, known_keys, name_list, number, one_of, require
 import study
-from study import Experiment, Json, Member
+from study import Experiment, Json, Member, PriorContract, ProblemContract
 
 __all__ = [
     "SPLITS", "SIMULATION_CHUNK", "KIT_MODEL", "KIT_TRAINING", "Problem", "sample_joint", "sample_pairs",
@@ -387,7 +387,7 @@ class Study(Experiment):
         return Problem(self.parameters, self.simulate if simulates else None, self.log_likelihood,
                        type(self).__name__, None if bank is None else bank[0].shape[1])
 
-    def problem(self, member: Member | None = None) -> Any:
+    def problem(self, member: Member | None = None) -> ProblemContract:
         """The simulator and its parameters (the same for every member), built once."""
         if self._problem is None:
             self._problem = self.make_problem()
@@ -397,7 +397,7 @@ class Study(Experiment):
         """What the problem depends on besides the study's source: its `problem` settings."""
         return self.settings.get("problem")
 
-    def prior(self, member: Member) -> Any:
+    def prior(self, member: Member) -> PriorContract:
         """The member's training prior: a bundled family from `priors`, or the study's own object."""
         name = member["prior"]
         if name in self.custom_priors and name not in self.settings["priors"]:

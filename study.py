@@ -40,8 +40,9 @@ from settings import ANALYSIS_SECTIONS, TRAINING_SECTIONS, SettingsError, requir
 from store import EXPERIMENT_METHODS, Artifact, LaunchError, Store, Writer, import_class
 
 __all__ = [
-    "Product", "Metric", "Figure", "Context", "ProblemContract", "PriorContract", "ExperimentContract",
-    "AnalysisContract", "Experiment", "Analysis", "optional", "progress_to", "report_progress", "Progress",
+    "Product", "Metric", "Figure", "Context", "ProblemContract", "PROBLEM_OPTIONAL", "PriorContract",
+    "PRIOR_OPTIONAL", "ExperimentContract", "AnalysisContract", "Experiment", "Analysis", "optional",
+    "progress_to", "report_progress", "Progress",
     "load_class", "check_members", "check_study_sections", "plan_notes", "uses_bundled_trainer",
     "check_logit_shape", "load_study", "report_layout", "report_warnings", "experiment_sources", "metric_value",
     "module_folder", "json_value", "check_selection", "check_graph", "referenced_names", "source_objects",
@@ -81,9 +82,12 @@ class ProblemContract(Protocol):
     """What the kit's analysis reads of `Experiment.problem()` (nre_study.Problem is one; docs/extending.md).
 
     The framework itself only hands the problem to the analysis (`ctx.problem`): a study
-    with an analysis of its own may return anything, or None.
+    with an analysis of its own may return anything, or None. The kit also reads two optional
+    members where a problem has them (PROBLEM_OPTIONAL): `log_evidence(x, points, log_weights)`,
+    an analytic evidence, and `posterior_sds(observations)`, rough posterior sds per parameter.
     """
     names: list[str]                              # the inferred parameters, p of them
+    parameter_count: int                          # p, len(names)
     low: torch.Tensor                             # float64 (p,): the parameter box
     high: torch.Tensor
     grid_step: torch.Tensor | None                # (p,) lattice steps, None unless every parameter has one
@@ -103,8 +107,17 @@ class ProblemContract(Protocol):
         ...
 
 
+PROBLEM_OPTIONAL = ("log_evidence", "posterior_sds")     # read with getattr, where a problem has them
+PRIOR_OPTIONAL = ("support", "coordinate_log_prob", "problem")
+
+
 class PriorContract(Protocol):
-    """What the kit reads of `Experiment.prior(member)` (priors.Prior and priors.CustomPrior are two)."""
+    """What the kit reads of `Experiment.prior(member)` (priors.Prior and priors.CustomPrior are two).
+
+    The bundled families (priors.Prior) also give PRIOR_OPTIONAL, which the kit reads where a
+    prior has them: `support(j)`, a lattice axis' points, `coordinate_log_prob(j, values)`, one
+    coordinate's density for the figures, and `problem`, the problem it was made for.
+    """
     lattice_steps: list[float | None]             # per parameter: its lattice step, or None when continuous
 
     def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
@@ -140,8 +153,8 @@ class ExperimentContract(Protocol):
 
     def validate(self) -> None: ...
     def members(self) -> list[Member]: ...
-    def problem(self, member: Member | None = None) -> Any: ...
-    def prior(self, member: Member) -> Any: ...
+    def problem(self, member: Member | None = None) -> ProblemContract: ...
+    def prior(self, member: Member) -> PriorContract: ...
     def input_size(self) -> int: ...
     def data_recipe(self, member: Member) -> Json: ...
     def sample_data(self, member: Member) -> dict[str, np.ndarray]: ...
@@ -646,18 +659,18 @@ class Context:
     used: dict[str, Artifact] = field(default_factory=dict)   # name -> Artifact this run used
     progress: Reporter | None = None           # progress(what, done, total) prints how far a product is
     _model: torch.nn.Module | None = None
-    _problem: Any = None
-    _prior: Any = None
+    _problem: ProblemContract | None = None
+    _prior: PriorContract | None = None
 
     @property
-    def problem(self) -> Any:
+    def problem(self) -> ProblemContract:
         """The member's problem, built once."""
         if self._problem is None:
             self._problem = self.experiment.problem(self.member)
         return self._problem
 
     @property
-    def prior(self) -> Any:
+    def prior(self) -> PriorContract:
         """The member's prior, built once."""
         if self._prior is None:
             self._prior = self.experiment.prior(self.member)

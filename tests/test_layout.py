@@ -181,3 +181,32 @@ def test_no_handler_of_nnpd_swallows_a_stop():
     # A stop is an NnpdError (and so an Exception); every broad handler lets it pass first (docs/extending.md).
     swallowing = {name: found for name in sorted(MODULES) if (found := swallowing_handlers(MODULES[name]))}
     assert not swallowing, f"broad except clauses with no `except KeyboardInterrupt: raise` before them: {swallowing}"
+
+
+def members_read(owner):
+    """(member, module) for every `<owner>.member` the framework and kit read: owner a name, an attribute
+    (ctx.problem) or a call (self.problem()), in every module but the bundled study's own."""
+    found = set()
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())) if name not in STUDY else ():
+            if isinstance(node, ast.Attribute):
+                value = node.value.func if isinstance(node.value, ast.Call) else node.value
+                if getattr(value, "id", None) == owner or getattr(value, "attr", None) == owner:
+                    found.add((node.attr, name))
+    return found
+
+
+def contract_members(protocol):
+    """The members a Protocol of study.py declares: its annotations and its methods."""
+    return set(protocol.__annotations__) | {name for name, value in vars(protocol).items()
+                                            if callable(value) and not name.startswith("_")}
+
+
+def test_the_contracts_list_every_member_of_a_problem_and_a_prior_that_is_read():
+    # A member read but not declared reaches a study only as an AttributeError at analysis time.
+    import study
+    problem = contract_members(study.ProblemContract) | set(study.PROBLEM_OPTIONAL)
+    prior = contract_members(study.PriorContract) | set(study.PRIOR_OPTIONAL)
+    assert {"names", "parameter_count", "simulate", "log_likelihood", "describe"} <= problem
+    assert sorted(read for read in members_read("problem") if read[0] not in problem) == []
+    assert sorted(read for read in members_read("prior") if read[0] not in prior) == []
