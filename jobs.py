@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+import fingerprint
 import probes
 import runs
 import runtime
@@ -159,15 +160,15 @@ DATA_SPLITS = ("train", "validation", "test")     # the order of a data artifact
 def data_recipe(job):
     """The training data's recipe: no backend identity, so CPU and CUDA share data."""
     return {"experiment": job.experiment.data_recipe(job.member),
-            "source": study.source_fingerprint(*study.experiment_sources(job.experiment, "DATA_SOURCES")),
-            "versions": study.library_versions()}
+            "source": fingerprint.source_fingerprint(*study.experiment_sources(job.experiment, "DATA_SOURCES")),
+            "versions": fingerprint.library_versions()}
 
 
 def model_recipe(job, data_key, identity):
     """The model's recipe: settings, data, source, versions and backend identity."""
     return {"experiment": job.experiment.model_recipe(job.member), "data": data_key, "backend": identity,
-            "source": study.source_fingerprint(*study.experiment_sources(job.experiment, "MODEL_SOURCES")),
-            "versions": study.library_versions()}
+            "source": fingerprint.source_fingerprint(*study.experiment_sources(job.experiment, "MODEL_SOURCES")),
+            "versions": fingerprint.library_versions()}
 
 
 def launch_log(launch):
@@ -236,7 +237,7 @@ def run_record(launch, job):
     """What run.json says of a job: settings, member, backend, versions, source."""
     return {"configuration": job.configuration.name, "variant": job.configuration.variant,
             "knob": job.configuration.knob, "value": job.configuration.value, "member": job.member,
-            "settings": job.settings, "backend": launch.identity, "versions": study.library_versions(),
+            "settings": job.settings, "backend": launch.identity, "versions": fingerprint.library_versions(),
             "source": launch.snapshot, "description": job.experiment.describe(job.member),
             "study_path": study.module_folder(type(job.experiment))}
 

@@ -15,7 +15,7 @@ MAY_IMPORT_THE_STUDY = STUDY | {"settings_training", "settings_analysis"}
 KIT = {"nre_study", "nre_analysis", "inference_settings", "nre_figures", "priors", "networks", "posterior"}
 FRAMEWORK = {"nnpd", "jobs", "runs", "store", "runtime", "trainer", "study", "settings", "results", "timings",
              "probes", "launcher", "designs", "case_scores", "case_blocks", "hpd", "analysis_metrics", "infer",
-             "contrast", "c2st", "ddp", "training_state", "training_hooks"}
+             "contrast", "c2st", "ddp", "training_state", "training_hooks", "fingerprint"}
 MAX_FUNCTION_LINES = 45
 
 

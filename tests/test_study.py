@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+import fingerprint
 import study
 from study import Metric, Product
 from settings import SettingsError
@@ -116,7 +117,7 @@ def fingerprint_of(tmp_path, monkeypatch, helper_offset, unrelated_value, counte
     monkeypatch.syspath_prepend(str(tmp_path))
     module = importlib.import_module(name)
     try:
-        return study.source_fingerprint(module.builder)
+        return fingerprint.source_fingerprint(module.builder)
     finally:
         del sys.modules[name]
 
@@ -131,10 +132,10 @@ def test_fingerprint_follows_helpers_but_not_unrelated_code(tmp_path, monkeypatc
 def learned_product_digest(framework):
     """The source part of the learned product's key, in a fresh interpreter importing the framework from
     the folder `framework`."""
-    code = (f"import sys, types; sys.path.insert(0, {str(framework)!r}); import nre_analysis, study; "
+    code = (f"import sys, types; sys.path.insert(0, {str(framework)!r}); import fingerprint, nre_analysis, study; "
             "problem = types.SimpleNamespace(parameter_count=1, log_likelihood=None); "
             "analysis = nre_analysis.NREAnalysis({}, types.SimpleNamespace(problem=lambda: problem)); "
-            "print(study.source_fingerprint(nre_analysis.build_learned, *analysis.SOURCES))")
+            "print(fingerprint.source_fingerprint(nre_analysis.build_learned, *analysis.SOURCES))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     return result.stdout.strip()
 

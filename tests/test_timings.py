@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import fingerprint
 import nnpd
-import study
 import timings
 from helpers import REPO, ahead, made_ahead, run_cli, side_by_side, torchrun, write_settings
 
@@ -246,7 +246,7 @@ def test_jobs_mode_workers_time_their_own_jobs(tmp_path):
 def test_source_text_is_inspects_text(name):
     module, _, attribute = name.partition(":")
     cls = getattr(__import__(module), attribute)
-    assert study.source_text(cls) == inspect.getsource(cls)
+    assert fingerprint.source_text(cls) == inspect.getsource(cls)
 
 
 @pytest.mark.unit
@@ -257,8 +257,8 @@ def test_source_text_falls_back_when_the_class_line_is_ambiguous(tmp_path, monke
     monkeypatch.syspath_prepend(str(tmp_path))
     import twice_module
     path = inspect.getsourcefile(twice_module.Twice)
-    assert study.class_block(twice_module.Twice, path, source.splitlines(True)) is None   # methods lie elsewhere
-    assert study.source_text(twice_module.Twice) == inspect.getsource(twice_module.Twice)
+    assert fingerprint.class_block(twice_module.Twice, path, source.splitlines(True)) is None   # methods lie elsewhere
+    assert fingerprint.source_text(twice_module.Twice) == inspect.getsource(twice_module.Twice)
 
 
 @pytest.mark.unit
@@ -267,5 +267,5 @@ def test_source_text_keeps_a_decorator_parted_from_its_class_by_a_blank_line(tmp
     (tmp_path / "spaced_module.py").write_text(source)
     monkeypatch.syspath_prepend(str(tmp_path))
     import spaced_module
-    text = study.source_text(spaced_module.Spaced)
+    text = fingerprint.source_text(spaced_module.Spaced)
     assert text == inspect.getsource(spaced_module.Spaced) and text.startswith("@mark")
