@@ -17,11 +17,11 @@ import torch
 
 import fingerprint
 import probes
-import runs
+import output_root
 import runtime
 import study
 import timings
-from runs import LaunchError
+from output_root import LaunchError
 from settings import Configuration, Profile, digest
 from store import DamagedArtifact, Store, now_iso, write_bytes_atomic, write_json_atomic
 from training_hooks import TrainingHooks
@@ -210,10 +210,10 @@ def get_trained(launch, job):
     recipe_of_data = data_recipe(job)
     data_key = store.key("training-data", recipe_of_data)
     recipe = model_recipe(job, data_key, launch.identity)
-    current = launch.owner and runs.trained_keys(run_dir) == (data_key, store.key("model", recipe))
+    current = launch.owner and output_root.trained_keys(run_dir) == (data_key, store.key("model", recipe))
     if launch.owner and not current:
         launch.timer.did_work("training")
-        runs.start_run(launch.root, job.run, run_record(launch, job), rt.rank)
+        output_root.start_run(launch.root, job.run, run_record(launch, job), rt.rank)
     data = find_intact(store, "training-data", data_key)
     if data is None:
         launch.log(f"data    {job.run}: sampling", every_worker=True)
@@ -225,9 +225,9 @@ def get_trained(launch, job):
     if launch.owner and not current:
         dropped = (data.metadata or {}).get("dropped_simulations")
         if dropped:          # run.json says what the model was trained without; the report repeats it
-            runs.add_to_record(run_dir / "run.json", dropped_simulations=dropped)
-        runs.write_artifacts(launch.root, run_dir, {"training-data": data, "model": model})
-        runs.write_status(run_dir, "trained", worker=rt.rank, data=data.key, model=model.key,
+            output_root.add_to_record(run_dir / "run.json", dropped_simulations=dropped)
+        output_root.write_artifacts(launch.root, run_dir, {"training-data": data, "model": model})
+        output_root.write_status(run_dir, "trained", worker=rt.rank, data=data.key, model=model.key,
                           selected_epoch=model.metadata.get("selected_epoch"))
     launch.used |= {artifact.key for artifact in (data, model) if artifact is not None}
     return data, model
@@ -314,17 +314,17 @@ def trained_artifacts(launch, job):
     """The committed data and weights a run's status records, or an error saying to train."""
     store, run_dir = launch.store, launch.root / job.run
     fix = f"run `python nnpd.py train --profile {launch.profile.name}` first"
-    keys = runs.trained_keys(run_dir)
+    keys = output_root.trained_keys(run_dir)
     if keys is None:
-        status = runs.read_json(run_dir / "status.json", {})
-        used = runs.read_json(run_dir / "artifacts.json", {})
+        status = output_root.read_json(run_dir / "status.json", {})
+        used = output_root.read_json(run_dir / "artifacts.json", {})
         if status.get("state") == "trained" and Path(str(used.get("model"))).name != status.get("model"):
             raise LaunchError(f"{run_dir}: its status says trained, but artifacts.json (which names the data and "
                               f"model the run used) is missing or names others; {fix}: it records them again "
                               "from the store, retraining nothing the store still holds")
         state = f"state {status['state']}" if status.get("state") else "no run folder"
         raise LaunchError(f"{run_dir}: no trained model ({state}); {fix}")
-    backend = runs.read_json(run_dir / "run.json", {}).get("backend")
+    backend = output_root.read_json(run_dir / "run.json", {}).get("backend")
     if backend != launch.identity:
         raise LaunchError(f"{run_dir}: its model was trained on another backend ({describe_backend(backend)}), "
                           f"not this one ({describe_backend(launch.identity)}); {fix} here, or restore it with "
@@ -357,19 +357,19 @@ def analyze_model(launch, job, data, model):
     """The metrics of one trained model, reused when its model, code and settings are unchanged."""
     run_dir = launch.root / job.run
     settings = job.analysis.settings
-    done = runs.read_json(run_dir / "analysis.json", {})
+    done = output_root.read_json(run_dir / "analysis.json", {})
     if done.get("state") == "complete":
-        problem = runs.analysis_problem(launch.store, run_dir)
+        problem = output_root.analysis_problem(launch.store, run_dir)
         same = (done.get("model"), done.get("source"), done.get("settings")) == (model.key, launch.snapshot, settings)
         if problem is None and same:
             launch.used |= set(done["artifacts"])
-            return runs.read_json(run_dir / "metrics.json", {})   # same model, code and settings, all intact
+            return output_root.read_json(run_dir / "metrics.json", {})   # same model, code and settings, all intact
         if problem is not None:
-            runs.warn(f"{run_dir}: its analysis cannot be reused ({problem}); analysing it again")
+            output_root.warn(f"{run_dir}: its analysis cannot be reused ({problem}); analysing it again")
     launch.timer.did_work("analysis")
-    runs.clear_analysis(run_dir)
+    output_root.clear_analysis(run_dir)
     record = {"settings": settings, "source": launch.snapshot, "model": model.key, "worker": launch.rt.rank}
-    runs.write_record(run_dir / "analysis.json", {"state": "running", **record, "time": now_iso()})
+    output_root.write_record(run_dir / "analysis.json", {"state": "running", **record, "time": now_iso()})
     ctx = study.Context(job.settings, settings, job.member, job.experiment, job.analysis, launch.rt,
                         run_dir, launch.store, data, model, progress=study.Progress(launch_log(launch), f"analyze {job.run}"))
     values = {}
@@ -380,9 +380,9 @@ def analyze_model(launch, job, data, model):
     write_json_atomic(run_dir / "metrics.json", values)
     draw_figures(job.analysis.plots, settings["plots"], ctx, run_dir / "plots", settings["plotting"])
     used = {"training-data": data, "model": model, **ctx.used}
-    runs.write_artifacts(launch.root, run_dir, used)
+    output_root.write_artifacts(launch.root, run_dir, used)
     keys = sorted(artifact.key for artifact in used.values())
-    runs.write_record(run_dir / "analysis.json", {"state": "complete", **record, "artifacts": keys,
+    output_root.write_record(run_dir / "analysis.json", {"state": "complete", **record, "artifacts": keys,
                                                   "metrics": digest(values), "time": now_iso()})
     launch.used |= set(keys)
     return values
@@ -430,7 +430,7 @@ def cohort_figures(launch, jobs, trained):
                                   *(trained.get(job.run) or trained_artifacts(launch, job))) for job in members]
         folder = launch.root / "runs" / configuration.name / "plots"
         if folder.exists():
-            runs.discard(folder)          # figures no longer selected do not linger
+            output_root.discard(folder)          # figures no longer selected do not linger
         launch.log(f"figures {configuration.name}")
         draw_figures(members[0].analysis.cohort_plots, settings["cohort_plots"], contexts, folder,
                      settings["plotting"])
@@ -463,7 +463,7 @@ def claim_jobs(launch, jobs):
     claims = launch.marks / "claims.json"
     while True:
         with launch.store.lock(f"claims-{launch.id}"):
-            taken = runs.read_json(claims, [])
+            taken = output_root.read_json(claims, [])
             free = [i for i in order if i not in taken]
             if not free:
                 return

@@ -24,13 +24,13 @@ import infer
 import jobs
 import probes
 import results
-import runs
+import output_root
 import runtime
 import settings
 import study
 import timings
 from jobs import Job, Launch
-from runs import LaunchError
+from output_root import LaunchError
 from settings import SettingsError
 from store import ROOT_MARKER, NnpdError, Store, disk_problem, write_bytes_atomic
 
@@ -153,7 +153,7 @@ def plan(profile=None, settings_dir=None):
     """Resolve and validate every configuration and member; compute and write nothing."""
     loaded = load(profile, settings_dir)
     made = make_plan(loaded)
-    made.errors.extend(runs.root_errors(Path(loaded.training["output"]["root"])))
+    made.errors.extend(output_root.root_errors(Path(loaded.training["output"]["root"])))
     return {**plan_report(loaded, made), "advice": plan_advice(loaded, made)}
 
 
@@ -172,13 +172,13 @@ def latest_training(profile):
     concerns the models that exist; the root keeps a byte copy of their settings.
     """
     root = Path(profile.training["output"]["root"])
-    latest = runs.latest_training_digest(root) if (root / ROOT_MARKER).is_file() else None
+    latest = output_root.latest_training_digest(root) if (root / ROOT_MARKER).is_file() else None
     if latest in (None, settings.identity(profile.training)) or not (root / profile.training_path.name).exists():
         return profile
     loaded = settings.load_profile(profile.settings_dir, profile.name, training_dir=root)
     settings.check_framework(loaded)
     if runtime.launch_environment()[0] == 0:
-        runs.warn(f"{profile.training_path} differs from the latest training; analysing the latest training "
+        output_root.warn(f"{profile.training_path} differs from the latest training; analysing the latest training "
                   f"(settings in {loaded.training_path}); run train to train the edited settings")
     return loaded
 
@@ -195,7 +195,7 @@ def execute(stage, profile=None, settings_dir=None):
     if errors:
         raise SettingsError(errors[0])
     root = Path(loaded.training["output"]["root"])
-    runs.refuse_wrong_root(root)
+    output_root.refuse_wrong_root(root)
     rt = runtime.start(loaded.training["runtime"])
     runtime.STOP.install()
     try:
@@ -224,15 +224,15 @@ def open_launch(launch, planned_runs=()):
         snapshot = None
         if rt.is_main:
             with probes.phase("launch.open"):
-                runs.claim_root(launch.root, create=launch.stage != "analyze")
-                runs.refuse_unsafe_places(launch.root)      # before the lease, whose lock file is the first write
-                held.enter_context(runs.take_lease(launch.store, minutes))
-                runs.wait_for_leftovers(launch.store, minutes)
-                runs.tidy_root(launch.root, launch.store)
-                runs.clear_run_places(launch.root, launch.store, planned_runs, repair=launch.stage != "analyze")
-                snapshot = runs.write_snapshot(launch.root, CODE_DIR, launch.profile)
+                output_root.claim_root(launch.root, create=launch.stage != "analyze")
+                output_root.refuse_unsafe_places(launch.root)      # before the lease, whose lock file is the first write
+                held.enter_context(output_root.take_lease(launch.store, minutes))
+                output_root.wait_for_leftovers(launch.store, minutes)
+                output_root.tidy_root(launch.root, launch.store)
+                output_root.clear_run_places(launch.root, launch.store, planned_runs, repair=launch.stage != "analyze")
+                snapshot = output_root.write_snapshot(launch.root, CODE_DIR, launch.profile)
         launch.snapshot, launch.id = runtime.broadcast_object(rt, (snapshot, f"{time.time_ns():x}"))
-        held.enter_context(runs.join_launch(launch.store, minutes))
+        held.enter_context(output_root.join_launch(launch.store, minutes))
         if rt.distributed:
             launch.marks.mkdir(parents=True, exist_ok=True)
             jobs.keep_watch(launch)
@@ -294,7 +294,7 @@ def do_job(launch, job, trained=None):
         if runtime.STOP.requested is not None:      # the study's code swallowed a stop, then failed for want of it
             raise
         run_dir = launch.root / job.run
-        runs.fail_job(run_dir, stage, error)
+        output_root.fail_job(run_dir, stage, error)
         where = run_dir / ("status.json" if stage == "train" else "analysis.json")
         message = f"{job.run}: {stage} failed on worker {launch.rt.rank}: {error} (traceback in {where})"
         if launch.rt.ddp:   # the other ranks cannot go on without this one: end the whole launch
@@ -312,11 +312,11 @@ def finish_launch(launch, planned, trained, used):
               "settings": settings.to_jsonable(profile.training)}
     backend = {"digest": settings.digest(launch.identity), "identity": launch.identity}
     # A training launch keeps the analyses still valid for its models, so it keeps what they refer to.
-    used = used | runs.referenced_keys(root, fields["runs"])
-    entries = runs.record_launch(root, fields, backend, used, replace=launch.stage != "analyze")
+    used = used | output_root.referenced_keys(root, fields["runs"])
+    entries = output_root.record_launch(root, fields, backend, used, replace=launch.stage != "analyze")
     if launch.stage != "analyze":
-        runs.clean_up(root, launch.store, set(fields["runs"]), entries)
-    runs.copy_settings(root, profile)
+        output_root.clean_up(root, launch.store, set(fields["runs"]), entries)
+    output_root.copy_settings(root, profile)
     if launch.stage != "train":
         records = results.read_runs(root, fields["runs"])
         print(results.report_text(records, study.report_layout(profile.analysis)[0],
@@ -328,13 +328,13 @@ def verify(profile=None, settings_dir=None):
     loaded = load(profile, settings_dir)
     root = Path(loaded.training["output"]["root"])
     # A folder nnpd does not own is refused before anything is written there (locks/, damaged/).
-    if not runs.owns_root(root) or not (root / "cache").is_dir():
+    if not output_root.owns_root(root) or not (root / "cache").is_dir():
         raise LaunchError(f"{root}: no store to verify; run `python nnpd.py train --profile {loaded.name}` first")
-    runs.refuse_unsafe_places(root)
+    output_root.refuse_unsafe_places(root)
     store = Store(root)
-    with runs.take_lease(store, settings.check_runtime(loaded.training["runtime"])["timeout_minutes"]):
+    with output_root.take_lease(store, settings.check_runtime(loaded.training["runtime"])["timeout_minutes"]):
         checked, damaged = store.verify(repair=True)
-        damaged += runs.verify_records(root, store)
+        damaged += output_root.verify_records(root, store)
         entries, size = store.damaged_size()
     return {"root": str(root), "checked": checked, "damaged": damaged,
             "damaged_folder": {"entries": entries, "bytes": size}}

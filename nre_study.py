@@ -39,7 +39,7 @@ import contrast
 import networks
 import posterior
 import priors
-import runs
+import output_root
 import runtime
 import trainer
 from settings import SettingsError, integer, known_keys, name_list, number, one_of, require
@@ -530,7 +530,7 @@ class Study(Experiment):
             return []
         root = Path(self.settings["output"]["root"])
         earlier = [run for run in sorted(root.glob("runs/*/*/artifacts.json")) if run.is_file()
-                   and (root / str(runs.read_json(run, {}).get("training-data")) / "train_labels.npy").is_file()]
+                   and (root / str(output_root.read_json(run, {}).get("training-data")) / "train_labels.npy").is_file()]
         if not earlier:
             return []
         return [f"{len(earlier)} model(s) in {root} were trained when data.train counted fixed pairs, half joint and "

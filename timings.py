@@ -6,7 +6,7 @@ that fold what the probes recorded meanwhile into a section of the run, and the 
 only when its stage did its work in this launch (sampled or trained; computed the
 metrics), or when the file lacks it: a launch that reuses everything keeps the timings
 of the launches that did the work, and a train-only launch's training section survives
-a later analysis (runs.clear_analysis removes the file; the job writes it back whole).
+a later analysis (output_root.clear_analysis removes the file; the job writes it back whole).
 A retrained model drops the old analysis section with its analysis.
 
 At the end rank 0 gathers every worker's phases into `<root>/timings.json`, prints a
@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import probes
-import runs
+import output_root
 import runtime
 from store import now_iso, write_json_atomic
 from probes import COMMUNICATE, STEP_PHASES
@@ -115,7 +115,7 @@ class LaunchTimer:
     def job(self, launch, job):
         """Around one job: afterwards (in DDP with every worker's part) write its run's timings.json."""
         run_dir = launch.root / job.run
-        old = runs.read_json(run_dir / FILE, {}) if launch.owner else {}
+        old = output_root.read_json(run_dir / FILE, {}) if launch.owner else {}
         self.sections, self.redone = {}, set()
         yield
         self.collect()
@@ -322,7 +322,7 @@ def advise(parallel, world, sizes, communication):
 def plan_advice(root, costs, runtime_settings):
     """The plan's advice: from the root's timings.json when there is one, else estimated from the workload."""
     path = Path(root) / FILE
-    record = runs.read_json(path, {}) if path.is_file() else {}
+    record = output_root.read_json(path, {}) if path.is_file() else {}
     parallel = runtime_settings.get("parallel", "jobs") if isinstance(runtime_settings, dict) else "jobs"
     if not record:
         line = advise(parallel, 1, list(costs.values()), "not measured yet")

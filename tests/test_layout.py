@@ -13,7 +13,7 @@ STUDY = {"gaussian", "gaussian_study"}          # the bundled study's own module
 MAY_IMPORT_THE_STUDY = STUDY | {"settings_training", "settings_analysis"}
 # The study kit, written on the framework; studies are written on it.
 KIT = {"nre_study", "nre_analysis", "inference_settings", "nre_figures", "priors", "networks", "posterior"}
-FRAMEWORK = {"nnpd", "jobs", "runs", "store", "runtime", "trainer", "study", "settings", "results", "timings",
+FRAMEWORK = {"nnpd", "jobs", "output_root", "store", "runtime", "trainer", "study", "settings", "results", "timings",
              "probes", "launcher", "designs", "case_scores", "case_blocks", "hpd", "analysis_metrics", "infer",
              "contrast", "c2st", "ddp", "training_state", "training_hooks", "fingerprint"}
 MAX_FUNCTION_LINES = 45
@@ -63,7 +63,7 @@ def test_the_store_imports_nothing_from_the_project_and_restore_stays_there():
 def test_only_the_study_and_the_settings_files_import_the_bundled_study():
     importers = {name for name, imports in GRAPH.items() if imports & STUDY}
     assert importers <= MAY_IMPORT_THE_STUDY, importers - MAY_IMPORT_THE_STUDY
-    assert "gaussian" in GRAPH["gaussian_study"] and {"runs", "jobs"} <= GRAPH["nnpd"]   # the scan sees imports
+    assert "gaussian" in GRAPH["gaussian_study"] and {"output_root", "jobs"} <= GRAPH["nnpd"]   # the scan sees imports
 
 
 def test_the_framework_knows_no_study():
@@ -82,8 +82,8 @@ def test_the_framework_knows_no_study():
 
 def test_the_scan_counts_imports_inside_functions(tmp_path):
     module = tmp_path / "sample.py"
-    module.write_text("import os\n\ndef late():\n    from store import restore\n    import runs.x\n")
-    assert imported(module) == {"store", "runs"}
+    module.write_text("import os\n\ndef late():\n    from store import restore\n    import output_root.x\n")
+    assert imported(module) == {"store", "output_root"}
 
 
 def long_functions(path):

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import REPO, ahead, limit_file_size, made_ahead, main_in_process, one_error_line, run_cli, write_settings
-from runs import source_snapshot
+from output_root import source_snapshot
 
 
 # What the command line answers about the root does not depend on a fresh process: most commands below call
