@@ -29,14 +29,14 @@ import case_scores
 import contrast
 import designs
 import hpd
-import inference_settings
+import inference_schema
 import nre_figures
 import priors
 import probes
 import runtime
 import trainer
 from study import Analysis, Context, ExperimentContract, Figure, Json, Member, Metric, Product, check_selection
-from inference_settings import check_inference_settings
+from inference_schema import check_inference_settings
 from settings import SettingsError
 
 __all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "KitExperiment",
@@ -46,7 +46,7 @@ __all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "Kit
            "summarise_targets"]
 
 # The modules of the analysis stack, whose sources enter every product's key (see NREAnalysis).
-ANALYSIS_STACK = (inference_settings, designs, case_scores, hpd, analysis_metrics, adaptive, case_blocks)
+ANALYSIS_STACK = (inference_schema, designs, case_scores, hpd, analysis_metrics, adaptive, case_blocks)
 SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer", "region_ess",
                   "edge_mass", "disagreement", "credibility", "credibility_upper")
 # Credibility levels of the expected-coverage curve: 0.01, 0.02, ..., 0.99.
@@ -654,7 +654,7 @@ class NREAnalysis(Analysis):
     """The whole analysis of a ratio-estimator study: products, metrics and figures."""
 
     SECTIONS = ()
-    OPTIONAL_SECTIONS = ("inference",)      # every key has a default (inference_settings.py)
+    OPTIONAL_SECTIONS = ("inference",)      # every key has a default (inference_schema.py)
     # lat68 / lat95: the randomised coverage, nominal for the exact likelihood on lattice priors too.
     REPORT_COLUMNS = (("cov68", "coverage.0.68.joint"), ("lat68", "coverage.0.68.lattice"),
                       ("cov95", "coverage.0.95.joint"), ("lat95", "coverage.0.95.lattice"),
@@ -730,10 +730,9 @@ class NREAnalysis(Analysis):
         """The analysis settings with the defaults of `inference` and `metrics` filled in for this study."""
         problem = self.experiment.problem()
         likelihood = callable(getattr(problem, "log_likelihood", None))
-        inference_settings = check_inference_settings(settings.get("inference", {}), problem.parameter_count,
-                                                      likelihood)
-        return {**settings, "inference": inference_settings,
-                "metrics": settings.get("metrics", self.default_metrics(inference_settings["targets"], likelihood))}
+        inference = check_inference_settings(settings.get("inference", {}), problem.parameter_count, likelihood)
+        return {**settings, "inference": inference,
+                "metrics": settings.get("metrics", self.default_metrics(inference["targets"], likelihood))}
 
     def default_metrics(self, targets: Sequence[str], likelihood: bool) -> list[str]:
         """Every metric the targets and the study's likelihood allow."""
@@ -761,9 +760,9 @@ class NREAnalysis(Analysis):
                                 "to True or remove 'posterior'")
         check_selection("plots", self.settings["plots"], self.plots)
         check_selection("cohort_plots", self.settings["cohort_plots"], self.cohort_plots)
-        inference_settings = self.settings["inference"]
-        if "diagnostic_cases" in self.settings["plots"] and inference_settings["retain"] == "diagnostic" \
-                and inference_settings["diagnostic_cases"] == 0:
+        inference = self.settings["inference"]
+        if "diagnostic_cases" in self.settings["plots"] and inference["retain"] == "diagnostic" \
+                and inference["diagnostic_cases"] == 0:
             raise SettingsError("plots: 'diagnostic_cases' draws retained scores; set inference.diagnostic_cases "
                                 "above 0 or inference.retain to 'full'")
 
@@ -868,17 +867,17 @@ class NREAnalysis(Analysis):
         `lattices`: {lattice steps: the names of the priors refined on them}; one line names every prior
         that falls short and the coarse_count the sparsest of them needs.
         """
-        candidates, inference_settings = self.settings["inference"]["candidates"], self.settings["inference"]
+        candidates, inference = self.settings["inference"]["candidates"], self.settings["inference"]
         problem = self.experiment.problem()
         p, coarse = problem.parameter_count, int(candidates["coarse_count"])
-        near = {lattice: coarse * posterior_share(problem, list(lattice), inference_settings["observations"],
+        near = {lattice: coarse * posterior_share(problem, list(lattice), inference["observations"],
                                                   COARSE_REACH) for lattice in lattices}
         short = [lattice for lattice in lattices if near[lattice] < MIN_COARSE_NEIGHBOURS]
         if not short:
             return []
         fewest = min(near[lattice] for lattice in short)
         needed = math.ceil(coarse * MIN_COARSE_NEIGHBOURS / max(fewest, 1e-300))
-        targets = max(len(self.learned_targets()), int("exact" in inference_settings["targets"]), 1)
+        targets = max(len(self.learned_targets()), int("exact" in inference["targets"]), 1)
         total = needed * (int(candidates["refinement_stages"]) + 1) + \
             targets * 2 * p * (designs.PROBE_RADII + designs.PROBE_REFINE)
         fit = (f" and candidate_count to at least {total:,}, which that needs"

@@ -44,7 +44,7 @@ import case_scores
 import designs
 import hpd
 import study
-from inference_settings import check_inference_settings
+from inference_schema import check_inference_settings
 from nre_analysis import flatness, learned_scoring, prior_sds
 from store import NnpdError
 
@@ -518,7 +518,7 @@ def score_targets(settings):
     return targets if "posterior" in targets else ["posterior"]
 
 
-def inference_settings(problem, analysis_settings):
+def inference_section(problem, analysis_settings):
     """The analysis' `inference` settings, every key they leave out at its default; for a run never analysed,
     the design of POSTERIOR_CANDIDATES."""
     inference = (analysis_settings or {}).get("inference") or {"candidates": dict(POSTERIOR_CANDIDATES)}
@@ -526,9 +526,9 @@ def inference_settings(problem, analysis_settings):
 
 
 def posterior_settings(problem, lattice_steps, analysis_settings):
-    """inference_settings with native_grid_prior set for a lattice prior, whose posterior has no density
+    """inference_section with native_grid_prior set for a lattice prior, whose posterior has no density
     between its lattice points: the settings the posterior's design is decided and priced with."""
-    settings = inference_settings(problem, analysis_settings)
+    settings = inference_section(problem, analysis_settings)
     if any(step is not None for step in lattice_steps):
         settings["candidates"] = dict(settings["candidates"], native_grid_prior=True)
     return settings

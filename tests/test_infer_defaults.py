@@ -15,7 +15,7 @@ import pytest
 import posterior as post
 import settings_analysis
 from helpers import main_in_process, run_cli
-from inference_settings import check_inference_settings
+from inference_schema import check_inference_settings
 from settings import SettingsError
 from store import restore
 
