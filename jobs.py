@@ -21,6 +21,7 @@ import output_root
 import runtime
 import study
 import timings
+import trainer
 from output_root import LaunchError
 from settings import Configuration, Profile, digest
 from store import DamagedArtifact, Store, now_iso, write_bytes_atomic, write_json_atomic
@@ -273,7 +274,11 @@ def train_model(launch, job, data, key):
     """Train one model with hooks that save and resume its state in the store's scratch area."""
     model = job.experiment.build_model(job.member)
     with runtime.STOP.polling():
-        return job.experiment.train(job.member, model, data, launch.rt, training_hooks(launch, job, key))
+        state, history = job.experiment.train(job.member, model, data, launch.rt, training_hooks(launch, job, key))
+    outcome = trainer.training_outcome(history)
+    if outcome is not None:          # the bundled trainer's history: how it ended and what it kept
+        launch.log(f"model   {job.run}: {outcome}", every_worker=True)
+    return state, history
 
 
 def training_hooks(launch, job, key):
@@ -291,15 +296,22 @@ def training_hooks(launch, job, key):
         store.save_scratch("model", key, buffer.getvalue())
 
     def on_epoch(epoch, record):
-        auc = "n/a" if record["auc"] is None else f"{record['auc']:.3f}"
-        launch.log(f"        epoch {epoch}/{record['epochs']}: loss {record['train_loss']:.4f}, validation BCE "
-                   f"{record['bce']:.4f}, AUC {auc}, {record['seconds']:.1f} s", every_worker=True)
+        launch.log(f"        epoch {epoch}/{record['epochs']}: {epoch_text(record)}", every_worker=True)
 
     def on_resume(epoch, batch):
         launch.log(f"resumed {job.run}: epoch {epoch}, after batch {batch}", every_worker=True)
 
     return TrainingHooks(load_state=load_state, save_state=save_state, save_seconds=launch.rt.resume_seconds,
                          stop_requested=runtime.STOP, on_epoch=on_epoch, on_resume=on_resume)
+
+
+def epoch_text(record):
+    """An epoch's log line: the training loss, the trained objective's validation loss, then BCE and AUC."""
+    auc = "n/a" if record["auc"] is None else f"{record['auc']:.3f}"
+    name = record.get("objective_name", "BCE")
+    objective = "validation " if name == "BCE" else f"validation {name} {record['objective']:.4f}, "
+    return (f"loss {record['train_loss']:.4f}, {objective}BCE {record['bce']:.4f}, AUC {auc}, "
+            f"{record['seconds']:.1f} s")
 
 
 def find_intact(store, name, key):

@@ -16,6 +16,7 @@ import torch
 
 import analysis_metrics
 import results
+import trainer
 
 __all__ = [
     "TRUTH_BINS", "draw_priors", "draw_training", "draw_estimates", "draw_bias_width", "draw_diagnostic_cases",
@@ -179,16 +180,19 @@ def roc_curve(logits, labels):
 
 
 def draw_training(contexts, figure):
-    """Training and validation BCE per epoch with the selected epoch, and the test ROC with its AUC, per member."""
+    """The trained objective per epoch, training and validation, with the kept epoch, and the test ROC with its
+    AUC, per member."""
     from matplotlib.ticker import MaxNLocator   # matplotlib is there whenever a figure is drawn
     curves, roc = figure.subplots(1, 2)
     styles = member_styles(contexts)
+    loss = "BCE"
     for ctx in contexts:
         name = ctx.member["name"]
         colour, style, marker = styles[name]
         history = ctx.model_artifact.json("history")
         epochs = np.arange(1, len(history["train_loss"]) + 1)
-        validation = [v["bce"] for v in history["validation"]]
+        loss = trainer.objective_name(history)      # train_loss is the objective's; compare it with its own
+        validation = history.get("validation_objective") or [v["bce"] for v in history["validation"]]
         curves.plot(epochs, history["train_loss"], color=colour, linestyle="-", marker=marker, label=name)
         curves.plot(epochs, validation, color=colour, linestyle="--", marker=marker, fillstyle="none")
         selected = history.get("selected_epoch")
@@ -200,11 +204,11 @@ def draw_training(contexts, figure):
         auc = analysis_metrics.classification_metrics(torch.from_numpy(logits), torch.from_numpy(labels))["auc"]
         fpr, tpr = roc_curve(logits, labels)
         roc.plot(fpr, tpr, color=colour, linestyle=style, label=f"{name} (AUC {auc:.3f})" if auc is not None else name)
-    for label, style in (("training BCE", "-"), ("validation BCE", "--")):
+    for label, style in ((f"training {loss}", "-"), (f"validation {loss}", "--")):
         curves.plot([], [], color="grey", linestyle=style, label=label)
     curves.plot([], [], "*", color="grey", markersize=12, markeredgecolor="black", label="selected epoch")
     curves.xaxis.set_major_locator(MaxNLocator(integer=True))
-    curves.set(title="BCE per epoch (solid: training, dashed: validation)", xlabel="epoch", ylabel="BCE")
+    curves.set(title=f"{loss} per epoch (solid: training, dashed: validation)", xlabel="epoch", ylabel=loss)
     curves.legend(fontsize="small")
     roc.plot([0, 1], [0, 1], ":", color="black", label="chance (AUC 0.5)")
     roc.set(title="ROC on the held-out test pairs", xlabel="false-positive rate", ylabel="true-positive rate",

@@ -8,7 +8,8 @@
 A record is one run folder: its configuration (baseline, or the knob it changes and the
 value), its cohort member, the resolved training settings, the training and analysis
 states, the metrics of its complete analysis (None otherwise) and its model's training
-history. `comparison_figure` draws what `report --plot` writes.
+history (`report` says under its table how each training ended: trainer.training_outcome).
+`comparison_figure` draws what `report --plot` writes.
 """
 import csv
 import io
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import store
+import trainer
 from settings import is_number
 
 
@@ -93,11 +95,13 @@ def model_history(root, folder):
 
 
 def training_columns(history):
-    """selected_epoch and final_validation_loss (the last epoch's validation BCE) of a history."""
+    """selected_epoch, final_validation_loss (the last epoch's validation BCE) and stopped_epoch (where patience
+    ended training, or None) of a history."""
     history = history or {}
     validation = history.get("validation") or [{}]
     final = validation[-1].get("bce") if isinstance(validation[-1], dict) else None
-    return {"selected_epoch": history.get("selected_epoch"), "final_validation_loss": final}
+    return {"selected_epoch": history.get("selected_epoch"), "final_validation_loss": final,
+            "stopped_epoch": history.get("stopped_epoch")}
 
 
 def analysis_and_metrics(root, folder):
@@ -217,7 +221,14 @@ def table(records, columns=()):
 
 def report_text(records, columns=(), warning_paths=()):
     """The table, then one line per warning of the analysed runs: what `run` and `report` print."""
-    return "\n".join([table(records, columns), *warning_lines(records, warning_paths), *dropped_lines(records)])
+    return "\n".join([table(records, columns), *training_lines(records), *warning_lines(records, warning_paths),
+                      *dropped_lines(records)])
+
+
+def training_lines(records):
+    """One line per analysed run trained by the bundled trainer: how its training ended and the epoch it kept."""
+    outcomes = [(record, trainer.training_outcome(record.history)) for record in records if record.metrics is not None]
+    return [f"training: {record.swept} {record.prior}: {outcome}" for record, outcome in outcomes if outcome]
 
 
 def warning_lines(records, paths=()):

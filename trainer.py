@@ -39,7 +39,7 @@ from probes import COMMUNICATE, STEP_PHASES  # noqa: F401
 __all__ = [
     "Preempted", "PARTS", "TRAINING_DEFAULTS", "VALIDATION_CHUNK", "FLAG_EXCHANGE_SECONDS",
     "check_training_settings", "FunctionalAdam", "make_optimizer", "training_tensors", "batch_loss",
-    "kept_validation", "train",
+    "kept_validation", "LOSS_NAMES", "objective_name", "watched_loss", "training_outcome", "train",
 ]
 
 Preempted = runtime.Preempted      # the one class; trainer.Preempted is the name callers of train() know
@@ -484,6 +484,37 @@ def selection_scores(history: dict) -> list:
     return [metrics["bce"] for metrics in history["validation"]]
 
 
+# The validation loss each objective trains, as the log, `report` and the `training` figure name it.
+LOSS_NAMES = {"bce": "BCE", "balanced": "balanced loss", "contrastive": "contrastive loss"}
+
+
+def objective_name(history: dict) -> str:
+    """The trained objective's name ("contrastive loss", ...); "objective" for a history saved before it said."""
+    return LOSS_NAMES.get(history.get("objective"), "objective")
+
+
+def watched_loss(history: dict) -> str:
+    """The validation loss that chose the kept epoch and that patience watched (training.selection)."""
+    return "validation " + (objective_name(history) if history.get("selection") == "objective" else "BCE")
+
+
+def training_outcome(history: dict) -> str | None:
+    """One line: stopped early (the epoch, patience and the watched loss) or ran every epoch, then the kept epoch
+    and its loss; None for a history this trainer did not write."""
+    if not isinstance(history, dict) or history.get("selection") not in SELECTIONS:
+        return None
+    epochs, kept, stopped = history.get("epochs"), history.get("selected_epoch"), history.get("stopped_epoch")
+    scores = selection_scores(history)
+    if not isinstance(kept, int) or not 1 <= kept <= len(scores) or not isinstance(epochs, int):
+        return None
+    watched = watched_loss(history)
+    kept_text = f"kept epoch {kept} ({watched} {scores[kept - 1]:.4f})"
+    if isinstance(stopped, int):
+        return (f"stopped early at epoch {stopped} of {epochs} (patience {history.get('patience')}: the {watched} "
+                f"had not improved for {history.get('patience')} epochs), {kept_text}")
+    return f"ran all {epochs} epochs, {kept_text}"
+
+
 def patience_exhausted(history: dict, settings: dict) -> bool:
     """True when the selected validation loss has not improved for `patience` epochs (never without patience)."""
     scores = selection_scores(history)
@@ -519,10 +550,10 @@ def _close_epoch(fit: Fit, batch_losses, norms, validation: tuple) -> dict:
     if converged:
         history["stopped_epoch"] = state.epoch + 1
     last = state.epoch + 1 == settings["epochs"] or converged
-    if (settings["checkpoint"] == "best" and score < state.best_bce) or (
+    if (settings["checkpoint"] == "best" and score < state.best_loss) or (
         settings["checkpoint"] == "last" and last
     ):
-        state.best_bce = score
+        state.best_loss = score
         state.best_weights = cpu_copy(state.model.state_dict())
         history["selected_epoch"] = state.epoch + 1
     state.epoch += 1
@@ -544,7 +575,8 @@ def _train_epochs(fit: Fit, tensors: tuple, validation: tuple, runner: HookRunne
         batch_losses, norms = _run_epoch(fit, x, y, runner, joint)
         stop = runner.drain()
         metrics = _close_epoch(fit, batch_losses, norms, validation)
-        record = {**metrics, "seconds": time.monotonic() - began, "epochs": settings["epochs"]}
+        record = {**metrics, "seconds": time.monotonic() - began, "epochs": settings["epochs"],
+                  "objective_name": LOSS_NAMES[settings["objective"]]}
         runner.epoch_done(state, stop, record)
 
 
@@ -558,6 +590,7 @@ def _new_history(settings: dict, rows: int, rt: runtime.Runtime) -> dict:
         "validation_objective": [],
         "validation_balance": [],
         "selection": settings["selection"],
+        "objective": settings["objective"],     # names the losses (objective_name); absent in earlier histories
         # Loss terms per epoch (train_loss is their mean): the rows of fixed pairs, twice the
         # joint pairs (each and its re-paired row) under "bce"/"balanced", the pairs under "contrastive".
         "rows_per_epoch": rows,

@@ -42,7 +42,8 @@ class TrainingHooks:
       at the same step, saves (when saving) and raises Preempted (runtime.Preempted).
     - on_epoch(epoch, record): after each epoch (under DDP rank 0 only); record holds train_loss, bce,
       accuracy, auc, objective and balance (the validation objective and balance defect, see
-      trainer.validation_objective), seconds (the epoch's wall time) and epochs (the total).
+      trainer.validation_objective), objective_name (what that objective is called: trainer.LOSS_NAMES),
+      seconds (the epoch's wall time) and epochs (the total).
     - on_resume(epoch, batch): when training continues from a loaded state (under DDP rank 0 only).
     Under DDP every rank passes hooks with the same fields set: they decide which
     collectives run.

@@ -62,8 +62,8 @@ class TrainingState:
     norms: torch.Tensor | None = None
     history: dict = field(default_factory=dict)
     # The lowest validation value so far of the selection criterion (training.selection): the
-    # BCE or the objective. Named for the BCE, which it was before the choice: saved states keep the name.
-    best_bce: float = math.inf
+    # BCE or the objective. Saved states keep its earlier name, "best_bce", so theirs still resume.
+    best_loss: float = math.inf
     best_weights: dict | None = None
 
     def state_dict(self) -> dict:
@@ -79,7 +79,7 @@ class TrainingState:
             "batch_losses": self.batch_losses,
             "norms": self.norms,
             "history": self.history,
-            "best_bce": self.best_bce,
+            "best_bce": self.best_loss,
             "best_weights": self.best_weights,
         })
 
@@ -95,7 +95,7 @@ class TrainingState:
         self.batch_losses, self.norms = (None if t is None else t.to(self.device, copy=True)
                                          for t in (state["batch_losses"], state["norms"]))
         self.history = cpu_copy(state["history"])
-        self.best_bce = float(state["best_bce"])
+        self.best_loss = float(state["best_bce"])
         self.best_weights = cpu_copy(state["best_weights"])
 
     def permutation(self, rows: int) -> torch.Tensor:
