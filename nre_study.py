@@ -22,9 +22,10 @@ False; a study's own embedding network for x in front of it, `Study.embedding`),
 (`KIT_MODEL`, `KIT_TRAINING`; docs/training.md), and the whole analysis (nre_analysis.py).
 docs/extending.md walks through a complete example.
 
-Training settings sections: `cohort`, `priors`, `data`, and optionally `model` (the whole
-network; without it `KIT_MODEL`), `training` (the keys it names replace `KIT_TRAINING`'s)
-and a `problem` of the study's own (`self.settings["problem"]`, part of every key).
+Training settings sections: `data` (`train`, `validation`; `test` defaults to validation's size), and
+optionally `cohort` and `priors` (without them `KIT_COHORT`, `KIT_PRIORS`: one member, a uniform prior over
+the box), `model` (the whole network; without it `KIT_MODEL`), `training` (the keys it names replace
+`KIT_TRAINING`'s) and a `problem` of the study's own (`self.settings["problem"]`, part of every key).
 """
 import hashlib
 import sys
@@ -47,7 +48,7 @@ import study
 from study import Experiment, Json, Member, PriorContract, ProblemContract
 
 __all__ = [
-    "SPLITS", "SIMULATION_CHUNK", "KIT_MODEL", "KIT_TRAINING", "Problem", "sample_joint", "sample_pairs",
+    "SPLITS", "SIMULATION_CHUNK", "KIT_MODEL", "KIT_TRAINING", "KIT_COHORT", "KIT_PRIORS", "with_kit_defaults", "Problem", "sample_joint", "sample_pairs",
     "sample_training_data", "Study",
 ]
 
@@ -68,6 +69,9 @@ INVALID = ("error", "drop")
 KIT_MODEL = {"kind": "residual", "width": 50, "blocks": 2, "activation": "relu"}
 KIT_TRAINING = {"objective": "contrastive", "classes": 10, "gamma": 1.0, "selection": "objective",
                 "batch_size": 200, "learning_rate": 5e-4, "epochs": 500, "patience": 20}
+# The cohort a study gets when it writes no `cohort` / `priors` section: one member, a uniform prior over the box.
+KIT_COHORT = {"priors": ["uniform"], "replicas": 1}
+KIT_PRIORS = {"uniform": {"family": "uniform"}}
 
 
 class Problem:
@@ -281,6 +285,23 @@ def bank_digest(bank):
     return digest.hexdigest()
 
 
+def with_kit_defaults(settings):
+    """A copy of training settings with the kit's defaults where they leave a setting out: `cohort` KIT_COHORT
+    (`replicas` 1), `priors` KIT_PRIORS and `data.test` as large as `data.validation`.
+
+    Filled in, they enter the data and model keys as if written out; wrong types are left for the checks.
+    """
+    filled = dict(settings)
+    cohort = filled.get("cohort", {})
+    if isinstance(cohort, dict):
+        filled["cohort"] = {**KIT_COHORT, **cohort}
+    filled.setdefault("priors", KIT_PRIORS)
+    data = filled.get("data")
+    if isinstance(data, dict) and "validation" in data:
+        filled["data"] = {**data, "test": data.get("test", data["validation"])}
+    return filled
+
+
 def check_cohort(settings, prior_objects):
     """`cohort` (priors and replicas), every named prior defined, and the `data` split sizes."""
     cohort = require(settings, "cohort", "settings")
@@ -315,13 +336,13 @@ class Study(Experiment):
     custom_priors: dict[str, Any] = {}       # a study's own prior objects by name, beside the bundled families in settings
     standardize = True       # model.standardize when the settings leave it out
     log_likelihood: Any = None    # define log_likelihood(self, x, theta) for the exact target
-    SECTIONS: tuple[str, ...] = ("cohort", "priors", "data")
-    OPTIONAL_SECTIONS: tuple[str, ...] = ("problem", "model", "training")
+    SECTIONS: tuple[str, ...] = ("data",)
+    OPTIONAL_SECTIONS: tuple[str, ...] = ("cohort", "priors", "problem", "model", "training")
     DATA_SOURCES: tuple[object, ...] = (priors, sample_training_data, sample_joint, runtime.derived_seed)
     MODEL_SOURCES: tuple[object, ...] = (networks, trainer, contrast, runtime.derived_seed)
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        self.settings = settings
+        self.settings = with_kit_defaults(settings)
         self._problem: Any = None              # make_problem's, built once
         self._bank: tuple[np.ndarray, np.ndarray] | None = None
 

@@ -8,6 +8,7 @@ would type them there after the README's set-up: each in a fresh `bash` that has
 the virtual environment's own, with nothing else added to PATH or PYTHONPATH; a python
 block is typed into that `python`. Each must exit with status 0.
 """
+import ast
 import os
 import re
 import signal
@@ -226,3 +227,92 @@ def test_a_preempted_torchrun_launch_resumes(tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed runs/" in again.stdout
     assert len(list((tmp_path / "out" / "cache" / "model").glob("*/artifact.json"))) == 3
+
+
+# ---------------------------------------------------------------- what the code's messages point to
+
+# A section named in a message: `README.md, "Heading"` or `docs/<page>.md, "Heading"`.
+SECTION_REFERENCE = re.compile(r'(README\.md|docs/[\w-]+\.md), \\?"([^"\\]+)\\?"')
+CODE = sorted(REPO.glob("*.py"))
+
+
+def headings(document):
+    """The headings of a markdown document, without their #s."""
+    return {line.lstrip("#").strip() for line in (REPO / document).read_text().splitlines() if line.startswith("#")}
+
+
+def settings_error_texts(path):
+    """The literal text of every SettingsError(...) call of a module, its f-strings' literal parts joined."""
+    texts = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "SettingsError":
+            parts = [part.value for part in ast.walk(node) if isinstance(part, ast.Constant)
+                     and isinstance(part.value, str)]
+            texts.append("".join(parts))
+    return texts
+
+
+@pytest.mark.unit
+def test_every_section_the_code_names_is_a_heading_of_that_document():
+    named = [(path.name, document, heading) for path in CODE
+             for document, heading in SECTION_REFERENCE.findall(path.read_text())]
+    assert any(document == "README.md" for _, document, _ in named)       # the scan sees the settings' own
+    missing = [f"{name} names {document}, \"{heading}\"" for name, document, heading in named
+               if heading not in headings(document)]
+    assert not missing, missing
+
+
+@pytest.mark.unit
+def test_a_settings_error_that_says_see_names_a_document():
+    vague = [(path.name, text) for path in CODE for text in settings_error_texts(path)
+             if re.search(r"\bsee (?!docs/|README)", text)]
+    assert not vague, vague
+
+
+@pytest.mark.unit
+def test_a_settings_file_without_either_form_names_a_real_section(tmp_path):
+    import settings
+    (tmp_path / "settings_training.py").write_text("x = 1\n")
+    (tmp_path / "settings_analysis.py").write_text("x = 1\n")
+    with pytest.raises(settings.SettingsError) as info:
+        settings.load_profile(tmp_path)
+    (document, heading), = SECTION_REFERENCE.findall(str(info.value))
+    assert heading in headings(document)
+
+
+# ---------------------------------------------------------------- the README's smallest study
+
+SMALLEST = "examples/line"
+
+
+def smallest_study_blocks():
+    """{path: code} of the README's blocks that show a file of the smallest study (first line: `# <path>`)."""
+    shown = {}
+    for _, code in BLOCK.findall((REPO / "README.md").read_text()):
+        first, _, rest = code.partition("\n")
+        if first.startswith(f"# {SMALLEST}/"):
+            shown[first[2:]] = rest
+    return shown
+
+
+@pytest.mark.unit
+def test_the_readme_shows_the_smallest_study_whole_in_under_twenty_lines():
+    shown = smallest_study_blocks()
+    files = sorted(str(path.relative_to(REPO)) for path in (REPO / SMALLEST).glob("*.py"))
+    assert sorted(shown) == files
+    assert all(shown[path] == (REPO / path).read_text() for path in files)          # the files, as they are
+    assert sum(len(code.splitlines()) for code in shown.values()) < 20
+
+
+@pytest.mark.launch
+def test_the_readmes_smallest_study_runs_and_reports(tmp_path):
+    copy = reader_copy(tmp_path / "nnpd")
+    block = next(code for language, code in BLOCK.findall((REPO / "README.md").read_text())
+                 if language == "sh" and f"--settings-dir {SMALLEST}" in code)
+    command, typed = reader_command("sh", block)
+    result = subprocess.run(command, cwd=copy, env=fresh_shell_environment(), input=typed, capture_output=True,
+                            text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert (copy / "outputs" / "line").is_dir() and len(list(copy.glob("outputs/line/runs/*/*/metrics.json"))) == 1
+    report = result.stdout.split("run done")[-1]           # what `report` printed after the run
+    assert "baseline       uniform" in report and "training: baseline uniform: " in report

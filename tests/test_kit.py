@@ -375,3 +375,25 @@ def test_run_notes_posterior_coverage_under_a_non_uniform_prior_and_not_under_a_
     for metrics in root.glob("runs/*/*/metrics.json"):
         note = json.loads(metrics.read_text())["posterior"]["truths_note"]
         assert (note is None) == ("/uniform-" in str(metrics)) and (note is None or note in notes[0])
+
+
+class Flat(nre_study.Study):
+    """x = θ + noise, for the kit's defaults."""
+
+    parameters = {"a": (0.0, 1.0)}
+
+    def simulate(self, theta, generator):
+        return theta + torch.randn(len(theta), 1, generator=generator, dtype=torch.float64)
+
+
+@pytest.mark.unit
+def test_the_kit_defaults_one_uniform_member_and_a_test_split_enter_the_keys_as_if_written_out():
+    short = Flat({"experiment": "x:Flat", "seed": 0, "data": {"train": 64, "validation": 16}})
+    spelled = Flat({"experiment": "x:Flat", "seed": 0, "cohort": {"priors": ["uniform"], "replicas": 1},
+                    "priors": {"uniform": {"family": "uniform"}}, "data": {"train": 64, "validation": 16, "test": 16}})
+    short.validate()
+    member, = short.members()
+    assert member["name"] == "uniform-r0" and short.sample_data(member)["test_x"].shape == (16, 1)
+    assert short.data_recipe(member) == spelled.data_recipe(member)
+    assert short.model_recipe(member) == spelled.model_recipe(member)
+    assert Flat({"cohort": {"priors": ["uniform"]}, "data": {}}).settings["cohort"]["replicas"] == 1
