@@ -316,3 +316,24 @@ def test_the_readmes_smallest_study_runs_and_reports(tmp_path):
     assert (copy / "outputs" / "line").is_dir() and len(list(copy.glob("outputs/line/runs/*/*/metrics.json"))) == 1
     report = result.stdout.split("run done")[-1]           # what `report` printed after the run
     assert "baseline       uniform" in report and "training: baseline uniform: " in report
+
+
+@pytest.mark.unit
+def test_every_function_the_documents_call_by_module_exists_there():
+    import importlib
+    called = re.compile(r"`([a-z_]\w*)\.([A-Za-z_]\w*)\(")        # `module.function(...)`, as a reader would call it
+    modules = {path.stem for path in CODE}
+    named = [(document.name, module, name) for document in DOCUMENTS
+             for module, name in called.findall(document.read_text()) if module in modules]
+    assert ("results.md", "c2st", "c2st") in named
+    missing = [found for found in named if not hasattr(importlib.import_module(found[1]), found[2])]
+    assert not missing, missing
+
+
+@pytest.mark.unit
+def test_extending_describes_the_pairs_and_recipe_the_kit_trains_the_weibull_example_on():
+    text = (REPO / "docs" / "extending.md").read_text()
+    assert "balanced joint\nand product pairs" not in text and "balanced joint and product pairs" not in text
+    assert "re-pairs each x" in text and "contrastive NRE with 10 contrasting θ (`nre_study.KIT_TRAINING`)" in text
+    weibull = (REPO / "examples" / "weibull" / "settings_training.py").read_text()
+    assert '"training": {"epochs": 12, "batch_size": 256, "learning_rate": 3e-3}' in weibull   # the three keys named
