@@ -1,6 +1,10 @@
 """Settings: loading the two settings files, Choice and one-factor-at-a-time expansion,
 identity digests, and the checks of every section the framework itself reads.
 
+A settings file holds one profile as a dict `SETTINGS`, or several as `PROFILES`, `DEFAULT_PROFILE`
+and `make_settings(profile)` (README.md, "The settings files"). Training settings need only
+`experiment`: `output`, `seed` and `runtime` default (fill_training_defaults).
+
 The framework's sections (`output`, `seed`, `runtime`, `verification`, `plotting`, and the
 `metrics`/`plots`/`cohort_plots` lists) are checked here; the bundled trainer checks
 `training` (trainer.py) and a study checks its own sections (its `validate()`), all with
@@ -29,6 +33,7 @@ __all__ = [
     "canonical_json", "digest", "check_structure", "resolve", "to_jsonable", "identity", "expand", "check_training",
     "check_analysis", "RUNTIME_DEFAULTS", "DEVICE_FORMS", "check_runtime", "check_framework",
     "make_study_importable", "load_profile", "fill_training_defaults", "single_profile_name", "SEED_DEFAULT",
+    "FORMAT_DOCS",
 ]
 
 

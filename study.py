@@ -32,7 +32,7 @@ import fingerprint
 import probes
 import runtime
 import trainer
-from settings import ANALYSIS_SECTIONS, TRAINING_SECTIONS, SettingsError, require
+from settings import ANALYSIS_SECTIONS, FORMAT_DOCS, TRAINING_SECTIONS, SettingsError, require
 from store import EXPERIMENT_METHODS, Artifact, LaunchError, Store, Writer, import_class
 
 __all__ = [
@@ -405,7 +405,7 @@ def check_study_sections(settings: dict[str, Any], framework: Sequence[str], stu
         found = ([f"missing sections: {', '.join(missing)}"] if missing else []) + \
             ([f"unknown sections: {', '.join(unknown)}"] if unknown else [])
         allowed = ", ".join((*framework, *own)) + (f" (optional: {', '.join(own_optional)})" if own_optional else "")
-        raise SettingsError(f"{where}: {'; '.join(found)}; {study_class.__name__} reads: {allowed}")
+        raise SettingsError(f"{where}: {'; '.join(found)}; {study_class.__name__} reads: {allowed} ({FORMAT_DOCS})")
 
 
 def plan_notes(experiment: ExperimentContract, analysis: AnalysisContract) -> tuple[list[str], list[str]]:

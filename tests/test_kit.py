@@ -397,3 +397,18 @@ def test_the_kit_defaults_one_uniform_member_and_a_test_split_enter_the_keys_as_
     assert short.data_recipe(member) == spelled.data_recipe(member)
     assert short.model_recipe(member) == spelled.model_recipe(member)
     assert Flat({"cohort": {"priors": ["uniform"]}, "data": {}}).settings["cohort"]["replicas"] == 1
+
+
+@pytest.mark.unit
+def test_a_kit_study_without_data_is_told_what_it_reads_and_where_the_defaults_are(tmp_path):
+    folder = tmp_path / "nodata"
+    folder.mkdir()
+    (folder / "flat_nodata.py").write_text("import nre_study\n\n\nclass Flat(nre_study.Study):\n"
+                                           "    parameters = {'a': (0.0, 1.0)}\n")
+    (folder / "settings_training.py").write_text('SETTINGS = {"experiment": "flat_nodata:Flat"}\n')
+    (folder / "settings_analysis.py").write_text('SETTINGS = {"analysis": "nre_analysis:NREAnalysis"}\n')
+    result = main_in_process("plan", "--settings-dir", str(folder), cwd=tmp_path)
+    assert result.returncode == 2, result.stdout
+    assert "missing sections: data; Flat reads:" in result.stderr
+    assert '(optional: cohort, priors, problem, model, training) (README.md, "The settings files")' in result.stderr
+    assert not (tmp_path / "outputs").exists()
