@@ -129,7 +129,7 @@ TRAINING_FILE = "settings_training.py"
 ANALYSIS_FILE = "settings_analysis.py"
 # A single-profile settings file: one dict of sections under this name, no PROFILES/make_settings.
 SINGLE = "SETTINGS"
-# Where every error about the files' form sends the reader (tests/test_errors.py checks it exists).
+# Where every error about the files' form sends the reader (tests/test_docs.py checks the heading exists).
 FORMAT_DOCS = 'README.md, "The settings files"'
 
 _CLASS_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
