@@ -48,8 +48,8 @@ import study
 from study import Experiment, Json, Member, PriorContract, ProblemContract
 
 __all__ = [
-    "SPLITS", "SIMULATION_CHUNK", "KIT_MODEL", "KIT_TRAINING", "KIT_COHORT", "KIT_PRIORS", "with_kit_defaults", "Problem", "sample_joint", "sample_pairs",
-    "sample_training_data", "Study",
+    "SPLITS", "SIMULATION_CHUNK", "KIT_MODEL", "KIT_TRAINING", "KIT_COHORT", "KIT_PRIORS", "with_kit_defaults",
+    "Problem", "sample_joint", "sample_pairs", "sample_training_data", "Study",
 ]
 
 SPLITS = ("train", "validation", "test")
