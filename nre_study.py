@@ -160,7 +160,8 @@ def observation_dimension(simulate, theta, where):
     if not (same and bool(((again == x) | (again.isnan() & x.isnan())).all())):
         raise SettingsError(f"{where}.simulate: two calls with generators of the same seed gave different "
                             "observations; draw every random number from the `generator` argument (for a simulator "
-                            "on torch's or numpy's global stream, see docs/extending.md)")
+                            "on torch's or numpy's global stream, see "
+                            'docs/extending.md, "Simulators on a global stream")')
     return int(x.shape[1])
 
 
@@ -532,7 +533,7 @@ class Study(Experiment):
         """One line per prior whose draws leave the parameter box more than BOX_MASS_WARNING of the time.
 
         Training pairs drawn there teach the network outside the region every posterior is
-        computed on, which is cut at the box's edge (docs/extending.md: choosing a box).
+        computed on, which is cut at the box's edge (docs/extending.md, "Choosing the box for an unbounded prior").
         """
         problem, found = self.problem(), []
         for member in self.members()[:len(self.settings["cohort"]["priors"])]:
@@ -542,7 +543,8 @@ class Study(Experiment):
             if share > BOX_MASS_WARNING:
                 found.append(f"prior {member['prior']!r}: {share:.1%} of its draws fall outside the parameter box "
                              f"(e.g. θ = {[round(v, 4) for v in theta[outside][0].tolist()]}); widen `parameters` "
-                             "until it holds nearly all the prior's mass (docs/extending.md)")
+                             "until it holds nearly all the prior's mass "
+                             '(docs/extending.md, "Choosing the box for an unbounded prior")')
         return found
 
     def pairing_warnings(self) -> list[str]:

@@ -389,7 +389,7 @@ def check_members(instance: object, spec: str, setting: str) -> None:
     if missing:
         base = "study.Experiment" if setting == "experiment" else "study.Analysis"
         raise SettingsError(f"{setting}: {spec!r} is not an nnpd {setting} class: it lacks {', '.join(missing)} "
-                            f"(subclass {base} for defaults; see docs/extending.md)")
+                            f"(subclass {base} for defaults; see docs/extending.md, \"The full contract\")")
 
 
 def check_study_sections(settings: dict[str, Any], framework: Sequence[str], study_class: type, contract: type,
