@@ -62,7 +62,8 @@ def require(mapping, key, path):
     if not isinstance(mapping, dict):
         raise SettingsError(f"{path}: expected a dict, got {type(mapping).__name__}")
     if key not in mapping:
-        raise SettingsError(f"{path}.{key} is missing; add it to the settings")
+        raise SettingsError(f"{path}.{key} is missing; add it to the settings ({FORMAT_DOCS} says which a study "
+                            "needs)")
     return mapping[key]
 
 

@@ -503,3 +503,11 @@ def test_a_file_with_neither_form_says_what_to_define(tmp_path):
     (folder / "settings_training.py").write_text("x = 1\n")
     with pytest.raises(SettingsError, match="defines neither SETTINGS .* nor PROFILES with make_settings"):
         load_profile(folder)
+
+
+@pytest.mark.unit
+def test_a_missing_setting_names_where_the_required_ones_are_listed():
+    from settings import require
+    with pytest.raises(SettingsError, match=r'^data\.validation is missing; add it to the settings \(README\.md, '
+                                            r'"The settings files" says which a study needs\)$'):
+        require({"train": 64}, "validation", "data")
