@@ -368,8 +368,7 @@ def parse_arguments(argv):
     """The command line: an action, a profile and a settings directory."""
     parser = argparse.ArgumentParser(prog="nnpd", description=__doc__.split("\n")[0])
     parser.add_argument("action", nargs="?", default="plan", choices=ACTIONS)
-    parser.add_argument("--profile", help="profile name (default: the settings file's DEFAULT_PROFILE; a file of "
-                                          "one SETTINGS dict has one, named after its folder)")
+    parser.add_argument("--profile", help="profile name (default: DEFAULT_PROFILE, or a SETTINGS file's own)")
     parser.add_argument("--settings-dir", help="directory holding settings_training.py and settings_analysis.py")
     parser.add_argument("--csv", metavar="FILE", help="report: also write one CSV row per analysed run")
     parser.add_argument("--plot", action="store_true", help="report: also draw the comparison figure")
