@@ -337,3 +337,23 @@ def test_extending_describes_the_pairs_and_recipe_the_kit_trains_the_weibull_exa
     assert "re-pairs each x" in text and "contrastive NRE with 10 contrasting θ (`nre_study.KIT_TRAINING`)" in text
     weibull = (REPO / "examples" / "weibull" / "settings_training.py").read_text()
     assert '"training": {"epochs": 12, "batch_size": 256, "learning_rate": 3e-3}' in weibull   # the three keys named
+
+
+def named_tests(text):
+    """(file, test) for every `test_file.py::test_name` of a page, `::test_name` alone naming the last file's."""
+    found, current = [], None
+    for file, name in re.findall(r"(test_\w+\.py)?(?:::(test_\w+))?", text):
+        current = file or current
+        if name:
+            found.append((current, name))
+    return found
+
+
+@pytest.mark.unit
+def test_every_test_the_bitwise_list_names_exists():
+    # docs/testing.md says why each bitwise assertion holds on any CPU; a renamed test must not leave it stale.
+    named = named_tests((REPO / "docs" / "testing.md").read_text())
+    assert len(named) > 40
+    missing = [(file, name) for file, name in named
+               if f"def {name}(" not in (REPO / "tests" / file).read_text()]
+    assert not missing, missing

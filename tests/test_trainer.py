@@ -358,7 +358,7 @@ def test_balanced_loss_gradient_is_autograd_of_the_formula_on_the_full_batch():
     data, model = _data(), _model()
     x, y = data["train_inputs"], data["train_labels"]
     settings = trainer.check_training_settings({"objective": "balanced", "balance_weight": 3.0})
-    loss, record = trainer.batch_loss(model(x), y, len(y), settings, CPU)
+    loss, record = trainer.batch_loss(model(x), y, len(y), trainer.objective_of(settings), CPU)
     formula = _balanced_formula(model(x), y, 3.0)
     for got, want in zip(_gradients(loss, model), _gradients(formula, model)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
@@ -375,7 +375,7 @@ def test_a_batch_of_one_class_has_no_balance_term():
     x = _data()["train_inputs"][:10]
     settings = trainer.check_training_settings({"objective": "balanced", "balance_weight": 50.0})
     for labels in (torch.ones(10), torch.zeros(10)):
-        loss, record = trainer.batch_loss(model(x), labels, 10, settings, CPU)
+        loss, record = trainer.batch_loss(model(x), labels, 10, trainer.objective_of(settings), CPU)
         bce = torch.nn.functional.binary_cross_entropy_with_logits(model(x), labels)
         assert loss.item() == pytest.approx(bce.item(), rel=1e-6)
         assert record.item() == pytest.approx(10 * bce.item(), rel=1e-6)
