@@ -37,7 +37,9 @@ import runtime
 import trainer
 from study import Analysis, Context, ExperimentContract, Figure, Json, Member, Metric, Product, check_selection
 from inference_settings import check_inference_settings
+from nre_figures import case_truths
 from settings import SettingsError
+from store import NnpdError
 
 __all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "KitExperiment",
            "MIN_COARSE_NEIGHBOURS", "NREAnalysis", "SUMMARY_FIELDS", "bayes_optimal_logits",
@@ -82,14 +84,39 @@ def build_truths(ctx, writer):
     return {"count": int(truths.shape[0])}
 
 
+class InvalidObservations(NnpdError, ValueError):
+    """The simulator returned NaN or infinite values at analysis truths that may not be dropped."""
+
+
 def build_observations(ctx, writer):
-    """An ensemble of independent observations at every truth."""
+    """An ensemble of independent observations at every truth; with data.invalid = "drop", at the truths whose
+    observations are all finite, the kept truths' indices written as `kept_cases` (see case_truths)."""
     truths = torch.from_numpy(ctx.require("truths").array("truths"))
     seed = runtime.derived_seed(ctx.settings["seed"], "observations")
     observations = designs.make_observations(
         ctx.problem.simulate, truths, ctx.analysis_settings["inference"]["observations"], seed)
-    writer.array("observations", observations.numpy())
-    return {"shape": list(observations.shape)}
+    valid = valid_cases(observations, truths, ctx.settings.get("data", {}).get("invalid", "error"))
+    if valid.all():
+        writer.array("observations", observations.numpy())
+        return {"shape": list(observations.shape)}
+    writer.array("observations", observations[valid].numpy())
+    writer.array("kept_cases", np.flatnonzero(valid.numpy()))
+    return {"shape": list(observations[valid].shape), "truths": len(truths), "dropped_truths": int((~valid).sum())}
+
+
+def valid_cases(observations, truths, policy):
+    """Which truths' observations (cases, m, d) are all finite; others are an InvalidObservations unless
+    `policy` (data.invalid) is "drop" and some truth is left."""
+    valid = torch.isfinite(observations).flatten(1).all(1)
+    count = int((~valid).sum())
+    if not count or (policy == "drop" and count < len(valid)):
+        return valid
+    line = (f"inference.truths: the simulator returned NaN or infinite values at {count:,} of {len(valid):,} truths "
+            f"({count / len(valid):.1%}), e.g. at θ = {[round(v, 6) for v in truths[~valid][0].tolist()]}")
+    if policy == "drop":
+        raise InvalidObservations(f"{line}, every one: fix the simulator, or narrow the study's parameter box")
+    raise InvalidObservations(f"{line}; fix the simulator there, or set data.invalid = \"drop\" to analyse the "
+                              "other truths (training drops such simulations too)")
 
 
 def build_candidates(ctx, writer):
@@ -104,8 +131,8 @@ def build_candidates(ctx, writer):
 
 
 def inference_inputs(ctx):
-    """Truths, observations, candidate points and log measure as float64 tensors."""
-    truths = torch.from_numpy(ctx.require("truths").array("truths"))
+    """Truths of the analysed cases, observations, candidate points and log measure as float64 tensors."""
+    truths = torch.from_numpy(case_truths(ctx))
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
     candidates = ctx.require("candidates")
     return truths, observations, torch.from_numpy(candidates.array("points")), \
@@ -452,7 +479,7 @@ def resolution_report(ctx, artifact, target):
 def target_report(ctx, artifact, target):
     """Bias, coverage, width and resolution of one target's summaries."""
     settings = ctx.analysis_settings["inference"]
-    truths = ctx.require("truths").array("truths")
+    truths = case_truths(ctx)
     summary = summary_of(artifact, target)
     names = ctx.problem.names
     return {"bias": analysis_metrics.bias_metrics(summary["mode"], truths, names),
@@ -494,6 +521,17 @@ def metric_posterior(ctx):
         return {"enabled": False}
     return {"enabled": True, **target_report(ctx, ctx.require("learned"), "posterior"), "flat": case_flatness(ctx),
             "truths_note": truths_note(ctx.prior)}
+
+
+def metric_dropped_truths(ctx):
+    """The truths dropped because the simulator failed there (data.invalid = "drop"), with a note when any were."""
+    total = len(ctx.require("truths").array("truths"))
+    dropped = int(ctx.require("observations").metadata.get("dropped_truths", 0))
+    note = None
+    if dropped:
+        note = (f"{dropped:,} of {total:,} truths dropped: the simulator returned NaN or infinite values there "
+                f"(data.invalid = \"drop\"), so every metric describes the other {total - dropped:,}")
+    return {"truths": total, "cases": total - dropped, "dropped": dropped, "note": note}
 
 
 def truths_note(prior):
@@ -574,7 +612,7 @@ def case_flatness(ctx):
 
     `warning` is one line when at least half of them are flat, else None.
     """
-    truths = ctx.require("truths").array("truths")
+    truths = case_truths(ctx)
     observations = ctx.require("observations").array("observations")
     names, cases = ctx.problem.names, min(FLAT_CASES, len(truths))
     auc = trainer.kept_validation(ctx.model_artifact.json("history")).get("auc")
@@ -687,7 +725,7 @@ class NREAnalysis(Analysis):
     FIGURE_METRICS = (("joint 68% coverage", "coverage.0.68"), ("68% width", "width.0.68.mean"),
                       ("bias RMSE", "bias.rmse"))
     # Lines `run` and `report` print under the table; a path ending in "note" prints as a note.
-    REPORT_WARNINGS = ("resolution.warning", "posterior.flat.warning", "posterior.truths_note")
+    REPORT_WARNINGS = ("resolution.warning", "posterior.flat.warning", "posterior.truths_note", "dropped_truths.note")
     WORKLOAD_ADVICE = "reduce inference.truths, inference.candidates or inference.observations"
 
     products = {
@@ -729,6 +767,7 @@ class NREAnalysis(Analysis):
         "pairwise": Metric(metric_pairwise, needs=("pairwise",)),
         "reweighting": Metric(metric_reweighting, needs=("test_predictions", "reference_logits")),
         "normalization": Metric(metric_normalization, needs=("test_predictions", "reference_logits")),
+        "dropped_truths": Metric(metric_dropped_truths, needs=("truths", "observations")),
     }
     NEEDS_RATIO = ("bias", "coverage", "width", "resolution", "exact_reference")
 
@@ -760,10 +799,11 @@ class NREAnalysis(Analysis):
                 "metrics": settings.get("metrics", self.default_metrics(inference_settings["targets"], likelihood))}
 
     def default_metrics(self, targets: Sequence[str], likelihood: bool) -> list[str]:
-        """Every metric the targets and the study's likelihood allow."""
+        """Every metric the targets and the study's likelihood allow; `dropped_truths` where data.invalid drops."""
+        dropping = getattr(self.experiment, "settings", {}).get("data", {}).get("invalid") == "drop"
         return [name for name in self.metrics if (likelihood or name not in LIKELIHOOD_METRICS)
                 and ("ratio" in targets or name not in self.NEEDS_RATIO)
-                and ("exact" in targets or name != "exact_reference")]
+                and ("exact" in targets or name != "exact_reference") and (dropping or name != "dropped_truths")]
 
     def validate(self) -> None:
         """Check that every selected metric can be computed (the inference settings were checked when filled)."""

@@ -18,8 +18,8 @@ import analysis_metrics
 import results
 
 __all__ = [
-    "TRUTH_BINS", "draw_priors", "draw_training", "draw_estimates", "draw_bias_width", "draw_diagnostic_cases",
-    "draw_expected_coverage",
+    "TRUTH_BINS", "case_truths", "draw_priors", "draw_training", "draw_estimates", "draw_bias_width",
+    "draw_diagnostic_cases", "draw_expected_coverage",
 ]
 
 MAX_AXES = 6   # parameters drawn per figure; the rest are left out
@@ -213,10 +213,22 @@ def draw_training(contexts, figure):
     figure.suptitle(f"Training of the members of configuration {configuration_label(contexts[0])}")
 
 
+def case_truths(ctx):
+    """The truths of the analysed cases (cases, p): every truth, less those whose observations were invalid.
+
+    The observations product names the truths it kept (`kept_cases`) when data.invalid = "drop"
+    dropped some (nre_analysis.build_observations); the analysis and its figures read the
+    truths through here, so each case's truth stays beside its summaries.
+    """
+    truths = ctx.require("truths").array("truths")
+    observations = ctx.require("observations")
+    return truths[observations.array("kept_cases")] if "kept_cases.npy" in observations.files else truths
+
+
 def ratio_estimates(ctx):
     """Truths (cases, p) and the learned ratio's modes, lower and upper bounds of a context."""
     learned = ctx.require("learned")
-    return ctx.require("truths").array("truths"), *(learned.array(f"ratio_{n}") for n in ("mode", "lower", "upper"))
+    return case_truths(ctx), *(learned.array(f"ratio_{n}") for n in ("mode", "lower", "upper"))
 
 
 def draw_estimate(axis, ctx, j, levels, estimates):
@@ -269,7 +281,7 @@ def draw_bias_width(contexts, figure):
     level = contexts[0].analysis_settings["inference"]["levels"][0]
     bias_axes, width_axes = parameter_axes(figure, len(names), rows=2)
     styles = member_styles(contexts)
-    truths = contexts[0].require("truths").array("truths")
+    truths = case_truths(contexts[0])
     groups = [truth_groups(truths[:, j]) for j in range(len(bias_axes))]     # truths are shared by every member
     for ctx in contexts:
         colour, style, marker = styles[ctx.member["name"]]
@@ -365,7 +377,7 @@ def draw_diagnostic_cases(ctx, figure):
     many = len(ctx.problem.names) > 1
     figure.set_size_inches(figure.get_figwidth(), max(figure.get_figheight(), 3.0 * len(names)))
     axes = figure.subplots(len(names), max(cases, 1), squeeze=False, sharey=False)
-    truths = ctx.require("truths").array("truths")
+    truths = case_truths(ctx)
     for j, name in enumerate(names):
         for case, axis in zip(range(cases), axes[j]):
             draw_case(axis, ctx, sources, candidates, case, j, truths[case, j])
