@@ -718,8 +718,12 @@ class NREAnalysis(Analysis):
     SECTIONS = ()
     OPTIONAL_SECTIONS = ("inference",)      # every key has a default (inference_settings.py)
     # lat68 / lat95: the randomised coverage, nominal for the exact likelihood on lattice priors too.
-    REPORT_COLUMNS = (("cov68", "coverage.0.68.joint"), ("lat68", "coverage.0.68.lattice"),
-                      ("cov95", "coverage.0.95.joint"), ("lat95", "coverage.0.95.lattice"),
+    # exact68 / exact95: the exact likelihood's coverage on the same truths and candidates (a study with
+    # log_likelihood), beside the learned one: what the analysis itself gives, so the gap is the model's.
+    REPORT_COLUMNS = (("cov68", "coverage.0.68.joint"), ("exact68", "exact_reference.coverage.0.68.joint"),
+                      ("lat68", "coverage.0.68.lattice"),
+                      ("cov95", "coverage.0.95.joint"), ("exact95", "exact_reference.coverage.0.95.joint"),
+                      ("lat95", "coverage.0.95.lattice"),
                       ("width68", "width.0.68.mean"), ("bias rmse", "bias.rmse"), ("test AUC", "classification.auc"),
                       ("unresolved", "resolution.flagged.any"))
     FIGURE_METRICS = (("joint 68% coverage", "coverage.0.68"), ("68% width", "width.0.68.mean"),
