@@ -775,6 +775,11 @@ class NREAnalysis(Analysis):
     }
     NEEDS_RATIO = ("bias", "coverage", "width", "resolution", "exact_reference")
 
+    # The figures a settings file that names none gets: calibration per run; training, estimates against
+    # the truths and bias and width per configuration. A second or so each; diagnostic_cases (several
+    # seconds a run) and priors are asked for by name.
+    DEFAULT_PLOTS = ("expected_coverage",)
+    DEFAULT_COHORT_PLOTS = ("training", "estimates", "bias_width")
     plots = {"diagnostic_cases": Figure(nre_figures.draw_diagnostic_cases),
              "expected_coverage": Figure(nre_figures.draw_expected_coverage)}
     cohort_plots = {
@@ -794,13 +799,16 @@ class NREAnalysis(Analysis):
                         + tuple(getattr(experiment, "SCIENCE_SOURCES", ())))
 
     def with_defaults(self, settings: Mapping[str, Any]) -> dict[str, Any]:
-        """The analysis settings with the defaults of `inference` and `metrics` filled in for this study."""
+        """The analysis settings with the defaults of `inference`, `metrics` and the figures filled in for this
+        study (DEFAULT_PLOTS, DEFAULT_COHORT_PLOTS: drawn where matplotlib is installed, skipped elsewhere)."""
         problem = self.experiment.problem()
         likelihood = callable(getattr(problem, "log_likelihood", None))
         inference_settings = check_inference_settings(settings.get("inference", {}), problem.parameter_count,
                                                       likelihood)
         return {**settings, "inference": inference_settings,
-                "metrics": settings.get("metrics", self.default_metrics(inference_settings["targets"], likelihood))}
+                "metrics": settings.get("metrics", self.default_metrics(inference_settings["targets"], likelihood)),
+                "plots": settings.get("plots", list(self.DEFAULT_PLOTS)),
+                "cohort_plots": settings.get("cohort_plots", list(self.DEFAULT_COHORT_PLOTS))}
 
     def default_metrics(self, targets: Sequence[str], likelihood: bool) -> list[str]:
         """Every metric the targets and the study's likelihood allow; `dropped_truths` where data.invalid drops."""

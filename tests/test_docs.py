@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import jobs
 from helpers import (LAUNCH_VARIABLES, REPO, TIMEOUT, ahead, finish_agent, free_port, made_ahead, repository_copy,
                      run_cli, toy_environment, toy_settings, train_command, write_settings)
 
@@ -268,3 +269,6 @@ def test_the_failing_simulator_runs_through_run_and_report(tmp_path):
     with open(tmp_path / "fragile.csv", newline="") as file:
         row = next(csv.DictReader(file))
     assert int(row["dropped_truths.dropped"]) == dropped["dropped"] and int(row["dropped_train"]) > 0
+    if not jobs.matplotlib_missing():       # the kit's default figures, drawn from the cases analysed
+        assert sorted(path.name for path in (tmp_path / "out").glob("runs/*/**/*.png")) == [
+            "bias_width.png", "estimates.png", "expected_coverage.png", "training.png"]

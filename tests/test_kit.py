@@ -16,6 +16,7 @@ import nre_study
 import runtime
 import trainer
 from helpers import REPO, kit_study, main_in_process, module_name, run_without_pythonpath, without_pythonpath
+from nre_analysis import NREAnalysis
 from store import Store
 
 @pytest.mark.launch
@@ -375,3 +376,24 @@ def test_run_notes_posterior_coverage_under_a_non_uniform_prior_and_not_under_a_
     for metrics in root.glob("runs/*/*/metrics.json"):
         note = json.loads(metrics.read_text())["posterior"]["truths_note"]
         assert (note is None) == ("/uniform-" in str(metrics)) and (note is None or note in notes[0])
+
+
+class Copies(nre_study.Study):
+    """x = θ + noise, two numbers: the smallest kit study, for what the kit's analysis fills in."""
+
+    parameters = {"rate": (0.0, 1.0)}
+
+    def simulate(self, theta, generator):
+        return theta + 0.1 * torch.randn(len(theta), 2, generator=generator, dtype=torch.float64)
+
+
+@pytest.mark.unit
+def test_the_kit_analysis_draws_a_small_set_of_figures_unless_the_settings_name_them():
+    experiment = Copies({"seed": 1, "cohort": {"priors": ["uniform"], "replicas": 1},
+                         "priors": {"uniform": {"family": "uniform"}}, "data": {"train": 64, "validation": 8}})
+    filled = NREAnalysis({"analysis": "nre_analysis:NREAnalysis"}, experiment).settings
+    assert filled["plots"] == ["expected_coverage"]
+    assert filled["cohort_plots"] == ["training", "estimates", "bias_width"]
+    named = NREAnalysis({"analysis": "nre_analysis:NREAnalysis", "plots": [], "cohort_plots": ["priors"]},
+                        experiment).settings
+    assert named["plots"] == [] and named["cohort_plots"] == ["priors"]
