@@ -579,7 +579,9 @@ def flat_cause(auc):
 
 
 def sd_shares(posterior_sds, prior_sd):
-    """Each parameter's posterior sd over its prior's (None where the prior's is 0)."""
+    """Each parameter's posterior sd over its prior's (None where the prior's is 0, or unknown: None)."""
+    if prior_sd is None:            # a posterior built without its prior's sds (posterior.from_scores)
+        return [None] * len(posterior_sds)
     return [float(a) / float(b) if float(b) > 0 else None for a, b in zip(posterior_sds, prior_sd)]
 
 

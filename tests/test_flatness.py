@@ -93,3 +93,8 @@ def test_an_informative_posterior_warns_nothing():
         warnings.simplefilter("error")
         report = posterior.report_flatness({})
     assert report["flat"] is False and posterior.warnings == [] and report["validation_auc"] is None
+
+
+def test_without_the_priors_sds_nothing_is_called_flat():
+    report = flatness(NAMES, [1.0, 1.0, 1.0], None, auc=0.5)
+    assert report["flat"] is False and report["sd_share"] == [None] * 3 and report["joint_sd_share"] is None
