@@ -41,11 +41,11 @@ from nre_figures import case_truths
 from settings import SettingsError
 from store import NnpdError
 
-__all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "KitExperiment",
+__all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "InvalidObservations", "KitExperiment",
            "MIN_COARSE_NEIGHBOURS", "NREAnalysis", "SUMMARY_FIELDS", "bayes_optimal_logits",
            "build_learned", "case_design", "chi_square_quantile", "coverage_curve",
            "exact_scoring", "flatness", "learned_scoring", "posterior_share", "prior_sds", "summarise_cases",
-           "summarise_targets"]
+           "summarise_targets", "valid_cases"]
 
 # The modules of the analysis stack, whose sources enter every product's key (see NREAnalysis).
 ANALYSIS_STACK = (inference_settings, designs, case_scores, hpd, analysis_metrics, adaptive, case_blocks)
