@@ -6,7 +6,8 @@ and with `--plot` `<stem>-<member>.corner.png`. The observations are one observa
 or an ensemble of m observations (m, d) of the same parameters; `--truth FILE.npy` (p,)
 marks known parameters on the corner plot. A bad file or shape changes nothing on disk.
 A nearly flat posterior (Posterior.flatness) gets one line saying so, kept under "flat" in
-the JSON too. A run only trained, never analysed, is scored with the study's default analysis
+the JSON too: the lines of the posterior's own warnings (Posterior.warnings), which
+`restore(run).posterior` gives a Python user as PosteriorWarnings. A run only trained, never analysed, is scored with the study's default analysis
 settings on posterior.POSTERIOR_CANDIDATES' design. One line says how the samples were drawn
 (Posterior.sampling), with a warning when they could not be made independent; with
 `--reference FILE.npy` (n, p) draws of a reference posterior, one line gives the C2ST of the
@@ -25,7 +26,6 @@ import numpy as np
 
 import runtime
 import study
-import trainer
 from c2st import c2st
 from store import ROOT_MARKER, NnpdError, restore, write_bytes_atomic
 
@@ -133,17 +133,18 @@ def infer(arguments):
     figure = corner_png(posterior, samples, truth, run_label(restored)) if arguments.plot else None
     summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),
                "shape": list(observations.shape), "samples": int(arguments.samples), **posterior.summary(),
-               "flat": posterior.flatness(trainer.kept_validation(restored.history).get("auc")),
-               "sampling": posterior.sampling}
+               "flat": posterior.flat, "sampling": posterior.sampling}
     if reference is not None:
         summary["c2st"] = c2st(samples, reference, seed=0)
     stem = folder / file_stem(arguments.observations, restored.member.get("name", "run"))
-    return write_outputs(stem, summary, samples, figure), report_lines(summary, reference)
+    return write_outputs(stem, summary, samples, figure), report_lines(summary, posterior.warnings, reference)
 
 
 def posterior_samples(restored, observations, truth, reference, arguments):
     """The run's posterior for the observations and its samples; a shape that does not fit is an InferError."""
-    posterior = restored.posterior(observations)        # a bad observation is its PosteriorError
+    with warnings.catch_warnings():     # infer prints the posterior's warnings as lines of its own
+        warnings.simplefilter("ignore")
+        posterior = restored.posterior(observations)        # a bad observation is its PosteriorError
     p, names = len(posterior.names), ", ".join(posterior.names)
     if truth is not None and truth.shape != (p,):
         raise InferError(f"--truth {arguments.truth}: shape {truth.shape}, expected ({p},) for {names}")
@@ -168,13 +169,13 @@ def write_outputs(stem, summary, samples, figure):
     return written
 
 
-def report_lines(summary, reference):
-    """What infer prints besides the files: how it sampled, its warnings, the C2ST against a reference."""
+def report_lines(summary, warned, reference):
+    """What infer prints besides the files: how it sampled, the posterior's warnings, the C2ST against a reference."""
     sampling = summary["sampling"]
     line = f"samples: {sampling['draws']} by {sampling['method']}, {sampling['distinct_fraction']:.0%} distinct"
     if sampling["acceptance"] is not None:
         line += f", acceptance {sampling['acceptance']:.2g} of {sampling['evaluations']} proposal evaluations"
-    lines = [line] + [f"warning: {text}" for text in (sampling["warning"], summary["flat"]["warning"]) if text]
+    lines = [line] + [f"warning: {text}" for text in warned]
     if reference is not None:
         lines.append(f"c2st: {summary['c2st']:.3f} against {len(reference)} reference draws (0.5: indistinguishable)")
     return lines

@@ -429,12 +429,11 @@ def draw_figures(figures, selected, target, folder, plotting):
 
 def cohort_figures(launch, jobs, trained):
     """Per configuration, the cohort figures across its members (rank 0, after every job)."""
-    settings = launch.profile.analysis
-    if not settings["cohort_plots"]:
-        return
     for configuration in launch.profile.configurations:
         members = [job for job in jobs if job.configuration is configuration]
-        if not members:
+        # The analysis class's settings: it may fill the figures the settings file leaves out.
+        settings = members[0].analysis.settings if members else {}
+        if not settings.get("cohort_plots"):
             continue
         # Each job's analysis settings, with its study's defaults filled in: the products' keys read them.
         contexts = [study.Context(job.settings, job.analysis.settings, job.member, job.experiment, job.analysis,
@@ -445,7 +444,7 @@ def cohort_figures(launch, jobs, trained):
             output_root.discard(folder)          # figures no longer selected do not linger
         launch.log(f"figures {configuration.name}")
         draw_figures(members[0].analysis.cohort_plots, settings["cohort_plots"], contexts, folder,
-                     settings["plotting"])
+                     launch.profile.analysis["plotting"])
 
 
 # ---------------------------------------------------------------- claiming

@@ -125,7 +125,7 @@ def runtime_warnings(profile):
     if runtime_settings["parallel"] == "ddp" and world == 1:
         found.append("runtime.parallel=\"ddp\" in a single process trains as one process; launch with "
                      "torchrun --nproc_per_node=N for collective training")
-    if (profile.analysis["plots"] or profile.analysis["cohort_plots"]) and jobs.matplotlib_missing():
+    if (profile.analysis.get("plots") or profile.analysis.get("cohort_plots")) and jobs.matplotlib_missing():
         found.append("plots/cohort_plots: figures were requested but matplotlib is not installed, so they are "
                      "skipped; install it with `pip install matplotlib` (the package's [plots] extra)")
     return found

@@ -37,13 +37,15 @@ import runtime
 import trainer
 from study import Analysis, Context, ExperimentContract, Figure, Json, Member, Metric, Product, check_selection
 from inference_schema import check_inference_settings
+from nre_figures import case_truths
 from settings import SettingsError
+from store import NnpdError
 
-__all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "KitExperiment",
+__all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "InvalidObservations", "KitExperiment",
            "MIN_COARSE_NEIGHBOURS", "NREAnalysis", "SUMMARY_FIELDS", "bayes_optimal_logits",
            "build_learned", "case_design", "chi_square_quantile", "coverage_curve",
            "exact_scoring", "flatness", "learned_scoring", "posterior_share", "prior_sds", "summarise_cases",
-           "summarise_targets"]
+           "summarise_targets", "valid_cases"]
 
 # The modules of the analysis stack, whose sources enter every product's key (see NREAnalysis).
 ANALYSIS_STACK = (inference_schema, designs, case_scores, hpd, analysis_metrics, adaptive, case_blocks)
@@ -82,14 +84,39 @@ def build_truths(ctx, writer):
     return {"count": int(truths.shape[0])}
 
 
+class InvalidObservations(NnpdError, ValueError):
+    """The simulator returned NaN or infinite values at analysis truths that may not be dropped."""
+
+
 def build_observations(ctx, writer):
-    """An ensemble of independent observations at every truth."""
+    """An ensemble of independent observations at every truth; with data.invalid = "drop", at the truths whose
+    observations are all finite, the kept truths' indices written as `kept_cases` (see case_truths)."""
     truths = torch.from_numpy(ctx.require("truths").array("truths"))
     seed = runtime.derived_seed(ctx.settings["seed"], "observations")
     observations = designs.make_observations(
         ctx.problem.simulate, truths, ctx.analysis_settings["inference"]["observations"], seed)
-    writer.array("observations", observations.numpy())
-    return {"shape": list(observations.shape)}
+    valid = valid_cases(observations, truths, ctx.settings.get("data", {}).get("invalid", "error"))
+    if valid.all():
+        writer.array("observations", observations.numpy())
+        return {"shape": list(observations.shape)}
+    writer.array("observations", observations[valid].numpy())
+    writer.array("kept_cases", np.flatnonzero(valid.numpy()))
+    return {"shape": list(observations[valid].shape), "truths": len(truths), "dropped_truths": int((~valid).sum())}
+
+
+def valid_cases(observations, truths, policy):
+    """Which truths' observations (cases, m, d) are all finite; others are an InvalidObservations unless
+    `policy` (data.invalid) is "drop" and some truth is left."""
+    valid = torch.isfinite(observations).flatten(1).all(1)
+    count = int((~valid).sum())
+    if not count or (policy == "drop" and count < len(valid)):
+        return valid
+    line = (f"inference.truths: the simulator returned NaN or infinite values at {count:,} of {len(valid):,} truths "
+            f"({count / len(valid):.1%}), e.g. at θ = {[round(v, 6) for v in truths[~valid][0].tolist()]}")
+    if policy == "drop":
+        raise InvalidObservations(f"{line}, every one: fix the simulator, or narrow the study's parameter box")
+    raise InvalidObservations(f"{line}; fix the simulator there, or set data.invalid = \"drop\" to analyse the "
+                              "other truths (training drops such simulations too)")
 
 
 def build_candidates(ctx, writer):
@@ -104,8 +131,8 @@ def build_candidates(ctx, writer):
 
 
 def inference_inputs(ctx):
-    """Truths, observations, candidate points and log measure as float64 tensors."""
-    truths = torch.from_numpy(ctx.require("truths").array("truths"))
+    """Truths of the analysed cases, observations, candidate points and log measure as float64 tensors."""
+    truths = torch.from_numpy(case_truths(ctx))
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
     candidates = ctx.require("candidates")
     return truths, observations, torch.from_numpy(candidates.array("points")), \
@@ -452,7 +479,7 @@ def resolution_report(ctx, artifact, target):
 def target_report(ctx, artifact, target):
     """Bias, coverage, width and resolution of one target's summaries."""
     settings = ctx.analysis_settings["inference"]
-    truths = ctx.require("truths").array("truths")
+    truths = case_truths(ctx)
     summary = summary_of(artifact, target)
     names = ctx.problem.names
     return {"bias": analysis_metrics.bias_metrics(summary["mode"], truths, names),
@@ -496,6 +523,17 @@ def metric_posterior(ctx):
             "truths_note": truths_note(ctx.prior)}
 
 
+def metric_dropped_truths(ctx):
+    """The truths dropped because the simulator failed there (data.invalid = "drop"), with a note when any were."""
+    total = len(ctx.require("truths").array("truths"))
+    dropped = int(ctx.require("observations").metadata.get("dropped_truths", 0))
+    note = None
+    if dropped:
+        note = (f"{dropped:,} of {total:,} truths dropped: the simulator returned NaN or infinite values there "
+                f"(data.invalid = \"drop\"), so every metric describes the other {total - dropped:,}")
+    return {"truths": total, "cases": total - dropped, "dropped": dropped, "note": note}
+
+
 def truths_note(prior):
     """One line when the prior is not uniform: the truths fill the box evenly, so the posterior target's
     coverage is not expected at nominal (docs/results.md, "Coverage under a non-uniform prior"); else None."""
@@ -506,12 +544,18 @@ def truths_note(prior):
             "checks calibration under these truths")
 
 
-# A learned posterior is flat when some parameter's sd is above FLAT_SD_SHARE of its prior's sd: the
-# observations narrowed it by less than half. That is worth a line whatever the model; its validation
-# AUC says which cause is likely. Below HIGH_AUC the network barely tells joint from marginal pairs,
-# so it has learned little; at or above it the model discriminates, so these observations say little
-# about that parameter (or the candidates missed the posterior: the resolution warning says so).
-FLAT_SD_SHARE = 0.5
+# A learned posterior is nearly flat when it keeps nearly the prior's spread as a whole: the geometric
+# mean of its sds over the prior's (the p-th root of its sd ellipsoid's volume share) above
+# FLAT_SD_SHARE. Measured cases: a prior-like posterior has 1.0 (0.95-1.0 from an untrained model);
+# informative ones lie well below 0.85: the exact posteriors of examples/ (decay 0.37-0.46, pulse up to
+# 0.29, weibull's six lifetimes 0.58-0.75, up to 0.97 in one parameter at some truths) and a damped
+# oscillator seen at 20 noisy times (exact 0.32-0.36, a learned one about 1.5 times that). A single
+# wide parameter beside informative ones is not flat: the observations say little about it, which
+# its `sd_share` shows. Whatever the model, a flat posterior is worth a line; its validation AUC says
+# which cause is likely. Below HIGH_AUC the network barely tells joint from marginal pairs, so it has
+# learned little; at or above it the model discriminates, so these observations say little (or the
+# candidates missed the posterior: the resolution warning says so).
+FLAT_SD_SHARE = 0.85
 HIGH_AUC = 0.75
 PRIOR_DRAWS = 20_000     # draws of the prior's sds: a relative error of about 0.5%
 FLAT_CASES = 4           # analysis cases whose posterior the `posterior` metric checks for flatness
@@ -534,15 +578,35 @@ def flat_cause(auc):
             "little about them (or the candidates missed the posterior)")
 
 
+def sd_shares(posterior_sds, prior_sd):
+    """Each parameter's posterior sd over its prior's (None where the prior's is 0, or unknown: None)."""
+    if prior_sd is None:            # a posterior built without its prior's sds (posterior.from_scores)
+        return [None] * len(posterior_sds)
+    return [float(a) / float(b) if float(b) > 0 else None for a, b in zip(posterior_sds, prior_sd)]
+
+
+def joint_share(shares):
+    """The geometric mean of the sd shares (None when one is unknown or 0): the posterior's spread as a whole."""
+    if not shares or any(share is None or share <= 0 for share in shares):
+        return None
+    return math.exp(sum(math.log(share) for share in shares) / len(shares))
+
+
 def flatness(names, posterior_sds, prior_sd, auc):
-    """Whether a posterior is flat (see FLAT_SD_SHARE): each parameter's sd over the prior's, and one line or None."""
-    shares = [float(a) / float(b) if float(b) > 0 else None for a, b in zip(posterior_sds, prior_sd)]
-    flat = [name for name, share in zip(names, shares) if share is not None and share > FLAT_SD_SHARE]
+    """Whether a posterior is nearly flat (see FLAT_SD_SHARE): its sd shares, the joint one, and one line or None.
+
+    `parameters` names those whose own share is above FLAT_SD_SHARE when the whole posterior is flat.
+    """
+    shares = sd_shares(posterior_sds, prior_sd)
+    joint = joint_share(shares)
+    flat = [] if joint is None or joint <= FLAT_SD_SHARE else \
+        [name for name, share in zip(names, shares) if share > FLAT_SD_SHARE]
     warning = None
     if flat:
-        warning = (f"the posterior is nearly flat in {', '.join(flat)}: its sd is above {FLAT_SD_SHARE:g} of the "
-                   f"prior's; {flat_cause(auc)}")
-    return {"flat": bool(flat), "parameters": flat, "sd_share": shares, "validation_auc": auc, "warning": warning}
+        warning = (f"the posterior is nearly flat in {', '.join(flat)}: its sds are {joint:.2f} of the prior's "
+                   f"(geometric mean, above {FLAT_SD_SHARE:g}); {flat_cause(auc)}")
+    return {"flat": bool(flat), "parameters": flat, "sd_share": shares, "joint_sd_share": joint,
+            "validation_auc": auc, "warning": warning}
 
 
 def case_flatness(ctx):
@@ -550,7 +614,7 @@ def case_flatness(ctx):
 
     `warning` is one line when at least half of them are flat, else None.
     """
-    truths = ctx.require("truths").array("truths")
+    truths = case_truths(ctx)
     observations = ctx.require("observations").array("observations")
     names, cases = ctx.problem.names, min(FLAT_CASES, len(truths))
     auc = trainer.kept_validation(ctx.model_artifact.json("history")).get("auc")
@@ -565,7 +629,7 @@ def case_flatness(ctx):
     warning = None
     if flat and 2 * len(flat) >= cases:
         warning = (f"{len(flat)} of {cases} checked cases have a nearly flat posterior (in {', '.join(parameters)}: "
-                   f"sd above {FLAT_SD_SHARE:g} of the prior's); {flat_cause(auc)}")
+                   f"sds above {FLAT_SD_SHARE:g} of the prior's, geometric mean); {flat_cause(auc)}")
     return {"cases": cases, "flat_cases": len(flat), "parameters": parameters, "validation_auc": auc,
             "sd_share": [report["sd_share"] for report in reports], "warning": warning}
 
@@ -656,14 +720,18 @@ class NREAnalysis(Analysis):
     SECTIONS = ()
     OPTIONAL_SECTIONS = ("inference",)      # every key has a default (inference_schema.py)
     # lat68 / lat95: the randomised coverage, nominal for the exact likelihood on lattice priors too.
-    REPORT_COLUMNS = (("cov68", "coverage.0.68.joint"), ("lat68", "coverage.0.68.lattice"),
-                      ("cov95", "coverage.0.95.joint"), ("lat95", "coverage.0.95.lattice"),
+    # exact68 / exact95: the exact likelihood's coverage on the same truths and candidates (a study with
+    # log_likelihood), beside the learned one: what the analysis itself gives, so the gap is the model's.
+    REPORT_COLUMNS = (("cov68", "coverage.0.68.joint"), ("exact68", "exact_reference.coverage.0.68.joint"),
+                      ("lat68", "coverage.0.68.lattice"),
+                      ("cov95", "coverage.0.95.joint"), ("exact95", "exact_reference.coverage.0.95.joint"),
+                      ("lat95", "coverage.0.95.lattice"),
                       ("width68", "width.0.68.mean"), ("bias rmse", "bias.rmse"), ("test AUC", "classification.auc"),
                       ("unresolved", "resolution.flagged.any"))
     FIGURE_METRICS = (("joint 68% coverage", "coverage.0.68"), ("68% width", "width.0.68.mean"),
                       ("bias RMSE", "bias.rmse"))
     # Lines `run` and `report` print under the table; a path ending in "note" prints as a note.
-    REPORT_WARNINGS = ("resolution.warning", "posterior.flat.warning", "posterior.truths_note")
+    REPORT_WARNINGS = ("resolution.warning", "posterior.flat.warning", "posterior.truths_note", "dropped_truths.note")
     WORKLOAD_ADVICE = "reduce inference.truths, inference.candidates or inference.observations"
 
     products = {
@@ -705,9 +773,15 @@ class NREAnalysis(Analysis):
         "pairwise": Metric(metric_pairwise, needs=("pairwise",)),
         "reweighting": Metric(metric_reweighting, needs=("test_predictions", "reference_logits")),
         "normalization": Metric(metric_normalization, needs=("test_predictions", "reference_logits")),
+        "dropped_truths": Metric(metric_dropped_truths, needs=("truths", "observations")),
     }
     NEEDS_RATIO = ("bias", "coverage", "width", "resolution", "exact_reference")
 
+    # The figures a settings file that names none gets: calibration per run; training, estimates against
+    # the truths and bias and width per configuration. A second or so each; diagnostic_cases (several
+    # seconds a run) and priors are asked for by name.
+    DEFAULT_PLOTS = ("expected_coverage",)
+    DEFAULT_COHORT_PLOTS = ("training", "estimates", "bias_width")
     plots = {"diagnostic_cases": Figure(nre_figures.draw_diagnostic_cases),
              "expected_coverage": Figure(nre_figures.draw_expected_coverage)}
     cohort_plots = {
@@ -727,18 +801,22 @@ class NREAnalysis(Analysis):
                         + tuple(getattr(experiment, "SCIENCE_SOURCES", ())))
 
     def with_defaults(self, settings: Mapping[str, Any]) -> dict[str, Any]:
-        """The analysis settings with the defaults of `inference` and `metrics` filled in for this study."""
+        """The analysis settings with the defaults of `inference`, `metrics` and the figures filled in for this
+        study (DEFAULT_PLOTS, DEFAULT_COHORT_PLOTS: drawn where matplotlib is installed, skipped elsewhere)."""
         problem = self.experiment.problem()
         likelihood = callable(getattr(problem, "log_likelihood", None))
         inference = check_inference_settings(settings.get("inference", {}), problem.parameter_count, likelihood)
         return {**settings, "inference": inference,
-                "metrics": settings.get("metrics", self.default_metrics(inference["targets"], likelihood))}
+                "metrics": settings.get("metrics", self.default_metrics(inference["targets"], likelihood)),
+                "plots": settings.get("plots", list(self.DEFAULT_PLOTS)),
+                "cohort_plots": settings.get("cohort_plots", list(self.DEFAULT_COHORT_PLOTS))}
 
     def default_metrics(self, targets: Sequence[str], likelihood: bool) -> list[str]:
-        """Every metric the targets and the study's likelihood allow."""
+        """Every metric the targets and the study's likelihood allow; `dropped_truths` where data.invalid drops."""
+        dropping = getattr(self.experiment, "settings", {}).get("data", {}).get("invalid") == "drop"
         return [name for name in self.metrics if (likelihood or name not in LIKELIHOOD_METRICS)
                 and ("ratio" in targets or name not in self.NEEDS_RATIO)
-                and ("exact" in targets or name != "exact_reference")]
+                and ("exact" in targets or name != "exact_reference") and (dropping or name != "dropped_truths")]
 
     def validate(self) -> None:
         """Check that every selected metric can be computed (the inference settings were checked when filled)."""

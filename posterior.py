@@ -44,12 +44,14 @@ import case_scores
 import designs
 import hpd
 import study
+import trainer
 from inference_schema import check_inference_settings
 from nre_analysis import flatness, learned_scoring, prior_sds
-from store import NnpdError
+from store import NnpdError, NnpdWarning
 
-__all__ = ["POSTERIOR_CANDIDATES", "Learned", "Posterior", "PosteriorError", "Support", "draw_corner",
-           "for_observation", "from_scores", "marginal_interval", "posterior_settings", "rejection_sample"]
+__all__ = ["POSTERIOR_CANDIDATES", "Learned", "Posterior", "PosteriorError", "PosteriorWarning", "Support",
+           "draw_corner", "for_observation", "from_scores", "marginal_interval", "posterior_settings",
+           "rejection_sample"]
 
 # Network rows one posterior may score: candidate points × observations of the ensemble. At about 2.4 µs
 # a row for the kit's network on one CPU core, 10^8 is some four minutes; more is refused before any work.
@@ -85,6 +87,10 @@ DISTINCT_ENOUGH = 0.9
 
 class PosteriorError(NnpdError, ValueError):
     """A posterior that cannot be computed or sampled as asked; the message says why and what to change."""
+
+
+class PosteriorWarning(NnpdWarning):
+    """A posterior computed, but not one to trust as it is: nearly flat, or samples that are not independent."""
 
 
 class Support(NamedTuple):
@@ -125,6 +131,8 @@ class Posterior:
         self.box = support.box
         self.sampling: dict[str, Any] | None = None   # how the last sample() drew (see sample)
         self.prior_sd: torch.Tensor | None = None                        # the prior's marginal sds (p,), for flatness(); set by for_observation
+        self.flat: dict[str, Any] | None = None     # flatness() as report_flatness warned it
+        self.warnings: list[str] = []               # every PosteriorWarning this posterior gave, in order
 
     def log_prob(self, theta: Any) -> torch.Tensor:
         """log p(θ | x_o) at rows θ (n, p): −inf outside the prior's support."""
@@ -183,7 +191,7 @@ class Posterior:
             info["warning"] = (f"posterior samples: {distinct} distinct of {samples.shape[0]} ({info['method']}"
                                f"{self._acceptance_note(info)}): not independent draws; raise "
                                "inference.candidates.candidate_count for a closer proposal, or sample()'s budget")
-            warnings.warn(info["warning"], stacklevel=3)
+            self._warn(info["warning"], 4)        # at the line that called sample()
         self.sampling = info
         return samples
 
@@ -200,6 +208,22 @@ class Posterior:
         `validation_auc`, the model's, names the likely cause.
         """
         return flatness(self.names, torch.sqrt(torch.diagonal(self.cov())), self.prior_sd, validation_auc)
+
+    def report_flatness(self, history: Mapping[str, Any] | None = None, stacklevel: int = 1) -> dict[str, Any]:
+        """flatness() with the validation AUC of the training `history`'s kept epoch, warned when flat; kept as
+        `self.flat`. restore(run).posterior calls it, so a Python user sees what `infer` prints.
+
+        `stacklevel` 1 warns at the line that called this, 2 at the line that called that (restore's).
+        """
+        self.flat = self.flatness(trainer.kept_validation(dict(history or {})).get("auc"))
+        if self.flat["warning"]:
+            self._warn(self.flat["warning"], stacklevel + 2)
+        return self.flat
+
+    def _warn(self, line: str, stacklevel: int) -> None:
+        """Warn `line` as a PosteriorWarning (stacklevel counted from here) and list it in `self.warnings`."""
+        self.warnings.append(line)
+        warnings.warn(line, PosteriorWarning, stacklevel=stacklevel)
 
     def hpd(self, level: float) -> dict[str, Any]:
         """The HPD region holding `level` of the mass: its score threshold, attained mass and per-axis bounds."""

@@ -207,14 +207,18 @@ def table(records, columns=()):
     """A compact text table of the analysed runs: configuration, prior and the study's headline metrics.
 
     `columns` are (heading, metric path) pairs, the analysis class's REPORT_COLUMNS (levels
-    are keys such as "0.68").
+    are keys such as "0.68"); a column no analysed run has a value for is left out (the exact
+    likelihood's coverage of a study without one, say), a value some runs lack is `-`.
     """
+    analysed = [record.metrics for record in records if record.metrics is not None]
+    if not analysed:
+        return "no analysed runs yet"
+    columns = [(heading, path) for heading, path in columns
+               if any(_cell(metrics, path) != "-" for metrics in analysed)]
     lines = [["configuration", "prior", *(heading for heading, _ in columns)]]
     for record in records:
         if record.metrics is not None:
             lines.append([record.swept, str(record.prior), *(_cell(record.metrics, path) for _, path in columns)])
-    if len(lines) == 1:
-        return "no analysed runs yet"
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
 

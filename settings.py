@@ -428,7 +428,7 @@ def check_analysis(settings, where="settings_analysis.py"):
     """Structure, sections, no Choice and class reference of analysis settings; fills the framework's defaults.
 
     Only `analysis` is required: the other framework sections default to ANALYSIS_DEFAULTS, and
-    `metrics` to what the analysis class selects (study.load_study).
+    `metrics`, `plots` and `cohort_plots` to what the analysis class selects (study.load_study).
     """
     check_structure(settings, where)
     check_sections(settings, ("analysis",), where)
@@ -459,7 +459,7 @@ PLOT_FORMATS = ("png", "pdf", "svg")
 # profiles' own: they let the default profile's largest analysis through and stop a typo's.
 LIMIT_DEFAULTS = {"max_model_evaluations": 2e12, "max_saved_bytes": 8e9, "max_candidate_points": 2e6}
 PLOTTING_DEFAULTS = {"format": "png", "dpi": 120}
-ANALYSIS_DEFAULTS = {"verification": LIMIT_DEFAULTS, "plots": [], "cohort_plots": [], "plotting": PLOTTING_DEFAULTS}
+ANALYSIS_DEFAULTS = {"verification": LIMIT_DEFAULTS, "plotting": PLOTTING_DEFAULTS}
 
 
 def check_runtime(runtime_settings):
@@ -513,10 +513,11 @@ def check_analysis_framework(analysis):
     analysis["plotting"] = plotting = {**PLOTTING_DEFAULTS, **analysis["plotting"]}
     one_of(plotting["format"], PLOT_FORMATS, "plotting.format")
     integer(plotting["dpi"], "plotting.dpi", 1, 2400)
-    if "metrics" in analysis:       # else the analysis class chooses them (study.load_study)
+    if "metrics" in analysis:       # else the analysis class chooses them (study.load_study), and the figures
         name_list(analysis["metrics"], "metrics", allow_empty=False)
-    name_list(analysis["plots"], "plots")
-    name_list(analysis["cohort_plots"], "cohort_plots")
+    for name in ("plots", "cohort_plots"):
+        if name in analysis:
+            name_list(analysis[name], name)
 
 
 def check_framework(profile):

@@ -37,10 +37,10 @@ if TYPE_CHECKING:       # for annotations only: the store imports torch where it
     import torch
 
 __all__ = [
-    "MANIFEST", "NnpdError", "DamagedArtifact", "MissingArtifact", "LaunchError", "RestoreError", "disk_problem",
-    "refuse_link", "own_folder", "canonical_json", "sha256_text", "digest", "record_checksum", "write_json_atomic",
-    "ATOMIC_LEFTOVER", "write_bytes_atomic", "now_iso", "Writer", "Artifact", "Store", "EXPERIMENT_METHODS",
-    "ROOT_MARKER", "import_class", "restore",
+    "MANIFEST", "NnpdError", "NnpdWarning", "DamagedArtifact", "MissingArtifact", "LaunchError", "RestoreError",
+    "disk_problem", "refuse_link", "own_folder", "canonical_json", "sha256_text", "digest", "record_checksum",
+    "write_json_atomic", "ATOMIC_LEFTOVER", "write_bytes_atomic", "now_iso", "Writer", "Artifact", "Store",
+    "EXPERIMENT_METHODS", "ROOT_MARKER", "import_class", "restore",
 ]
 
 SCHEMA = 1
@@ -54,6 +54,10 @@ _CHUNK = 4 << 20  # large reads keep deep verification near raw hashlib speed
 # and this one imports nothing of the project. Second bases stay only where callers catch them.
 class NnpdError(Exception):
     """A problem nnpd found and names in one line that says how to fix it (not a bug)."""
+
+
+class NnpdWarning(UserWarning):
+    """Something nnpd computed but the user should know before trusting it (warnings.warn's category)."""
 
 
 class DamagedArtifact(NnpdError):
@@ -888,8 +892,11 @@ class Restored:
         if not callable(getattr(self.experiment, "posterior", None)):
             raise RestoreError(f"{type(self.experiment).__name__} gives no posterior (studies on the study kit do)")
         device = device or next(self.model.parameters()).device
-        return self.experiment.posterior(self.member, self.model, self.analysis_settings(), observations,
-                                         truth=truth, device=device)
+        posterior = self.experiment.posterior(self.member, self.model, self.analysis_settings(), observations,
+                                              truth=truth, device=device)
+        if callable(getattr(posterior, "report_flatness", None)):   # a kit posterior: warn as `infer` prints
+            posterior.report_flatness(self.history, stacklevel=2)
+        return posterior
 
     def analysis_settings(self) -> dict[str, Any]:
         """The analysis settings of the run's analysis, or {} (every default) for a run never analysed."""

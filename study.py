@@ -452,9 +452,10 @@ def load_study(training_settings: dict[str, Any],
     experiment.validate()
     analysis_spec = analysis_settings["analysis"]
     analysis_class = load_class(analysis_spec, "analysis")
-    # `metrics` may be left to the analysis class: every metric it defines unless it fills its own default.
-    check_study_sections({"metrics": None, **analysis_settings}, ANALYSIS_SECTIONS, analysis_class, Analysis,
-                         "settings_analysis.py")
+    # `metrics` and the figures may be left to the analysis class: every metric it defines unless it fills
+    # its own default, and the figures it fills (none unless it does).
+    check_study_sections({"metrics": None, "plots": None, "cohort_plots": None, **analysis_settings},
+                         ANALYSIS_SECTIONS, analysis_class, Analysis, "settings_analysis.py")
     analysis = analysis_class(analysis_settings, experiment)
     check_members(analysis, analysis_spec, "analysis")
     if optional(analysis, "settings", Analysis) is None:
@@ -462,6 +463,8 @@ def load_study(training_settings: dict[str, Any],
         analysis.settings = analysis_settings
     chosen = analysis.settings
     chosen.setdefault("metrics", list(analysis.metrics))
+    for figures in ("plots", "cohort_plots"):       # the analysis class may choose default figures; else none
+        chosen.setdefault(figures, [])
     check_graph(analysis.products, analysis.metrics, list(chosen["metrics"]))
     analysis.validate()
     return experiment, analysis

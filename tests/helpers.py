@@ -68,6 +68,12 @@ def recorded_figures():
         yield figures
 
 
+def figure_legend_texts(figure):
+    """The texts of every legend of a matplotlib figure: its own (the kit's, below the panels) and its axes'."""
+    axes_legends = [axis.get_legend() for axis in figure.axes if axis.get_legend()]
+    return [text.get_text() for legend in figure.legends + axes_legends for text in legend.get_texts()]
+
+
 def write_settings(directory, root, training="", analysis="", tiny=True):
     """Copy the repository's settings files into `directory`, patched by the given code.
 

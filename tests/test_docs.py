@@ -9,6 +9,8 @@ the virtual environment's own, with nothing else added to PATH or PYTHONPATH; a 
 block is typed into that `python`. Each must exit with status 0.
 """
 import ast
+import csv
+import json
 import os
 import re
 import signal
@@ -19,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+import jobs
 from helpers import (LAUNCH_VARIABLES, REPO, TIMEOUT, ahead, finish_agent, free_port, made_ahead, repository_copy,
-                     toy_environment, toy_settings, train_command, write_settings)
+                     run_cli, toy_environment, toy_settings, train_command, write_settings)
 
 MARKER = "# runs on CPU"
 BLOCK = re.compile(r"^```(sh|python)\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -357,3 +360,46 @@ def test_every_test_the_bitwise_list_names_exists():
     missing = [(file, name) for file, name in named
                if f"def {name}(" not in (REPO / "tests" / file).read_text()]
     assert not missing, missing
+
+
+# ---------------------------------------------------------------- docs/extending.md's failing simulator
+
+FRAGILE = REPO / "examples" / "fragile"
+# The example's sizes, and the tiny ones its test trains with: seconds, and still about a sixth of the
+# truths where the simulator fails.
+FRAGILE_SIZES = {'"train": 6000, "validation": 500, "test": 500': '"train": 600, "validation": 100, "test": 100',
+                 '"epochs": 20': '"epochs": 2', '"sobol_truths": 256': '"sobol_truths": 64',
+                 '"root": f"outputs/fragile-{profile}"': '"root": {root!r}'}
+
+
+def fragile_copy(folder, root):
+    """examples/fragile in `folder` with tiny sizes, writing to `root`."""
+    folder.mkdir(parents=True)
+    for path in FRAGILE.glob("*.py"):
+        text = path.read_text()
+        for old, new in FRAGILE_SIZES.items():
+            text = text.replace(old, new.format(root=str(root)))
+        (folder / path.name).write_text(text)
+    return folder
+
+
+@pytest.mark.launch
+def test_the_failing_simulator_runs_through_run_and_report(tmp_path):
+    """The docs' Fragile study fails (NaN) above θ = 2.5: `run` drops those truths, counts them and goes on."""
+    settings = fragile_copy(tmp_path / "settings", tmp_path / "out")
+    result = run_cli("run", "--settings-dir", str(settings))
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = json.loads(next((tmp_path / "out").glob("runs/*/*/metrics.json")).read_text())
+    dropped = metrics["dropped_truths"]
+    assert dropped["truths"] == 64 and 0 < dropped["dropped"] < 64 and dropped["cases"] == 64 - dropped["dropped"]
+    assert metrics["expected_coverage"]["cases"] == dropped["cases"]
+    note = f"note: baseline lognormal: {dropped['dropped']} of 64 truths dropped"
+    assert note in result.stdout
+    report = run_cli("report", "--settings-dir", str(settings), "--csv", str(tmp_path / "fragile.csv"))
+    assert report.returncode == 0 and note in report.stdout, report.stdout + report.stderr
+    with open(tmp_path / "fragile.csv", newline="") as file:
+        row = next(csv.DictReader(file))
+    assert int(row["dropped_truths.dropped"]) == dropped["dropped"] and int(row["dropped_train"]) > 0
+    if not jobs.matplotlib_missing():       # the kit's default figures, drawn from the cases analysed
+        assert sorted(path.name for path in (tmp_path / "out").glob("runs/*/**/*.png")) == [
+            "bias_width.png", "estimates.png", "expected_coverage.png", "training.png"]

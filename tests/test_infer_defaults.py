@@ -131,6 +131,18 @@ def test_a_flat_posterior_is_reported_by_infer(flat, tmp_path):
 
 
 @pytest.mark.launch
+def test_the_python_posterior_warns_the_lines_infer_prints(flat, tmp_path):
+    _, run = flat
+    x = np.array([0.31, 0.42, 0.2])
+    result, _ = infer_files(run, tmp_path, x)
+    printed = [line.removeprefix("warning: ") for line in result.stdout.splitlines() if line.startswith("warning:")]
+    with pytest.warns(post.PosteriorWarning) as caught:
+        posterior = restore(run).posterior(x)
+    assert printed and posterior.warnings == printed == [str(warning.message) for warning in caught]
+    assert posterior.flat["flat"] is True and caught[0].filename == __file__     # warned at the user's line
+
+
+@pytest.mark.launch
 def test_run_with_only_the_analysis_class_reports_a_flat_posterior(flat):
     folder, run = flat
     result = main_in_process("run", "--settings-dir", str(folder))

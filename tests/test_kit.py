@@ -16,6 +16,7 @@ import nre_study
 import runtime
 import trainer
 from helpers import REPO, kit_study, main_in_process, module_name, run_without_pythonpath, without_pythonpath
+from nre_analysis import NREAnalysis
 from store import Store
 
 @pytest.mark.launch
@@ -412,3 +413,24 @@ def test_a_kit_study_without_data_is_told_what_it_reads_and_where_the_defaults_a
     assert "missing sections: data; Flat reads:" in result.stderr
     assert '(optional: cohort, priors, problem, model, training) (README.md, "The settings files")' in result.stderr
     assert not (tmp_path / "outputs").exists()
+
+
+class Copies(nre_study.Study):
+    """x = θ + noise, two numbers: the smallest kit study, for what the kit's analysis fills in."""
+
+    parameters = {"rate": (0.0, 1.0)}
+
+    def simulate(self, theta, generator):
+        return theta + 0.1 * torch.randn(len(theta), 2, generator=generator, dtype=torch.float64)
+
+
+@pytest.mark.unit
+def test_the_kit_analysis_draws_a_small_set_of_figures_unless_the_settings_name_them():
+    experiment = Copies({"seed": 1, "cohort": {"priors": ["uniform"], "replicas": 1},
+                         "priors": {"uniform": {"family": "uniform"}}, "data": {"train": 64, "validation": 8}})
+    filled = NREAnalysis({"analysis": "nre_analysis:NREAnalysis"}, experiment).settings
+    assert filled["plots"] == ["expected_coverage"]
+    assert filled["cohort_plots"] == ["training", "estimates", "bias_width"]
+    named = NREAnalysis({"analysis": "nre_analysis:NREAnalysis", "plots": [], "cohort_plots": ["priors"]},
+                        experiment).settings
+    assert named["plots"] == [] and named["cohort_plots"] == ["priors"]
