@@ -10,6 +10,7 @@ line and marker is in a legend (docs/results.md, "Figures").
 """
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -66,7 +67,7 @@ def figure_legend(figure, axes):
     Inside a panel a legend covers curves, a legend per panel repeats itself, and one at the
     side runs into the centred title; the figure's constrained layout makes room below.
     """
-    entries = {}
+    entries: dict[str, Any] = {}
     for axis in axes:
         for handle, label in zip(*axis.get_legend_handles_labels()):
             entries.setdefault(label, handle)
@@ -161,6 +162,7 @@ def custom_prior_curves(prior, problem, count, points=400):
         raise TypeError("neither sample() nor log_prob()")
     if len(problem.names) == 1 and steps[0] is None and callable(getattr(prior, "log_prob", None)):
         x = torch.linspace(float(problem.low[0]), float(problem.high[0]), points, dtype=torch.float64)
+        y: np.ndarray
         try:
             y = torch.exp(torch.as_tensor(prior.log_prob(x[:, None]), dtype=torch.float64).reshape(-1)).numpy()
         except KeyboardInterrupt:       # a stop is never swallowed
@@ -170,8 +172,8 @@ def custom_prior_curves(prior, problem, count, points=400):
         if np.isfinite(y).all() and y.max() > 0:
             return [(x.numpy(), y, "density")]
     generator = torch.Generator().manual_seed(0)     # the same histogram on every redraw
-    draws = torch.as_tensor(prior.sample(CUSTOM_PRIOR_DRAWS, generator), dtype=torch.float64)
-    draws = draws.reshape(CUSTOM_PRIOR_DRAWS, len(problem.names)).numpy()
+    drawn = torch.as_tensor(prior.sample(CUSTOM_PRIOR_DRAWS, generator), dtype=torch.float64)
+    draws = drawn.reshape(CUSTOM_PRIOR_DRAWS, len(problem.names)).numpy()
     return [marginal_curve(draws[:, j], float(problem.low[j]), float(problem.high[j]), steps[j])
             for j in range(count)]
 

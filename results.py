@@ -16,6 +16,7 @@ import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterable
 
 import store
 import trainer
@@ -137,7 +138,7 @@ def lookup(mapping, path, default=None):
 def flatten(value, prefix=""):
     """{dotted path: scalar} of every number, string, bool or null below value (lists by index)."""
     if isinstance(value, dict):
-        items = value.items()
+        items: Iterable[tuple[Any, Any]] = value.items()
     elif isinstance(value, list):
         items = enumerate(value)
     else:
@@ -277,7 +278,8 @@ def panel_point(metrics, path):
     value = lookup(metrics, path)
     interval = nominal = None
     if isinstance(value, dict):
-        value, interval, nominal = value.get("joint"), value.get("interval"), value.get("nominal")
+        level: dict = value
+        value, interval, nominal = level.get("joint"), level.get("interval"), level.get("nominal")
     if not is_number(value):
         return None
     if not (isinstance(interval, list) and len(interval) == 2 and all(map(is_number, interval))):
@@ -287,7 +289,7 @@ def panel_point(metrics, path):
 
 def series(records, knob, path):
     """{member: (prior, replica, [(knob value, metric, interval or None)])} along one knob, the baseline included."""
-    found = {}
+    found: dict[str, Any] = {}
     for record in records:
         point = None if record.metrics is None else panel_point(record.metrics, path)
         if point is not None and record.knob in (None, knob):
@@ -390,7 +392,7 @@ def draw_prior_panel(ax, records, panel, priors):
 
 def row_legend(row):
     """One legend for a row of panels, right of its last panel: every line and marker of the row, once."""
-    entries = {}
+    entries: dict[str, Any] = {}
     for ax in row:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)

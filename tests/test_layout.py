@@ -210,3 +210,9 @@ def test_the_contracts_list_every_member_of_a_problem_and_a_prior_that_is_read()
     assert {"names", "parameter_count", "simulate", "log_likelihood", "describe"} <= problem
     assert sorted(read for read in members_read("problem") if read[0] not in problem) == []
     assert sorted(read for read in members_read("prior") if read[0] not in prior) == []
+
+
+def test_make_typecheck_names_every_module():
+    import tomllib
+    files = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
+    assert sorted(files) == sorted(f"{name}.py" for name in MODULES), set(files) ^ {f"{m}.py" for m in MODULES}
