@@ -14,7 +14,6 @@ expected_coverage, pairwise, reweighting, normalization (docs/results.md says wh
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, cast
@@ -28,6 +27,7 @@ import case_blocks
 import case_scores
 import contrast
 import designs
+import flatness
 import hpd
 import inference_schema
 import nre_figures
@@ -43,9 +43,8 @@ from store import NnpdError
 
 __all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "InvalidObservations", "KitExperiment",
            "MIN_COARSE_NEIGHBOURS", "NREAnalysis", "SUMMARY_FIELDS", "bayes_optimal_logits",
-           "build_learned", "case_design", "chi_square_quantile", "coverage_curve",
-           "exact_scoring", "flatness", "learned_scoring", "posterior_share", "prior_sds", "summarise_cases",
-           "summarise_targets", "valid_cases"]
+           "build_learned", "case_design", "chi_square_quantile", "coverage_curve", "posterior_share",
+           "summarise_cases", "summarise_targets", "valid_cases"]
 
 # The modules of the analysis stack, whose sources enter every product's key (see NREAnalysis).
 ANALYSIS_STACK = (inference_schema, designs, case_scores, hpd, analysis_metrics, adaptive, case_blocks)
@@ -250,56 +249,14 @@ def summarise_targets(ctx: Any, writer: Any, targets: list[str], scoring: case_b
     return {**metadata, "design": design.kind}
 
 
-@contextlib.contextmanager
-def network_precision(precision, device):
-    """The arithmetic of the analysis' network calls: float32, TF32 matrix products (CUDA) or bfloat16 autocast."""
-    if precision == "bfloat16":
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            yield
-    elif precision == "tf32" and device.type == "cuda":
-        before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        try:
-            yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
-    else:
-        yield
-
-
-def learned_scoring(model, device, prior, observations, targets, settings, counted, policy=None):
-    """Scoring of the learned targets: the model's ensemble score of each case's observations
-    (ratio), plus the log prior (posterior); `counted` (an case_scores.Evaluations) counts the calls.
-    `policy` (an case_scores.CallPolicy) defaults to the device's own."""
-    input_width = observations.shape[2] + len(prior.lattice_steps)
-    policy = policy or case_scores.call_policy(device.type, settings["chunk_rows"],
-                                               case_scores.network_row_bytes(model, input_width))
-    on_device, precision = observations.to(device), settings.get("precision", "float32")
-
-    # The model is the logit function itself: the logits of any floating dtype (bfloat16 under
-    # autocast) are summed in float64 (one conversion fewer after each network call).
-    with network_precision(precision, device):
-        column_rows = case_scores.accepts_column_rows(model, input_width, device)
-
-    def scores(cases, points):
-        with network_precision(precision, device):
-            ratio = case_scores.ensemble_scores(model, on_device[cases.to(device)], points, policy.rows_per_call,
-                                                counted, column_rows)
-        values = {"ratio": ratio}
-        if "posterior" in targets:
-            values["posterior"] = ratio + torch.as_tensor(prior.log_prob(points), device=device)
-        return {t: values[t] for t in targets}
-
-    return case_blocks.Scoring(scores, device, policy.block_bytes)
-
-
 def build_learned(ctx, writer):
     """HPD summaries of the learned ratio and posterior targets for every case."""
     settings = ctx.analysis_settings["inference"]
     targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
     counted = case_scores.Evaluations()
-    scoring = learned_scoring(ctx.model, ctx.runtime.device, ctx.prior, observations, targets, settings, counted)
+    scoring = case_blocks.learned_scoring(ctx.model, ctx.runtime.device, ctx.prior, observations, targets, settings,
+                                          counted)
     with torch.no_grad():
         metadata = summarise_targets(ctx, writer, targets, scoring)
     probes.count("product.learned", evaluations=counted.rows, network_calls=counted.calls,
@@ -308,27 +265,11 @@ def build_learned(ctx, writer):
             "rows_per_call": counted.call_rows // max(counted.calls, 1)}
 
 
-def exact_scoring(log_likelihood, observations, device, chunk_rows, counted=None):
-    """Scoring of the exact target: each case's summed log-likelihood on `device`; `counted`
-    (an case_scores.Evaluations) counts the likelihood terms."""
-    policy = case_scores.call_policy(device.type, chunk_rows)
-    on_device = observations.to(device)
-
-    def scores(cases, points):
-        if counted is not None:
-            terms = points.shape[0] * points.shape[1] * observations.shape[1]
-            counted.add(terms, terms)
-        return {"exact": case_scores.exact_scores(log_likelihood, on_device[cases.to(device)], points,
-                                                  policy.rows_per_call)}
-
-    return case_blocks.Scoring(scores, device, policy.block_bytes)
-
-
 def build_exact(ctx, writer):
     """HPD summaries of the exact likelihood, on the same kind of candidates, on the analysis' device."""
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
     counted = case_scores.Evaluations()
-    scoring = exact_scoring(ctx.problem.log_likelihood, observations, ctx.runtime.device,
+    scoring = case_blocks.exact_scoring(ctx.problem.log_likelihood, observations, ctx.runtime.device,
                             ctx.analysis_settings["inference"]["chunk_rows"], counted)
     with torch.no_grad():
         metadata = summarise_targets(ctx, writer, ["exact"], scoring)
@@ -544,69 +485,7 @@ def truths_note(prior):
             "checks calibration under these truths")
 
 
-# A learned posterior is nearly flat when it keeps nearly the prior's spread as a whole: the geometric
-# mean of its sds over the prior's (the p-th root of its sd ellipsoid's volume share) above
-# FLAT_SD_SHARE. Measured cases: a prior-like posterior has 1.0 (0.95-1.0 from an untrained model);
-# informative ones lie well below 0.85: the exact posteriors of examples/ (decay 0.37-0.46, pulse up to
-# 0.29, weibull's six lifetimes 0.58-0.75, up to 0.97 in one parameter at some truths) and a damped
-# oscillator seen at 20 noisy times (exact 0.32-0.36, a learned one about 1.5 times that). A single
-# wide parameter beside informative ones is not flat: the observations say little about it, which
-# its `sd_share` shows. Whatever the model, a flat posterior is worth a line; its validation AUC says
-# which cause is likely. Below HIGH_AUC the network barely tells joint from marginal pairs, so it has
-# learned little; at or above it the model discriminates, so these observations say little (or the
-# candidates missed the posterior: the resolution warning says so).
-FLAT_SD_SHARE = 0.85
-HIGH_AUC = 0.75
-PRIOR_DRAWS = 20_000     # draws of the prior's sds: a relative error of about 0.5%
 FLAT_CASES = 4           # analysis cases whose posterior the `posterior` metric checks for flatness
-
-
-def prior_sds(prior, parameter_count):
-    """The prior's marginal sds (p,), from PRIOR_DRAWS draws of a fixed stream."""
-    draws = prior.sample(PRIOR_DRAWS, torch.Generator().manual_seed(0))
-    return torch.as_tensor(draws, dtype=torch.float64).reshape(-1, parameter_count).std(0)
-
-
-def flat_cause(auc):
-    """Why a posterior is likely flat, from the model's validation AUC."""
-    if auc is None:
-        return "the model's validation AUC is unknown"
-    if auc < HIGH_AUC:
-        return (f"the model barely tells joint from marginal pairs (validation AUC {auc:.2f}, below {HIGH_AUC}), "
-                "so it has learned little: train longer or on more data")
-    return (f"the model tells joint from marginal pairs well (validation AUC {auc:.2f}), so the observations say "
-            "little about them (or the candidates missed the posterior)")
-
-
-def sd_shares(posterior_sds, prior_sd):
-    """Each parameter's posterior sd over its prior's (None where the prior's is 0, or unknown: None)."""
-    if prior_sd is None:            # a posterior built without its prior's sds (posterior.from_scores)
-        return [None] * len(posterior_sds)
-    return [float(a) / float(b) if float(b) > 0 else None for a, b in zip(posterior_sds, prior_sd)]
-
-
-def joint_share(shares):
-    """The geometric mean of the sd shares (None when one is unknown or 0): the posterior's spread as a whole."""
-    if not shares or any(share is None or share <= 0 for share in shares):
-        return None
-    return math.exp(sum(math.log(share) for share in shares) / len(shares))
-
-
-def flatness(names, posterior_sds, prior_sd, auc):
-    """Whether a posterior is nearly flat (see FLAT_SD_SHARE): its sd shares, the joint one, and one line or None.
-
-    `parameters` names those whose own share is above FLAT_SD_SHARE when the whole posterior is flat.
-    """
-    shares = sd_shares(posterior_sds, prior_sd)
-    joint = joint_share(shares)
-    flat = [] if joint is None or joint <= FLAT_SD_SHARE else \
-        [name for name, share in zip(names, shares) if share > FLAT_SD_SHARE]
-    warning = None
-    if flat:
-        warning = (f"the posterior is nearly flat in {', '.join(flat)}: its sds are {joint:.2f} of the prior's "
-                   f"(geometric mean, above {FLAT_SD_SHARE:g}); {flat_cause(auc)}")
-    return {"flat": bool(flat), "parameters": flat, "sd_share": shares, "joint_sd_share": joint,
-            "validation_auc": auc, "warning": warning}
 
 
 def case_flatness(ctx):
@@ -620,7 +499,7 @@ def case_flatness(ctx):
     auc = trainer.kept_validation(ctx.model_artifact.json("history")).get("auc")
     reports = []
     for case in range(cases):
-        # The study's posterior (posterior.py builds on this module, so it is reached through the study).
+        # The study's own posterior, as restore(run).posterior(x) gives it to the user.
         posterior = ctx.experiment.posterior(ctx.member, ctx.model, ctx.analysis_settings, observations[case],
                                              truth=truths[case], device=ctx.runtime.device, case=case)
         reports.append(posterior.flatness(auc))
@@ -629,7 +508,7 @@ def case_flatness(ctx):
     warning = None
     if flat and 2 * len(flat) >= cases:
         warning = (f"{len(flat)} of {cases} checked cases have a nearly flat posterior (in {', '.join(parameters)}: "
-                   f"sds above {FLAT_SD_SHARE:g} of the prior's, geometric mean); {flat_cause(auc)}")
+                   f"sds above {flatness.FLAT_SD_SHARE:g} of the prior's, geometric mean); {flatness.flat_cause(auc)}")
     return {"cases": cases, "flat_cases": len(flat), "parameters": parameters, "validation_auc": auc,
             "sd_share": [report["sd_share"] for report in reports], "warning": warning}
 

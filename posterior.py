@@ -42,11 +42,11 @@ import analysis_metrics
 import case_blocks
 import case_scores
 import designs
+import flatness
 import hpd
 import study
 import trainer
 from inference_schema import check_inference_settings
-from nre_analysis import flatness, learned_scoring, prior_sds
 from store import NnpdError, NnpdWarning
 
 __all__ = ["POSTERIOR_CANDIDATES", "Learned", "Posterior", "PosteriorError", "PosteriorWarning", "Support",
@@ -203,11 +203,12 @@ class Posterior:
         return f", acceptance {info['acceptance']:.2g} over {info['evaluations']} evaluations"
 
     def flatness(self, validation_auc: float | None = None) -> dict[str, Any]:
-        """Whether the posterior is nearly flat against its prior, with one line saying why (nre_analysis.flatness).
+        """Whether the posterior is nearly flat against its prior, with one line saying why (flatness.py).
 
         `validation_auc`, the model's, names the likely cause.
         """
-        return flatness(self.names, torch.sqrt(torch.diagonal(self.cov())), self.prior_sd, validation_auc)
+        return flatness.flatness_report(self.names, torch.sqrt(torch.diagonal(self.cov())), self.prior_sd,
+                                        validation_auc)
 
     def report_flatness(self, history: Mapping[str, Any] | None = None, stacklevel: int = 1) -> dict[str, Any]:
         """flatness() with the validation AUC of the training `history`'s kept epoch, warned when flat; kept as
@@ -570,13 +571,13 @@ def for_observation(learned, observations, truth=None, device="cpu", case=0):
     settings = posterior_settings(problem, prior.lattice_steps, learned.analysis_settings)
     x = observation_ensemble(observations, problem.dimension)
     points = check_ensemble_cost(problem, prior, settings, len(x))
-    score_fn = host_scores(learned_scoring(learned.model, torch.device(device), prior, x[None],
-                                           score_targets(settings), settings, case_scores.Evaluations()))
+    score_fn = host_scores(case_blocks.learned_scoring(learned.model, torch.device(device), prior, x[None],
+                                                       score_targets(settings), settings, case_scores.Evaluations()))
     counted = ScoredPoints(score_fn, points)
     posterior = from_scores(problem, prior.lattice_steps, counted, learned.analysis_settings, learned.seed, truth,
                             case)
     counted.finish()
-    posterior.prior_sd = prior_sds(prior, problem.parameter_count)
+    posterior.prior_sd = flatness.prior_sds(prior, problem.parameter_count)
     return posterior
 
 

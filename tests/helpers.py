@@ -584,7 +584,7 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
     seed = 11
     points, log_measure = designs.make_candidates(problem.low, problem.high, [None] * p, candidates, seed)
 
-    scoring = nre_analysis.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
+    scoring = case_blocks.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
     writer = Writer(tmp_path / name)
     (tmp_path / name).mkdir()
     box = adaptive.support_box(problem.low, problem.high, [None] * p)

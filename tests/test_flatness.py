@@ -1,4 +1,4 @@
-"""The flatness rule (nre_analysis.flatness) on known cases, and the Python posterior that warns of it.
+"""The flatness rule (flatness.flatness_report) on known cases, and the Python posterior that warns of it.
 
 Known cases: a prior-like posterior (a network that has learned nothing) is flat; informative ones are
 not, among them the damped oscillator of issue 37 (exact posterior sds 0.32-0.36 of the prior's in its
@@ -13,7 +13,7 @@ import torch
 import posterior as post
 import priors
 from helpers import study_problem
-from nre_analysis import FLAT_SD_SHARE, flatness
+from flatness import FLAT_SD_SHARE, flatness_report
 
 pytestmark = pytest.mark.unit
 
@@ -54,13 +54,13 @@ def bundled_posterior(temper, observations, dimension=3):
     ([0.3, 1.0, 1.0], False),            # one parameter well measured: informative as a whole
 ])
 def test_the_rule_on_known_cases(shares, flat):
-    report = flatness(NAMES[:len(shares)], shares, PRIOR_SD[:len(shares)], auc=0.9)
+    report = flatness_report(NAMES[:len(shares)], shares, PRIOR_SD[:len(shares)], auc=0.9)
     assert report["flat"] is flat and (report["warning"] is not None) is flat
     assert report["sd_share"] == pytest.approx(shares)
 
 
 def test_a_flat_posterior_names_its_wide_parameters_and_the_likely_cause():
-    report = flatness(NAMES, [0.99, 0.8, 0.98], PRIOR_SD, auc=0.6)
+    report = flatness_report(NAMES, [0.99, 0.8, 0.98], PRIOR_SD, auc=0.6)
     assert report["parameters"] == ["frequency", "noise"] and report["joint_sd_share"] > FLAT_SD_SHARE
     assert "nearly flat in frequency, noise" in report["warning"] and "learned little" in report["warning"]
 
@@ -96,5 +96,5 @@ def test_an_informative_posterior_warns_nothing():
 
 
 def test_without_the_priors_sds_nothing_is_called_flat():
-    report = flatness(NAMES, [1.0, 1.0, 1.0], None, auc=0.5)
+    report = flatness_report(NAMES, [1.0, 1.0, 1.0], None, auc=0.5)
     assert report["flat"] is False and report["sd_share"] == [None] * 3 and report["joint_sd_share"] is None

@@ -15,7 +15,8 @@ MAY_IMPORT_THE_STUDY = STUDY | {"settings_training", "settings_analysis"}
 KIT = {"nre_study", "nre_analysis", "inference_schema", "nre_figures", "priors", "networks", "posterior"}
 FRAMEWORK = {"nnpd", "jobs", "output_root", "store", "runtime", "trainer", "study", "settings", "results", "timings",
              "probes", "launcher", "designs", "case_scores", "case_blocks", "hpd", "analysis_metrics", "infer",
-             "contrast", "c2st", "ddp", "training_state", "training_hooks", "fingerprint"}
+             "contrast", "c2st", "ddp", "training_state", "training_hooks", "fingerprint",
+             "flatness"}
 MAX_FUNCTION_LINES = 45
 
 
@@ -64,6 +65,12 @@ def test_only_the_study_and_the_settings_files_import_the_bundled_study():
     importers = {name for name, imports in GRAPH.items() if imports & STUDY}
     assert importers <= MAY_IMPORT_THE_STUDY, importers - MAY_IMPORT_THE_STUDY
     assert "gaussian" in GRAPH["gaussian_study"] and {"output_root", "jobs"} <= GRAPH["nnpd"]   # the scan sees imports
+
+
+def test_the_public_posterior_does_not_import_the_analysis():
+    # restore(run).posterior(x) needs the shared design, scoring and flatness modules, not the whole analysis.
+    assert "nre_analysis" not in GRAPH["posterior"] and "nre_analysis" not in GRAPH["infer"]
+    assert {"case_blocks", "flatness"} <= GRAPH["posterior"]
 
 
 def test_the_framework_knows_no_study():
