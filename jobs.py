@@ -20,6 +20,7 @@ import probes
 import output_root
 import runtime
 import study
+import study_loading
 import timings
 import trainer
 from output_root import LaunchError
@@ -161,14 +162,14 @@ DATA_SPLITS = ("train", "validation", "test")     # the order of a data artifact
 def data_recipe(job):
     """The training data's recipe: no backend identity, so CPU and CUDA share data."""
     return {"experiment": job.experiment.data_recipe(job.member),
-            "source": fingerprint.source_fingerprint(*study.experiment_sources(job.experiment, "DATA_SOURCES")),
+            "source": fingerprint.source_fingerprint(*study_loading.experiment_sources(job.experiment, "DATA_SOURCES")),
             "versions": fingerprint.library_versions()}
 
 
 def model_recipe(job, data_key, identity):
     """The model's recipe: settings, data, source, versions and backend identity."""
     return {"experiment": job.experiment.model_recipe(job.member), "data": data_key, "backend": identity,
-            "source": fingerprint.source_fingerprint(*study.experiment_sources(job.experiment, "MODEL_SOURCES")),
+            "source": fingerprint.source_fingerprint(*study_loading.experiment_sources(job.experiment, "MODEL_SOURCES")),
             "versions": fingerprint.library_versions()}
 
 
@@ -240,7 +241,7 @@ def run_record(launch, job):
             "knob": job.configuration.knob, "value": job.configuration.value, "member": job.member,
             "settings": job.settings, "backend": launch.identity, "versions": fingerprint.library_versions(),
             "source": launch.snapshot, "description": job.experiment.describe(job.member),
-            "study_path": study.module_folder(type(job.experiment))}
+            "study_path": study_loading.module_folder(type(job.experiment))}
 
 
 def get_model(launch, job, data, recipe):
@@ -387,7 +388,7 @@ def analyze_model(launch, job, data, model):
     values = {}
     for name in settings["metrics"]:
         with probes.phase(f"metric.{name}"):
-            values[name] = study.metric_value(name, job.analysis.metrics[name].compute(ctx))
+            values[name] = study_loading.metric_value(name, job.analysis.metrics[name].compute(ctx))
         write_json_atomic(run_dir / "metrics" / f"{name}.json", values[name])
     write_json_atomic(run_dir / "metrics.json", values)
     draw_figures(job.analysis.plots, settings["plots"], ctx, run_dir / "plots", settings["plotting"])

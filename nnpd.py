@@ -28,6 +28,7 @@ import output_root
 import runtime
 import settings
 import study
+import study_loading
 import timings
 from jobs import Job, Launch
 from output_root import LaunchError
@@ -57,12 +58,12 @@ def load(profile=None, settings_dir=None):
 
 def configuration_jobs(configuration, analysis_settings):
     """Validate one configuration and list its jobs."""
-    experiment, analysis = study.load_study(configuration.settings, analysis_settings)
+    experiment, analysis = study_loading.load_study(configuration.settings, analysis_settings)
     members = experiment.members()
     for index, member in enumerate(members):
         settings.safe_name(member.get("name") if isinstance(member, dict) else None, f"cohort member {index}")
     if members:
-        study.check_logit_shape(experiment, members[0], configuration.settings["experiment"])
+        study_loading.check_logit_shape(experiment, members[0], configuration.settings["experiment"])
     return [Job(configuration, member, experiment, analysis, analysis.workload(member)) for member in members]
 
 
@@ -100,7 +101,7 @@ def make_plan(profile):
         for job in mine:
             analysis_errors.extend(workload_errors(job, profile.analysis["verification"]))
         for job in mine[:1]:     # a study's own lines, once per configuration
-            stops, notes = study.plan_notes(job.experiment, job.analysis)
+            stops, notes = study_loading.plan_notes(job.experiment, job.analysis)
             analysis_errors.extend(f"configuration {configuration.name}: {line}" for line in stops)
             warnings_found.extend(f"configuration {configuration.name}: {line}" for line in notes)
     folders = [job.run for job in found]
@@ -319,8 +320,8 @@ def finish_launch(launch, planned, trained, used):
     output_root.copy_settings(root, profile)
     if launch.stage != "train":
         records = results.read_runs(root, fields["runs"])
-        print(results.report_text(records, study.report_layout(profile.analysis)[0],
-                                  study.report_warnings(profile.analysis)), flush=True)
+        print(results.report_text(records, study_loading.report_layout(profile.analysis)[0],
+                                  study_loading.report_warnings(profile.analysis)), flush=True)
 
 
 def verify(profile=None, settings_dir=None):
@@ -347,7 +348,7 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
     records = results.read_runs(root)
     if not any(record.metrics is not None for record in records):
         raise LaunchError(f"{root}: no analysed runs yet; run `python nnpd.py run --profile {loaded.name}` first")
-    notes, (columns, panels) = [], study.report_layout(loaded.analysis)
+    notes, (columns, panels) = [], study_loading.report_layout(loaded.analysis)
     if csv_path:
         notes.append(f"{results.write_csv(records, csv_path)} rows written to {csv_path}")
     if plot and jobs.matplotlib_missing():
@@ -359,7 +360,7 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
             write_bytes_atomic(root / "report" / "comparison.png", png)
         notes.append(f"figure written to {root / 'report' / 'comparison.png'}" if png is not None else
                      "--plot: nothing to draw (no analysed run has a metric of the figure); no figure written")
-    return results.report_text(records, columns, study.report_warnings(loaded.analysis)), notes
+    return results.report_text(records, columns, study_loading.report_warnings(loaded.analysis)), notes
 
 
 # ---------------------------------------------------------------- command line

@@ -35,7 +35,8 @@ import priors
 import probes
 import runtime
 import trainer
-from study import Analysis, Context, ExperimentContract, Figure, Json, Member, Metric, Product, check_selection
+from study import Analysis, Context, ExperimentContract, Figure, Json, Member, Metric, Product
+from study_loading import check_selection
 from inference_schema import check_inference_settings
 from nre_figures import case_truths
 from settings import SettingsError

@@ -120,7 +120,7 @@ def name_list(value, path, allow_empty=True):
 
 
 # The framework's own sections; a study's sections beside them are the study's to check
-# (study.check_study_sections and the study's validate()).
+# (study_loading.check_study_sections and the study's validate()).
 TRAINING_SECTIONS = ("experiment", "output", "seed", "runtime")
 TRAINING_REQUIRED = ("experiment",)     # the others default (fill_training_defaults)
 SEED_DEFAULT = 0
@@ -428,7 +428,7 @@ def check_analysis(settings, where="settings_analysis.py"):
     """Structure, sections, no Choice and class reference of analysis settings; fills the framework's defaults.
 
     Only `analysis` is required: the other framework sections default to ANALYSIS_DEFAULTS, and
-    `metrics`, `plots` and `cohort_plots` to what the analysis class selects (study.load_study).
+    `metrics`, `plots` and `cohort_plots` to what the analysis class selects (study_loading.load_study).
     """
     check_structure(settings, where)
     check_sections(settings, ("analysis",), where)
@@ -513,7 +513,7 @@ def check_analysis_framework(analysis):
     analysis["plotting"] = plotting = {**PLOTTING_DEFAULTS, **analysis["plotting"]}
     one_of(plotting["format"], PLOT_FORMATS, "plotting.format")
     integer(plotting["dpi"], "plotting.dpi", 1, 2400)
-    if "metrics" in analysis:       # else the analysis class chooses them (study.load_study), and the figures
+    if "metrics" in analysis:       # else the analysis class chooses them (study_loading.load_study), and the figures
         name_list(analysis["metrics"], "metrics", allow_empty=False)
     for name in ("plots", "cohort_plots"):
         if name in analysis:

@@ -44,7 +44,7 @@ __all__ = [
 
 Preempted = runtime.Preempted      # the one class; trainer.Preempted is the name callers of train() know
 # The modules split from this one: their code shapes every model it trains, so they enter a
-# model's key beside trainer.py (study.experiment_sources).
+# model's key beside trainer.py (study_loading.experiment_sources).
 PARTS = (ddp, training_state, training_hooks)
 
 TRAINING_DEFAULTS = {

@@ -176,9 +176,9 @@ def test_a_network_returning_a_column_of_logits_trains_and_is_analysed(tmp_path)
 
 def data_source_digest(folder, module):
     """The data key's source part of the study, computed in a fresh interpreter."""
-    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(folder)!r}]; import fingerprint, study, importlib; "
+    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(folder)!r}]; import fingerprint, study_loading, importlib; "
             f"cls = importlib.import_module({module!r}).Line; "
-            "print(fingerprint.source_fingerprint(*study.experiment_sources(cls.__new__(cls), 'DATA_SOURCES')))")
+            "print(fingerprint.source_fingerprint(*study_loading.experiment_sources(cls.__new__(cls), 'DATA_SOURCES')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     return result.stdout.strip()
 

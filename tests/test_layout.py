@@ -16,7 +16,7 @@ KIT = {"nre_study", "nre_analysis", "inference_schema", "nre_figures", "priors",
 FRAMEWORK = {"nnpd", "jobs", "output_root", "store", "runtime", "trainer", "study", "settings", "results", "timings",
              "probes", "launcher", "designs", "case_scores", "case_blocks", "hpd", "analysis_metrics", "infer",
              "contrast", "c2st", "ddp", "training_state", "training_hooks", "fingerprint",
-             "flatness"}
+             "flatness", "study_loading"}
 MAX_FUNCTION_LINES = 45
 
 

@@ -330,7 +330,7 @@ def test_missing_and_extra_sections(tmp_path):
     assert "missing sections: experiment" in message and "experimnt" not in message   # the study's are its own
     body = ANALYSIS.replace('"plots": [],', "")
     folder = write_settings(tmp_path / "b", TRAINING, body)
-    assert "plots" not in load_profile(folder).analysis         # left to the analysis class (study.load_study)
+    assert "plots" not in load_profile(folder).analysis         # left to the analysis class (study_loading.load_study)
     body = ANALYSIS.replace('"analysis": ', '"analyss": ')
     folder = write_settings(tmp_path / "c", TRAINING, body)
     with pytest.raises(SettingsError, match=r"settings_analysis.py \[smoke\].*"
