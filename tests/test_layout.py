@@ -1,5 +1,6 @@
 """The code's shape: imports go one way, the framework never imports the bundled study, functions stay short."""
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -223,3 +224,11 @@ def test_make_typecheck_names_every_module():
     import tomllib
     files = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
     assert sorted(files) == sorted(f"{name}.py" for name in MODULES), set(files) ^ {f"{m}.py" for m in MODULES}
+
+
+def test_every_module_is_on_the_architecture_page_once():
+    # Each module's line: "- `name.py`: what it holds" (or two names sharing one line).
+    lines = [line for line in (REPO / "docs" / "architecture.md").read_text().splitlines() if line.startswith("- `")]
+    listed = [name for line in lines for name in re.findall(r"`(\w+)\.py`", line.split(":")[0])]
+    assert sorted(set(listed) & set(MODULES)) == sorted(MODULES), set(MODULES) - set(listed)
+    assert all(listed.count(name) == 1 for name in MODULES), [n for n in MODULES if listed.count(n) != 1]
