@@ -17,7 +17,6 @@ import io
 import json
 import os
 import re
-import stat
 import sys
 import warnings
 from pathlib import Path
@@ -27,13 +26,12 @@ import numpy as np
 import runtime
 import study
 from c2st import c2st
-from store import ROOT_MARKER, NnpdError, restore, write_bytes_atomic
+from store import ROOT_MARKER, NnpdError, irregular_file, read_npy, restore, write_bytes_atomic
 
 __all__ = ["InferError", "add_arguments", "command"]
 
 DEFAULT_SAMPLES = 1000
 MAX_SAMPLES = 10**7         # samples infer draws at most (10^7 rows of p float64 fit in memory for modest p)
-MAX_ELEMENTS = 10**8        # numbers infer reads from one .npy file
 
 
 class InferError(NnpdError):
@@ -55,26 +53,16 @@ def read_array(path, what):
     """A real numeric array from a regular .npy file, or an InferError naming the file.
 
     The file's type is checked before it is opened (a FIFO would block the open for ever),
-    and its header's size before its data are read.
+    and its header's size and dtype before its data are read (store.read_npy).
     """
+    problem = irregular_file(path)
+    if problem is not None:
+        raise InferError(f"{what} {path}: {problem}; give a .npy file saved with numpy.save")
     try:
-        kind = os.stat(path).st_mode
-    except OSError as error:
-        raise InferError(f"{what} {path}: cannot be read ({error.strerror})") from None
-    if not stat.S_ISREG(kind):
-        raise InferError(f"{what} {path}: not a regular file; give a .npy file saved with numpy.save")
-    try:
-        mapped = np.load(Path(path), allow_pickle=False, mmap_mode="r")
-        if not isinstance(mapped, np.ndarray):
-            raise ValueError("an .npz archive, not one array")
-        if mapped.size > MAX_ELEMENTS:
-            raise InferError(f"{what} {path}: holds {mapped.size:,} numbers, over the {MAX_ELEMENTS:,} infer reads")
-        array = np.array(mapped)
+        with open(path, "rb") as stream:
+            array = read_npy(stream)
     except (OSError, ValueError, EOFError) as error:
-        why = "it holds pickled Python objects, which infer never loads" if "pickle" in str(error) else error
-        raise InferError(f"{what} {path}: not a readable .npy file of numbers ({why}); save one with numpy.save")
-    if not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array):
-        raise InferError(f"{what} {path}: holds {array.dtype}, not real numbers")
+        raise InferError(f"{what} {path}: not a readable .npy file of numbers ({error}); save one with numpy.save")
     if not np.isfinite(array).all():
         raise InferError(f"{what} {path}: holds NaN or infinite values")
     return array
