@@ -470,11 +470,12 @@ def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET)
 
 def observation_ensemble(observations, dimension):
     """An observation as an ensemble (m, d) float64, or a PosteriorError naming the expected shapes."""
-    x = torch.as_tensor(real_array(observations).astype(np.float64))
+    given = real_array(observations)
+    x = torch.as_tensor(given.astype(np.float64))
     if x.dim() == 1:
         x = x[None]
     if x.dim() != 2 or x.shape[1] != dimension or x.shape[0] == 0 or not bool(torch.isfinite(x).all()):
-        raise PosteriorError(f"observations of shape {tuple(x.shape)}: expected finite numbers of "
+        raise PosteriorError(f"observations of shape {given.shape}: expected finite numbers of "
                              f"shape ({dimension},) for one observation or (m, {dimension}) for m of them")
     if bool((x.abs() > torch.finfo(torch.float32).max).any()):
         raise PosteriorError("observations hold values beyond float32's range (±3.4e38), which the network reads as "
