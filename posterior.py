@@ -471,13 +471,36 @@ def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET)
 
 def observation_ensemble(observations, dimension):
     """An observation as an ensemble (m, d) float64, or a PosteriorError naming the expected shapes."""
-    x = torch.as_tensor(np.asarray(observations, dtype=np.float64))
+    given = real_array(observations)
+    x = torch.as_tensor(given.astype(np.float64))
     if x.dim() == 1:
         x = x[None]
     if x.dim() != 2 or x.shape[1] != dimension or x.shape[0] == 0 or not bool(torch.isfinite(x).all()):
-        raise PosteriorError(f"observations of shape {tuple(np.shape(observations))}: expected finite numbers of "
+        raise PosteriorError(f"observations of shape {given.shape}: expected finite numbers of "
                              f"shape ({dimension},) for one observation or (m, {dimension}) for m of them")
+    if bool((x.abs() > torch.finfo(torch.float32).max).any()):
+        raise PosteriorError("observations hold values beyond float32's range (±3.4e38), which the network reads as "
+                             "infinite; give them in the units the model was trained on")
     return x
+
+
+def real_array(observations):
+    """The observations as a numpy array of real numbers, or a PosteriorError naming what they are."""
+    if isinstance(observations, np.ma.MaskedArray):     # np.asarray would drop the mask and keep the masked values
+        raise PosteriorError("observations: a masked array; fill or drop the masked values first (numpy.ma.filled, "
+                             ".compressed()) and pass a plain array")
+    if isinstance(observations, torch.Tensor):
+        observations = observations.detach().cpu()
+        observations = observations if observations.is_complex() else observations.to(torch.float64)
+    try:
+        array = np.asarray(observations)
+    except (TypeError, ValueError) as error:            # a ragged list
+        raise PosteriorError(f"observations: not an array of numbers ({error}); pass a numpy array (d,) or "
+                             "(m, d)") from None
+    if array.dtype.kind not in "biuf":
+        raise PosteriorError(f"observations: {type(observations).__name__} of {array.dtype}, not real numbers; pass "
+                             "a numpy array or tensor of floats, (d,) or (m, d)")
+    return array
 
 
 def check_ensemble_cost(problem, prior, settings, observations):

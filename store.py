@@ -38,9 +38,9 @@ if TYPE_CHECKING:       # for annotations only: the store imports torch where it
 
 __all__ = [
     "MANIFEST", "NnpdError", "NnpdWarning", "DamagedArtifact", "MissingArtifact", "LaunchError", "RestoreError",
-    "disk_problem", "refuse_link", "own_folder", "canonical_json", "sha256_text", "digest", "record_checksum",
-    "write_json_atomic", "ATOMIC_LEFTOVER", "write_bytes_atomic", "now_iso", "Writer", "Artifact", "Store",
-    "EXPERIMENT_METHODS", "ROOT_MARKER", "import_class", "restore",
+    "disk_problem", "refuse_link", "own_folder", "MAX_NUMBERS", "irregular_file", "read_npy", "canonical_json",
+    "sha256_text", "digest", "record_checksum", "write_json_atomic", "ATOMIC_LEFTOVER", "write_bytes_atomic",
+    "now_iso", "Writer", "Artifact", "Store", "EXPERIMENT_METHODS", "ROOT_MARKER", "import_class", "restore",
 ]
 
 SCHEMA = 1
@@ -119,6 +119,51 @@ def own_folder(path):
         raise LaunchError(f"{path} is a file where nnpd keeps a folder of its own; move the file elsewhere "
                           f"or delete it")
     return path
+
+
+# Numbers nnpd reads from one .npy array (an infer input, a bank's x or θ): 0.8 GB as float64,
+# checked against the header before anything is allocated.
+MAX_NUMBERS = 10**8
+
+
+def irregular_file(path):
+    """Why `path` cannot be read as a file, or None for a regular file.
+
+    Checked before opening: a FIFO blocks the open for ever and /dev/zero never ends.
+    """
+    try:
+        kind = os.stat(path).st_mode
+    except (OSError, ValueError) as error:
+        return f"cannot be read ({getattr(error, 'strerror', None) or error})"
+    if not stat.S_ISREG(kind):
+        return "is not a regular file (a folder, FIFO or device)"
+    return None
+
+
+def read_npy(stream, cap=MAX_NUMBERS):
+    """A real numeric array from an open .npy stream; ValueError naming what is wrong.
+
+    The header's dtype and size are checked before any data are allocated or read, so a
+    header declaring 10^12 rows or a deflate bomb costs nothing, and pickles are never loaded.
+    """
+    version = np.lib.format.read_magic(stream)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f".npy format version {version} holds no plain numbers")
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read_header(stream)
+    if dtype.kind not in "biuf":
+        raise ValueError(f"it holds {dtype}, not real numbers")
+    count = int(np.prod(shape, dtype=object))
+    if count > cap:
+        raise ValueError(f"its header declares {count:,} numbers, over the {cap:,} nnpd reads from one array")
+    array = np.empty(count, dtype)
+    view = array.view(np.uint8).data
+    filled = 0
+    while filled < len(view) and (n := stream.readinto(view[filled:])):
+        filled += n
+    if filled < len(view):
+        raise ValueError(f"it is truncated: {filled:,} of the {len(view):,} bytes its header declares")
+    return array.reshape(shape[::-1]).T if fortran else array.reshape(shape)
 
 
 # ---------------------------------------------------------------- JSON helpers

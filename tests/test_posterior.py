@@ -222,7 +222,7 @@ def test_infer_says_how_it_sampled_and_scores_the_samples_against_a_reference(an
         out = capsys.readouterr().out
         assert re.search(r"^samples: 2000 by rejection, 100% distinct, acceptance", out, re.M), out
         scores[name] = json.loads(next((tmp_path / name).glob("*.posterior.json")).read_text())["c2st"]
-        assert f"c2st: {scores[name]:.3f} against 2000 reference draws" in out
+        assert f"c2st: {scores[name]:.3f}, 2000 samples against 2000 of the 2000 reference draws" in out
     assert scores["same"] < 0.56 and scores["far"] > 0.95
     np.save(tmp_path / "wide.npy", np.zeros((20, 3)))
     assert nnpd.main(["infer", str(run), "--observations", str(tmp_path / "x.npy"), "--reference",
