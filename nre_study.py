@@ -34,7 +34,7 @@ import warnings
 import zipfile
 import zlib
 from pathlib import Path
-from typing import Any
+from typing import Any, NotRequired, TypedDict, cast
 
 import numpy as np
 import torch
@@ -53,7 +53,7 @@ from study import Experiment, Json, Member, PriorContract, ProblemContract
 
 __all__ = [
     "SPLITS", "SIMULATION_CHUNK", "KIT_MODEL", "KIT_TRAINING", "KIT_COHORT", "KIT_PRIORS", "with_kit_defaults",
-    "Problem", "sample_joint", "sample_pairs", "sample_training_data", "Study",
+    "DataSettings", "Problem", "sample_joint", "sample_pairs", "sample_training_data", "Study",
 ]
 
 SPLITS = ("train", "validation", "test")
@@ -74,6 +74,16 @@ BOX_MASS_WARNING = 0.001    # the share outside the box above which plan warns (
 # docs/training.md, "What `data` counts: simulations, each a joint pair used twice".
 BANK_OUTSIDE_LIMIT = 0.5
 DATA_KEYS = SPLITS + ("pairing", "bank", "invalid")
+
+
+class DataSettings(TypedDict):
+    """The kit's `data` section as the code reads it (check_cohort checks it): mypy names a misspelt key."""
+    train: int                      # simulator calls per split
+    validation: int
+    test: int                       # with_kit_defaults fills it: as many as validation
+    pairing: NotRequired[str]       # "batch" (the default) or "fixed"
+    invalid: NotRequired[str]       # "error" (the default) or "drop"
+    bank: NotRequired[Any]          # a .npz of simulations in place of the simulator, or None
 # data.invalid: what a simulation with a NaN or infinite number does, "error" (the sampling
 # fails, naming the share and a θ) or "drop" (the others are kept; data.* still count calls).
 INVALID = ("error", "drop")
@@ -283,7 +293,7 @@ def sample_pairs(problem, prior, rows, generator):
     return inputs[order], labels[order].to(torch.float32)
 
 
-def sample_training_data(problem, prior, data_settings, seed, bank=None):
+def sample_training_data(problem, prior, data_settings: DataSettings, seed, bank=None):
     """Train/validation/test arrays as numpy arrays, each split from its own generator (or the bank's rows).
 
     Joint pairs `<split>_x`, `<split>_theta` (data.pairing "batch"), or fixed pairs
@@ -447,7 +457,7 @@ def check_cohort(settings, prior_objects):
         raise SettingsError('data.bank: a bank holds joint simulations; use it with data.pairing "batch"')
 
 
-def check_contrastive(training, data):
+def check_contrastive(training, data: DataSettings):
     """The contrastive objective's needs: joint simulations, and batches with `classes` other rows for atoms."""
     if data.get("pairing", "batch") == "fixed":
         raise SettingsError('training.objective "contrastive" re-pairs joint simulations: it needs data.pairing '
@@ -478,6 +488,11 @@ class Study(Experiment):
         self._bank: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
+    def data_settings(self) -> DataSettings:
+        """The `data` section, typed (validate() checked it)."""
+        return cast(DataSettings, self.settings["data"])
+
+    @property
     def SCIENCE_SOURCES(self) -> tuple[object, ...]:
         """The study's own module: its simulator and likelihood shape the analysis' products too."""
         return (sys.modules[type(self).__module__],)
@@ -496,7 +511,8 @@ class Study(Experiment):
                 check_custom_prior(prior, member["prior"], type(self.custom_priors[member["prior"]]).__name__)
         bank = self.bank()
         if bank is not None:
-            rows = sum(self.settings["data"][split] for split in SPLITS)
+            data = self.data_settings
+            rows = data["train"] + data["validation"] + data["test"]
             if rows > len(bank[0]):
                 raise SettingsError(f"data.bank: holds {len(bank[0])} simulations; data.train + validation + "
                                     f"test ask for {rows}")
@@ -508,7 +524,7 @@ class Study(Experiment):
         self.embedding_recipe()
         training = trainer.check_training_settings(self.training_settings())
         if training["objective"] == "contrastive":
-            check_contrastive(training, self.settings["data"])
+            check_contrastive(training, self.data_settings)
 
     def model_settings(self) -> dict[str, Any]:
         """The `model` section, or the kit's network (KIT_MODEL) when the settings have none."""
@@ -523,7 +539,7 @@ class Study(Experiment):
 
     def bank(self) -> tuple[np.ndarray, np.ndarray] | None:
         """The simulation bank named by data.bank, read once (None without one)."""
-        spec = self.settings["data"].get("bank")
+        spec = self.data_settings.get("bank")
         if spec is not None and self._bank is None:
             self._bank = read_bank(spec, len(self.parameters or ()))
         return self._bank
@@ -594,7 +610,7 @@ class Study(Experiment):
     def sample_data(self, member: Member) -> dict[str, np.ndarray]:
         """Train/validation/test simulations under the member's prior (or the bank's), see sample_training_data."""
         seed = runtime.derived_seed(self.settings["seed"], "data", member["name"])
-        return sample_training_data(self.problem(), self.prior(member), self.settings["data"], seed, self.bank())
+        return sample_training_data(self.problem(), self.prior(member), self.data_settings, seed, self.bank())
 
     def model_recipe(self, member: Member) -> Json:
         """The settings the member's model depends on (besides its data key and the backend)."""
@@ -643,7 +659,7 @@ class Study(Experiment):
     def workload(self, member: Member) -> dict[str, int]:
         """Training examples seen and network size: the training cost estimate (at most `epochs` epochs)."""
         epochs = trainer.check_training_settings(self.training_settings())["epochs"]
-        return {**super().workload(member), "training_examples": self.settings["data"]["train"] * epochs}
+        return {**super().workload(member), "training_examples": self.data_settings["train"] * epochs}
 
     def posterior(self, member: Member, model: torch.nn.Module, analysis_settings: dict[str, Any], observations: Any,
                   truth: Any = None, device: str | torch.device = "cpu", case: int = 0) -> Any:

@@ -7,29 +7,36 @@ import pytest
 from helpers import REPO
 
 READER = """from inference_schema import check_inference_settings
+from nre_study import DataSettings
 from trainer import check_training_settings
 
 inference = check_inference_settings({{}}, 2)
 training = check_training_settings({{}})
-count: int = inference["candidates"]["{candidates_key}"]
-epochs: int = training["{training_key}"]
+count: int = inference["candidates"]["{candidates}"]
+epochs: int = training["{training}"]
+
+
+def simulations(data: DataSettings) -> int:
+    return data["{data}"]
 """
+SPELT = {"candidates": "candidate_count", "training": "epochs", "data": "train"}
+# Each reader misspells one section's key; mypy must name that key in that file, and nothing else.
+MISSPELT = {"candidates": ("candidate_cuont", 'TypedDict "Candidates" has no key "candidate_cuont"'),
+            "training": ("epoch", 'TypedDict "TrainingSettings" has no key "epoch"'),
+            "data": ("trian", 'TypedDict "DataSettings" has no key "trian"')}
 
 
 @pytest.mark.launch
 def test_mypy_names_a_misspelt_settings_key_and_only_that(tmp_path):
     pytest.importorskip("mypy", reason="mypy is installed by `make typecheck` (README.md, \"Tests and benchmarks\")")
-    readers = {"spelt": ("candidate_count", "epochs"), "inference": ("candidate_cuont", "epochs"),
-               "training": ("candidate_count", "epoch")}
-    for name, (candidates_key, training_key) in readers.items():
-        (tmp_path / f"{name}.py").write_text(READER.format(candidates_key=candidates_key, training_key=training_key))
+    (tmp_path / "spelt.py").write_text(READER.format(**SPELT))
+    for section, (key, _) in MISSPELT.items():
+        (tmp_path / f"{section}.py").write_text(READER.format(**{**SPELT, section: key}))
+    files = [str(tmp_path / f"{name}.py") for name in ("spelt", *MISSPELT)]
     result = subprocess.run([sys.executable, "-m", "mypy", "--follow-imports=silent", "--cache-dir",
-                             str(tmp_path / "cache"), "--config-file", str(REPO / "pyproject.toml"),
-                             *(str(tmp_path / f"{name}.py") for name in readers)],
+                             str(tmp_path / "cache"), "--config-file", str(REPO / "pyproject.toml"), *files],
                             cwd=REPO, capture_output=True, text=True, timeout=300)
-    errors = sorted(line for line in result.stdout.splitlines() if ": error:" in line)
-    assert len(errors) == 2, result.stdout
-    assert errors[0].startswith(str(tmp_path / "inference.py"))
-    assert 'TypedDict "Candidates" has no key "candidate_cuont"' in errors[0]
-    assert errors[1].startswith(str(tmp_path / "training.py"))
-    assert 'TypedDict "TrainingSettings" has no key "epoch"' in errors[1]
+    errors = [line for line in result.stdout.splitlines() if ": error:" in line]
+    assert len(errors) == len(MISSPELT), result.stdout
+    for section, (_, message) in MISSPELT.items():
+        assert any(line.startswith(str(tmp_path / f"{section}.py")) and message in line for line in errors), errors
