@@ -16,7 +16,7 @@ measure weights; on lattice axes it is a mass per lattice point.
 Samples (`sample`, see sampler.py) are fresh points, not candidates: a Gaussian
 mixture is fitted to the weighted candidates and refitted on its own weighted draws, or,
 where the candidates resolve the posterior too poorly for that (a narrow, correlated
-posterior in many parameters), adapted by population Monte Carlo from the best candidates;
+posterior in many parameters), found by a tempered search and adapted by population Monte Carlo;
 it is widened and mixed with a wider copy and the uniform box, and its draws are accepted by
 rejection against the largest importance weight seen. What is exact: every accepted draw
 is an independent draw of the density p(θ | x_o) itself (the model's, evaluated at that
@@ -120,8 +120,8 @@ class Posterior:
         """n draws (n, p), as good as independent draws of the posterior; `self.sampling` says how they were made.
 
         Continuous posteriors: rejection sampling from a mixture fitted to the weighted
-        candidates, or adapted by population Monte Carlo where they are too few effective
-        (sampler.rejection_sample), every draw a fresh point. An enumerated lattice:
+        candidates, or found by a tempered search and adapted by population Monte Carlo
+        where they are too few effective (sampler.rejection_sample), every draw a fresh point. An enumerated lattice:
         exact draws from its masses. A design with lattice axes, or a rejection sampler
         over its budget (proposal draws per draw asked, sampler.BUDGET by default): importance
         resampling, with a warning naming the setting to raise when the draws repeat (on
@@ -153,7 +153,7 @@ class Posterior:
             return self._sampled(self.points[index], {"method": "resampled"})
         with torch.no_grad():
             samples, info = sampler.rejection_sample(self.log_prob, self.points, self.masses, self.box, n, generator,
-                                                     sampler.BUDGET if budget is None else budget, self.scores)
+                                                     sampler.BUDGET if budget is None else budget)
         return self._sampled(samples, info)
 
     def _sampled(self, samples, info):

@@ -1,8 +1,8 @@
 """Draws of a log density on a box: Gaussian mixture proposals fitted by weighted EM, adapted to the density by
 population Monte Carlo when the candidates' fit is too rough, and sampled by rejection.
 
-    proposal, info = propose(log_prob, Candidates(points, masses, scores), box, generator)
-    draws, info = rejection_sample(log_prob, points, masses, box, n, generator, scores=scores)
+    proposal, info = propose(log_prob, Candidates(points, masses), box, generator)
+    draws, info = rejection_sample(log_prob, points, masses, box, n, generator)
 
 Two paths find the density's mass (`info["path"]`):
 - "candidates": a mixture fitted to the weighted candidates of a design, refitted on its
@@ -11,14 +11,16 @@ Two paths find the density's mass (`info["path"]`):
 - "population Monte Carlo": when the candidates hold too few effective points to place
   a proposal (fewer than MIN_FIT_ESS), or the draws the proposal was fitted to are too few
   effective to place its covariance (ESCALATE times a full-covariance Gaussian's
-  parameters), the mixture is adapted over passes of PMC_DRAWS draws: each pass fits the
-  mixture (1 to 8 full-covariance components by BIC) to its own draws weighted by
-  (p/q)^β, β ≤ 1 the largest that keeps TEMPERED_SHARE of the draws effective, so a
-  proposal far from a narrow posterior moves to it through the bridge q^(1-β) p^β instead
-  of collapsing on a few draws. It starts from the best START_POINTS·p candidates by
-  density (several modes among them give several components), or from the candidates'
-  mixture. A narrow, correlated posterior in ten parameters, which an axis-aligned design
-  resolves into a handful of effective candidates at any candidate_count, is found so.
+  parameters). A tempered search first finds the density's modes (tempered_particles:
+  sequential Monte Carlo from the uniform box to the density through exp(β log p), with
+  Metropolis moves), a mixture of 1 to 8 full-covariance components is fitted to its
+  particles, and population Monte Carlo weighs and shapes it over passes of PMC_DRAWS
+  draws: each pass refits the mixture by EM from itself (its modes kept) to its own draws
+  weighted by (p/q)^β, β ≤ 1 the largest that keeps TEMPERED_SHARE of them effective, so a
+  proposal far from the posterior moves to it through q^(1-β) p^β instead of collapsing
+  onto a few draws. A narrow, correlated posterior in ten parameters, which an axis-aligned
+  design resolves into a handful of effective candidates at any candidate_count, is found
+  so, and so are four narrow modes the design saw only some of.
 
 Either proposal is widened, made defensive and sampled by rejection (see rejection_sample):
 the candidates and the passes only place the proposal, they do not limit the accuracy of
@@ -37,7 +39,8 @@ from store import NnpdError
 
 __all__ = ["ADAPT_ROUNDS", "BUDGET", "BUDGET_FLOOR", "CHUNK", "Adapted", "Candidates", "MIN_FIT_ESS", "Mixture",
            "PILOT", "PMC_DRAWS", "PosteriorError", "defensive", "effective_size", "fit_mixture",
-           "population_monte_carlo", "propose", "proposal_draws", "rejection_sample", "select_mixture"]
+           "population_monte_carlo", "propose", "proposal_draws", "refit", "rejection_sample", "select_mixture",
+           "tempered_particles"]
 
 LogProb = Callable[[torch.Tensor], torch.Tensor]        # θ (n, p) -> log density (n,), −inf outside the support
 
@@ -57,7 +60,10 @@ CHUNK = 8192             # proposal draws scored at once: bounds the sampler's m
 BUDGET = 25              # proposal draws allowed per draw asked: an acceptance below 1/25 falls back
 BUDGET_FLOOR = 1024      # fewer draws asked are budgeted as this many
 
-START_POINTS = 32        # per parameter: the best candidates by density the first PMC mixture is fitted to
+SMC_PARTICLES = 2048     # particles of the tempered search that starts population Monte Carlo
+SMC_MOVES = 5            # Metropolis moves of every particle at each temperature
+SMC_KEEP = 0.5           # each temperature step keeps this share of the particles effective
+MIN_COMPONENT = 0.01     # a component of less than this share of the mass is dropped by a PMC refit
 PMC_DRAWS = 4096         # proposal draws per population Monte Carlo pass
 PMC_PASSES = 24          # passes at most
 TEMPERED_SHARE = 0.1     # a pass's fit keeps at least this share of its draws effective, tempering their weights
@@ -203,10 +209,9 @@ def gaussian_parameters(p: int) -> int:
 
 
 class Candidates(NamedTuple):
-    """A design's candidates as the sampler sees them: points (n, p), normalised masses (n,) and log densities (n,)."""
+    """A design's candidates as the sampler sees them: points (n, p) and their normalised masses (n,)."""
     points: torch.Tensor
     masses: torch.Tensor
-    scores: torch.Tensor
 
 
 def fit_proposal(log_prob, points, masses, box, generator):
@@ -259,13 +264,6 @@ def tempered_weights(log_w: torch.Tensor, target: float) -> tuple[float, torch.T
     return low, torch.softmax(low * finite, 0)
 
 
-def best_candidates(candidates: Candidates, count: int) -> torch.Tensor:
-    """The `count` candidates of highest density (rows (≤ count, p)): where the design saw the mass."""
-    finite = torch.isfinite(candidates.scores)
-    points, scores = candidates.points[finite], candidates.scores[finite]
-    return points[torch.topk(scores, min(count, scores.numel())).indices]
-
-
 def population_monte_carlo(log_prob: LogProb, start: Mixture, box: Any, generator: torch.Generator) -> Adapted:
     """The mixture `start` adapted to exp(log_prob) over passes of PMC_DRAWS draws of its defensive proposal.
 
@@ -283,22 +281,97 @@ def population_monte_carlo(log_prob: LogProb, start: Mixture, box: Any, generato
             return Adapted(mixture, done, 0.0, 0.0, evaluations)     # the defensive box share keeps looking
         beta, q = tempered_weights(log_w, TEMPERED_SHARE * drawn.shape[0])
         share = effective_size(log_w) / drawn.shape[0]
-        mixture = select_mixture(drawn, q, generator)
+        mixture = refit(mixture, drawn, q)
         if beta == 1.0 and (share >= SETTLED_SHARE or share < GAIN * previous):
             break
         previous = share if beta == 1.0 else 0.0
     return Adapted(mixture, done, share, beta, evaluations)
 
 
-def start_mixture(candidates: Candidates, box: Any, generator: torch.Generator) -> Mixture:
-    """The first PMC mixture: fitted, unweighted, to the best START_POINTS·p candidates by density, each
-    component's covariance at least a millionth of the box's width squared on every axis."""
-    best = best_candidates(candidates, START_POINTS * box.low.numel())
-    mixture = select_mixture(best, torch.full((best.shape[0],), 1.0 / best.shape[0], dtype=torch.float64),
-                             generator)
-    floor = torch.diag(((box.high - box.low) * 1e-3) ** 2)      # a lone or repeated best point spans nothing
-    covariance = mixture.factors @ mixture.factors.transpose(1, 2) + floor
-    return Mixture(mixture.log_shares, mixture.means, torch.linalg.cholesky(covariance))
+def _next_temperature(log_p: torch.Tensor, beta: float) -> float:
+    """The largest temperature β' ≤ 1 whose incremental weights exp((β' − β) log p) keep SMC_KEEP of the
+    particles effective, by bisection."""
+    target = SMC_KEEP * log_p.numel()
+    if effective_size((1.0 - beta) * log_p) >= target:
+        return 1.0
+    low, high = beta, 1.0
+    for _ in range(40):
+        middle = (low + high) / 2
+        low, high = (middle, high) if effective_size((middle - beta) * log_p) >= target else (low, middle)
+    return max(low, beta + 1e-9)        # a step however small: the search always advances
+
+
+def _metropolis_moves(log_prob, particles, log_p, beta, box, generator):
+    """SMC_MOVES random-walk Metropolis moves of every particle, invariant for exp(β log p) on the box, with
+    the particles' own covariance scaled by 2.38²/p; returns particles, log p and the evaluations made."""
+    n, p = particles.shape
+    covariance = torch.cov(particles.T).reshape(p, p) + torch.diag(((box.high - box.low) * 1e-6) ** 2)
+    factor, evaluations = torch.linalg.cholesky(covariance) * (2.38 / math.sqrt(p)), 0
+    for _ in range(SMC_MOVES):
+        moved = particles + torch.randn(n, p, dtype=torch.float64, generator=generator) @ factor.T
+        inside = ((moved >= box.low) & (moved <= box.high)).all(dim=1)
+        log_moved = torch.full_like(log_p, -math.inf)
+        log_moved[inside] = torch.nan_to_num(log_prob(moved[inside]), nan=-math.inf)
+        evaluations += int(inside.sum())
+        log_u = torch.rand(n, dtype=torch.float64, generator=generator).log()
+        accept = torch.isfinite(log_moved) & (log_u < beta * (log_moved - log_p))
+        particles, log_p = torch.where(accept[:, None], moved, particles), torch.where(accept, log_moved, log_p)
+    return particles, log_p, evaluations
+
+
+def tempered_particles(log_prob: LogProb, box: Any, generator: torch.Generator) -> tuple[torch.Tensor, int]:
+    """SMC_PARTICLES draws that have found the density's modes, and the log_prob evaluations they cost.
+
+    Sequential Monte Carlo from the uniform box to exp(log_prob) through exp(β log_prob):
+    each step raises β as far as keeps SMC_KEEP of the particles effective, resamples
+    them and moves them by Metropolis. At small β the tempered density spans every mode,
+    and each mode keeps its particles as β grows, so modes the candidates never saw are
+    found. Their shares are only roughly right: population Monte Carlo weighs them after.
+    """
+    p = box.low.numel()
+    particles = box.low + (box.high - box.low) * torch.rand(SMC_PARTICLES, p, dtype=torch.float64,
+                                                             generator=generator)
+    log_p = torch.nan_to_num(log_prob(particles), nan=-math.inf)
+    beta, evaluations = 0.0, SMC_PARTICLES
+    while beta < 1.0 and bool(torch.isfinite(log_p).any()):
+        step = _next_temperature(log_p, beta)
+        chosen = torch.multinomial(torch.softmax((step - beta) * log_p, dim=0), SMC_PARTICLES, replacement=True,
+                                   generator=generator)
+        particles, log_p, beta = particles[chosen], log_p[chosen], step
+        particles, log_p, moved = _metropolis_moves(log_prob, particles, log_p, beta, box, generator)
+        evaluations += moved
+    return particles, evaluations
+
+
+def start_mixture(log_prob: LogProb, box: Any, generator: torch.Generator) -> tuple[Mixture, int]:
+    """The first PMC mixture, fitted (select_mixture) to the particles of tempered_particles, and the
+    evaluations it cost."""
+    particles, evaluations = tempered_particles(log_prob, box, generator)
+    uniform = torch.full((particles.shape[0],), 1.0 / particles.shape[0], dtype=torch.float64)
+    return select_mixture(particles, uniform, generator), evaluations
+
+
+def refit(mixture: Mixture, x: torch.Tensor, q: torch.Tensor) -> Mixture:
+    """The mixture refitted by weighted EM to points x (n, p) with normalised weights q, started from itself:
+    its components (the modes found) are kept, but those holding less than MIN_COMPONENT of the mass."""
+    spread = ((x - q @ x) ** 2 * q[:, None]).sum(dim=0)
+    ridge = torch.diag(spread.clamp(min=1e-300) * 1e-6)      # as in fit_mixture
+    fit = -math.inf
+    for _ in range(EM_ITERATIONS):
+        terms = component_log_terms(mixture, x)
+        density = torch.logsumexp(terms, dim=0)
+        previous, fit = fit, float(q @ density)
+        if fit - previous < EM_TOLERANCE:
+            break
+        r = torch.exp(terms - density) * q
+        share = r.sum(dim=1)
+        alive = share > MIN_COMPONENT * share.sum()
+        r, share = r[alive], share[alive]
+        means = (r @ x) / share[:, None]
+        offsets = (x[None] - means[:, None]) * r[:, :, None].sqrt()
+        covariance = offsets.transpose(1, 2) @ offsets / share[:, None, None] + ridge
+        mixture = Mixture(share.log(), means, torch.linalg.cholesky(covariance))
+    return mixture
 
 
 def propose(log_prob: LogProb, candidates: Candidates, box: Any, generator: torch.Generator) -> tuple[Any, dict]:
@@ -307,16 +380,17 @@ def propose(log_prob: LogProb, candidates: Candidates, box: Any, generator: torc
     the candidates' mixture was fitted to)."""
     masses, p = candidates.masses, box.low.numel()
     fitted, evaluations = float(1 / (masses * masses).sum()) if bool(masses.sum() > 0) else 0.0, 0
-    start = None
     if fitted >= MIN_FIT_ESS:
-        start, fitted, evaluations = fit_proposal(log_prob, candidates.points, masses, box, generator)
+        mixture, fitted, evaluations = fit_proposal(log_prob, candidates.points, masses, box, generator)
         if fitted >= ESCALATE * gaussian_parameters(p):
-            return defensive(start, box), {"path": "candidates", "components": int(start.means.shape[0]),
-                                           "evaluations": evaluations, "passes": 0, "fitted_effective": fitted}
-    adapted = population_monte_carlo(log_prob, start or start_mixture(candidates, box, generator), box, generator)
+            return defensive(mixture, box), {"path": "candidates", "components": int(mixture.means.shape[0]),
+                                             "evaluations": evaluations, "passes": 0, "fitted_effective": fitted}
+    start, searched = start_mixture(log_prob, box, generator)
+    adapted = population_monte_carlo(log_prob, start, box, generator)
     return defensive(adapted.mixture, box), {
         "path": "population Monte Carlo", "components": int(adapted.mixture.means.shape[0]),
-        "evaluations": evaluations + adapted.evaluations, "passes": adapted.passes, "fitted_effective": fitted}
+        "evaluations": evaluations + searched + adapted.evaluations, "passes": adapted.passes,
+        "fitted_effective": fitted}
 
 
 # ---------------------------------------------------------------- rejection
@@ -371,13 +445,12 @@ def _rejection_loop(log_prob, proposal, box, n, generator, budget):
     return Drawn(kept, slots, log_total, log_squares, proposed, evaluations)
 
 
-def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET, scores=None):
+def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET):
     """n independent draws of exp(log_prob) on a continuous box, and how they were made.
 
-    The proposal (propose: the candidates' mixture, or one adapted by population Monte
-    Carlo from the best candidates by `scores`, their log densities; by mass without them)
-    proposes fresh points; a point of weight w = p/q is accepted when u < w / M, M the largest
-    weight seen so far. When M grows, the points accepted under the old bound are thinned
+    The proposal (propose: the candidates' mixture, or one found by the tempered search and
+    adapted by population Monte Carlo) proposes fresh points; a point of weight w = p/q is
+    accepted when u < w / M, M the largest weight seen so far. When M grows, the points accepted under the old bound are thinned
     by the same uniforms (u < w / M again), which keeps the kept set an exact rejection
     sample for the final M: exact wherever p/q stays below the largest weight seen. When
     the budget of proposal draws (`budget` per draw asked) runs out first, the draws are an
@@ -385,8 +458,7 @@ def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET,
     dict's `effective` is the effective size of all those proposal draws (Kish's).
     """
     study.report_progress("samples", 0, n)             # fitting the proposal is part of the wait
-    scores = torch.where(masses > 0, masses.log(), -math.inf) if scores is None else scores
-    proposal, info = propose(log_prob, Candidates(points, masses, scores), box, generator)
+    proposal, info = propose(log_prob, Candidates(points, masses), box, generator)
     drawn = _rejection_loop(log_prob, proposal, box, n, generator, budget)
     effective = torch.exp(2 * drawn.log_total - drawn.log_squares) if bool(torch.isfinite(drawn.log_squares)) else 0
     info = dict(info, method="rejection", evaluations=info["evaluations"] + drawn.evaluations,

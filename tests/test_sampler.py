@@ -373,3 +373,45 @@ def test_ten_thousand_draws_of_narrow_correlated_posteriors_pass_the_c2st():
         x = narrow_observation(seed)
         draws = narrow_posterior(x).sample(10_000, seed=seed)
         assert c2st(draws, narrow_reference(x, 10_000, seed=10 + seed)) <= 0.55, seed
+
+
+# Four modes of the narrow posterior's shape in ten parameters: its mean with θ8 = ±1.2 and θ9 = ±1.5, 8 to 10
+# posterior sds apart, equal shares. On Sobol candidates few are effective, and the design sees what it sees.
+def four_narrow_modes():
+    """The four means (4, 10) and the shared covariance of the four-mode problem."""
+    covariance, mixing = narrow_model()
+    shared = torch.linalg.inv(torch.linalg.inv(covariance) + mixing.T @ mixing / NARROW_NOISE ** 2)
+    means = (shared @ mixing.T @ narrow_observation(0) / NARROW_NOISE ** 2).expand(4, 10).clone()
+    means[:, 8], means[:, 9] = torch.tensor([1.2, 1.2, -1.2, -1.2]), torch.tensor([1.5, -1.5, 1.5, -1.5])
+    return means, shared
+
+
+def four_narrow_scores():
+    """The four-mode density's score function (an equal mixture, −inf outside the box)."""
+    means, covariance = four_narrow_modes()
+    modes = torch.distributions.MultivariateNormal(means, covariance_matrix=covariance.expand(4, 10, 10))
+
+    def score_fn(theta):
+        density = torch.logsumexp(modes.log_prob(theta[:, None]), dim=1)
+        inside = (theta.abs() <= BOX).all(dim=1)
+        value = torch.where(inside, density, torch.tensor(-math.inf, dtype=torch.float64))
+        return {"ratio": value, "posterior": value}
+
+    return score_fn
+
+
+@pytest.mark.unit
+def test_four_narrow_modes_in_ten_parameters_are_found_by_the_tempered_search():
+    analysis = settings_analysis.make_settings("default")
+    analysis["inference"]["candidates"].update(kind="sobol", candidate_count=4096)
+    four = post.from_scores(box_problem(10), [None] * 10, four_narrow_scores(), analysis, seed=1)
+    draws = four.sample(DRAWS, seed=0)
+    assert four.sampling["path"] == "population Monte Carlo" and four.sampling["components"] >= 4
+    means, covariance = four_narrow_modes()
+    shares = torch.bincount(torch.cdist(draws, means).argmin(dim=1), minlength=4) / DRAWS
+    assert torch.all((shares - 0.25).abs() < 0.039), shares      # four standard errors of 2,000 draws
+    generator = torch.Generator().manual_seed(5)
+    exact = means[torch.randint(0, 4, (DRAWS,), generator=generator)] + torch.randn(
+        DRAWS, 10, dtype=torch.float64, generator=generator) @ torch.linalg.cholesky(covariance).T
+    assert bool((exact.abs() <= BOX).all())                        # the box cuts nothing here: exact as drawn
+    assert c2st(draws, exact) <= 0.55
