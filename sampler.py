@@ -44,8 +44,8 @@ __all__ = ["ADAPT_ROUNDS", "BUDGET", "BUDGET_FLOOR", "CHUNK", "Adapted", "Candid
 
 LogProb = Callable[[torch.Tensor], torch.Tensor]        # θ (n, p) -> log density (n,), −inf outside the support
 
-# Effective candidates below which the candidates place no proposal: population Monte Carlo starts
-# from the best candidates instead. (At 10 parameters the default design's 50-60 effective candidates
+# Effective candidates below which the candidates place no proposal: the tempered search and population
+# Monte Carlo find the density instead. (At 10 parameters the default design's 50-60 effective candidates
 # placed one well: C2ST 0.50-0.51 against exact draws.)
 MIN_FIT_ESS = 10
 COMPONENT_CHOICES = (1, 2, 4, 8)   # mixture sizes tried on the weighted candidates
