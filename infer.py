@@ -175,8 +175,9 @@ def report_lines(summary, reference):
     if sampling["acceptance"] is not None:
         line += f", acceptance {sampling['acceptance']:.2g} of {sampling['evaluations']} proposal evaluations"
     if sampling.get("path"):        # which path placed the proposal (sampler.py): the candidates or PMC passes
+        source = "the candidates" if sampling["path"] == "candidates" else sampling["path"]
         passes = f" ({sampling['passes']} passes)" if sampling["passes"] else ""
-        line += f"; proposal from {sampling['path']}{passes}, {sampling['effective']:.0f} effective draws"
+        line += f"; proposal from {source}{passes}, {sampling['effective']:.0f} effective draws"
     lines = [line] + [f"warning: {text}" for text in (sampling["warning"], summary["flat"]["warning"]) if text]
     if reference is not None:
         lines.append(f"c2st: {summary['c2st']:.3f} against {len(reference)} reference draws (0.5: indistinguishable)")

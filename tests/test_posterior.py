@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
+import infer
 import nnpd
 import posterior as post
 import priors
@@ -119,6 +120,15 @@ def test_a_posterior_its_candidates_miss_is_found_on_a_continuous_box_and_refuse
     lattice, _ = exact_posterior(5, {"family": "grid"}, kind="sobol")
     with pytest.raises(post.PosteriorError, match="effective candidates"):
         lattice.sample(10, 0)
+
+
+@pytest.mark.unit
+def test_infer_names_the_path_that_placed_the_proposal():
+    for kind, path in (("adaptive", "the candidates"), ("sobol", r"population Monte Carlo \(\d+ passes\)")):
+        posterior, _ = exact_posterior(5, kind=kind)
+        posterior.sample(200, 0)
+        line = infer.report_lines({"sampling": posterior.sampling, "flat": {"warning": None}}, None)[0]
+        assert re.search(rf"^samples: 200 by rejection, .*; proposal from {path}, \d+ effective draws$", line), line
 
 
 # ---------------------------------------------------------------- through restore and the command line
