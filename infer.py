@@ -183,6 +183,10 @@ def report_lines(summary, warned, reference):
     line = f"samples: {sampling['draws']} by {sampling['method']}, {sampling['distinct_fraction']:.0%} distinct"
     if sampling["acceptance"] is not None:
         line += f", acceptance {sampling['acceptance']:.2g} of {sampling['evaluations']} proposal evaluations"
+    if sampling.get("path"):        # which path placed the proposal (sampler.py): the candidates or PMC passes
+        source = "the candidates" if sampling["path"] == "candidates" else sampling["path"]
+        passes = f" ({sampling['passes']} passes)" if sampling["passes"] else ""
+        line += f"; proposal from {source}{passes}, {sampling['effective']:.0f} effective draws"
     lines = [line] + [f"warning: {text}" for text in warned]
     if reference is not None:
         size = summary["c2st_draws"]

@@ -13,9 +13,11 @@ analysis' own. The density is p(θ | x_o) ∝ r(x_o, θ) p(θ), the learned rati
 observation of the ensemble times the member's prior, normalised with the candidates'
 measure weights; on lattice axes it is a mass per lattice point.
 
-Samples (`sample`, see rejection_sample) are fresh points, not candidates: a Gaussian
-mixture is fitted to the weighted candidates and refitted on its own weighted draws,
-widened and mixed with a wider copy and the uniform box, and its draws are accepted by
+Samples (`sample`, see sampler.py) are fresh points, not candidates: a Gaussian
+mixture is fitted to the weighted candidates and refitted on its own weighted draws, or,
+where the candidates resolve the posterior too poorly for that (a narrow, correlated
+posterior in many parameters), found by a tempered search and adapted by population Monte Carlo;
+it is widened and mixed with a wider copy and the uniform box, and its draws are accepted by
 rejection against the largest importance weight seen. What is exact: every accepted draw
 is an independent draw of the density p(θ | x_o) itself (the model's, evaluated at that
 point, not interpolated between candidates) wherever p/q stays below that largest weight;
@@ -44,49 +46,31 @@ import case_scores
 import designs
 import flatness
 import hpd
+import sampler
 import study
 import trainer
 from inference_schema import check_inference_settings
-from store import NnpdError, NnpdWarning
+from sampler import PosteriorError
+from store import NnpdWarning
 
 __all__ = ["POSTERIOR_CANDIDATES", "Learned", "Posterior", "PosteriorError", "PosteriorWarning", "Support",
-           "draw_corner", "for_observation", "from_scores", "marginal_interval", "posterior_settings",
-           "rejection_sample"]
+           "draw_corner", "for_observation", "from_scores", "marginal_interval", "posterior_settings"]
 
 # Network rows one posterior may score: candidate points × observations of the ensemble. At about 2.4 µs
 # a row for the kit's network on one CPU core, 10^8 is some four minutes; more is refused before any work.
 MAX_EVALUATIONS = 10**8
 MIN_ESS = 100            # effective candidates below which resampling them is refused: too few to draw from
-# ... and below which even a proposal fit is refused. A fit from fewer is refitted on its own
-# weighted draws (ADAPT_ROUNDS), and rejection keeps its draws exact: at 10 parameters the default
-# design's 50-60 effective candidates gave C2ST 0.50-0.51 against exact draws.
-MIN_FIT_ESS = 10
 # The design of a posterior for one observation when no analysis chose one: an analysis scores
 # many cases, one posterior can afford more points. On a 10-parameter linear Gaussian (exact
 # likelihood, posterior sd about half the prior's, box ±5 prior sds) the analysis' default
 # (1,024·p points, a coarse pass of 128·p) left 1.6 to 120 effective candidates; this design
 # 85 to 380, in 0.06 to 0.08 CPU s.
 POSTERIOR_CANDIDATES = {"kind": "adaptive", "candidate_count": 40_960, "coarse_count": 4096}
-COMPONENT_CHOICES = (1, 2, 4, 8)   # mixture sizes tried on the weighted candidates
-EM_ITERATIONS = 40
-EM_TOLERANCE = 1e-3      # nats per effective point: an EM step gaining less ends the fit
-WIDEN = 1.15             # the proposal's sd over a fitted component's: its tails must cover the posterior's
-WIDE = 2.0               # a wider copy, for the tails a fit from few effective points underestimates
-SHARES = (0.88, 0.1, 0.02)   # of the widened mixture, its wide copy and the uniform box (no region left out)
-ADAPT_ROUNDS = 2         # refits of the proposal on its own weighted draws
-PILOT = 4096             # draws per refit
-CHUNK = 8192             # proposal draws scored at once: bounds the sampler's memory
-BUDGET = 25              # proposal draws allowed per draw asked: an acceptance below 1/25 falls back
-BUDGET_FLOOR = 1024      # fewer draws asked are budgeted as this many
 # An importance resample of proposal draws whose draws are this share distinct or more (an effective
 # size of about five times the draws) is as good as independent draws: on a four-mode 5-parameter
 # posterior, 94% distinct draws and exact rejection draws of the same learned posterior scored the
 # same C2ST against the reference (0.900 and 0.895). Fewer distinct draws are warned of.
 DISTINCT_ENOUGH = 0.9
-
-
-class PosteriorError(NnpdError, ValueError):
-    """A posterior that cannot be computed or sampled as asked; the message says why and what to change."""
 
 
 class PosteriorWarning(NnpdWarning):
@@ -143,19 +127,23 @@ class Posterior:
         """n draws (n, p), as good as independent draws of the posterior; `self.sampling` says how they were made.
 
         Continuous posteriors: rejection sampling from a mixture fitted to the weighted
-        candidates (see rejection_sample), every draw a fresh point. An enumerated lattice:
+        candidates, or found by a tempered search and adapted by population Monte Carlo
+        where they are too few effective (sampler.rejection_sample), every draw a fresh point. An enumerated lattice:
         exact draws from its masses. A design with lattice axes, or a rejection sampler
-        over its budget (proposal draws per draw asked, BUDGET by default): importance
+        over its budget (proposal draws per draw asked, sampler.BUDGET by default): importance
         resampling, with a warning naming the setting to raise when the draws repeat (on
         lattice axes, beyond the effective candidates; of the proposal's draws, when fewer
-        than DISTINCT_ENOUGH of them are distinct). Refused when too few candidates are
-        effective to fit or resample from.
+        than DISTINCT_ENOUGH of them are distinct). Refused on lattice axes when too few
+        candidates are effective to resample from.
 
         `self.sampling` is then a dict: `method` ("rejection", "lattice", "resampled" or
         "resampled-proposal"), `draws`, `distinct_fraction` (distinct rows over draws),
         `acceptance` (accepted over proposal evaluations; None without a proposal),
         `evaluations` (log_prob evaluations the draws cost), `components` (the fitted
-        mixture's) and `warning` (None, or the line that was warned).
+        mixture's), `path` (what placed the proposal: "candidates" or "population Monte
+        Carlo"; None without a proposal), `passes` (population Monte Carlo's), `effective`
+        (Kish's effective size of the rejection stage's proposal draws) and `warning` (None,
+        or the line that was warned).
         """
         n = int(n)
         if n < 1:
@@ -164,17 +152,15 @@ class Posterior:
         if self.enumerated:
             index = torch.multinomial(self.masses, n, replacement=True, generator=generator)
             return self._sampled(self.points[index], {"method": "lattice"})
-        resampling = self.box is None or bool(self.box.lattice.any())
-        needed = MIN_ESS if resampling else MIN_FIT_ESS
-        if self.ess < needed:
-            raise PosteriorError(f"only {self.ess:.1f} effective candidates (at least {needed} needed to "
-                                 "sample); raise inference.candidates.candidate_count")
-        if resampling:
+        if self.box is None or bool(self.box.lattice.any()):
+            if self.ess < MIN_ESS:
+                raise PosteriorError(f"only {self.ess:.1f} effective candidates (at least {MIN_ESS} needed to "
+                                     "sample); raise inference.candidates.candidate_count")
             index = torch.multinomial(self.masses, n, replacement=True, generator=generator)
             return self._sampled(self.points[index], {"method": "resampled"})
         with torch.no_grad():
-            samples, info = rejection_sample(self.log_prob, self.points, self.masses, self.box, n, generator,
-                                             BUDGET if budget is None else budget)
+            samples, info = sampler.rejection_sample(self.log_prob, self.points, self.masses, self.box, n, generator,
+                                                     sampler.BUDGET if budget is None else budget)
         return self._sampled(samples, info)
 
     def _sampled(self, samples, info):
@@ -183,6 +169,7 @@ class Posterior:
         info = {"method": info["method"], "draws": int(samples.shape[0]),
                 "distinct_fraction": distinct / samples.shape[0], "acceptance": info.get("acceptance"),
                 "evaluations": int(info.get("evaluations", 0)), "components": info.get("components"),
+                "path": info.get("path"), "passes": info.get("passes"), "effective": info.get("effective"),
                 "warning": None}
         # A lattice's draws repeat by nature; elsewhere a repeat is a draw that is not independent.
         repeated = distinct < samples.shape[0] and not (info["method"] == "resampled" and samples.shape[0] <= self.ess)
@@ -269,205 +256,7 @@ class Posterior:
                     run=run, prior=prior)
 
 
-# ---------------------------------------------------------------- the sampler
-
-class Mixture(NamedTuple):
-    """Gaussian components: log shares (K,), means (K, p) and lower Cholesky factors of covariances (K, p, p)."""
-    log_shares: torch.Tensor
-    means: torch.Tensor
-    factors: torch.Tensor
-
-
-def component_log_terms(mixture, x):
-    """log π_k N(x; μ_k, L_k L_kᵀ) (K, n) of every component at rows x (n, p)."""
-    offsets = (x[None] - mixture.means[:, None]).transpose(1, 2)                  # (K, p, n)
-    z = torch.linalg.solve_triangular(mixture.factors, offsets, upper=False)
-    log_det = mixture.factors.diagonal(dim1=1, dim2=2).log().sum(dim=1)
-    constant = mixture.log_shares - log_det - 0.5 * x.shape[1] * math.log(2 * math.pi)
-    return constant[:, None] - 0.5 * (z * z).sum(dim=1)
-
-
-def _seed_means(x, q, components, generator):
-    """k-means++ seeds under weights q: each next seed drawn ∝ q · (squared distance to the nearest seed)."""
-    chosen = [int(torch.multinomial(q, 1, generator=generator))]
-    nearest = ((x - x[chosen[0]]) ** 2).sum(dim=1)
-    for _ in range(components - 1):
-        odds = q * nearest
-        if not bool(odds.sum() > 0):
-            break
-        chosen.append(int(torch.multinomial(odds, 1, generator=generator)))
-        nearest = torch.minimum(nearest, ((x - x[chosen[-1]]) ** 2).sum(dim=1))
-    return x[chosen]
-
-
-def fit_mixture(x, q, components, generator):
-    """A Gaussian mixture fitted by weighted EM to points x (n, p) with normalised weights q (n,), and the
-    weighted mean log density it reaches."""
-    p = x.shape[1]
-    mean = q @ x
-    spread = ((x - mean) ** 2 * q[:, None]).sum(dim=0)
-    # A ridge of a millionth of each axis' variance keeps a component on few points invertible.
-    ridge = torch.diag(spread.clamp(min=1e-300) * 1e-6)
-    means = _seed_means(x, q, components, generator)
-    start = torch.linalg.cholesky(torch.diag(spread) / means.shape[0] ** (2 / p) + ridge)
-    mixture = Mixture(torch.full((means.shape[0],), -math.log(means.shape[0]), dtype=x.dtype), means,
-                      start.expand(means.shape[0], p, p).clone())
-    fit = -math.inf
-    for _ in range(EM_ITERATIONS):
-        terms = component_log_terms(mixture, x)
-        density = torch.logsumexp(terms, dim=0)
-        previous, fit = fit, float(q @ density)
-        if fit - previous < EM_TOLERANCE:
-            break
-        r = torch.exp(terms - density) * q                                          # (K, n)
-        share = r.sum(dim=1)
-        alive = share > 1e-9 * share.max()
-        r, share = r[alive], share[alive]
-        means = (r @ x) / share[:, None]
-        offsets = (x[None] - means[:, None]) * r[:, :, None].sqrt()
-        covariance = offsets.transpose(1, 2) @ offsets / share[:, None, None] + ridge
-        mixture = Mixture(share.log(), means, torch.linalg.cholesky(covariance))
-    return mixture, fit
-
-
-def select_mixture(x, q, generator):
-    """The mixture of COMPONENT_CHOICES that fits the weighted points best by BIC, counting Kish's effective
-    size as the number of points (more components only where they pay for their parameters)."""
-    ess = float(1.0 / (q * q).sum())
-    p = x.shape[1]
-    best = None
-    for components in COMPONENT_CHOICES:
-        parameters = components * (p + p * (p + 1) / 2 + 1) - 1
-        if components > 1 and parameters > ess:
-            break       # fewer effective points than parameters: nothing to place these components by
-        mixture, fit = fit_mixture(x, q, components, generator)
-        bic = -2 * ess * fit + parameters * math.log(ess)
-        if best is not None and bic >= best[0]:
-            break       # more components stopped paying for themselves
-        best = (bic, mixture)
-    assert best is not None             # the first choice, one component, is always fitted
-    return best[1]
-
-
-def defensive(mixture, box):
-    """The proposal: the mixture widened by WIDEN, a WIDE copy and the uniform box, by SHARES; the uniform's
-    log density on the box last."""
-    main, wide, uniform = SHARES
-    widened = Mixture(torch.cat([mixture.log_shares + math.log(main), mixture.log_shares + math.log(wide)]),
-                      torch.cat([mixture.means, mixture.means]),
-                      torch.cat([mixture.factors * WIDEN, mixture.factors * WIDE]))
-    return widened, math.log(uniform) - float(torch.log(box.high - box.low).sum())
-
-
-def proposal_draws(proposal, box, count, generator):
-    """count draws of the proposal, less those outside the box, and the proposal's log density at them.
-
-    Dropping the outside draws truncates the proposal to the box: its density there is the
-    untruncated one over a constant, which rejection sampling does not need.
-    """
-    mixture, log_uniform = proposal
-    log_volume = float(torch.log(box.high - box.low).sum())
-    shares = torch.cat([mixture.log_shares, torch.tensor([log_uniform + log_volume], dtype=torch.float64)]).exp()
-    choice = torch.multinomial(shares, count, replacement=True, generator=generator)
-    p = box.low.numel()
-    gaussian = torch.randn(count, p, dtype=torch.float64, generator=generator)
-    uniform = torch.rand(count, p, dtype=torch.float64, generator=generator)
-    component = choice.clamp(max=mixture.means.shape[0] - 1)
-    drawn = mixture.means[component] + (mixture.factors[component] @ gaussian[:, :, None])[:, :, 0]
-    drawn = torch.where((choice == mixture.means.shape[0])[:, None], box.low + (box.high - box.low) * uniform, drawn)
-    drawn = drawn[((drawn >= box.low) & (drawn <= box.high)).all(dim=1)]
-    log_q = torch.logaddexp(torch.logsumexp(component_log_terms(mixture, drawn), dim=0),
-                            torch.tensor(log_uniform, dtype=torch.float64))
-    return drawn, log_q
-
-
-def _weighted_draws(log_prob, proposal, box, count, generator):
-    """Draws of the proposal inside the box and their log importance weights log p − log q."""
-    drawn, log_q = proposal_draws(proposal, box, count, generator)
-    return drawn, torch.nan_to_num(log_prob(drawn), nan=-math.inf) - log_q
-
-
-def fit_proposal(log_prob, points, masses, box, generator):
-    """The sampler's proposal: a mixture fitted to the weighted candidates, then refitted on its own weighted
-    draws while their effective size grows (ADAPT_ROUNDS at most); returns it, the mixture's size and the
-    log_prob evaluations this cost.
-
-    The candidates of a many-parameter design hold few effective points (a hundred, say,
-    at ten parameters), which place a covariance roughly; PILOT draws of a proposal
-    already near the posterior hold far more.
-    """
-    usable = masses > 0
-    q = masses[usable] / masses[usable].sum()
-    mixture, ess, evaluations = select_mixture(points[usable], q, generator), float(1 / (q * q).sum()), 0
-    for _ in range(ADAPT_ROUNDS):
-        drawn, log_w = _weighted_draws(log_prob, defensive(mixture, box), box, PILOT, generator)
-        evaluations += drawn.shape[0]
-        if not bool(torch.isfinite(log_w).any()):
-            break
-        w = torch.softmax(log_w, dim=0)
-        pilot_ess = float(1 / (w * w).sum())
-        if not pilot_ess > ess:
-            break
-        mixture, ess = select_mixture(drawn, w, generator), pilot_ess
-    return defensive(mixture, box), int(mixture.means.shape[0]), evaluations
-
-
-def _resample_into(slots, log_total, drawn, log_w, generator):
-    """Streaming importance resampling: every slot takes a draw of this chunk, ∝ its weight, with the chunk's
-    share of all weight seen, so each slot holds draw i with probability w_i / Σw; returns log Σw."""
-    chunk = torch.logsumexp(log_w, dim=0)
-    if not bool(torch.isfinite(chunk)):
-        return log_total
-    log_total = torch.logaddexp(log_total, chunk)
-    replace = torch.rand(slots.shape[0], dtype=torch.float64, generator=generator) < torch.exp(chunk - log_total)
-    count = int(replace.sum())
-    if count:
-        slots[replace] = drawn[torch.multinomial(torch.softmax(log_w, dim=0), count, replacement=True,
-                                                 generator=generator)]
-    return log_total
-
-
-def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET):
-    """n independent draws of exp(log_prob) on a continuous box, and how they were made.
-
-    A mixture fitted to the weighted candidates, widened and made defensive, proposes
-    fresh points; a point of weight w = p/q is accepted when u < w / M, M the largest
-    weight seen so far. When M grows, the points accepted under the old bound are thinned
-    by the same uniforms (u < w / M again), which keeps the kept set an exact rejection
-    sample for the final M: exact wherever p/q stays below the largest weight seen. When
-    the budget of proposal draws (`budget` per draw asked) runs out first, the draws are an
-    importance resample of every proposal draw made ("resampled-proposal").
-    """
-    study.report_progress("samples", 0, n)             # fitting the proposal is part of the wait
-    proposal, components, evaluations = fit_proposal(log_prob, points, masses, box, generator)
-    p = box.low.numel()
-    kept, kept_log_w, kept_log_u = (torch.empty(shape, dtype=torch.float64) for shape in ((0, p), (0,), (0,)))
-    slots, log_total = torch.empty(n, p, dtype=torch.float64), torch.tensor(-math.inf, dtype=torch.float64)
-    log_bound, proposed, chunk = -math.inf, 0, min(CHUNK, max(1024, 2 * n))
-    while kept.shape[0] < n and proposed < budget * max(n, BUDGET_FLOOR):
-        drawn, log_w = _weighted_draws(log_prob, proposal, box, chunk, generator)
-        proposed, evaluations = proposed + chunk, evaluations + drawn.shape[0]
-        log_u = torch.rand(drawn.shape[0], dtype=torch.float64, generator=generator).log()
-        log_total = _resample_into(slots, log_total, drawn, log_w, generator)
-        log_bound = max(log_bound, float(log_w.max())) if drawn.shape[0] else log_bound
-        if log_bound == -math.inf:
-            continue        # nothing of positive density seen yet
-        kept, kept_log_w, kept_log_u = (torch.cat(pair) for pair in ((kept, drawn), (kept_log_w, log_w),
-                                                                     (kept_log_u, log_u)))
-        inside = kept_log_u < kept_log_w - log_bound        # u < w / M, for the bound as it is now
-        kept, kept_log_w, kept_log_u = kept[inside], kept_log_w[inside], kept_log_u[inside]
-        study.report_progress("samples", min(kept.shape[0], n), n)
-    info = {"method": "rejection", "evaluations": evaluations, "components": components,
-            "acceptance": kept.shape[0] / max(proposed, 1)}
-    if kept.shape[0] >= n:
-        return kept[:n], info
-    if not bool(torch.isfinite(log_total)):
-        raise PosteriorError(f"no proposal draw of {evaluations} had positive density; raise "
-                             "inference.candidates.candidate_count")
-    return slots, dict(info, method="resampled-proposal")
-
-
-# ---------------------------------------------------------------- the classifier two-sample test
+# ---------------------------------------------------------------- one observation's posterior
 
 def observation_ensemble(observations, dimension):
     """An observation as an ensemble (m, d) float64, or a PosteriorError naming the expected shapes."""

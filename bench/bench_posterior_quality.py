@@ -1,13 +1,16 @@
 """Posterior quality: nnpd against sbi 0.27's NRE_A and NRE_C, side by side, on exact posteriors.
 
-Three problems with exact reference posteriors (bench/posterior_problems.py):
+Four problems with exact reference posteriors (bench/posterior_problems.py):
 
   ring     2 parameters: a thin ring cut by a wide band, two thin curved arcs (bimodal);
   slcp     5 parameters, four modes: 4 draws of a 2-D Gaussian with mean (θ1, θ2), sds
            θ3², θ4², correlation tanh θ5, uniform prior on [-3, 3]^5;
   linear   10 parameters: x = A θ + noise, prior N(0, 1) per parameter truncated at ±5 sd
            (the mass cut off is about 6e-6 of the prior and far less of a posterior, so the
-           truncation is negligible; sbi is given the untruncated normal).
+           truncation is negligible; sbi is given the untruncated normal);
+  narrow   10 parameters: x = B θ + small noise, prior N(0, 0.8^|i-j|) cut at ±5 sd (the study's
+           own prior object): a narrow (sds 2.5-5% of the box), correlated posterior, which
+           nnpd's candidate design alone resolved into 1-17 effective candidates and refused.
 
 Each method gets the same budget of 10,000 simulator calls, the same (θ, x) pairs drawn
 here from the prior with a seed: sbi through `append_simulations`, nnpd as a simulation
@@ -181,12 +184,13 @@ def settings_files(name, study, folder, args, bank):
     theta, x = bank
     np.savez(folder / "bank.npz", theta=theta.numpy(), x=x.numpy())
     validation = args.simulations // 10
+    priors, prior = posterior_problems.kit_priors(study)
     training = {
         "experiment": f"posterior_problems:{type(study).__name__}",
         "output": {"root": str(folder / "outputs")},
         "seed": args.seed,
-        "cohort": {"priors": ["prior"], "replicas": 1},
-        "priors": {"prior": posterior_problems.kit_prior(study)},
+        "cohort": {"priors": [prior], "replicas": 1},
+        "priors": priors,
         "data": {"train": args.simulations - validation, "validation": validation, "test": TEST_SIMULATIONS,
                  "bank": str(folder / "bank.npz")},
         "runtime": {"device": "cpu", "parallel": "jobs", "cpu_threads": 1},
@@ -217,20 +221,21 @@ def train_nnpd(name, study, bank, observations, folder, args):
         raise RuntimeError(f"nnpd train failed:\n{completed.stdout[-1500:]}{completed.stderr[-1500:]}")
     run_dir = next(path.parent for path in (folder / "outputs" / "runs").glob("*/*/run.json"))
     restored = restore(run_dir)
-    samples, sample_seconds, refused, methods = [], [], {}, []
+    samples, sample_seconds, refused, methods, paths = [], [], {}, [], []
     for i, x_o in enumerate(observations):
         start = time.process_time()
         try:
             post = restored.posterior(x_o)
             drawn = post.sample(args.samples, seed=args.seed + i).numpy()
             methods.append(post.sampling["method"])
+            paths.append(post.sampling.get("path"))       # what placed the proposal (sampler.py)
         except posterior.PosteriorError as error:      # too few effective candidates: no samples
             drawn, refused[i] = None, str(error)
         sample_seconds.append(time.process_time() - start)
         samples.append(drawn)
     history = restored.history
     return {"samples": samples, "train_cpu_seconds": train_seconds, "sample_cpu_seconds": sample_seconds,
-            "refused": refused, "sampling": methods, "epochs": len(history["train_loss"]),
+            "refused": refused, "sampling": methods, "paths": paths, "epochs": len(history["train_loss"]),
             "selected_epoch": history["selected_epoch"]}
 
 
@@ -261,10 +266,12 @@ def check_reference(study, x_o, reference, generator, steps=300):
     """Exact-likelihood Metropolis chains started at every reference draw: an exact sample keeps its moments."""
     low, high = posterior_problems.bounds(study)
     normal = isinstance(study, posterior_problems.Linear)
+    correlated = posterior_problems.CorrelatedPrior() if isinstance(study, posterior_problems.Narrow) else None
 
     def log_target(theta):
         """Unnormalised log posterior: likelihood times prior, −inf outside the box."""
         value = study.log_likelihood(x_o, theta) - (0.5 * (theta ** 2).sum(-1) if normal else 0.0)
+        value = value + correlated.log_prob(theta) if correlated else value
         inside = ((theta >= low) & (theta <= high)).all(-1)
         return torch.where(inside, value, torch.full_like(value, -math.inf))
 

@@ -8,6 +8,8 @@ n exact posterior draws for one observation.
   Ring      2 parameters: a thin ring cut by a band, so two thin curved arcs (bimodal).
   Slcp      5 parameters, four modes: 4 draws of a correlated 2-D Gaussian (SLCP-like).
   Linear    10 parameters: x = A θ + noise under a normal prior truncated at ±5 sd.
+  Narrow    10 parameters: x = B θ + small noise under a correlated normal prior cut at ±5 prior sds,
+            so a narrow (sds 2.5-5% of the box), correlated posterior (issue 36, point 0).
 """
 import math
 
@@ -18,6 +20,7 @@ import nre_study
 RING_SD, BAND_SD = 0.05, 0.5        # noise of |θ|² (thin ring) and of θ1 + θ2 (wide band)
 SLCP_DRAWS, SLCP_BOX = 4, 3.0       # Gaussian draws per observation; the prior box [-3, 3]^5
 LINEAR_DIM, LINEAR_SD, LINEAR_BOX = 10, 0.5, 5.0    # parameters, noise sd, box in prior sds
+NARROW_SD, NARROW_RHO = 0.3, 0.8    # Narrow's noise sd and its prior's correlation ρ^|i − j| (unit sds)
 
 
 def uniform_box(low, high, n, generator):
@@ -183,6 +186,69 @@ class Linear(nre_study.Study):
         return torch.cat(kept)[:n]
 
 
+def narrow_model():
+    """Narrow's prior covariance ρ^|i − j| and its fixed mixing matrix B (identity plus a seeded perturbation)."""
+    index = torch.arange(LINEAR_DIM)
+    covariance = NARROW_RHO ** (index[:, None] - index[None]).abs().double()
+    noise = torch.randn(LINEAR_DIM, LINEAR_DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(36))
+    return covariance, torch.eye(LINEAR_DIM, dtype=torch.float64) + 0.8 * noise / math.sqrt(LINEAR_DIM)
+
+
+def cut_gaussian_draws(mean, covariance, n, generator):
+    """n draws of N(mean, covariance) cut to the box ±LINEAR_BOX, by rejection (exact)."""
+    factor, kept, count = torch.linalg.cholesky(covariance), [], 0
+    while count < n:
+        theta = mean + torch.randn(n, LINEAR_DIM, dtype=torch.float64, generator=generator) @ factor.T
+        theta = theta[(theta.abs() <= LINEAR_BOX).all(-1)]
+        kept.append(theta)
+        count += len(theta)
+    return torch.cat(kept)[:n]
+
+
+class CorrelatedPrior:
+    """Narrow's prior, a study's own prior object: N(0, ρ^|i − j|) cut to ±LINEAR_BOX prior sds."""
+
+    lattice_steps = [None] * LINEAR_DIM
+
+    def sample(self, n, generator):
+        """n draws (n, 10), by rejection from the uncut normal."""
+        return cut_gaussian_draws(torch.zeros(LINEAR_DIM, dtype=torch.float64), narrow_model()[0], n, generator)
+
+    def log_prob(self, theta):
+        """The log density up to its constant (the cut's mass): −inf outside the box."""
+        theta = torch.as_tensor(theta, dtype=torch.float64)
+        value = -0.5 * ((theta @ torch.linalg.inv(narrow_model()[0])) * theta).sum(-1)
+        return torch.where((theta.abs() <= LINEAR_BOX).all(-1), value, torch.full_like(value, -math.inf))
+
+    def describe(self):
+        """What the prior is, for its key."""
+        return {"family": "correlated normal", "correlation": f"{NARROW_RHO}^|i-j|", "box_sds": LINEAR_BOX}
+
+
+class Narrow(nre_study.Study):
+    """x = B θ + N(0, NARROW_SD²) noise; θ under CorrelatedPrior: a narrow, correlated posterior."""
+
+    parameters = {f"t{i + 1}": (-LINEAR_BOX, LINEAR_BOX) for i in range(LINEAR_DIM)}
+    custom_priors = {"correlated": CorrelatedPrior()}
+
+    def simulate(self, theta, generator):
+        """One noisy linear image of θ per row."""
+        noise = torch.randn(len(theta), LINEAR_DIM, dtype=torch.float64, generator=generator)
+        return theta @ narrow_model()[1].T + NARROW_SD * noise
+
+    def log_likelihood(self, x, theta):
+        """Exact log p(x | θ), broadcasting x (..., 10) against θ (..., 10)."""
+        return gaussian_log_density(x - theta @ narrow_model()[1].T, NARROW_SD).sum(-1)
+
+    def reference(self, x_o, n, generator):
+        """n exact draws: the uncut prior's conjugate Gaussian posterior, cut to the box by rejection (exact:
+        the cut prior's posterior is the uncut one's, cut)."""
+        covariance, matrix = narrow_model()
+        posterior_cov = torch.linalg.inv(torch.linalg.inv(covariance) + matrix.T @ matrix / NARROW_SD ** 2)
+        mean = posterior_cov @ matrix.T @ torch.as_tensor(x_o, dtype=torch.float64) / NARROW_SD ** 2
+        return cut_gaussian_draws(mean, posterior_cov, n, generator)
+
+
 def bounds(study):
     """The box (low, high) of a study's parameters, float64 (p,)."""
     values = [v if isinstance(v, dict) else dict(zip(("low", "high"), v)) for v in study.parameters.values()]
@@ -191,7 +257,9 @@ def bounds(study):
 
 
 def prior_draws(study, n, generator):
-    """n draws of the study's prior: uniform on the box, or the truncated normal of Linear."""
+    """n draws of the study's prior: uniform on the box, the truncated normal of Linear or Narrow's own."""
+    if isinstance(study, Narrow):
+        return CorrelatedPrior().sample(n, generator)
     low, high = bounds(study)
     if not isinstance(study, Linear):
         return uniform_box(low, high, n, generator)
@@ -204,17 +272,23 @@ def prior_draws(study, n, generator):
     return torch.cat(kept)[:n]
 
 
-def kit_prior(study):
-    """The kit's prior settings: the bundled uniform family, or the normal family for Linear."""
-    return {"family": "normal" if isinstance(study, Linear) else "uniform"}
+def kit_priors(study):
+    """The kit's `priors` settings and the cohort's prior: the bundled uniform family, the normal family for
+    Linear, Narrow's own object (custom_priors, so no settings)."""
+    if isinstance(study, Narrow):
+        return {}, "correlated"
+    return {"prior": {"family": "normal" if isinstance(study, Linear) else "uniform"}}, "prior"
 
 
 def sbi_prior(study):
-    """The prior as the sbi runner builds it: a box, or an untruncated standard normal for Linear."""
+    """The prior as the sbi runner builds it: a box, or an untruncated normal for Linear and Narrow (its cut is
+    under 1e-4 of the mass)."""
     if isinstance(study, Linear):
         return {"kind": "normal", "dimension": LINEAR_DIM}
+    if isinstance(study, Narrow):
+        return {"kind": "normal", "dimension": LINEAR_DIM, "covariance": narrow_model()[0].tolist()}
     low, high = bounds(study)
     return {"kind": "box", "low": low.tolist(), "high": high.tolist()}
 
 
-PROBLEMS = {"ring": Ring, "slcp": Slcp, "linear": Linear}
+PROBLEMS = {"ring": Ring, "slcp": Slcp, "linear": Linear, "narrow": Narrow}

@@ -27,11 +27,12 @@ METHODS = {"NRE_A": NRE_A, "NRE_C": NRE_C}
 
 
 def make_prior(spec):
-    """The prior the bench describes: a box, or a standard normal."""
+    """The prior the bench describes: a box, or a centred normal (standard unless a covariance is given)."""
     if spec["kind"] == "box":
         return BoxUniform(torch.tensor(spec["low"], dtype=torch.float32), torch.tensor(spec["high"], dtype=torch.float32))
     dimension = spec["dimension"]
-    return torch.distributions.MultivariateNormal(torch.zeros(dimension), torch.eye(dimension))
+    covariance = torch.tensor(spec["covariance"]) if "covariance" in spec else torch.eye(dimension)
+    return torch.distributions.MultivariateNormal(torch.zeros(dimension), covariance)
 
 
 def main(folder, method):

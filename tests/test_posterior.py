@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings as hsettings, strategies as st
 
+import infer
 import nnpd
 import posterior as post
 import priors
@@ -108,10 +109,26 @@ LATTICE = exact_posterior(1, {"family": "grid"})[0]
 
 
 @pytest.mark.unit
-def test_a_posterior_too_poorly_resolved_to_sample_is_refused():
-    posterior, _ = exact_posterior(5, kind="sobol")    # 4096 fixed points over [0, 10]^5: about 2 effective
+def test_a_posterior_its_candidates_miss_is_found_on_a_continuous_box_and_refused_on_a_lattice():
+    # 4096 fixed points over [0, 10]^5: about 2 effective. Continuous: population Monte Carlo from the best.
+    posterior, x = exact_posterior(5, kind="sobol")
+    assert posterior.ess < 10
+    samples = posterior.sample(2000, 0)
+    assert posterior.sampling["path"] == "population Monte Carlo" and posterior.sampling["warning"] is None
+    assert torch.all((samples.mean(0) - x.mean(0)).abs() < 4 * SIGMA / math.sqrt(OBSERVATIONS) / math.sqrt(2000))
+    # On the grid prior's lattice the candidates are resampled: too few to draw from.
+    lattice, _ = exact_posterior(5, {"family": "grid"}, kind="sobol")
     with pytest.raises(post.PosteriorError, match="effective candidates"):
-        posterior.sample(10, 0)
+        lattice.sample(10, 0)
+
+
+@pytest.mark.unit
+def test_infer_names_the_path_that_placed_the_proposal():
+    for kind, path in (("adaptive", "the candidates"), ("sobol", r"population Monte Carlo \(\d+ passes\)")):
+        posterior, _ = exact_posterior(5, kind=kind)
+        posterior.sample(200, 0)
+        line = infer.report_lines({"sampling": posterior.sampling, "flat": {"warning": None}}, [], None)[0]
+        assert re.search(rf"^samples: 200 by rejection, .*; proposal from {path}, \d+ effective draws$", line), line
 
 
 # ---------------------------------------------------------------- through restore and the command line
