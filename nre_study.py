@@ -40,6 +40,7 @@ import networks
 import posterior
 import priors
 import output_root
+import rounds
 import runtime
 import trainer
 from settings import SettingsError, integer, known_keys, name_list, number, one_of, require
@@ -308,6 +309,11 @@ def check_cohort(settings, prior_objects):
         raise SettingsError('data.bank: a bank holds joint simulations; use it with data.pairing "batch"')
 
 
+def member_round(member: Member) -> tuple[object, ...]:
+    """The labels a later round adds to its member's random streams: its data are fresh draws."""
+    return ("round", member["round"]) if "round" in member else ()
+
+
 class Study(Experiment):
     """The training side of a ratio-estimator study, derived from its science (see the module's docstring)."""
 
@@ -316,7 +322,7 @@ class Study(Experiment):
     standardize = True       # model.standardize when the settings leave it out
     log_likelihood: Any = None    # define log_likelihood(self, x, theta) for the exact target
     SECTIONS: tuple[str, ...] = ("cohort", "priors", "data")
-    OPTIONAL_SECTIONS: tuple[str, ...] = ("problem", "model", "training")
+    OPTIONAL_SECTIONS: tuple[str, ...] = ("problem", "model", "training", "rounds")
     DATA_SOURCES: tuple[object, ...] = (priors, sample_training_data, sample_joint, runtime.derived_seed)
     MODEL_SOURCES: tuple[object, ...] = (networks, trainer, contrast, runtime.derived_seed)
 
@@ -338,6 +344,7 @@ class Study(Experiment):
         """Check the problem, the cohort and its priors, the data sizes and bank, the model and training."""
         check_cohort(self.settings, self.custom_priors)
         self.problem()
+        self.check_rounds()
         for member in self.members()[:len(self.settings["cohort"]["priors"])]:
             self.prior(member)
         bank = self.bank()
@@ -352,6 +359,20 @@ class Study(Experiment):
         if training["objective"] == "contrastive" and self.settings["data"].get("pairing", "batch") == "fixed":
             raise SettingsError('training.objective "contrastive" re-pairs joint simulations: it needs data.pairing '
                                 '"batch"')
+
+    def check_rounds(self) -> None:
+        """The `rounds` section and its observation, which must fit the simulator (docs/rounds.md)."""
+        section = rounds.rounds_settings(self.settings)
+        if section is not None:
+            if self.settings["data"].get("bank") is not None:
+                raise SettingsError("rounds: a bank's simulations come from the whole prior, not a round's box; "
+                                    'remove data.bank or the rounds section (docs/rounds.md, "Settings")')
+            rounds.read_observation(section["observation"], self.problem().dimension)
+
+    def next_round(self, member: Member, tools: Any) -> Member | None:
+        """The member of the round after `member` (trained first through `tools`), or None: the framework
+        trains a job's rounds in turn and records the last (rounds.py, docs/rounds.md)."""
+        return rounds.next_round(self, member, tools)
 
     def model_settings(self) -> dict[str, Any]:
         """The `model` section, or the kit's network (KIT_MODEL) when the settings have none."""
@@ -388,9 +409,11 @@ class Study(Experiment):
                        type(self).__name__, None if bank is None else bank[0].shape[1])
 
     def problem(self, member: Member | None = None) -> ProblemContract:
-        """The simulator and its parameters (the same for every member), built once."""
+        """The simulator and its parameters, built once; a later round's member sees them inside its box."""
         if self._problem is None:
             self._problem = self.make_problem()
+        if member is not None and "box" in member:
+            return rounds.BoxProblem(self._problem, member["box"])
         return self._problem
 
     def problem_recipe(self) -> Json:
@@ -400,6 +423,8 @@ class Study(Experiment):
     def prior(self, member: Member) -> PriorContract:
         """The member's training prior: a bundled family from `priors`, or the study's own object."""
         name = member["prior"]
+        if "box" in member:                 # a later round's: the member's prior cut to the round's box
+            return rounds.cut_prior(self, member)
         if name in self.custom_priors and name not in self.settings["priors"]:
             return priors.CustomPrior(self.custom_priors[name], self.problem().names)
         return priors.make_prior(self.problem(), self.settings["priors"][name], f"priors.{name}")
@@ -407,6 +432,8 @@ class Study(Experiment):
     def prior_recipe(self, member: Member) -> Json:
         """What the member's prior depends on: its settings, or the object's description."""
         name = member["prior"]
+        if "box" in member:                 # a later round's: its member's prior, cut
+            return {"cut": self.prior_recipe(rounds.base_member(member)), "box": member["box"]}
         if name in self.custom_priors and name not in self.settings["priors"]:
             return {"object": self.prior(member).describe()}
         return self.settings["priors"][name]
@@ -422,17 +449,18 @@ class Study(Experiment):
         if self.bank() is not None:
             data["bank"] = {"sha256": bank_digest(self.bank())}
         return {"problem": self.problem_recipe(), "prior": self.prior_recipe(member), "data": data,
-                "seed": self.settings["seed"], "member": member["name"]}
+                "seed": self.settings["seed"], "member": member["name"], **rounds.round_recipe(member)}
 
     def sample_data(self, member: Member) -> dict[str, np.ndarray]:
         """Train/validation/test simulations under the member's prior (or the bank's), see sample_training_data."""
-        seed = runtime.derived_seed(self.settings["seed"], "data", member["name"])
+        seed = runtime.derived_seed(self.settings["seed"], "data", member["name"], *member_round(member))
         return sample_training_data(self.problem(), self.prior(member), self.settings["data"], seed, self.bank())
 
     def model_recipe(self, member: Member) -> Json:
         """The settings the member's model depends on (besides its data key and the backend)."""
         recipe = {"model": self.model_settings(), "training": self.training_settings(),
-                  "seed": self.settings["seed"], "member": member["name"], "input_size": self.input_size()}
+                  "seed": self.settings["seed"], "member": member["name"], "input_size": self.input_size(),
+                  **rounds.round_recipe(member)}
         embedding = self.embedding_recipe()
         if embedding is not None:        # only then: the model keys of studies without one stay as they were
             recipe["embedding"] = embedding
@@ -481,7 +509,11 @@ class Study(Experiment):
     def posterior(self, member: Member, model: torch.nn.Module, analysis_settings: dict[str, Any], observations: Any,
                   truth: Any = None, device: str | torch.device = "cpu", case: int = 0) -> Any:
         """The member's posterior for an observation, from its trained `model` (see posterior.py)."""
-        learned = posterior.Learned(self.problem(), self.prior(member), model, analysis_settings, self.settings["seed"])
+        learned = posterior.Learned(self.problem(member), self.prior(member), model, analysis_settings,
+                                    self.settings["seed"])
+        outside = rounds.outside_warning(member, observations)
+        if outside:
+            warnings.warn(outside, stacklevel=2)
         return posterior.for_observation(learned, observations, truth=truth, device=device, case=case)
 
     def plan_warnings(self) -> list[str]:

@@ -1,0 +1,178 @@
+"""Rounds (rounds.py, docs/rounds.md): the cut prior, the rounds' keys, and a kit study trained in rounds."""
+import math
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import nre_study
+import rounds
+from helpers import kit_study, main_in_process
+from settings import SettingsError
+from store import digest, restore
+
+BOX = [[6.0, -0.5], [9.0, 0.25]]
+
+
+class Pair(nre_study.Study):
+    """Two parameters, a normal-prior one and a uniform-prior one, observed with noise."""
+
+    parameters = {"a": (0.0, 10.0), "b": (-1.0, 1.0)}
+
+    def simulate(self, theta, generator):
+        return theta + 0.1 * torch.randn(theta.shape, generator=generator, dtype=torch.float64)
+
+
+class OwnNormal:
+    """A study's own prior object: independent normals N(5, 2.5) and N(0, 0.5), unbounded."""
+
+    def sample(self, n, generator):
+        return torch.randn(n, 2, generator=generator, dtype=torch.float64) * torch.tensor([2.5, 0.5]) \
+            + torch.tensor([5.0, 0.0])
+
+    def log_prob(self, theta):
+        z = (theta - torch.tensor([5.0, 0.0])) / torch.tensor([2.5, 0.5])
+        return (-0.5 * z * z - 0.5 * math.log(2 * math.pi) - torch.log(torch.tensor([2.5, 0.5]))).sum(-1)
+
+
+def pair_study(prior="mixed"):
+    """A Pair study whose cohort is the one named prior."""
+    study = Pair({"seed": 3, "cohort": {"priors": [prior], "replicas": 1},
+                  "priors": {"mixed": {"family": "normal", "by_parameter": {"b": "uniform"}}},
+                  "data": {"train": 8, "validation": 4, "test": 4}})
+    study.custom_priors = {"own": OwnNormal()}
+    return study
+
+
+def truncated_normal_cdf(t, mean, sd, low, high):
+    """The CDF of N(mean, sd) cut to [low, high]."""
+    phi = lambda v: 0.5 * (1 + math.erf((v - mean) / (sd * math.sqrt(2))))   # noqa: E731
+    return (np.vectorize(phi)(t) - phi(low)) / (phi(high) - phi(low))
+
+
+def ks_distance(draws, cdf):
+    """The Kolmogorov-Smirnov distance of draws from a CDF."""
+    draws = np.sort(draws)
+    n = len(draws)
+    values = cdf(draws)
+    return max(np.max(np.arange(1, n + 1) / n - values), np.max(values - np.arange(n) / n))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("prior", ["mixed", "own"])
+def test_the_cut_prior_draws_inside_the_box_and_follows_the_prior_there(prior):
+    study = pair_study(prior)
+    cut = study.prior({"name": f"{prior}-r0", "prior": prior, "replica": 0, "round": 2, "box": BOX})
+    draws = cut.sample(20_000, torch.Generator().manual_seed(0)).numpy()
+    assert ((draws >= BOX[0]) & (draws <= BOX[1])).all()
+    # 1.63 / sqrt(n): the KS distance a correct sampler stays under 99% of the time.
+    assert ks_distance(draws[:, 0], lambda t: truncated_normal_cdf(t, 5.0, 2.5, 6.0, 9.0)) < 1.63 / math.sqrt(20_000)
+    second = (lambda t: (t + 0.5) / 0.75) if prior == "mixed" else \
+        (lambda t: truncated_normal_cdf(t, 0.0, 0.5, -0.5, 0.25))
+    assert ks_distance(draws[:, 1], second) < 1.63 / math.sqrt(20_000)
+    # Its density is renormalised to the box (exactly for a bundled family, from 2e5 draws for an object).
+    a, b = np.meshgrid(6 + 3 * (np.arange(600) + 0.5) / 600, -0.5 + 0.75 * (np.arange(300) + 0.5) / 300,
+                       indexing="ij")                       # the midpoints of a 600 x 300 grid on the box
+    mass = cut.log_prob(torch.from_numpy(np.stack([a, b], -1))).exp().mean().item() * 3 * 0.75
+    assert mass == pytest.approx(1.0, abs=1e-4 if prior == "mixed" else 0.02)
+    assert cut.log_prob(torch.tensor([[5.9, 0.0], [7.0, 0.3]])).isinf().all()
+
+
+@pytest.mark.unit
+def test_a_rounds_key_changes_with_the_observation_the_box_and_the_previous_model():
+    study = pair_study()
+    member = study.members()[0]
+    later = {**member, "round": 2, "box": BOX, "previous": "a" * 64, "observation": "b" * 64,
+             "history": [{"round": 1}]}
+
+    def keys(m):
+        return digest(study.data_recipe(m)), digest(study.model_recipe(m))
+
+    first = keys(later)
+    assert keys(member) != first
+    for change in ({"observation": "c" * 64}, {"previous": "d" * 64}, {"box": [[6.0, -0.5], [9.5, 0.25]]}):
+        assert all(a != b for a, b in zip(keys({**later, **change}), first)), change
+    assert keys({**later, "history": []}) == first            # what is recorded of earlier rounds is no key
+    assert rounds.round_recipe(member) == {}                  # round 1 shares the amortized model's keys
+
+
+@pytest.mark.unit
+def test_a_rounds_section_is_checked_at_plan(tmp_path):
+    study = pair_study()
+    for section, names in (({"count": 0, "observation": "x.npy"}, "rounds.count"),
+                           ({"count": 2, "observation": "x.npy", "truncation": 0.0}, "rounds.truncation"),
+                           ({"count": 2, "observation": str(tmp_path / "none.npy")}, "rounds.observation"),
+                           ({"count": 2, "observation": "x.npy", "budget": 3}, "rounds")):
+        study.settings["rounds"] = section
+        with pytest.raises(SettingsError, match=names):
+            study.validate()
+    np.save(tmp_path / "wrong.npy", np.zeros(3))
+    study.settings["rounds"] = {"count": 2, "observation": str(tmp_path / "wrong.npy")}
+    with pytest.raises(SettingsError, match=r"expected \(2,\)"):
+        study.validate()
+
+
+# ---------------------------------------------------------------- a study trained in rounds
+
+X_O = np.array([0.3, 0.5, 0.7])        # slope 0.2, offset 0.5 with noise 0.05: posterior sds about 0.03
+EPSILON = 1e-3
+ROUNDS_TRAINING = """
+settings["data"] = {{"train": 2000, "validation": 500, "test": 200}}
+settings["model"] = {{"kind": "mlp", "hidden": [32, 32], "activation": "relu"}}
+settings["training"].update(epochs=30, learning_rate=3e-3)
+settings["rounds"] = {{"count": 3, "observation": {path!r}, "truncation": {epsilon}}}
+"""
+
+
+@pytest.fixture(scope="module")
+def trained_in_rounds(tmp_path_factory):
+    """A Line study trained in three rounds for X_O, then trained again: (root, first, second outputs)."""
+    tmp = tmp_path_factory.mktemp("rounds")
+    np.save(tmp / "x_o.npy", X_O)
+    folder, _, root = kit_study(tmp, training=ROUNDS_TRAINING.format(path=str(tmp / "x_o.npy"), epsilon=EPSILON),
+                                noise=0.05)
+    first = main_in_process("train", "--settings-dir", str(folder))
+    second = main_in_process("train", "--settings-dir", str(folder))
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    return root, first.stdout, second.stdout
+
+
+@pytest.mark.launch
+def test_a_study_trains_its_rounds_and_a_rerun_rebuilds_nothing(trained_in_rounds):
+    root, first, second = trained_in_rounds
+    for line in ("round 1 of 3: box 100% of the prior's volume", "round 2 of 3", "round 3 of 3"):
+        assert line in first and line in second
+    assert first.count(": sampling") == 3 and first.count("trained in") == 3
+    assert ": sampling" not in second and "train   " not in second and second.count("reused") == 6
+    member = restore(next(root.glob("runs/*/*/run.json")).parent).member
+    assert member["round"] == 3 and [row["round"] for row in member["history"]] == [1, 2, 3]
+    volumes = [row["volume"] for row in member["history"]]
+    assert volumes[0] == 1 and volumes[1] < 0.2 and volumes[2] <= volumes[1]
+
+
+@pytest.mark.launch
+def test_the_last_rounds_posterior_lies_in_its_box_and_the_exact_one_keeps_its_mass_there(trained_in_rounds):
+    root, _, _ = trained_in_rounds
+    restored = restore(next(root.glob("runs/*/*/run.json")).parent)
+    low, high = (np.array(bound) for bound in restored.member["box"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # the rounds' own observation: no warning
+        samples = restored.posterior(X_O).sample(2000, seed=1).numpy()
+    assert ((samples >= low) & (samples <= high)).all()
+    # The exact posterior (uniform prior on [-1, 1]^2, Gaussian noise 0.05) on a fine grid keeps 1 - ε in the box.
+    slope, offset = np.meshgrid(np.linspace(-1, 1, 2001), np.linspace(-1, 1, 2001), indexing="ij")
+    mean = slope[..., None] * np.array([-1.0, 0.0, 1.0]) + offset[..., None]
+    log_likelihood = -0.5 * (((X_O - mean) / 0.05) ** 2).sum(-1)
+    weights = np.exp(log_likelihood - log_likelihood.max())
+    box = (slope >= low[0]) & (slope <= high[0]) & (offset >= low[1]) & (offset <= high[1])
+    assert weights[box].sum() / weights.sum() >= 1 - EPSILON
+
+
+@pytest.mark.launch
+def test_another_observation_gets_one_warning_line(trained_in_rounds):
+    root, _, _ = trained_in_rounds
+    restored = restore(next(root.glob("runs/*/*/run.json")).parent)
+    with pytest.warns(UserWarning, match="trained in rounds for another observation") as caught:
+        restored.posterior(X_O + 0.01)
+    assert len([w for w in caught if "rounds" in str(w.message)]) == 1
