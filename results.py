@@ -22,7 +22,7 @@ from settings import is_number
 
 
 __all__ = [
-    "read_runs", "lookup", "flatten", "write_csv", "report_text", "member_style", "comparison_figure",
+    "read_runs", "lookup", "flatten", "write_csv", "report_text", "round_lines", "member_style", "comparison_figure",
     "comparison_png",
 ]
 
@@ -217,7 +217,23 @@ def table(records, columns=()):
 
 def report_text(records, columns=(), warning_paths=()):
     """The table, then one line per warning of the analysed runs: what `run` and `report` print."""
-    return "\n".join([table(records, columns), *warning_lines(records, warning_paths), *dropped_lines(records)])
+    return "\n".join([table(records, columns), *warning_lines(records, warning_paths), *dropped_lines(records),
+                      *round_lines(records)])
+
+
+def round_lines(records):
+    """One row per round of each run trained in rounds (its member's `history`, docs/rounds.md): the box,
+    its share of the prior's volume and mass, the simulations, the posterior mass near each cut face."""
+    lines = []
+    for record in records:
+        for row in record.member.get("history") or ():
+            edge = row.get("edge_mass")
+            box = ", ".join(f"[{low:.4g}, {high:.4g}]" for low, high in zip(*row["box"]))
+            lines.append(f"round {row['round']}: {record.swept} {record.prior}: box {box}, "
+                         f"{100 * row['volume']:.3g}% of the prior's volume, {100 * row['prior_mass']:.3g}% of its "
+                         f"mass, {row['simulations']:,} simulations"
+                         + ("" if edge is None else ", mass near cut faces " + " ".join(f"{m:.2g}" for m in edge)))
+    return lines
 
 
 def warning_lines(records, paths=()):

@@ -176,3 +176,29 @@ def test_another_observation_gets_one_warning_line(trained_in_rounds):
     with pytest.warns(UserWarning, match="trained in rounds for another observation") as caught:
         restored.posterior(X_O + 0.01)
     assert len([w for w in caught if "rounds" in str(w.message)]) == 1
+
+
+@pytest.mark.launch
+def test_infer_prints_one_warning_line_for_another_observation(trained_in_rounds, tmp_path):
+    root, _, _ = trained_in_rounds
+    run = next(root.glob("runs/*/*/run.json")).parent
+    np.save(tmp_path / "other.npy", X_O + 0.01)
+    result = main_in_process("infer", str(run), "--observations", str(tmp_path / "other.npy"), "--samples", "100")
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("trained in rounds for another observation") == 1, result.stderr
+
+
+@pytest.mark.launch
+def test_the_analysis_of_the_last_round_tests_it_inside_the_final_box(trained_in_rounds):
+    root, _, _ = trained_in_rounds
+    folder = root.parent / "settings"
+    result = main_in_process("analyze", "--settings-dir", str(folder))
+    assert result.returncode == 0, result.stderr
+    restored = restore(next(root.glob("runs/*/*/run.json")).parent)
+    low, high = (np.array(bound) for bound in restored.member["box"])
+    truths = restored.array("truths", "truths")
+    assert ((truths >= low) & (truths <= high)).all()
+    assert restored.metrics["coverage"]["0.68"]["cases"] == len(truths)
+    rows = [line for line in result.stdout.splitlines() if line.startswith("round ") and "simulations" in line]
+    assert [row.split(":")[0] for row in rows] == ["round 1", "round 2", "round 3"], result.stdout
+    assert "100% of the prior's volume" in rows[0] and "mass near cut faces" in rows[1]
