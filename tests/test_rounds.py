@@ -8,7 +8,7 @@ import torch
 
 import nre_study
 import rounds
-from helpers import kit_study, main_in_process
+from helpers import kit_study, main_in_process, torchrun
 from settings import SettingsError
 from store import digest, restore
 
@@ -202,3 +202,35 @@ def test_the_analysis_of_the_last_round_tests_it_inside_the_final_box(trained_in
     rows = [line for line in result.stdout.splitlines() if line.startswith("round ") and "simulations" in line]
     assert [row.split(":")[0] for row in rows] == ["round 1", "round 2", "round 3"], result.stdout
     assert "100% of the prior's volume" in rows[0] and "mass near cut faces" in rows[1]
+
+
+# ---------------------------------------------------------------- rounds on several workers
+
+TWO_MEMBERS = """
+settings["cohort"]["priors"] = ["uniform", "normal"]
+settings["runtime"]["parallel"] = {parallel!r}
+"""
+
+
+def final_members(root):
+    """{run folder name: the member its run.json records} of an output root."""
+    return {run.parent.name: restore(run.parent).member for run in sorted(root.glob("runs/*/*/run.json"))}
+
+
+@pytest.mark.launch
+@pytest.mark.parametrize("parallel", ["jobs", "ddp"])
+def test_two_workers_train_the_rounds_one_process_does(tmp_path, parallel):
+    np.save(tmp_path / "x_o.npy", X_O)
+    training = ROUNDS_TRAINING.format(path=str(tmp_path / "x_o.npy"), epsilon=EPSILON).replace('"count": 3', '"count": 2')
+    folder, _, root = kit_study(tmp_path, training=training + TWO_MEMBERS.format(parallel=parallel), noise=0.05)
+    launched = torchrun("train", "--settings-dir", str(folder))
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    members = final_members(root)
+    assert len(members) == 2 and all(member["round"] == 2 for member in members.values())
+    if parallel == "jobs":        # each worker trained one member's rounds: the same as one process would
+        alone = main_in_process("train", "--settings-dir", str(folder))
+        assert alone.returncode == 0 and ": sampling" not in alone.stdout and "train   " not in alone.stdout
+        assert final_members(root) == members
+        assert "rank 0]" in launched.stdout and "rank 1]" in launched.stdout
+    else:                         # both ranks trained every round together with rank 0's boxes
+        assert launched.stdout.count("round 2 of 2") == 2 and "rank 1" not in launched.stdout
