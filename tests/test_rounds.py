@@ -8,7 +8,7 @@ import torch
 
 import nre_study
 import rounds
-from helpers import kit_study, main_in_process, torchrun
+from helpers import command, kit_study, main_in_process, saved_states, start, torchrun, wait_for, weights
 from settings import SettingsError
 from store import digest, restore
 
@@ -234,3 +234,24 @@ def test_two_workers_train_the_rounds_one_process_does(tmp_path, parallel):
         assert "rank 0]" in launched.stdout and "rank 1]" in launched.stdout
     else:                         # both ranks trained every round together with rank 0's boxes
         assert launched.stdout.count("round 2 of 2") == 2 and "rank 1" not in launched.stdout
+
+
+@pytest.mark.launch
+def test_a_kill_mid_round_resumes_in_that_round_bitwise(trained_in_rounds, tmp_path):
+    reference, _, _ = trained_in_rounds
+    np.save(tmp_path / "x_o.npy", X_O)
+    training = ROUNDS_TRAINING.format(path=str(tmp_path / "x_o.npy"), epsilon=EPSILON)
+    folder, _, root = kit_study(tmp_path, training=training + 'settings["runtime"]["resume_seconds"] = 0.2\n',
+                                noise=0.05)
+    process = start(command(folder))
+    # Round 1's box is cached and a later round's training state saved: the kill lands inside round 2 or 3.
+    wait_for(lambda: list(root.glob("cache/round-box/*/artifact.json")) and saved_states(root),
+             "a later round's saved state", process=process)
+    process.kill()
+    process.wait()
+    again = main_in_process("train", "--settings-dir", str(folder))
+    assert again.returncode == 0, again.stderr
+    assert "resumed" in again.stdout and again.stdout.count("trained in") <= 2
+    ours, theirs = weights(root), weights(reference)
+    assert ours.keys() == theirs.keys() and len(ours) == 3
+    assert all(torch.equal(ours[key][name], theirs[key][name]) for key in ours for name in ours[key])
