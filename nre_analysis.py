@@ -716,7 +716,8 @@ class NREAnalysis(Analysis):
     NEEDS_RATIO = ("bias", "coverage", "width", "resolution", "exact_reference")
 
     plots = {"diagnostic_cases": Figure(nre_figures.draw_diagnostic_cases),
-             "expected_coverage": Figure(nre_figures.draw_expected_coverage)}
+             "expected_coverage": Figure(nre_figures.draw_expected_coverage),
+             "rounds": Figure(nre_figures.draw_rounds)}
     cohort_plots = {
         "priors": Figure(nre_figures.draw_priors),
         "training": Figure(nre_figures.draw_training),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+import jobs
 import nre_study
 import rounds
 from helpers import command, kit_study, main_in_process, saved_states, start, torchrun, wait_for, weights
@@ -131,7 +132,7 @@ def trained_in_rounds(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rounds")
     np.save(tmp / "x_o.npy", X_O)
     folder, _, root = kit_study(tmp, training=ROUNDS_TRAINING.format(path=str(tmp / "x_o.npy"), epsilon=EPSILON),
-                                noise=0.05)
+                                analysis='settings["plots"] = ["rounds"]\n', noise=0.05)
     first = main_in_process("train", "--settings-dir", str(folder))
     second = main_in_process("train", "--settings-dir", str(folder))
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
@@ -202,6 +203,8 @@ def test_the_analysis_of_the_last_round_tests_it_inside_the_final_box(trained_in
     rows = [line for line in result.stdout.splitlines() if line.startswith("round ") and "simulations" in line]
     assert [row.split(":")[0] for row in rows] == ["round 1", "round 2", "round 3"], result.stdout
     assert "100% of the prior's volume" in rows[0] and "mass near cut faces" in rows[1]
+    if not jobs.matplotlib_missing():
+        assert (restored.run_dir / "plots" / "rounds.png").stat().st_size > 0
 
 
 # ---------------------------------------------------------------- rounds on several workers
