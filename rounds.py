@@ -260,23 +260,27 @@ def edge_mass(problem: Any, full: Any, points: torch.Tensor, masses: torch.Tenso
 # ---------------------------------------------------------------- one round after another
 
 def next_round(study: Any, member: dict[str, Any], tools: Any) -> dict[str, Any] | None:
-    """The member of the round after `member`, whose model `tools.trained()` gets or trains first; None when
-    `member` is the last round (or the study has no rounds). `tools` is the framework's jobs.RoundTools."""
+    """The member after `member`: the next round's, or the last round's again with its truncation check;
+    None once that is recorded (or without rounds). Each round's model is got or trained first through
+    `tools.trained()`; `tools` is the framework's jobs.RoundTools."""
     section = rounds_settings(study.settings)
-    this = member.get("round", 1)
-    if section is None or this >= section["count"]:
+    if section is None or section["count"] == 1:
+        return None
+    this, rows = member.get("round", 1), list(member.get("history") or [round_row(study, member)])
+    if "edge_mass" in rows[-1]:          # the last round, checked: the framework records it
         return None
     if this == 1:
-        tools.log(round_line(section, round_row(study, member)))
+        tools.log(round_line(section, rows[0]))
     _, model = tools.trained()
     x = read_observation(section["observation"], study.problem().dimension)
     digest = observation_digest(x)
     found = shared_box(study, member, model, x, digest, section["truncation"], tools)
-    rows = list(member.get("history") or [round_row(study, member)])
     rows[-1] = {**rows[-1], "edge_mass": found["edge_mass"]}
     for line in edge_warnings(study.problem().names, rows[-1], section["truncation"]):
         warnings.warn(line, stacklevel=2)
         tools.log(f"warning: {line}")
+    if this >= section["count"]:
+        return {**member, "history": rows}
     following = {**base_member(member), "round": this + 1, "box": found["box"], "previous": found["model"],
                  "observation": digest}
     following["history"] = rows + [round_row(study, following)]

@@ -114,6 +114,18 @@ def test_a_rounds_section_is_checked_at_plan(tmp_path):
         study.validate()
 
 
+@pytest.mark.unit
+def test_a_posterior_pressed_against_a_cut_face_is_named_in_a_warning():
+    study = pair_study()
+    problem = rounds.BoxProblem(study.problem(), BOX)
+    points = torch.tensor([[6.01, 0.0], [7.0, 0.0], [8.0, -0.1], [8.5, 0.1]], dtype=torch.float64)
+    masses = torch.tensor([0.01, 0.5, 0.29, 0.2], dtype=torch.float64)
+    edges = rounds.edge_mass(problem, study.problem(), points, masses)
+    assert edges == pytest.approx([0.01, 0.0])
+    lines = rounds.edge_warnings(["a", "b"], {"round": 2, "edge_mass": edges}, 1e-3)
+    assert len(lines) == 1 and "'a'" in lines[0] and "rounds.truncation" in lines[0]
+
+
 # ---------------------------------------------------------------- a study trained in rounds
 
 X_O = np.array([0.3, 0.5, 0.7])        # slope 0.2, offset 0.5 with noise 0.05: posterior sds about 0.03
@@ -145,7 +157,7 @@ def test_a_study_trains_its_rounds_and_a_rerun_rebuilds_nothing(trained_in_round
     for line in ("round 1 of 3: box 100% of the prior's volume", "round 2 of 3", "round 3 of 3"):
         assert line in first and line in second
     assert first.count(": sampling") == 3 and first.count("trained in") == 3
-    assert ": sampling" not in second and "train   " not in second and second.count("reused") == 6
+    assert ": sampling" not in second and "train   " not in second and second.count("reused") == 8
     member = restore(next(root.glob("runs/*/*/run.json")).parent).member
     assert member["round"] == 3 and [row["round"] for row in member["history"]] == [1, 2, 3]
     volumes = [row["volume"] for row in member["history"]]
@@ -168,6 +180,12 @@ def test_the_last_rounds_posterior_lies_in_its_box_and_the_exact_one_keeps_its_m
     weights = np.exp(log_likelihood - log_likelihood.max())
     box = (slope >= low[0]) & (slope <= high[0]) & (offset >= low[1]) & (offset <= high[1])
     assert weights[box].sum() / weights.sum() >= 1 - EPSILON
+    # ... and, as the report's truncation check, at most ε within the edge band of each face the box cut.
+    theta = torch.from_numpy(np.stack([slope[box], offset[box]], -1))
+    masses = torch.from_numpy(weights[box] / weights[box].sum())
+    edges = rounds.edge_mass(rounds.BoxProblem(restored.experiment.problem(), restored.member["box"]),
+                             restored.experiment.problem(), theta, masses)
+    assert max(edges) <= EPSILON and edges == pytest.approx(restored.member["history"][-1]["edge_mass"], abs=0.01)
 
 
 @pytest.mark.launch
@@ -202,7 +220,7 @@ def test_the_analysis_of_the_last_round_tests_it_inside_the_final_box(trained_in
     assert restored.metrics["coverage"]["0.68"]["cases"] == len(truths)
     rows = [line for line in result.stdout.splitlines() if line.startswith("round ") and "simulations" in line]
     assert [row.split(":")[0] for row in rows] == ["round 1", "round 2", "round 3"], result.stdout
-    assert "100% of the prior's volume" in rows[0] and "mass near cut faces" in rows[1]
+    assert "100% of the prior's volume" in rows[0] and all("mass near cut faces" in row for row in rows)
     if not jobs.matplotlib_missing():
         assert (restored.run_dir / "plots" / "rounds.png").stat().st_size > 0
 
