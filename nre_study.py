@@ -330,6 +330,7 @@ class Study(Experiment):
         self.settings = settings
         self._problem: Any = None              # make_problem's, built once
         self._bank: tuple[np.ndarray, np.ndarray] | None = None
+        self.round_data: dict[str, dict[str, np.ndarray]] = {}     # a round's simulations, for the next (rounds.py)
 
     @property
     def SCIENCE_SOURCES(self) -> tuple[object, ...]:
@@ -454,7 +455,8 @@ class Study(Experiment):
     def sample_data(self, member: Member) -> dict[str, np.ndarray]:
         """Train/validation/test simulations under the member's prior (or the bank's), see sample_training_data."""
         seed = runtime.derived_seed(self.settings["seed"], "data", member["name"], *member_round(member))
-        return sample_training_data(self.problem(), self.prior(member), self.settings["data"], seed, self.bank())
+        arrays = sample_training_data(self.problem(), self.prior(member), self.settings["data"], seed, self.bank())
+        return rounds.with_earlier(self, member, arrays)
 
     def model_recipe(self, member: Member) -> Json:
         """The settings the member's model depends on (besides its data key and the backend)."""

@@ -232,6 +232,7 @@ def round_lines(records):
             lines.append(f"round {row['round']}: {record.swept} {record.prior}: box {box}, "
                          f"{100 * row['volume']:.3g}% of the prior's volume, {100 * row['prior_mass']:.3g}% of its "
                          f"mass, {row['simulations']:,} simulations"
+                         + (f" ({row['reused']:,} of earlier rounds)" if row.get("reused") else "")
                          + ("" if edge is None else ", mass near cut faces " + " ".join(f"{m:.2g}" for m in edge)))
     return lines
 

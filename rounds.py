@@ -31,12 +31,12 @@ from store import NnpdError
 
 __all__ = [
     "ROUND_KEYS", "RoundsError", "rounds_settings", "read_observation", "observation_digest", "base_member",
-    "round_recipe", "BoxProblem", "CutPrior", "cut_prior", "posterior_box", "next_round", "box_note",
+    "round_recipe", "with_earlier", "BoxProblem", "CutPrior", "cut_prior", "posterior_box", "next_round", "box_note",
     "outside_warning",
 ]
 
-ROUND_KEYS = ("round", "box", "previous", "observation", "history")
-SETTINGS_KEYS = ("count", "observation", "truncation")
+ROUND_KEYS = ("round", "box", "previous", "observation", "reuse", "history")
+SETTINGS_KEYS = ("count", "observation", "truncation", "reuse")
 WHERE = 'docs/rounds.md, "Settings"'
 MAX_ROUNDS = 20
 BOX_DRAWS = 20_000           # posterior draws the box's quantiles are taken from
@@ -66,7 +66,11 @@ def rounds_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
     if not isinstance(path, str):
         raise SettingsError(f"rounds.observation: expected the path of a .npy file saved with numpy.save, got "
                             f"{path!r} ({WHERE})")
-    return {"count": count, "observation": path, "truncation": epsilon}
+    reuse = section.get("reuse", True)
+    if not isinstance(reuse, bool):
+        raise SettingsError(f"rounds.reuse: True (a round also trains on the earlier rounds' simulations inside its "
+                            f"box) or False, got {reuse!r} ({WHERE})")
+    return {"count": count, "observation": path, "truncation": epsilon, "reuse": reuse}
 
 
 def read_observation(path: str, dimension: int) -> np.ndarray:
@@ -101,7 +105,34 @@ def round_recipe(member: dict[str, Any]) -> dict[str, Any]:
     if "box" not in member:
         return {}
     recipe = {key: member[key] for key in ("round", "box", "previous", "observation")}
+    if "reuse" in member:                # only then: the keys of rounds that reuse nothing stay as they were
+        recipe["reuse"] = member["reuse"]
     return {"rounds": {**recipe, "source": fingerprint.source_fingerprint(BoxProblem, CutPrior, cut_prior)}}
+
+
+def with_earlier(study: Any, member: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A round's fresh simulations, with the previous round's that fall inside its box appended per split.
+
+    The previous round's simulations are draws of its prior, cut to a box that holds this
+    one, so those inside this box are draws of this round's prior too. Its data (which
+    holds the rounds before it that fell in its box) were loaded when its model was.
+    """
+    key = member.get("reuse")
+    if key is None:
+        return arrays
+    earlier = study.round_data.get(key)
+    if earlier is None:
+        raise RoundsError(f"round {member['round']}: the previous round's simulations (data {key}) are not loaded; "
+                          "train the rounds from round 1 with `nnpd train`, which loads each round in turn")
+    low, high = (np.asarray(bound) for bound in member["box"])
+    arrays = dict(arrays)
+    for split in ("train", "validation", "test"):
+        if f"{split}_x" in arrays and f"{split}_theta" in earlier:
+            theta = earlier[f"{split}_theta"]
+            keep = ((theta >= low) & (theta <= high)).all(axis=1)
+            arrays[f"{split}_x"] = np.concatenate([arrays[f"{split}_x"], earlier[f"{split}_x"][keep]])
+            arrays[f"{split}_theta"] = np.concatenate([arrays[f"{split}_theta"], theta[keep]])
+    return arrays
 
 
 # ---------------------------------------------------------------- the box and the cut prior
@@ -271,7 +302,8 @@ def next_round(study: Any, member: dict[str, Any], tools: Any) -> dict[str, Any]
         return None
     if this == 1:
         tools.log(round_line(section, rows[0]))
-    _, model = tools.trained()
+    data, model = tools.trained()
+    rows[-1] = {**rows[-1], **simulations_used(study, data)}
     x = read_observation(section["observation"], study.problem().dimension)
     digest = observation_digest(x)
     found = shared_box(study, member, model, x, digest, section["truncation"], tools)
@@ -283,6 +315,11 @@ def next_round(study: Any, member: dict[str, Any], tools: Any) -> dict[str, Any]
         return {**member, "history": rows}
     following = {**base_member(member), "round": this + 1, "box": found["box"], "previous": found["model"],
                  "observation": digest}
+    if section["reuse"] and data is not None:
+        following["reuse"] = data.key
+        splits = [name[:-len("_x")] for name in data.metadata["rows"] if name.endswith("_x")]
+        study.round_data[data.key] = {name: data.array(name) for split in splits
+                                      for name in (f"{split}_x", f"{split}_theta")}
     following["history"] = rows + [round_row(study, following)]
     tools.log(round_line(section, following["history"][-1]))
     return following
@@ -319,6 +356,13 @@ def round_row(study: Any, member: dict[str, Any]) -> dict[str, Any]:
             "volume": float(torch.prod((problem.high - problem.low) / (full.high - full.low))),
             "prior_mass": float(inside(draws, problem.low, problem.high).double().mean()),
             "simulations": int(sum(data[split] for split in ("train", "validation", "test")))}
+
+
+def simulations_used(study: Any, data: Any) -> dict[str, int]:
+    """The simulations a round trained on (its `data` rows), and how many of them an earlier round made."""
+    fresh = sum(study.settings["data"][split] for split in ("train", "validation", "test"))
+    used = sum(count for name, count in ((data.metadata or {}).get("rows") or {}).items() if name.endswith("_x"))
+    return {"simulations": used or fresh, "reused": max(0, used - fresh)}
 
 
 def round_line(section: dict[str, Any], row: dict[str, Any]) -> str:

@@ -9,7 +9,8 @@ For each problem and observation (drawn at prior truths), two nnpd trainings of 
 total of simulator calls, the kit's recipe otherwise (no `model` or `training` section):
 
   amortized   one training on `--simulations` simulations from the whole prior;
-  rounds      `rounds.count` rounds for x_o, each of simulations / count (docs/rounds.md).
+  rounds      `rounds.count` rounds for x_o, each of simulations / count new ones, each also
+              training on the earlier rounds' inside its box unless `--no-reuse` (docs/rounds.md).
 
 Each posterior (`restore(run).posterior(x_o)`, the default design) draws `--samples`
 samples, scored by C2ST (c2st.py, BENCH_C2ST_EPOCHS epochs) against as many exact draws:
@@ -150,12 +151,14 @@ def bench_problem(name, args, workdir):
         exact = reference(x_o, args.samples, generator)
         folder = workdir / name / f"rounds-{i}"
         np.save(workdir / name / f"x_o-{i}.npy", x_o)
-        rounds = {"count": args.rounds, "observation": str(workdir / name / f"x_o-{i}.npy")}
+        rounds = {"count": args.rounds, "observation": str(workdir / name / f"x_o-{i}.npy"),
+                  "reuse": not args.no_reuse}
         write_settings(folder, source, spec, prior, split(args.simulations // args.rounds), rounds)
         targeted, seconds = train(folder)
         rows.append({"observation": i, "amortized": score(amortized, x_o, exact, i),
                      "rounds": score(targeted, x_o, exact, i), "rounds_cpu_seconds": seconds,
                      "volumes": [row["volume"] for row in targeted.member["history"]],
+                     "reused": [row.get("reused") for row in targeted.member["history"]],
                      "final_volume": targeted.member["history"][-1]["volume"]})
         print(f"{name} observation {i}: {rows[-1]}", flush=True)
     return {"amortized_cpu_seconds": amortized_seconds, "observations": rows}
@@ -182,6 +185,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--samples", type=int, default=2000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-reuse", action="store_true", help="rounds train on their own simulations alone")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     started = time.monotonic()

@@ -92,7 +92,8 @@ def test_a_rounds_key_changes_with_the_observation_the_box_and_the_previous_mode
 
     first = keys(later)
     assert keys(member) != first
-    for change in ({"observation": "c" * 64}, {"previous": "d" * 64}, {"box": [[6.0, -0.5], [9.5, 0.25]]}):
+    for change in ({"observation": "c" * 64}, {"previous": "d" * 64}, {"box": [[6.0, -0.5], [9.5, 0.25]]},
+                   {"reuse": "e" * 64}):
         assert all(a != b for a, b in zip(keys({**later, **change}), first)), change
     assert keys({**later, "history": []}) == first            # what is recorded of earlier rounds is no key
     assert rounds.round_recipe(member) == {}                  # round 1 shares the amortized model's keys
@@ -162,6 +163,10 @@ def test_a_study_trains_its_rounds_and_a_rerun_rebuilds_nothing(trained_in_round
     assert member["round"] == 3 and [row["round"] for row in member["history"]] == [1, 2, 3]
     volumes = [row["volume"] for row in member["history"]]
     assert volumes[0] == 1 and volumes[1] < 0.2 and volumes[2] <= volumes[1]
+    # Rounds 2 and 3 also train on the earlier simulations inside their boxes (rounds.reuse, the default).
+    fresh = 2700
+    assert [row["simulations"] - row["reused"] for row in member["history"]] == [fresh] * 3
+    assert member["history"][0]["reused"] == 0 and all(row["reused"] > 0 for row in member["history"][1:])
 
 
 @pytest.mark.launch
