@@ -31,7 +31,7 @@ from store import NnpdError
 
 __all__ = [
     "ROUND_KEYS", "RoundsError", "rounds_settings", "read_observation", "observation_digest", "base_member",
-    "round_recipe", "with_earlier", "BoxProblem", "CutPrior", "cut_prior", "posterior_box", "next_round", "box_note",
+    "round_recipe", "with_earlier", "BoxProblem", "CutPrior", "cut_prior", "posterior_box", "next_round",
     "outside_warning",
 ]
 
@@ -377,14 +377,6 @@ def edge_warnings(names: list[str], row: dict[str, Any], epsilon: float) -> list
             f"width of a cut face of {name!r} (above rounds.truncation {epsilon:g}): the box may have cut its tail; "
             "lower rounds.truncation for a wider box (docs/rounds.md)"
             for name, mass in zip(names, row.get("edge_mass", ())) if mass > epsilon]
-
-
-def box_note(member: dict[str, Any]) -> str | None:
-    """A short description of the last round's box for a run's record, or None for an amortized member."""
-    if "box" not in member:
-        return None
-    low, high = member["box"]
-    return "; ".join(f"[{a:.4g}, {b:.4g}]" for a, b in zip(low, high))
 
 
 def outside_warning(member: dict[str, Any], observations: Any) -> str | None:
