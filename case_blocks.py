@@ -3,11 +3,13 @@ a grid, Sobol points or the adaptive design), then each block of cases refined (
 scored on the shared candidates, and summarised (hpd.py).
 
 The analysis (nre_analysis.py) and one observation's posterior (posterior.py) both decide and
-score through here, so a case's design and summaries are the same in both.
+score through here (learned_scoring, exact_scoring), so a case's design, scores and summaries are
+the same in both.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any, Callable, Iterator, Mapping, NamedTuple, Sequence
 
@@ -20,7 +22,8 @@ import hpd
 import runtime
 
 __all__ = ["Candidates", "Design", "Scoring", "ScoreFn", "analyse_block", "blocks_of_cases", "case_bytes",
-           "decide_design", "design_case_bytes", "shared_candidates"]
+           "decide_design", "design_case_bytes", "exact_scoring", "learned_scoring", "network_precision",
+           "shared_candidates"]
 
 ScoreFn = Callable[[torch.Tensor], Mapping[str, torch.Tensor]]   # points (B, n, p) -> {target: scores (B, n)}
 
@@ -135,3 +138,64 @@ def blocks_of_cases(design: Design, shared: Candidates, scoring: Scoring, truths
         result = analyse_block(design, shared, lambda points: scoring.scores(index, points),
                                truths[start:stop].to(scoring.device), index.tolist())
         yield start, result
+
+
+# ---------------------------------------------------------------- the scorings of the kit's targets
+
+@contextlib.contextmanager
+def network_precision(precision, device):
+    """The arithmetic of the analysis' network calls: float32, TF32 matrix products (CUDA) or bfloat16 autocast."""
+    if precision == "bfloat16":
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            yield
+    elif precision == "tf32" and device.type == "cuda":
+        before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        try:
+            yield
+        finally:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
+    else:
+        yield
+
+
+def learned_scoring(model, device, prior, observations, targets, settings, counted, policy=None):
+    """Scoring of the learned targets: the model's ensemble score of each case's observations
+    (ratio), plus the log prior (posterior); `counted` (an case_scores.Evaluations) counts the calls.
+    `policy` (an case_scores.CallPolicy) defaults to the device's own."""
+    input_width = observations.shape[2] + len(prior.lattice_steps)
+    policy = policy or case_scores.call_policy(device.type, settings["chunk_rows"],
+                                               case_scores.network_row_bytes(model, input_width))
+    on_device, precision = observations.to(device), settings.get("precision", "float32")
+
+    # The model is the logit function itself: the logits of any floating dtype (bfloat16 under
+    # autocast) are summed in float64 (one conversion fewer after each network call).
+    with network_precision(precision, device):
+        column_rows = case_scores.accepts_column_rows(model, input_width, device)
+
+    def scores(cases, points):
+        with network_precision(precision, device):
+            ratio = case_scores.ensemble_scores(model, on_device[cases.to(device)], points, policy.rows_per_call,
+                                                counted, column_rows)
+        values = {"ratio": ratio}
+        if "posterior" in targets:
+            values["posterior"] = ratio + torch.as_tensor(prior.log_prob(points), device=device)
+        return {t: values[t] for t in targets}
+
+    return Scoring(scores, device, policy.block_bytes)
+
+
+def exact_scoring(log_likelihood, observations, device, chunk_rows, counted=None):
+    """Scoring of the exact target: each case's summed log-likelihood on `device`; `counted`
+    (an case_scores.Evaluations) counts the likelihood terms."""
+    policy = case_scores.call_policy(device.type, chunk_rows)
+    on_device = observations.to(device)
+
+    def scores(cases, points):
+        if counted is not None:
+            terms = points.shape[0] * points.shape[1] * observations.shape[1]
+            counted.add(terms, terms)
+        return {"exact": case_scores.exact_scores(log_likelihood, on_device[cases.to(device)], points,
+                                                  policy.rows_per_call)}
+
+    return Scoring(scores, device, policy.block_bytes)

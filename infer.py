@@ -6,17 +6,19 @@ and with `--plot` `<stem>-<member>.corner.png`. The observations are one observa
 or an ensemble of m observations (m, d) of the same parameters; `--truth FILE.npy` (p,)
 marks known parameters on the corner plot. A bad file or shape changes nothing on disk.
 A nearly flat posterior (Posterior.flatness) gets one line saying so, kept under "flat" in
-the JSON too. A run only trained, never analysed, is scored with the study's default analysis
+the JSON too: the lines of the posterior's own warnings (Posterior.warnings), which
+`restore(run).posterior` gives a Python user as PosteriorWarnings. A run only trained, never analysed, is scored with the study's default analysis
 settings on posterior.POSTERIOR_CANDIDATES' design. One line says how the samples were drawn
 (Posterior.sampling), with a warning when they could not be made independent; with
 `--reference FILE.npy` (n, p) draws of a reference posterior, one line gives the C2ST of the
-samples against them (0.5: indistinguishable; c2st.py), kept under "c2st" in the JSON.
+samples against them (0.5: indistinguishable; c2st.py) on sets of equal size, the larger one
+subsampled, kept under "c2st" (and the size under "c2st_draws") in the JSON. `--output` is
+followed through links before the check that it lies outside every output root.
 """
 import io
 import json
 import os
 import re
-import stat
 import sys
 import warnings
 from pathlib import Path
@@ -25,15 +27,13 @@ import numpy as np
 
 import runtime
 import study
-import trainer
 from c2st import c2st
-from store import ROOT_MARKER, NnpdError, restore, write_bytes_atomic
+from store import ROOT_MARKER, NnpdError, irregular_file, read_npy, restore, write_bytes_atomic
 
 __all__ = ["InferError", "add_arguments", "command"]
 
 DEFAULT_SAMPLES = 1000
 MAX_SAMPLES = 10**7         # samples infer draws at most (10^7 rows of p float64 fit in memory for modest p)
-MAX_ELEMENTS = 10**8        # numbers infer reads from one .npy file
 
 
 class InferError(NnpdError):
@@ -55,26 +55,16 @@ def read_array(path, what):
     """A real numeric array from a regular .npy file, or an InferError naming the file.
 
     The file's type is checked before it is opened (a FIFO would block the open for ever),
-    and its header's size before its data are read.
+    and its header's size and dtype before its data are read (store.read_npy).
     """
+    problem = irregular_file(path)
+    if problem is not None:
+        raise InferError(f"{what} {path}: {problem}; give a .npy file saved with numpy.save")
     try:
-        kind = os.stat(path).st_mode
-    except OSError as error:
-        raise InferError(f"{what} {path}: cannot be read ({error.strerror})") from None
-    if not stat.S_ISREG(kind):
-        raise InferError(f"{what} {path}: not a regular file; give a .npy file saved with numpy.save")
-    try:
-        mapped = np.load(Path(path), allow_pickle=False, mmap_mode="r")
-        if not isinstance(mapped, np.ndarray):
-            raise ValueError("an .npz archive, not one array")
-        if mapped.size > MAX_ELEMENTS:
-            raise InferError(f"{what} {path}: holds {mapped.size:,} numbers, over the {MAX_ELEMENTS:,} infer reads")
-        array = np.array(mapped)
+        with open(path, "rb") as stream:
+            array = read_npy(stream)
     except (OSError, ValueError, EOFError) as error:
-        why = "it holds pickled Python objects, which infer never loads" if "pickle" in str(error) else error
-        raise InferError(f"{what} {path}: not a readable .npy file of numbers ({why}); save one with numpy.save")
-    if not np.issubdtype(array.dtype, np.number) or np.iscomplexobj(array):
-        raise InferError(f"{what} {path}: holds {array.dtype}, not real numbers")
+        raise InferError(f"{what} {path}: not a readable .npy file of numbers ({error}); save one with numpy.save")
     if not np.isfinite(array).all():
         raise InferError(f"{what} {path}: holds NaN or infinite values")
     return array
@@ -85,7 +75,8 @@ def output_folder(arguments):
     folder = Path(arguments.output) if arguments.output else Path(arguments.observations).parent
     if folder.exists() and not folder.is_dir():
         raise InferError(f"--output {folder}: exists and is not a folder; name a folder")
-    for place in (folder.absolute(), *folder.absolute().parents):
+    real = Path(os.path.realpath(folder))      # a link must not lead into the root (its cache) unseen
+    for place in (real, *real.parents):
         if (place / ROOT_MARKER).is_file():
             raise InferError(f"{folder}: inside the output root {place}, which nnpd manages; write elsewhere "
                              "(--output DIR)")
@@ -133,17 +124,32 @@ def infer(arguments):
     figure = corner_png(posterior, samples, truth, run_label(restored)) if arguments.plot else None
     summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),
                "shape": list(observations.shape), "samples": int(arguments.samples), **posterior.summary(),
-               "flat": posterior.flatness(trainer.kept_validation(restored.history).get("auc")),
-               "sampling": posterior.sampling}
+               "flat": posterior.flat, "sampling": posterior.sampling}
     if reference is not None:
-        summary["c2st"] = c2st(samples, reference, seed=0)
+        summary["c2st"], summary["c2st_draws"] = equal_size_c2st(samples, reference)
     stem = folder / file_stem(arguments.observations, restored.member.get("name", "run"))
-    return write_outputs(stem, summary, samples, figure), report_lines(summary, reference)
+    return write_outputs(stem, summary, samples, figure), report_lines(summary, posterior.warnings, reference)
+
+
+def equal_size_c2st(samples, reference):
+    """The C2ST of the samples against the reference on sets of equal size, the larger one subsampled (seeded),
+    and that size.
+
+    On unequal sets a classifier scores the larger share by guessing its label: 500 draws of
+    the very posterior against 5,000 read 0.909, not the 0.5 that means indistinguishable.
+    """
+    size = min(len(samples), len(reference))
+    generator = np.random.default_rng(0)
+    mine, theirs = (array if len(array) == size else array[np.sort(generator.choice(len(array), size, replace=False))]
+                    for array in (samples, reference))
+    return c2st(mine, theirs, seed=0), size
 
 
 def posterior_samples(restored, observations, truth, reference, arguments):
     """The run's posterior for the observations and its samples; a shape that does not fit is an InferError."""
-    posterior = restored.posterior(observations)        # a bad observation is its PosteriorError
+    with warnings.catch_warnings():     # infer prints the posterior's warnings as lines of its own
+        warnings.simplefilter("ignore")
+        posterior = restored.posterior(observations)        # a bad observation is its PosteriorError
     p, names = len(posterior.names), ", ".join(posterior.names)
     if truth is not None and truth.shape != (p,):
         raise InferError(f"--truth {arguments.truth}: shape {truth.shape}, expected ({p},) for {names}")
@@ -158,6 +164,9 @@ def posterior_samples(restored, observations, truth, reference, arguments):
 def write_outputs(stem, summary, samples, figure):
     """The summary JSON, the samples and the corner plot (when drawn), each written atomically; their paths."""
     written = [stem.with_name(f"{stem.name}.posterior.json"), stem.with_name(f"{stem.name}.samples.npy")]
+    for path in written + [stem.with_name(f"{stem.name}.corner.png")] * (figure is not None):
+        if os.path.lexists(path) and not os.path.isfile(path):       # the rename would fail on a folder
+            raise InferError(f"{path}: exists and is not a file; move it, or write elsewhere (--output DIR)")
     write_bytes_atomic(written[0], (json.dumps(summary, indent=2) + "\n").encode())
     buffer = io.BytesIO()
     np.save(buffer, samples)
@@ -168,15 +177,17 @@ def write_outputs(stem, summary, samples, figure):
     return written
 
 
-def report_lines(summary, reference):
-    """What infer prints besides the files: how it sampled, its warnings, the C2ST against a reference."""
+def report_lines(summary, warned, reference):
+    """What infer prints besides the files: how it sampled, the posterior's warnings, the C2ST against a reference."""
     sampling = summary["sampling"]
     line = f"samples: {sampling['draws']} by {sampling['method']}, {sampling['distinct_fraction']:.0%} distinct"
     if sampling["acceptance"] is not None:
         line += f", acceptance {sampling['acceptance']:.2g} of {sampling['evaluations']} proposal evaluations"
-    lines = [line] + [f"warning: {text}" for text in (sampling["warning"], summary["flat"]["warning"]) if text]
+    lines = [line] + [f"warning: {text}" for text in warned]
     if reference is not None:
-        lines.append(f"c2st: {summary['c2st']:.3f} against {len(reference)} reference draws (0.5: indistinguishable)")
+        size = summary["c2st_draws"]
+        lines.append(f"c2st: {summary['c2st']:.3f}, {size} samples against {size} of the {len(reference)} reference "
+                     "draws (sets of equal size; 0.5: indistinguishable)")
     return lines
 
 

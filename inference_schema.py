@@ -7,15 +7,52 @@ section through check_inference_settings, so both see the same defaults.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, TypedDict, cast
 
 import designs
 from settings import SettingsError, integer, is_number, name_list, one_of
 
-__all__ = ["TARGETS", "INFERENCE_SCHEMA", "INFERENCE_DEFAULTS", "COARSE_PER_PARAMETER", "CANDIDATES_PER_PARAMETER",
+__all__ = ["Truths", "Candidates", "Inference", "TARGETS", "INFERENCE_SCHEMA", "INFERENCE_DEFAULTS", "COARSE_PER_PARAMETER", "CANDIDATES_PER_PARAMETER",
            "default_design_sizes", "default_targets", "study_defaults", "check_inference_settings"]
 
 TARGETS = ("ratio", "posterior", "exact")
+
+
+# The checked section as the code reads it: mypy names a key misspelt anywhere it is read.
+class Truths(TypedDict):
+    """Where the analysis' truths lie (inference.truths)."""
+    kind: str
+    truth_points_per_axis: int
+    sobol_truths: int
+    max_grid_truths: int
+    truth_margin_fraction: float
+    align_truths_to_grid: bool
+    repeats: int
+
+
+class Candidates(TypedDict):
+    """The candidate design each case is scored on (inference.candidates)."""
+    kind: str
+    candidate_count: int
+    candidate_points_per_axis: int
+    native_grid_prior: bool
+    max_enumerated: int
+    coarse_count: int
+    refinement_stages: int
+
+
+class Inference(TypedDict):
+    """The `inference` section, every default filled in (check_inference_settings)."""
+    truths: Truths
+    candidates: Candidates
+    observations: int
+    chunk_rows: int
+    diagnostic_cases: int
+    retain: str
+    precision: str
+    targets: list[str]
+    levels: list[float]
+
 
 INFERENCE_SCHEMA = {
     "truths": {"kind": ("grid", "sobol", "size_adaptive"), "truth_points_per_axis": int, "sobol_truths": int,
@@ -111,7 +148,7 @@ def check_value(value, rule, path):
         raise SettingsError(f"{path}: expected a {rule.__name__}, got {value!r}")
 
 
-def check_inference_settings(settings, parameter_count, likelihood=True):
+def check_inference_settings(settings: Any, parameter_count: int, likelihood: bool = True) -> Inference:
     """The `inference` section with every default filled in (INFERENCE_DEFAULTS), checked; returns a new dict.
 
     `parameter_count` sizes the default design; `likelihood` says whether the exact target is a default.
@@ -132,4 +169,4 @@ def check_inference_settings(settings, parameter_count, likelihood=True):
     if not levels or any(not is_number(v) or not 0 < v < 1 for v in levels) \
             or sorted(set(levels)) != list(levels):
         raise SettingsError(f"inference.levels: increasing enclosed masses strictly between 0 and 1; got {levels!r}")
-    return settings
+    return cast(Inference, settings)

@@ -21,7 +21,9 @@ import probes
 import output_root
 import runtime
 import study
+import study_loading
 import timings
+import trainer
 from output_root import LaunchError
 from settings import Configuration, Profile, digest
 from store import DamagedArtifact, Store, now_iso, write_bytes_atomic, write_json_atomic
@@ -161,14 +163,14 @@ DATA_SPLITS = ("train", "validation", "test")     # the order of a data artifact
 def data_recipe(job):
     """The training data's recipe: no backend identity, so CPU and CUDA share data."""
     return {"experiment": job.experiment.data_recipe(job.member),
-            "source": fingerprint.source_fingerprint(*study.experiment_sources(job.experiment, "DATA_SOURCES")),
+            "source": fingerprint.source_fingerprint(*study_loading.experiment_sources(job.experiment, "DATA_SOURCES")),
             "versions": fingerprint.library_versions()}
 
 
 def model_recipe(job, data_key, identity):
     """The model's recipe: settings, data, source, versions and backend identity."""
     return {"experiment": job.experiment.model_recipe(job.member), "data": data_key, "backend": identity,
-            "source": fingerprint.source_fingerprint(*study.experiment_sources(job.experiment, "MODEL_SOURCES")),
+            "source": fingerprint.source_fingerprint(*study_loading.experiment_sources(job.experiment, "MODEL_SOURCES")),
             "versions": fingerprint.library_versions()}
 
 
@@ -269,7 +271,7 @@ def run_record(launch, job):
             "knob": job.configuration.knob, "value": job.configuration.value, "member": job.member,
             "settings": job.settings, "backend": launch.identity, "versions": fingerprint.library_versions(),
             "source": launch.snapshot, "description": job.experiment.describe(job.member),
-            "study_path": study.module_folder(type(job.experiment))}
+            "study_path": study_loading.module_folder(type(job.experiment))}
 
 
 def get_model(launch, job, data, recipe):
@@ -303,7 +305,11 @@ def train_model(launch, job, data, key):
     """Train one model with hooks that save and resume its state in the store's scratch area."""
     model = job.experiment.build_model(job.member)
     with runtime.STOP.polling():
-        return job.experiment.train(job.member, model, data, launch.rt, training_hooks(launch, job, key))
+        state, history = job.experiment.train(job.member, model, data, launch.rt, training_hooks(launch, job, key))
+    outcome = trainer.training_outcome(history)
+    if outcome is not None:          # the bundled trainer's history: how it ended and what it kept
+        launch.log(f"model   {job.run}: {outcome}", every_worker=True)
+    return state, history
 
 
 def training_hooks(launch, job, key):
@@ -321,15 +327,22 @@ def training_hooks(launch, job, key):
         store.save_scratch("model", key, buffer.getvalue())
 
     def on_epoch(epoch, record):
-        auc = "n/a" if record["auc"] is None else f"{record['auc']:.3f}"
-        launch.log(f"        epoch {epoch}/{record['epochs']}: loss {record['train_loss']:.4f}, validation BCE "
-                   f"{record['bce']:.4f}, AUC {auc}, {record['seconds']:.1f} s", every_worker=True)
+        launch.log(f"        epoch {epoch}/{record['epochs']}: {epoch_text(record)}", every_worker=True)
 
     def on_resume(epoch, batch):
         launch.log(f"resumed {job.run}: epoch {epoch}, after batch {batch}", every_worker=True)
 
     return TrainingHooks(load_state=load_state, save_state=save_state, save_seconds=launch.rt.resume_seconds,
                          stop_requested=runtime.STOP, on_epoch=on_epoch, on_resume=on_resume)
+
+
+def epoch_text(record):
+    """An epoch's log line: the training loss, the trained objective's validation loss, then BCE and AUC."""
+    auc = "n/a" if record["auc"] is None else f"{record['auc']:.3f}"
+    name = record.get("objective_name", "BCE")
+    objective = "validation " if name == "BCE" else f"validation {name} {record['objective']:.4f}, "
+    return (f"loss {record['train_loss']:.4f}, {objective}BCE {record['bce']:.4f}, AUC {auc}, "
+            f"{record['seconds']:.1f} s")
 
 
 def find_intact(store, name, key):
@@ -408,7 +421,7 @@ def analyze_model(launch, job, data, model):
     values = {}
     for name in settings["metrics"]:
         with probes.phase(f"metric.{name}"):
-            values[name] = study.metric_value(name, job.analysis.metrics[name].compute(ctx))
+            values[name] = study_loading.metric_value(name, job.analysis.metrics[name].compute(ctx))
         write_json_atomic(run_dir / "metrics" / f"{name}.json", values[name])
     write_json_atomic(run_dir / "metrics.json", values)
     draw_figures(job.analysis.plots, settings["plots"], ctx, run_dir / "plots", settings["plotting"])
@@ -450,12 +463,11 @@ def draw_figures(figures, selected, target, folder, plotting):
 
 def cohort_figures(launch, jobs, trained):
     """Per configuration, the cohort figures across its members (rank 0, after every job)."""
-    settings = launch.profile.analysis
-    if not settings["cohort_plots"]:
-        return
     for configuration in launch.profile.configurations:
         members = [job for job in jobs if job.configuration is configuration]
-        if not members:
+        # The analysis class's settings: it may fill the figures the settings file leaves out.
+        settings = members[0].analysis.settings if members else {}
+        if not settings.get("cohort_plots"):
             continue
         # Each job's analysis settings, with its study's defaults filled in: the products' keys read them.
         contexts = [study.Context(job.settings, job.analysis.settings, job.member, job.experiment, job.analysis,
@@ -466,7 +478,7 @@ def cohort_figures(launch, jobs, trained):
             output_root.discard(folder)          # figures no longer selected do not linger
         launch.log(f"figures {configuration.name}")
         draw_figures(members[0].analysis.cohort_plots, settings["cohort_plots"], contexts, folder,
-                     settings["plotting"])
+                     launch.profile.analysis["plotting"])
 
 
 # ---------------------------------------------------------------- claiming

@@ -28,6 +28,7 @@ import output_root
 import runtime
 import settings
 import study
+import study_loading
 import timings
 from jobs import Job, Launch
 from output_root import LaunchError
@@ -57,12 +58,12 @@ def load(profile=None, settings_dir=None):
 
 def configuration_jobs(configuration, analysis_settings):
     """Validate one configuration and list its jobs."""
-    experiment, analysis = study.load_study(configuration.settings, analysis_settings)
+    experiment, analysis = study_loading.load_study(configuration.settings, analysis_settings)
     members = experiment.members()
     for index, member in enumerate(members):
         settings.safe_name(member.get("name") if isinstance(member, dict) else None, f"cohort member {index}")
     if members:
-        study.check_logit_shape(experiment, members[0], configuration.settings["experiment"])
+        study_loading.check_logit_shape(experiment, members[0], configuration.settings["experiment"])
     return [Job(configuration, member, experiment, analysis, analysis.workload(member)) for member in members]
 
 
@@ -100,7 +101,7 @@ def make_plan(profile):
         for job in mine:
             analysis_errors.extend(workload_errors(job, profile.analysis["verification"]))
         for job in mine[:1]:     # a study's own lines, once per configuration
-            stops, notes = study.plan_notes(job.experiment, job.analysis)
+            stops, notes = study_loading.plan_notes(job.experiment, job.analysis)
             analysis_errors.extend(f"configuration {configuration.name}: {line}" for line in stops)
             warnings_found.extend(f"configuration {configuration.name}: {line}" for line in notes)
     folders = [job.run for job in found]
@@ -125,7 +126,7 @@ def runtime_warnings(profile):
     if runtime_settings["parallel"] == "ddp" and world == 1:
         found.append("runtime.parallel=\"ddp\" in a single process trains as one process; launch with "
                      "torchrun --nproc_per_node=N for collective training")
-    if (profile.analysis["plots"] or profile.analysis["cohort_plots"]) and jobs.matplotlib_missing():
+    if (profile.analysis.get("plots") or profile.analysis.get("cohort_plots")) and jobs.matplotlib_missing():
         found.append("plots/cohort_plots: figures were requested but matplotlib is not installed, so they are "
                      "skipped; install it with `pip install matplotlib` (the package's [plots] extra)")
     return found
@@ -319,8 +320,8 @@ def finish_launch(launch, planned, trained, used):
     output_root.copy_settings(root, profile)
     if launch.stage != "train":
         records = results.read_runs(root, fields["runs"])
-        print(results.report_text(records, study.report_layout(profile.analysis)[0],
-                                  study.report_warnings(profile.analysis)), flush=True)
+        print(results.report_text(records, study_loading.report_layout(profile.analysis)[0],
+                                  study_loading.report_warnings(profile.analysis)), flush=True)
 
 
 def verify(profile=None, settings_dir=None):
@@ -347,7 +348,7 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
     records = results.read_runs(root)
     if not any(record.metrics is not None for record in records):
         raise LaunchError(f"{root}: no analysed runs yet; run `python nnpd.py run --profile {loaded.name}` first")
-    notes, (columns, panels) = [], study.report_layout(loaded.analysis)
+    notes, (columns, panels) = [], study_loading.report_layout(loaded.analysis)
     if csv_path:
         notes.append(f"{results.write_csv(records, csv_path)} rows written to {csv_path}")
     if plot and jobs.matplotlib_missing():
@@ -359,7 +360,7 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
             write_bytes_atomic(root / "report" / "comparison.png", png)
         notes.append(f"figure written to {root / 'report' / 'comparison.png'}" if png is not None else
                      "--plot: nothing to draw (no analysed run has a metric of the figure); no figure written")
-    return results.report_text(records, columns, study.report_warnings(loaded.analysis)), notes
+    return results.report_text(records, columns, study_loading.report_warnings(loaded.analysis)), notes
 
 
 # ---------------------------------------------------------------- command line
@@ -368,7 +369,7 @@ def parse_arguments(argv):
     """The command line: an action, a profile and a settings directory."""
     parser = argparse.ArgumentParser(prog="nnpd", description=__doc__.split("\n")[0])
     parser.add_argument("action", nargs="?", default="plan", choices=ACTIONS)
-    parser.add_argument("--profile", help="profile name (default: the settings file's DEFAULT_PROFILE)")
+    parser.add_argument("--profile", help="profile name (default: DEFAULT_PROFILE, or a SETTINGS file's own)")
     parser.add_argument("--settings-dir", help="directory holding settings_training.py and settings_analysis.py")
     parser.add_argument("--csv", metavar="FILE", help="report: also write one CSV row per analysed run")
     parser.add_argument("--plot", action="store_true", help="report: also draw the comparison figure")

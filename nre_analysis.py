@@ -14,7 +14,6 @@ expected_coverage, pairwise, reweighting, normalization (docs/results.md says wh
 """
 from __future__ import annotations
 
-import contextlib
 import math
 import statistics
 from typing import Any, Callable, Mapping, NamedTuple, Protocol, Sequence, cast
@@ -28,6 +27,7 @@ import case_blocks
 import case_scores
 import contrast
 import designs
+import flatness
 import hpd
 import inference_schema
 import nre_figures
@@ -35,15 +35,17 @@ import priors
 import probes
 import runtime
 import trainer
-from study import Analysis, Context, ExperimentContract, Figure, Json, Member, Metric, Product, check_selection
+from study import Analysis, Context, ExperimentContract, Figure, Json, Member, Metric, Product
+from study_loading import check_selection
 from inference_schema import check_inference_settings
+from nre_figures import case_truths
 from settings import SettingsError
+from store import NnpdError
 
-__all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "KitExperiment",
+__all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "InvalidObservations", "KitExperiment",
            "MIN_COARSE_NEIGHBOURS", "NREAnalysis", "SUMMARY_FIELDS", "bayes_optimal_logits",
-           "build_learned", "case_design", "chi_square_quantile", "coverage_curve",
-           "exact_scoring", "flatness", "learned_scoring", "posterior_share", "prior_sds", "summarise_cases",
-           "summarise_targets"]
+           "build_learned", "case_design", "chi_square_quantile", "coverage_curve", "posterior_share",
+           "summarise_cases", "summarise_targets", "valid_cases"]
 
 # The modules of the analysis stack, whose sources enter every product's key (see NREAnalysis).
 ANALYSIS_STACK = (inference_schema, designs, case_scores, hpd, analysis_metrics, adaptive, case_blocks)
@@ -89,14 +91,39 @@ def build_truths(ctx, writer):
     return {"count": int(truths.shape[0])}
 
 
+class InvalidObservations(NnpdError, ValueError):
+    """The simulator returned NaN or infinite values at analysis truths that may not be dropped."""
+
+
 def build_observations(ctx, writer):
-    """An ensemble of independent observations at every truth."""
+    """An ensemble of independent observations at every truth; with data.invalid = "drop", at the truths whose
+    observations are all finite, the kept truths' indices written as `kept_cases` (see case_truths)."""
     truths = torch.from_numpy(ctx.require("truths").array("truths"))
     seed = runtime.derived_seed(ctx.settings["seed"], "observations")
     observations = designs.make_observations(
         ctx.problem.simulate, truths, ctx.analysis_settings["inference"]["observations"], seed)
-    writer.array("observations", observations.numpy())
-    return {"shape": list(observations.shape)}
+    valid = valid_cases(observations, truths, ctx.settings.get("data", {}).get("invalid", "error"))
+    if valid.all():
+        writer.array("observations", observations.numpy())
+        return {"shape": list(observations.shape)}
+    writer.array("observations", observations[valid].numpy())
+    writer.array("kept_cases", np.flatnonzero(valid.numpy()))
+    return {"shape": list(observations[valid].shape), "truths": len(truths), "dropped_truths": int((~valid).sum())}
+
+
+def valid_cases(observations, truths, policy):
+    """Which truths' observations (cases, m, d) are all finite; others are an InvalidObservations unless
+    `policy` (data.invalid) is "drop" and some truth is left."""
+    valid = torch.isfinite(observations).flatten(1).all(1)
+    count = int((~valid).sum())
+    if not count or (policy == "drop" and count < len(valid)):
+        return valid
+    line = (f"inference.truths: the simulator returned NaN or infinite values at {count:,} of {len(valid):,} truths "
+            f"({count / len(valid):.1%}), e.g. at θ = {[round(v, 6) for v in truths[~valid][0].tolist()]}")
+    if policy == "drop":
+        raise InvalidObservations(f"{line}, every one: fix the simulator, or narrow the study's parameter box")
+    raise InvalidObservations(f"{line}; fix the simulator there, or set data.invalid = \"drop\" to analyse the "
+                              "other truths (training drops such simulations too)")
 
 
 def build_candidates(ctx, writer):
@@ -111,8 +138,8 @@ def build_candidates(ctx, writer):
 
 
 def inference_inputs(ctx):
-    """Truths, observations, candidate points and log measure as float64 tensors."""
-    truths = torch.from_numpy(ctx.require("truths").array("truths"))
+    """Truths of the analysed cases, observations, candidate points and log measure as float64 tensors."""
+    truths = torch.from_numpy(case_truths(ctx))
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
     candidates = ctx.require("candidates")
     return truths, observations, torch.from_numpy(candidates.array("points")), \
@@ -230,56 +257,14 @@ def summarise_targets(ctx: Any, writer: Any, targets: list[str], scoring: case_b
     return {**metadata, "design": design.kind}
 
 
-@contextlib.contextmanager
-def network_precision(precision, device):
-    """The arithmetic of the analysis' network calls: float32, TF32 matrix products (CUDA) or bfloat16 autocast."""
-    if precision == "bfloat16":
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            yield
-    elif precision == "tf32" and device.type == "cuda":
-        before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-        try:
-            yield
-        finally:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
-    else:
-        yield
-
-
-def learned_scoring(model, device, prior, observations, targets, settings, counted, policy=None):
-    """Scoring of the learned targets: the model's ensemble score of each case's observations
-    (ratio), plus the log prior (posterior); `counted` (an case_scores.Evaluations) counts the calls.
-    `policy` (an case_scores.CallPolicy) defaults to the device's own."""
-    input_width = observations.shape[2] + len(prior.lattice_steps)
-    policy = policy or case_scores.call_policy(device.type, settings["chunk_rows"],
-                                               case_scores.network_row_bytes(model, input_width))
-    on_device, precision = observations.to(device), settings.get("precision", "float32")
-
-    # The model is the logit function itself: the logits of any floating dtype (bfloat16 under
-    # autocast) are summed in float64 (one conversion fewer after each network call).
-    with network_precision(precision, device):
-        column_rows = case_scores.accepts_column_rows(model, input_width, device)
-
-    def scores(cases, points):
-        with network_precision(precision, device):
-            ratio = case_scores.ensemble_scores(model, on_device[cases.to(device)], points, policy.rows_per_call,
-                                                counted, column_rows)
-        values = {"ratio": ratio}
-        if "posterior" in targets:
-            values["posterior"] = ratio + torch.as_tensor(prior.log_prob(points), device=device)
-        return {t: values[t] for t in targets}
-
-    return case_blocks.Scoring(scores, device, policy.block_bytes)
-
-
 def build_learned(ctx, writer):
     """HPD summaries of the learned ratio and posterior targets for every case."""
     settings = ctx.analysis_settings["inference"]
     targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
     counted = case_scores.Evaluations()
-    scoring = learned_scoring(ctx.model, ctx.runtime.device, ctx.prior, observations, targets, settings, counted)
+    scoring = case_blocks.learned_scoring(ctx.model, ctx.runtime.device, ctx.prior, observations, targets, settings,
+                                          counted)
     with torch.no_grad():
         metadata = summarise_targets(ctx, writer, targets, scoring)
     probes.count("product.learned", evaluations=counted.rows, network_calls=counted.calls,
@@ -288,27 +273,11 @@ def build_learned(ctx, writer):
             "rows_per_call": counted.call_rows // max(counted.calls, 1)}
 
 
-def exact_scoring(log_likelihood, observations, device, chunk_rows, counted=None):
-    """Scoring of the exact target: each case's summed log-likelihood on `device`; `counted`
-    (an case_scores.Evaluations) counts the likelihood terms."""
-    policy = case_scores.call_policy(device.type, chunk_rows)
-    on_device = observations.to(device)
-
-    def scores(cases, points):
-        if counted is not None:
-            terms = points.shape[0] * points.shape[1] * observations.shape[1]
-            counted.add(terms, terms)
-        return {"exact": case_scores.exact_scores(log_likelihood, on_device[cases.to(device)], points,
-                                                  policy.rows_per_call)}
-
-    return case_blocks.Scoring(scores, device, policy.block_bytes)
-
-
 def build_exact(ctx, writer):
     """HPD summaries of the exact likelihood, on the same kind of candidates, on the analysis' device."""
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
     counted = case_scores.Evaluations()
-    scoring = exact_scoring(ctx.problem.log_likelihood, observations, ctx.runtime.device,
+    scoring = case_blocks.exact_scoring(ctx.problem.log_likelihood, observations, ctx.runtime.device,
                             ctx.analysis_settings["inference"]["chunk_rows"], counted)
     with torch.no_grad():
         metadata = summarise_targets(ctx, writer, ["exact"], scoring)
@@ -459,7 +428,7 @@ def resolution_report(ctx, artifact, target):
 def target_report(ctx, artifact, target):
     """Bias, coverage, width and resolution of one target's summaries."""
     settings = ctx.analysis_settings["inference"]
-    truths = ctx.require("truths").array("truths")
+    truths = case_truths(ctx)
     summary = summary_of(artifact, target)
     names = ctx.problem.names
     return {"bias": analysis_metrics.bias_metrics(summary["mode"], truths, names),
@@ -503,6 +472,17 @@ def metric_posterior(ctx):
             "truths_note": truths_note(ctx.prior)}
 
 
+def metric_dropped_truths(ctx):
+    """The truths dropped because the simulator failed there (data.invalid = "drop"), with a note when any were."""
+    total = len(ctx.require("truths").array("truths"))
+    dropped = int(ctx.require("observations").metadata.get("dropped_truths", 0))
+    note = None
+    if dropped:
+        note = (f"{dropped:,} of {total:,} truths dropped: the simulator returned NaN or infinite values there "
+                f"(data.invalid = \"drop\"), so every metric describes the other {total - dropped:,}")
+    return {"truths": total, "cases": total - dropped, "dropped": dropped, "note": note}
+
+
 def truths_note(prior):
     """One line when the prior is not uniform: the truths fill the box evenly, so the posterior target's
     coverage is not expected at nominal (docs/results.md, "Coverage under a non-uniform prior"); else None."""
@@ -513,43 +493,7 @@ def truths_note(prior):
             "checks calibration under these truths")
 
 
-# A learned posterior is flat when some parameter's sd is above FLAT_SD_SHARE of its prior's sd: the
-# observations narrowed it by less than half. That is worth a line whatever the model; its validation
-# AUC says which cause is likely. Below HIGH_AUC the network barely tells joint from marginal pairs,
-# so it has learned little; at or above it the model discriminates, so these observations say little
-# about that parameter (or the candidates missed the posterior: the resolution warning says so).
-FLAT_SD_SHARE = 0.5
-HIGH_AUC = 0.75
-PRIOR_DRAWS = 20_000     # draws of the prior's sds: a relative error of about 0.5%
 FLAT_CASES = 4           # analysis cases whose posterior the `posterior` metric checks for flatness
-
-
-def prior_sds(prior, parameter_count):
-    """The prior's marginal sds (p,), from PRIOR_DRAWS draws of a fixed stream."""
-    draws = prior.sample(PRIOR_DRAWS, torch.Generator().manual_seed(0))
-    return torch.as_tensor(draws, dtype=torch.float64).reshape(-1, parameter_count).std(0)
-
-
-def flat_cause(auc):
-    """Why a posterior is likely flat, from the model's validation AUC."""
-    if auc is None:
-        return "the model's validation AUC is unknown"
-    if auc < HIGH_AUC:
-        return (f"the model barely tells joint from marginal pairs (validation AUC {auc:.2f}, below {HIGH_AUC}), "
-                "so it has learned little: train longer or on more data")
-    return (f"the model tells joint from marginal pairs well (validation AUC {auc:.2f}), so the observations say "
-            "little about them (or the candidates missed the posterior)")
-
-
-def flatness(names, posterior_sds, prior_sd, auc):
-    """Whether a posterior is flat (see FLAT_SD_SHARE): each parameter's sd over the prior's, and one line or None."""
-    shares = [float(a) / float(b) if float(b) > 0 else None for a, b in zip(posterior_sds, prior_sd)]
-    flat = [name for name, share in zip(names, shares) if share is not None and share > FLAT_SD_SHARE]
-    warning = None
-    if flat:
-        warning = (f"the posterior is nearly flat in {', '.join(flat)}: its sd is above {FLAT_SD_SHARE:g} of the "
-                   f"prior's; {flat_cause(auc)}")
-    return {"flat": bool(flat), "parameters": flat, "sd_share": shares, "validation_auc": auc, "warning": warning}
 
 
 def case_flatness(ctx):
@@ -557,13 +501,13 @@ def case_flatness(ctx):
 
     `warning` is one line when at least half of them are flat, else None.
     """
-    truths = ctx.require("truths").array("truths")
+    truths = case_truths(ctx)
     observations = ctx.require("observations").array("observations")
     names, cases = ctx.problem.names, min(FLAT_CASES, len(truths))
     auc = trainer.kept_validation(ctx.model_artifact.json("history")).get("auc")
     reports = []
     for case in range(cases):
-        # The study's posterior (posterior.py builds on this module, so it is reached through the study).
+        # The study's own posterior, as restore(run).posterior(x) gives it to the user.
         posterior = ctx.experiment.posterior(ctx.member, ctx.model, ctx.analysis_settings, observations[case],
                                              truth=truths[case], device=ctx.runtime.device, case=case)
         reports.append(posterior.flatness(auc))
@@ -572,7 +516,7 @@ def case_flatness(ctx):
     warning = None
     if flat and 2 * len(flat) >= cases:
         warning = (f"{len(flat)} of {cases} checked cases have a nearly flat posterior (in {', '.join(parameters)}: "
-                   f"sd above {FLAT_SD_SHARE:g} of the prior's); {flat_cause(auc)}")
+                   f"sds above {flatness.FLAT_SD_SHARE:g} of the prior's, geometric mean); {flatness.flat_cause(auc)}")
     return {"cases": cases, "flat_cases": len(flat), "parameters": parameters, "validation_auc": auc,
             "sd_share": [report["sd_share"] for report in reports], "warning": warning}
 
@@ -663,14 +607,18 @@ class NREAnalysis(Analysis):
     SECTIONS = ()
     OPTIONAL_SECTIONS = ("inference",)      # every key has a default (inference_schema.py)
     # lat68 / lat95: the randomised coverage, nominal for the exact likelihood on lattice priors too.
-    REPORT_COLUMNS = (("cov68", "coverage.0.68.joint"), ("lat68", "coverage.0.68.lattice"),
-                      ("cov95", "coverage.0.95.joint"), ("lat95", "coverage.0.95.lattice"),
+    # exact68 / exact95: the exact likelihood's coverage on the same truths and candidates (a study with
+    # log_likelihood), beside the learned one: what the analysis itself gives, so the gap is the model's.
+    REPORT_COLUMNS = (("cov68", "coverage.0.68.joint"), ("exact68", "exact_reference.coverage.0.68.joint"),
+                      ("lat68", "coverage.0.68.lattice"),
+                      ("cov95", "coverage.0.95.joint"), ("exact95", "exact_reference.coverage.0.95.joint"),
+                      ("lat95", "coverage.0.95.lattice"),
                       ("width68", "width.0.68.mean"), ("bias rmse", "bias.rmse"), ("test AUC", "classification.auc"),
                       ("unresolved", "resolution.flagged.any"))
     FIGURE_METRICS = (("joint 68% coverage", "coverage.0.68"), ("68% width", "width.0.68.mean"),
                       ("bias RMSE", "bias.rmse"))
     # Lines `run` and `report` print under the table; a path ending in "note" prints as a note.
-    REPORT_WARNINGS = ("resolution.warning", "posterior.flat.warning", "posterior.truths_note")
+    REPORT_WARNINGS = ("resolution.warning", "posterior.flat.warning", "posterior.truths_note", "dropped_truths.note")
     WORKLOAD_ADVICE = "reduce inference.truths, inference.candidates or inference.observations"
 
     products = {
@@ -712,9 +660,15 @@ class NREAnalysis(Analysis):
         "pairwise": Metric(metric_pairwise, needs=("pairwise",)),
         "reweighting": Metric(metric_reweighting, needs=("test_predictions", "reference_logits")),
         "normalization": Metric(metric_normalization, needs=("test_predictions", "reference_logits")),
+        "dropped_truths": Metric(metric_dropped_truths, needs=("truths", "observations")),
     }
     NEEDS_RATIO = ("bias", "coverage", "width", "resolution", "exact_reference")
 
+    # The figures a settings file that names none gets: calibration per run; training, estimates against
+    # the truths and bias and width per configuration. A second or so each; diagnostic_cases (several
+    # seconds a run) and priors are asked for by name.
+    DEFAULT_PLOTS = ("expected_coverage",)
+    DEFAULT_COHORT_PLOTS = ("training", "estimates", "bias_width")
     plots = {"diagnostic_cases": Figure(nre_figures.draw_diagnostic_cases),
              "expected_coverage": Figure(nre_figures.draw_expected_coverage),
              "rounds": Figure(nre_figures.draw_rounds)}
@@ -735,18 +689,22 @@ class NREAnalysis(Analysis):
                         + tuple(getattr(experiment, "SCIENCE_SOURCES", ())))
 
     def with_defaults(self, settings: Mapping[str, Any]) -> dict[str, Any]:
-        """The analysis settings with the defaults of `inference` and `metrics` filled in for this study."""
+        """The analysis settings with the defaults of `inference`, `metrics` and the figures filled in for this
+        study (DEFAULT_PLOTS, DEFAULT_COHORT_PLOTS: drawn where matplotlib is installed, skipped elsewhere)."""
         problem = self.experiment.problem()
         likelihood = callable(getattr(problem, "log_likelihood", None))
         inference = check_inference_settings(settings.get("inference", {}), problem.parameter_count, likelihood)
         return {**settings, "inference": inference,
-                "metrics": settings.get("metrics", self.default_metrics(inference["targets"], likelihood))}
+                "metrics": settings.get("metrics", self.default_metrics(inference["targets"], likelihood)),
+                "plots": settings.get("plots", list(self.DEFAULT_PLOTS)),
+                "cohort_plots": settings.get("cohort_plots", list(self.DEFAULT_COHORT_PLOTS))}
 
     def default_metrics(self, targets: Sequence[str], likelihood: bool) -> list[str]:
-        """Every metric the targets and the study's likelihood allow."""
+        """Every metric the targets and the study's likelihood allow; `dropped_truths` where data.invalid drops."""
+        dropping = getattr(self.experiment, "settings", {}).get("data", {}).get("invalid") == "drop"
         return [name for name in self.metrics if (likelihood or name not in LIKELIHOOD_METRICS)
                 and ("ratio" in targets or name not in self.NEEDS_RATIO)
-                and ("exact" in targets or name != "exact_reference")]
+                and ("exact" in targets or name != "exact_reference") and (dropping or name != "dropped_truths")]
 
     def validate(self) -> None:
         """Check that every selected metric can be computed (the inference settings were checked when filled)."""

@@ -10,6 +10,7 @@ line and marker is in a legend (docs/results.md, "Figures").
 """
 import json
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -17,16 +18,21 @@ import torch
 import analysis_metrics
 import infer
 import results
+import trainer
 
 __all__ = [
-    "TRUTH_BINS", "draw_priors", "draw_training", "draw_estimates", "draw_bias_width", "draw_diagnostic_cases",
-    "draw_expected_coverage", "draw_rounds",
+    "TRUTH_BINS", "case_truths", "draw_priors", "draw_training", "draw_estimates", "draw_bias_width",
+    "draw_diagnostic_cases", "draw_expected_coverage", "draw_rounds",
 ]
 
 MAX_AXES = 6   # parameters drawn per figure; the rest are left out
 CUSTOM_PRIOR_DRAWS = 20_000   # draws of a study's own prior per histogram: 400 a bin if flat, about 5% noise
 PRIOR_BINS = 50
 TRUTH_BINS = 20   # bins of bias_width along a parameter with more distinct truths than this
+# Truths above which `estimates` draws a member's modes as a 2-D histogram with median bands per truth bin:
+# one vertical band and marker per truth fills the panel solid long before a thousand truths.
+MANY_TRUTHS = 200
+PANEL_WIDTH = 2.6   # inches a parameter's panel needs beside its neighbours for its title and labels
 TARGET_TITLES = {"ratio": "learned ratio (flat prior)", "posterior": "learned posterior",
                  "exact": "exact likelihood (flat prior)"}
 # Line styles of the diagnostic densities: the ratio wide and pale, so that a posterior equal to it
@@ -54,6 +60,20 @@ def member_styles(contexts):
                                                      ctx.member.get("replica"))
         styles[ctx.member["name"]] = colour, style, marker
     return styles
+
+
+def figure_legend(figure, axes):
+    """One legend for the whole figure, below its panels: every label of `axes`, once.
+
+    Inside a panel a legend covers curves, a legend per panel repeats itself, and one at the
+    side runs into the centred title; the figure's constrained layout makes room below.
+    """
+    entries: dict[str, Any] = {}
+    for axis in axes:
+        for handle, label in zip(*axis.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    figure.legend(list(entries.values()), list(entries), loc="outside lower center", fontsize="small",
+                  ncols=min(4, len(entries)))
 
 
 def parameter_axes(figure, count, rows=1):
@@ -143,6 +163,7 @@ def custom_prior_curves(prior, problem, count, points=400):
         raise TypeError("neither sample() nor log_prob()")
     if len(problem.names) == 1 and steps[0] is None and callable(getattr(prior, "log_prob", None)):
         x = torch.linspace(float(problem.low[0]), float(problem.high[0]), points, dtype=torch.float64)
+        y: np.ndarray
         try:
             y = torch.exp(torch.as_tensor(prior.log_prob(x[:, None]), dtype=torch.float64).reshape(-1)).numpy()
         except KeyboardInterrupt:       # a stop is never swallowed
@@ -152,8 +173,8 @@ def custom_prior_curves(prior, problem, count, points=400):
         if np.isfinite(y).all() and y.max() > 0:
             return [(x.numpy(), y, "density")]
     generator = torch.Generator().manual_seed(0)     # the same histogram on every redraw
-    draws = torch.as_tensor(prior.sample(CUSTOM_PRIOR_DRAWS, generator), dtype=torch.float64)
-    draws = draws.reshape(CUSTOM_PRIOR_DRAWS, len(problem.names)).numpy()
+    drawn = torch.as_tensor(prior.sample(CUSTOM_PRIOR_DRAWS, generator), dtype=torch.float64)
+    draws = drawn.reshape(CUSTOM_PRIOR_DRAWS, len(problem.names)).numpy()
     return [marginal_curve(draws[:, j], float(problem.low[j]), float(problem.high[j]), steps[j])
             for j in range(count)]
 
@@ -180,16 +201,19 @@ def roc_curve(logits, labels):
 
 
 def draw_training(contexts, figure):
-    """Training and validation BCE per epoch with the selected epoch, and the test ROC with its AUC, per member."""
+    """The trained objective per epoch, training and validation, with the kept epoch, and the test ROC with its
+    AUC, per member."""
     from matplotlib.ticker import MaxNLocator   # matplotlib is there whenever a figure is drawn
     curves, roc = figure.subplots(1, 2)
     styles = member_styles(contexts)
+    loss = "BCE"
     for ctx in contexts:
         name = ctx.member["name"]
         colour, style, marker = styles[name]
         history = ctx.model_artifact.json("history")
         epochs = np.arange(1, len(history["train_loss"]) + 1)
-        validation = [v["bce"] for v in history["validation"]]
+        loss = trainer.objective_name(history)      # train_loss is the objective's; compare it with its own
+        validation = history.get("validation_objective") or [v["bce"] for v in history["validation"]]
         curves.plot(epochs, history["train_loss"], color=colour, linestyle="-", marker=marker, label=name)
         curves.plot(epochs, validation, color=colour, linestyle="--", marker=marker, fillstyle="none")
         selected = history.get("selected_epoch")
@@ -201,11 +225,11 @@ def draw_training(contexts, figure):
         auc = analysis_metrics.classification_metrics(torch.from_numpy(logits), torch.from_numpy(labels))["auc"]
         fpr, tpr = roc_curve(logits, labels)
         roc.plot(fpr, tpr, color=colour, linestyle=style, label=f"{name} (AUC {auc:.3f})" if auc is not None else name)
-    for label, style in (("training BCE", "-"), ("validation BCE", "--")):
+    for label, style in ((f"training {loss}", "-"), (f"validation {loss}", "--")):
         curves.plot([], [], color="grey", linestyle=style, label=label)
     curves.plot([], [], "*", color="grey", markersize=12, markeredgecolor="black", label="selected epoch")
     curves.xaxis.set_major_locator(MaxNLocator(integer=True))
-    curves.set(title="BCE per epoch (solid: training, dashed: validation)", xlabel="epoch", ylabel="BCE")
+    curves.set(title=f"{loss} per epoch (solid: training, dashed: validation)", xlabel="epoch", ylabel=loss)
     curves.legend(fontsize="small")
     roc.plot([0, 1], [0, 1], ":", color="black", label="chance (AUC 0.5)")
     roc.set(title="ROC on the held-out test pairs", xlabel="false-positive rate", ylabel="true-positive rate",
@@ -214,26 +238,62 @@ def draw_training(contexts, figure):
     figure.suptitle(f"Training of the members of configuration {configuration_label(contexts[0])}")
 
 
+def case_truths(ctx):
+    """The truths of the analysed cases (cases, p): every truth, less those whose observations were invalid.
+
+    The observations product names the truths it kept (`kept_cases`) when data.invalid = "drop"
+    dropped some (nre_analysis.build_observations); the analysis and its figures read the
+    truths through here, so each case's truth stays beside its summaries.
+    """
+    truths = ctx.require("truths").array("truths")
+    observations = ctx.require("observations")
+    return truths[observations.array("kept_cases")] if "kept_cases.npy" in observations.files else truths
+
+
 def ratio_estimates(ctx):
     """Truths (cases, p) and the learned ratio's modes, lower and upper bounds of a context."""
     learned = ctx.require("learned")
-    return ctx.require("truths").array("truths"), *(learned.array(f"ratio_{n}") for n in ("mode", "lower", "upper"))
+    return case_truths(ctx), *(learned.array(f"ratio_{n}") for n in ("mode", "lower", "upper"))
 
 
 def draw_estimate(axis, ctx, j, levels, estimates):
-    """One member's ratio mode against the truth of parameter j, with its highest-density bands."""
+    """One member's ratio mode against the truth of parameter j, with its highest-density bands: one mark
+    and band per truth, or for more than MANY_TRUTHS their density (draw_estimate_density)."""
     name = ctx.problem.names[j]
     truths, modes, lower, upper = estimates
-    for level in range(len(levels))[::-1]:     # widest first, the narrower on top, darker
-        axis.vlines(truths[:, j], lower[:, level, j], upper[:, level, j], linewidth=2 + 2 * (level == 0),
-                    alpha=0.8 - 0.5 * level / max(len(levels) - 1, 1),
-                    label=f"{levels[level]:g} HPD region (projected)")
-    axis.plot(truths[:, j], modes[:, j], ".", color="black", markersize=4, label="mode of the ratio")
+    if len(truths) > MANY_TRUTHS:
+        draw_estimate_density(axis, truths[:, j], modes[:, j], lower[:, :, j], upper[:, :, j], levels)
+    else:
+        for level in range(len(levels))[::-1]:     # widest first, the narrower on top, darker
+            axis.vlines(truths[:, j], lower[:, level, j], upper[:, level, j], linewidth=2 + 2 * (level == 0),
+                        alpha=0.8 - 0.5 * level / max(len(levels) - 1, 1),
+                        label=f"{levels[level]:g} HPD region (projected)")
+        axis.plot(truths[:, j], modes[:, j], ".", color="black", markersize=4, label="mode of the ratio")
     span = [truths[:, j].min(), truths[:, j].max()]
     axis.plot(span, span, ":", color="gray", label="estimate = truth")
     axis.set_title(f"{ctx.member['name']}: {name}", fontsize="small")
     axis.set_xlabel(f"true {name}", fontsize="small")
     axis.set_ylabel(f"estimated {name}", fontsize="small")
+
+
+def draw_estimate_density(axis, truth, mode, lower, upper, levels):
+    """Many truths along one parameter: the modes as a 2-D histogram (darker: more truths) and, per quantile bin
+    of the truth (truth_groups), the median mode and the median bounds of each level's projected HPD region."""
+    span = [min(truth.min(), mode.min()), max(truth.max(), mode.max())]
+    axis.hist2d(truth, mode, bins=50, range=[[truth.min(), truth.max()], span], cmap="Greys", cmin=1)
+    axis.fill_between([], [], [], color="0.35", label="modes of the ratio (2-D histogram: darker, more truths)")
+    group, _ = truth_groups(truth)
+    centre = group_medians(group, truth)
+    for level in range(len(levels))[::-1]:     # widest first, the narrower on top, darker
+        axis.fill_between(centre, group_medians(group, lower[:, level]), group_medians(group, upper[:, level]),
+                          color="tab:blue", alpha=0.45 - 0.25 * level / max(len(levels) - 1, 1), linewidth=0,
+                          label=f"{levels[level]:g} HPD region (projected), median per truth bin")
+    axis.plot(centre, group_medians(group, mode), color="tab:orange", label="median mode per truth bin")
+
+
+def group_medians(group, values):
+    """The median of `values` in each group (0, 1, ...)."""
+    return np.array([np.median(values[group == g]) for g in range(group.max() + 1)])
 
 
 def draw_estimates(contexts, figure):
@@ -247,6 +307,7 @@ def draw_estimates(contexts, figure):
     columns = min(4, len(contexts)) if count == 1 else count
     rows = -(-len(contexts) * count // columns)
     figure.set_size_inches(figure.get_figwidth(), max(figure.get_figheight(), 2.6 * rows))
+    fit_columns(figure, columns)
     axes = list(figure.subplots(rows, columns, squeeze=False).ravel())
     for axis in axes[len(contexts) * count:]:
         axis.remove()                   # the last row's empty places
@@ -254,7 +315,7 @@ def draw_estimates(contexts, figure):
         estimates = ratio_estimates(ctx)
         for j in range(count):
             draw_estimate(axes[i * count + j], ctx, j, levels, estimates)
-    axes[columns - 1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1))
+    figure_legend(figure, axes[:count])
     figure.suptitle(f"Learned-ratio estimates against the truth, configuration {configuration_label(contexts[0])}")
 
 
@@ -264,13 +325,15 @@ def draw_bias_width(contexts, figure):
     A few distinct truths along a parameter (a grid) are drawn one point each, joined in
     order; many (Sobol truths) are grouped into TRUTH_BINS quantile bins, each drawn at its
     truths' mean with a band of ±2 standard errors of its means, since joining a thousand
-    single cases in order draws their scatter, not the trend.
+    single cases in order draws their scatter, not the trend. Which of the two is in the
+    figure's title, and one legend beside the panels, so that no label runs into another.
     """
     names = contexts[0].problem.names
     level = contexts[0].analysis_settings["inference"]["levels"][0]
     bias_axes, width_axes = parameter_axes(figure, len(names), rows=2)
+    fit_columns(figure, len(bias_axes))
     styles = member_styles(contexts)
-    truths = contexts[0].require("truths").array("truths")
+    truths = case_truths(contexts[0])
     groups = [truth_groups(truths[:, j]) for j in range(len(bias_axes))]     # truths are shared by every member
     for ctx in contexts:
         colour, style, marker = styles[ctx.member["name"]]
@@ -284,19 +347,23 @@ def draw_bias_width(contexts, figure):
                 if binned:
                     axis.fill_between(x, mean - 2 * error, mean + 2 * error, color=colour, alpha=0.2, linewidth=0)
     for j, (bias_axis, width_axis) in enumerate(zip(bias_axes, width_axes)):
-        group, binned = groups[j]
-        how = f"bin means: {group.max() + 1} quantile bins of {len(truths)} truths" if binned else "mean per true value"
         bias_axis.axhline(0, color="gray", linestyle=":", label="no bias")
-        bias_axis.set(title=f"bias of the ratio's mode: {names[j]}", xlabel=f"true {names[j]} ({how})",
-                      ylabel=f"mean (mode − truth) of {names[j]}")
-        width_axis.set(title=f"width of the {level:g} region: {names[j]}", xlabel=f"true {names[j]} ({how})",
-                       ylabel=f"mean projected width of {names[j]}")
+        bias_axis.set(title=f"bias: {names[j]}", xlabel=f"true {names[j]}")
+        width_axis.set(title=f"{level:g} width: {names[j]}", xlabel=f"true {names[j]}")
+    bias_axes[0].set_ylabel("mean of mode − truth")
+    width_axes[0].set_ylabel(f"mean projected width, {level:g} region")
     if any(binned for _, binned in groups):
-        for axis in (bias_axes[-1], width_axes[-1]):
-            axis.fill_between([], [], [], color="gray", alpha=0.2, linewidth=0, label="±2 s.e. of a bin's mean")
-    bias_axes[-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1))
-    width_axes[-1].legend(fontsize="x-small", loc="upper left", bbox_to_anchor=(1.02, 1))
-    figure.suptitle(f"Bias and width against the true value, configuration {configuration_label(contexts[0])}")
+        bias_axes[-1].fill_between([], [], [], color="gray", alpha=0.2, linewidth=0, label="±2 s.e. of a bin's mean")
+    figure_legend(figure, bias_axes)
+    hows = dict.fromkeys(f"bin means: {group.max() + 1} quantile bins of {len(truths)} truths" if binned
+                         else "mean per true value" for group, binned in groups)
+    figure.suptitle(f"Bias and width against the true value, configuration {configuration_label(contexts[0])}\n"
+                    f"(the ratio's mode and its {level:g} HPD region projected; {'; '.join(hows)})")
+
+
+def fit_columns(figure, columns):
+    """Widen the figure so that each of `columns` panels gets PANEL_WIDTH inches (and room for the labels)."""
+    figure.set_size_inches(max(figure.get_figwidth(), PANEL_WIDTH * columns + 1.5), figure.get_figheight())
 
 
 def truth_groups(values, bins=None):
@@ -366,16 +433,17 @@ def draw_diagnostic_cases(ctx, figure):
     many = len(ctx.problem.names) > 1
     figure.set_size_inches(figure.get_figwidth(), max(figure.get_figheight(), 3.0 * len(names)))
     axes = figure.subplots(len(names), max(cases, 1), squeeze=False, sharey=False)
-    truths = ctx.require("truths").array("truths")
+    truths = case_truths(ctx)
     for j, name in enumerate(names):
         for case, axis in zip(range(cases), axes[j]):
             draw_case(axis, ctx, sources, candidates, case, j, truths[case, j])
-        axes[j][0].set_ylabel(f"{'marginal ' if many else ''}density of {name} (normalised)")
+        axes[j][0].set_ylabel(f"density of {name}")        # "normalised" and "marginal" are in the title
+    fit_columns(figure, max(cases, 1))
     if cases:
-        axes[0][0].legend(fontsize="small")
+        figure_legend(figure, [axes[0][0]])
         along = names[0] if not many else "each parameter (rows: marginal densities)"
         title = (f"Retained cases of {ctx.member['name']}, configuration {configuration_label(ctx)}: "
-                 f"density along {along}")
+                 f"normalised density along {along}")
     else:
         title = f"{ctx.member['name']}: no retained case to draw (inference.diagnostic_cases is 0)"
     figure.suptitle(title)
@@ -387,7 +455,7 @@ def draw_case(axis, ctx, sources, candidates, case, j, truth):
     for artifact, target in sources:
         x, density = case_density(artifact, target, candidates, case, j)
         axis.plot(x, density, label=TARGET_TITLES.get(target, target), **TARGET_STYLES.get(target, {}))
-    axis.axvline(truth, color="black", linestyle=(0, (1, 2)), linewidth=1.2, label=f"truth {name}")
+    axis.axvline(truth, color="black", linestyle=(0, (1, 2)), linewidth=1.2, label="truth")
     # The member is in the figure's title: repeated here, it made neighbouring titles run into each other.
     axis.set_title(f"case {case}: true {name} = {truth:.3g}", fontsize="medium")
     axis.set_xlabel(name)

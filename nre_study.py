@@ -22,13 +22,17 @@ False; a study's own embedding network for x in front of it, `Study.embedding`),
 (`KIT_MODEL`, `KIT_TRAINING`; docs/training.md), and the whole analysis (nre_analysis.py).
 docs/extending.md walks through a complete example.
 
-Training settings sections: `cohort`, `priors`, `data`, and optionally `model` (the whole
-network; without it `KIT_MODEL`), `training` (the keys it names replace `KIT_TRAINING`'s)
-and a `problem` of the study's own (`self.settings["problem"]`, part of every key).
+Training settings sections: `data` (`train`, `validation`; `test` defaults to validation's size), and
+optionally `cohort` and `priors` (without them `KIT_COHORT`, `KIT_PRIORS`: one member, a uniform prior over
+the box), `model` (the whole network; without it `KIT_MODEL`), `training` (the keys it names replace
+`KIT_TRAINING`'s) and a `problem` of the study's own (`self.settings["problem"]`, part of every key).
 """
 import hashlib
+import math
 import sys
 import warnings
+import zipfile
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -45,21 +49,31 @@ import runtime
 import trainer
 from settings import SettingsError, integer, known_keys, name_list, number, one_of, require
 import study
+from store import canonical_json, irregular_file, read_npy
 from study import Experiment, Json, Member, PriorContract, ProblemContract
 
 __all__ = [
-    "SPLITS", "SIMULATION_CHUNK", "KIT_MODEL", "KIT_TRAINING", "Problem", "sample_joint", "sample_pairs",
-    "sample_training_data", "Study",
+    "SPLITS", "SIMULATION_CHUNK", "KIT_MODEL", "KIT_TRAINING", "KIT_COHORT", "KIT_PRIORS", "with_kit_defaults",
+    "Problem", "sample_joint", "sample_pairs", "sample_training_data", "Study",
 ]
 
 SPLITS = ("train", "validation", "test")
+# Rows plan simulates to check a simulator: a shape or type that changes with n shows on more
+# than two (docs/extending.md, the simulator's contract).
+CHECK_ROWS = 16
 SIMULATION_CHUNK = 4096     # simulations per simulator call: progress between calls, and bounded memory
 MAX_ROWS = 10**9
 # "batch": data.* count simulations, each a joint pair re-paired in every batch (contrast.py);
 # "fixed": the earlier meaning, half joint and half product pairs, each a simulation, fixed for every epoch.
 PAIRINGS = ("batch", "fixed")
+NPY_MAGIC = b"\x93NUMPY"
+FLOAT32_MAX = float(np.finfo(np.float32).max)   # x and θ train as float32: beyond it they become inf
 BOX_DRAWS = 20_000          # prior draws plan checks against the parameter box
-BOX_MASS_WARNING = 0.001    # the share outside the box above which plan warns
+BOX_MASS_WARNING = 0.001    # the share outside the box above which plan warns (a prior's draws, a bank's θ)
+# A bank with more than this share of its θ outside the box is refused: the network would
+# then train mostly where no posterior is computed; for banks, see
+# docs/training.md, "What `data` counts: simulations, each a joint pair used twice".
+BANK_OUTSIDE_LIMIT = 0.5
 DATA_KEYS = SPLITS + ("pairing", "bank", "invalid")
 # data.invalid: what a simulation with a NaN or infinite number does, "error" (the sampling
 # fails, naming the share and a θ) or "drop" (the others are kept; data.* still count calls).
@@ -69,6 +83,9 @@ INVALID = ("error", "drop")
 KIT_MODEL = {"kind": "residual", "width": 50, "blocks": 2, "activation": "relu"}
 KIT_TRAINING = {"objective": "contrastive", "classes": 10, "gamma": 1.0, "selection": "objective",
                 "batch_size": 200, "learning_rate": 5e-4, "epochs": 500, "patience": 20}
+# The cohort a study gets when it writes no `cohort` / `priors` section: one member, a uniform prior over the box.
+KIT_COHORT = {"priors": ["uniform"], "replicas": 1}
+KIT_PRIORS = {"uniform": {"family": "uniform"}}
 
 
 class Problem:
@@ -93,13 +110,18 @@ class Problem:
         self.high = torch.tensor([v["high"] for v in self._parameters.values()], dtype=torch.float64)
         steps = [v["grid_step"] for v in self._parameters.values()]
         self.grid_step = None if None in steps else torch.tensor(steps, dtype=torch.float64)
-        self.simulate = simulate
+        self.where, self._simulator, self.dimension = where, simulate, None
+        self.simulate = None if simulate is None else self.checked_simulate
         self.log_likelihood = log_likelihood
-        found = None if simulate is None else observation_dimension(simulate, (self.low + self.high) / 2, where)
+        found = None if simulate is None else observation_dimension(self.simulate, (self.low + self.high) / 2, where)
         if None not in (found, dimension) and found != dimension:
             raise SettingsError(f"data.bank: its x has {dimension} numbers per row where {where}.simulate returns "
                                 f"{found}")
         self.dimension = found or dimension
+
+    def checked_simulate(self, theta, generator):
+        """The study's simulate, its every result checked (checked_simulation): a wrong shape is one line."""
+        return checked_simulation(self._simulator, theta, generator, self.where, self.dimension)
 
     def parameter(self, name):
         """The box and prior hyper-parameters of one parameter."""
@@ -122,43 +144,102 @@ def parameter_values(name, value, where):
     if not isinstance(value, dict):
         raise SettingsError(f"{path}: expected (low, high), (low, high, step) or a dict, got {value!r}")
     known_keys(value, priors.PARAMETER_KEYS, path)
-    low = number(require(value, "low", path), f"{path}.low")
-    high = number(require(value, "high", path), f"{path}.high")
+    # θ trains as float32: a bound beyond its range would become infinite there.
+    low = number(require(value, "low", path), f"{path}.low", -FLOAT32_MAX, FLOAT32_MAX)
+    high = number(require(value, "high", path), f"{path}.high", -FLOAT32_MAX, FLOAT32_MAX)
     if not high > low:
         raise SettingsError(f"{path}: high ({high:g}) must be above low ({low:g})")
     width = high - low
     values = {"low": low, "high": high, "normal_mean": (low + high) / 2, "normal_std": width / 4,
               "exponential_rate": 1 / width, "grid_step": None, **value}
+    number(values["normal_mean"], f"{path}.normal_mean")
+    number(values["normal_std"], f"{path}.normal_std", 0, math.inf, low_open=True)
+    number(values["exponential_rate"], f"{path}.exponential_rate")
     if values["grid_step"] is not None and not 0 < number(values["grid_step"], f"{path}.grid_step") <= width:
         raise SettingsError(f"{path}.grid_step: a lattice step in (0, {width:g}] (the box's width)")
     return values
 
 
 def observation_dimension(simulate, theta, where):
-    """The width d of one observation, from simulating two rows twice with one seed.
+    """The width d of one observation, from simulating CHECK_ROWS rows twice with one seed, and one row.
 
-    A wrong shape names the study; so does a simulator whose draws do not follow its
+    A wrong shape or type names the study; so does a simulator whose draws do not follow its
     generator (it draws from torch's or numpy's global stream), which would silently break
     every cached and resumed result (docs/extending.md shows the seeding wrapper).
     """
-    rows = theta.expand(2, -1).clone()
-    x = simulate(rows, torch.Generator().manual_seed(0))
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != 2:
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise SettingsError(f"{where}.simulate: for 2 parameter rows it returned {shape}; it must return a "
-                            "tensor (2, d), one observation of d numbers per row")
-    numpy_state = np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        torch.rand(1)                               # move the global streams: a simulator reading them differs
-        np.random.random_sample()
-        again = simulate(rows.clone(), torch.Generator().manual_seed(0))
-    np.random.set_state(numpy_state)
-    same = isinstance(again, torch.Tensor) and again.shape == x.shape
-    if not (same and bool(((again == x) | (again.isnan() & x.isnan())).all())):
+    rows = theta.expand(CHECK_ROWS, -1).clone()
+    if not follows_its_generator(lambda generator: simulate(rows, generator)):
         raise SettingsError(f"{where}.simulate: two calls with generators of the same seed gave different "
                             "observations; draw every random number from the `generator` argument (for a simulator "
-                            "on torch's or numpy's global stream, see docs/extending.md)")
-    return int(x.shape[1])
+                            "on torch's or numpy's global stream, see "
+                            'docs/extending.md, "Simulators on a global stream")')
+    dimension = int(simulate(rows, torch.Generator().manual_seed(0)).shape[1])
+    one = simulate(rows[:1], torch.Generator().manual_seed(0))     # an analysis may simulate one row at a time
+    if one.shape[1] != dimension:
+        raise SettingsError(f"{where}.simulate: returned {dimension} numbers per row for {CHECK_ROWS} rows but "
+                            f"{one.shape[1]} for 1; return the same observation width d for any number of rows")
+    return dimension
+
+
+def follows_its_generator(draw):
+    """Whether draw(generator) gives the same tensor for two generators of one seed, the global streams moved
+    between the calls (and put back): a draw from torch's or numpy's global stream differs."""
+    first = draw(torch.Generator().manual_seed(0))
+    numpy_state = np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.rand(1)
+        np.random.random_sample()
+        again = draw(torch.Generator().manual_seed(0))
+    np.random.set_state(numpy_state)
+    return same_values(again, first)
+
+
+def same_values(a, b):
+    """Whether two tensors hold the same values, NaN where the other has NaN (tensors of another shape differ)."""
+    return isinstance(a, torch.Tensor) and a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
+
+
+def check_custom_prior(prior, name, kind):
+    """A study's own prior object (of class `kind`, as priors.CustomPrior wraps it) at plan: finite draws
+    from its generator, and a JSON describe().
+
+    Like a simulator's, its draws must follow the `generator` argument, or two fresh roots
+    would key the same data to different θ.
+    """
+    where = f"priors.{name} ({kind})"
+    draws = prior.sample(CHECK_ROWS, torch.Generator().manual_seed(0))
+    if not bool(torch.isfinite(draws).all()):
+        raise SettingsError(f"{where}: sample() drew NaN or infinite θ; draw finite parameters")
+    if not follows_its_generator(lambda generator: prior.sample(CHECK_ROWS, generator)):
+        raise SettingsError(f"{where}: two sample() calls with generators of the same seed drew different θ; draw "
+                            "every random number from the `generator` argument "
+                            '(docs/extending.md, "The kit\'s declarations")')
+    try:
+        canonical_json(prior.describe())
+    except (TypeError, ValueError) as error:
+        raise SettingsError(f"{where}: describe() returned a value JSON cannot hold ({error}); return a dict of "
+                            "numbers, strings, lists and dicts") from None
+
+
+def checked_simulation(simulate, theta, generator, where, dimension=None):
+    """simulate(theta, generator), refused in one line unless a real tensor (n, d) (d = `dimension` when
+    given) that left θ as it was: the trainer would otherwise fail in torch's words, or train on a changed θ."""
+    kept = theta.clone()
+    x = simulate(theta, generator)
+    n = len(theta)
+    if not same_values(theta, kept):
+        raise SettingsError(f"{where}.simulate changed its θ argument in place; work on a copy (theta = "
+                            "theta.clone()), since the same θ become the training pairs")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != n or x.shape[1] == 0 \
+            or dimension not in (None, x.shape[1]):
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        width = "d" if dimension is None else str(dimension)
+        raise SettingsError(f"{where}.simulate: for {n} parameter rows it returned {shape}; it must return a tensor "
+                            f"({n}, {width}), one observation of {width} numbers per row, for any n")
+    if x.is_complex():      # .to(float32) would keep the real part alone, with only a warning
+        raise SettingsError(f"{where}.simulate: returned {x.dtype} values; return real numbers (for a complex "
+                            "signal, its real and imaginary parts side by side: torch.view_as_real(x).flatten(1))")
+    return x
 
 
 def sample_joint(problem, prior, rows, generator):
@@ -177,6 +258,9 @@ def simulate_split(problem, prior, rows, seed, split):
         labels = ("split", split) if chunk == 0 else ("split", split, "chunk", chunk)
         parts.append(sample_joint(problem, prior, min(SIMULATION_CHUNK, rows - start),
                                   runtime.seeded_generator(seed, *labels)))
+        if not bool(torch.isfinite(parts[-1][1]).all()):      # not the simulator's failure: the prior's
+            raise SettingsError(f"data.{split}: the prior ({type(getattr(prior, 'prior', prior)).__name__}) drew NaN "
+                                "or infinite θ; fix its sample() to draw finite parameters")
         study.report_progress(f"data.{split}", start + len(parts[-1][0]), rows)
     return torch.cat([x for x, _ in parts]), torch.cat([theta for _, theta in parts])
 
@@ -236,9 +320,12 @@ def valid_simulations(x, theta, path, policy):
         return x, theta
     line = (f"{path}: {count:,} of {len(x):,} simulations ({count / len(x):.2%}) returned NaN or infinite values, "
             f"e.g. at θ = {[round(v, 6) for v in theta[invalid][0].tolist()]}")
-    if policy == "error" or count > len(x) - 2:
+    if policy == "error":
         raise ValueError(f"{line}; fix the simulator there, or set data.invalid = \"drop\" to train on the others "
                          "(data.* still count every simulator call)")
+    if count > len(x) - 2:      # "drop" is set already: there is nothing left to train on
+        raise ValueError(f"{line}, leaving {len(x) - count} (at least 2 needed); fix the simulator there, or narrow "
+                         "the parameter box or the prior to where it works")
     warnings.warn(f"{line}: dropped (data.invalid = \"drop\")", stacklevel=2)
     return x[~invalid], theta[~invalid]
 
@@ -252,25 +339,60 @@ def check_rows(rows, path, pairing="fixed"):
 
 def read_bank(spec, parameters, where="data.bank"):
     """A simulation bank (x (n, d), θ (n, p)) as float64 arrays, from an .npz with arrays "x" and "theta"
-    or {"x": "x.npy", "theta": "theta.npy"}; paths relative to the current directory."""
-    try:
-        if isinstance(spec, str):
-            with np.load(Path(spec), allow_pickle=False) as bank:
-                x, theta = bank["x"], bank["theta"]
-        elif isinstance(spec, dict) and set(spec) == {"x", "theta"}:
-            x, theta = (np.load(Path(spec[name]), allow_pickle=False) for name in ("x", "theta"))
-        else:
-            raise SettingsError(f'{where}: expected "bank.npz" (arrays "x" and "theta") or '
-                                f'{{"x": "x.npy", "theta": "theta.npy"}}, got {spec!r}')
-    except (OSError, ValueError, KeyError, EOFError) as error:
-        raise SettingsError(f"{where}: cannot read {spec!r} as arrays x and theta ({error})") from None
+    or {"x": "x.npy", "theta": "theta.npy"}; paths relative to the current directory.
+
+    Read only from regular files, each array's header checked (real numbers, at most
+    store.MAX_NUMBERS) before its data are allocated, pickles never loaded.
+    """
+    if isinstance(spec, str):
+        x, theta = bank_arrays(spec, where, ("x", "theta"))
+    elif isinstance(spec, dict) and set(spec) == {"x", "theta"} and all(isinstance(v, str) for v in spec.values()):
+        x, theta = (bank_arrays(spec[name], f"{where}.{name}", None)[0] for name in ("x", "theta"))
+    else:
+        raise SettingsError(f'{where}: expected "bank.npz" (arrays "x" and "theta") or '
+                            f'{{"x": "x.npy", "theta": "theta.npy"}}, got {spec!r}')
     # Non-finite x are the simulator's invalid simulations, for data.invalid to decide; θ must be finite.
-    if x.ndim != 2 or theta.shape != (x.shape[0], parameters) or not all(
-            np.issubdtype(a.dtype, np.number) and not np.iscomplexobj(a) for a in (x, theta)) \
-            or not np.isfinite(theta).all():
+    if x.ndim != 2 or x.shape[1] == 0 or theta.shape != (x.shape[0], parameters) or not np.isfinite(theta).all():
         raise SettingsError(f"{where}: x {x.shape} and theta {theta.shape} must be real numbers (θ finite) of shapes "
-                            f"(n, d) and (n, {parameters}), one simulation per row")
+                            f"(n, d) and (n, {parameters}), d ≥ 1, one simulation per row")
+    for name, array in (("x", x), ("theta", theta)):
+        if (np.abs(array[np.isfinite(array)]) > FLOAT32_MAX).any():
+            raise SettingsError(f"{where}: its {name} holds finite values beyond float32's range "
+                                f"(±{FLOAT32_MAX:.3g}), which the network would read as infinite; rescale them")
     return x.astype(np.float64), theta.astype(np.float64)
+
+
+def bank_arrays(path, where, members):
+    """The arrays `members` of the .npz at `path` (members None: the one array of an .npy), or a SettingsError.
+
+    The file's type is checked before it is opened (a FIFO would block for ever, /dev/zero never end).
+    """
+    problem = irregular_file(path)
+    if problem is not None:
+        raise SettingsError(f"{where}: {path} {problem}; name a bank file saved with numpy.savez")
+    try:
+        with open(path, "rb") as stream:
+            single = stream.read(len(NPY_MAGIC)) == NPY_MAGIC
+            if single != (members is None):
+                raise ValueError("one array of a .npy file, not an .npz archive of x and theta" if single
+                                 else "not a .npy file of one array")
+            stream.seek(0)
+            if members is None:
+                return [read_npy(stream)]
+            with zipfile.ZipFile(stream) as archive:
+                return [npz_member(archive, name) for name in members]
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
+        raise SettingsError(f'{where}: cannot read {path} as a bank ({error}); save one with numpy.savez(path, x=x, '
+                            'theta=theta), or name {"x": "x.npy", "theta": "theta.npy"}') from None
+
+
+def npz_member(archive, name):
+    """The array `name` of an open .npz archive, read through store.read_npy (header checked first)."""
+    if f"{name}.npy" not in archive.namelist():
+        found = ", ".join(n.removesuffix(".npy") for n in archive.namelist()) or "none"
+        raise ValueError(f"it has no array {name!r} (arrays: {found})")
+    with archive.open(f"{name}.npy") as stream:
+        return read_npy(stream)
 
 
 def bank_digest(bank):
@@ -280,6 +402,23 @@ def bank_digest(bank):
         digest.update(str(array.shape).encode())
         digest.update(np.ascontiguousarray(array).tobytes())
     return digest.hexdigest()
+
+
+def with_kit_defaults(settings):
+    """A copy of training settings with the kit's defaults where they leave a setting out: `cohort` KIT_COHORT
+    (`replicas` 1), `priors` KIT_PRIORS and `data.test` as large as `data.validation`.
+
+    Filled in, they enter the data and model keys as if written out; wrong types are left for the checks.
+    """
+    filled = dict(settings)
+    cohort = filled.get("cohort", {})
+    if isinstance(cohort, dict):
+        filled["cohort"] = {**KIT_COHORT, **cohort}
+    filled.setdefault("priors", KIT_PRIORS)
+    data = filled.get("data")
+    if isinstance(data, dict) and "validation" in data:
+        filled["data"] = {**data, "test": data.get("test", data["validation"])}
+    return filled
 
 
 def check_cohort(settings, prior_objects):
@@ -309,6 +448,19 @@ def check_cohort(settings, prior_objects):
         raise SettingsError('data.bank: a bank holds joint simulations; use it with data.pairing "batch"')
 
 
+def check_contrastive(training, data):
+    """The contrastive objective's needs: joint simulations, and batches with `classes` other rows for atoms."""
+    if data.get("pairing", "batch") == "fixed":
+        raise SettingsError('training.objective "contrastive" re-pairs joint simulations: it needs data.pairing '
+                            '"batch"')
+    # Each row's `classes` atoms are other rows of its batch: fewer than classes + 1 rows repeat them.
+    batch, path = min((training["batch_size"], "training.batch_size"), (data["train"], "data.train"))
+    if batch < training["classes"] + 1:
+        raise SettingsError(f"{path}: {batch} rows per batch, fewer than training.classes + 1 = "
+                            f"{training['classes'] + 1} (each row's atoms are other rows of its batch); raise "
+                            f"{path} or lower training.classes")
+
+
 def member_round(member: Member) -> tuple[object, ...]:
     """The labels a later round adds to its member's random streams: its data are fresh draws."""
     return ("round", member["round"]) if "round" in member else ()
@@ -321,13 +473,13 @@ class Study(Experiment):
     custom_priors: dict[str, Any] = {}       # a study's own prior objects by name, beside the bundled families in settings
     standardize = True       # model.standardize when the settings leave it out
     log_likelihood: Any = None    # define log_likelihood(self, x, theta) for the exact target
-    SECTIONS: tuple[str, ...] = ("cohort", "priors", "data")
-    OPTIONAL_SECTIONS: tuple[str, ...] = ("problem", "model", "training", "rounds")
+    SECTIONS: tuple[str, ...] = ("data",)
+    OPTIONAL_SECTIONS: tuple[str, ...] = ("cohort", "priors", "problem", "model", "training", "rounds")
     DATA_SOURCES: tuple[object, ...] = (priors, sample_training_data, sample_joint, runtime.derived_seed)
     MODEL_SOURCES: tuple[object, ...] = (networks, trainer, contrast, runtime.derived_seed)
 
     def __init__(self, settings: dict[str, Any]) -> None:
-        self.settings = settings
+        self.settings = with_kit_defaults(settings)
         self._problem: Any = None              # make_problem's, built once
         self._bank: tuple[np.ndarray, np.ndarray] | None = None
         self.round_data: dict[str, dict[str, np.ndarray]] = {}     # a round's simulations, for the next (rounds.py)
@@ -347,19 +499,24 @@ class Study(Experiment):
         self.problem()
         self.check_rounds()
         for member in self.members()[:len(self.settings["cohort"]["priors"])]:
-            self.prior(member)
+            prior = self.prior(member)
+            if isinstance(prior, priors.CustomPrior):
+                check_custom_prior(prior, member["prior"], type(self.custom_priors[member["prior"]]).__name__)
         bank = self.bank()
         if bank is not None:
             rows = sum(self.settings["data"][split] for split in SPLITS)
             if rows > len(bank[0]):
                 raise SettingsError(f"data.bank: holds {len(bank[0])} simulations; data.train + validation + "
                                     f"test ask for {rows}")
+            share, line = self.bank_outside(bank[1])
+            if share > BANK_OUTSIDE_LIMIT:
+                raise SettingsError(line + "; widen `parameters` to the bank's θ, or give the "
+                                    "bank's rows inside the box")
         networks.check_model_settings(self.model_settings())
         self.embedding_recipe()
         training = trainer.check_training_settings(self.training_settings())
-        if training["objective"] == "contrastive" and self.settings["data"].get("pairing", "batch") == "fixed":
-            raise SettingsError('training.objective "contrastive" re-pairs joint simulations: it needs data.pairing '
-                                '"batch"')
+        if training["objective"] == "contrastive":
+            check_contrastive(training, self.settings["data"])
 
     def check_rounds(self) -> None:
         """The `rounds` section and its observation, which must fit the simulator (docs/rounds.md)."""
@@ -392,6 +549,16 @@ class Study(Experiment):
         if spec is not None and self._bank is None:
             self._bank = read_bank(spec, len(self.parameters or ()))
         return self._bank
+
+    def bank_outside(self, bank_theta: np.ndarray) -> tuple[float, str]:
+        """The share of the bank's θ outside the parameter box, and a line naming it (0.0, "" inside)."""
+        problem, theta = self.problem(), torch.as_tensor(bank_theta)
+        outside = ~((theta >= problem.low) & (theta <= problem.high)).all(dim=1)
+        share = float(outside.double().mean())
+        if not share:
+            return 0.0, ""
+        return share, (f"data.bank: {share:.1%} of its θ rows lie outside the parameter box (e.g. θ = "
+                       f"{[round(v, 4) for v in theta[outside][0].tolist()]}), where no posterior is computed")
 
     def members(self) -> list[Member]:
         """The cohort: every prior in `cohort.priors` times `cohort.replicas`."""
@@ -513,15 +680,22 @@ class Study(Experiment):
         """The member's posterior for an observation, from its trained `model` (see posterior.py)."""
         learned = posterior.Learned(self.problem(member), self.prior(member), model, analysis_settings,
                                     self.settings["seed"])
+        found = posterior.for_observation(learned, observations, truth=truth, device=device, case=case)
         outside = rounds.outside_warning(member, observations)
-        if outside:
-            warnings.warn(outside, stacklevel=2)
-        return posterior.for_observation(learned, observations, truth=truth, device=device, case=case)
+        if outside:                     # a posterior warning: infer prints it as a line of its own
+            found.warnings.append(outside)
+            warnings.warn(outside, posterior.PosteriorWarning, stacklevel=2)
+        return found
 
     def plan_warnings(self) -> list[str]:
-        """Lines for plan: priors with mass outside the parameter box, models of the earlier data meaning,
-        a build_model of the study's own that drops the input standardisation."""
-        return self.box_warnings() + self.pairing_warnings() + self.network_warnings()
+        """Lines for plan: a bank's θ or priors' mass outside the parameter box, models of the earlier data
+        meaning, a build_model of the study's own that drops the input standardisation."""
+        bank = self.bank()
+        share, line = (0.0, "") if bank is None else self.bank_outside(bank[1])
+        fix = "; widen `parameters` until it holds them " \
+              '(docs/training.md, "What `data` counts: simulations, each a joint pair used twice")'
+        outside = [line + fix] * (share > BOX_MASS_WARNING)
+        return outside + self.box_warnings() + self.pairing_warnings() + self.network_warnings()
 
     def network_warnings(self) -> list[str]:
         """One line when the study's own build_model returns a network the kit cannot standardise.
@@ -545,7 +719,7 @@ class Study(Experiment):
         """One line per prior whose draws leave the parameter box more than BOX_MASS_WARNING of the time.
 
         Training pairs drawn there teach the network outside the region every posterior is
-        computed on, which is cut at the box's edge (docs/extending.md: choosing a box).
+        computed on, which is cut at the box's edge (docs/extending.md, "Choosing the box for an unbounded prior").
         """
         problem, found = self.problem(), []
         for member in self.members()[:len(self.settings["cohort"]["priors"])]:
@@ -555,7 +729,8 @@ class Study(Experiment):
             if share > BOX_MASS_WARNING:
                 found.append(f"prior {member['prior']!r}: {share:.1%} of its draws fall outside the parameter box "
                              f"(e.g. θ = {[round(v, 4) for v in theta[outside][0].tolist()]}); widen `parameters` "
-                             "until it holds nearly all the prior's mass (docs/extending.md)")
+                             "until it holds nearly all the prior's mass "
+                             '(docs/extending.md, "Choosing the box for an unbounded prior")')
         return found
 
     def pairing_warnings(self) -> list[str]:

@@ -42,14 +42,16 @@ import analysis_metrics
 import case_blocks
 import case_scores
 import designs
+import flatness
 import hpd
 import study
+import trainer
 from inference_schema import check_inference_settings
-from nre_analysis import flatness, learned_scoring, prior_sds
-from store import NnpdError
+from store import NnpdError, NnpdWarning
 
-__all__ = ["POSTERIOR_CANDIDATES", "Learned", "Posterior", "PosteriorError", "Support", "draw_corner",
-           "for_observation", "from_scores", "marginal_interval", "posterior_settings", "rejection_sample"]
+__all__ = ["POSTERIOR_CANDIDATES", "Learned", "Posterior", "PosteriorError", "PosteriorWarning", "Support",
+           "draw_corner", "for_observation", "from_scores", "marginal_interval", "posterior_settings",
+           "rejection_sample"]
 
 # Network rows one posterior may score: candidate points × observations of the ensemble. At about 2.4 µs
 # a row for the kit's network on one CPU core, 10^8 is some four minutes; more is refused before any work.
@@ -85,6 +87,10 @@ DISTINCT_ENOUGH = 0.9
 
 class PosteriorError(NnpdError, ValueError):
     """A posterior that cannot be computed or sampled as asked; the message says why and what to change."""
+
+
+class PosteriorWarning(NnpdWarning):
+    """A posterior computed, but not one to trust as it is: nearly flat, or samples that are not independent."""
 
 
 class Support(NamedTuple):
@@ -125,6 +131,8 @@ class Posterior:
         self.box = support.box
         self.sampling: dict[str, Any] | None = None   # how the last sample() drew (see sample)
         self.prior_sd: torch.Tensor | None = None                        # the prior's marginal sds (p,), for flatness(); set by for_observation
+        self.flat: dict[str, Any] | None = None     # flatness() as report_flatness warned it
+        self.warnings: list[str] = []               # every PosteriorWarning this posterior gave, in order
 
     def log_prob(self, theta: Any) -> torch.Tensor:
         """log p(θ | x_o) at rows θ (n, p): −inf outside the prior's support."""
@@ -183,7 +191,7 @@ class Posterior:
             info["warning"] = (f"posterior samples: {distinct} distinct of {samples.shape[0]} ({info['method']}"
                                f"{self._acceptance_note(info)}): not independent draws; raise "
                                "inference.candidates.candidate_count for a closer proposal, or sample()'s budget")
-            warnings.warn(info["warning"], stacklevel=3)
+            self._warn(info["warning"], 4)        # at the line that called sample()
         self.sampling = info
         return samples
 
@@ -195,11 +203,28 @@ class Posterior:
         return f", acceptance {info['acceptance']:.2g} over {info['evaluations']} evaluations"
 
     def flatness(self, validation_auc: float | None = None) -> dict[str, Any]:
-        """Whether the posterior is nearly flat against its prior, with one line saying why (nre_analysis.flatness).
+        """Whether the posterior is nearly flat against its prior, with one line saying why (flatness.py).
 
         `validation_auc`, the model's, names the likely cause.
         """
-        return flatness(self.names, torch.sqrt(torch.diagonal(self.cov())), self.prior_sd, validation_auc)
+        return flatness.flatness_report(self.names, torch.sqrt(torch.diagonal(self.cov())), self.prior_sd,
+                                        validation_auc)
+
+    def report_flatness(self, history: Mapping[str, Any] | None = None, stacklevel: int = 1) -> dict[str, Any]:
+        """flatness() with the validation AUC of the training `history`'s kept epoch, warned when flat; kept as
+        `self.flat`. restore(run).posterior calls it, so a Python user sees what `infer` prints.
+
+        `stacklevel` 1 warns at the line that called this, 2 at the line that called that (restore's).
+        """
+        self.flat = self.flatness(trainer.kept_validation(dict(history or {})).get("auc"))
+        if self.flat["warning"]:
+            self._warn(self.flat["warning"], stacklevel + 2)
+        return self.flat
+
+    def _warn(self, line: str, stacklevel: int) -> None:
+        """Warn `line` as a PosteriorWarning (stacklevel counted from here) and list it in `self.warnings`."""
+        self.warnings.append(line)
+        warnings.warn(line, PosteriorWarning, stacklevel=stacklevel)
 
     def hpd(self, level: float) -> dict[str, Any]:
         """The HPD region holding `level` of the mass: its score threshold, attained mass and per-axis bounds."""
@@ -446,13 +471,36 @@ def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET)
 
 def observation_ensemble(observations, dimension):
     """An observation as an ensemble (m, d) float64, or a PosteriorError naming the expected shapes."""
-    x = torch.as_tensor(np.asarray(observations, dtype=np.float64))
+    given = real_array(observations)
+    x = torch.as_tensor(given.astype(np.float64))
     if x.dim() == 1:
         x = x[None]
     if x.dim() != 2 or x.shape[1] != dimension or x.shape[0] == 0 or not bool(torch.isfinite(x).all()):
-        raise PosteriorError(f"observations of shape {tuple(np.shape(observations))}: expected finite numbers of "
+        raise PosteriorError(f"observations of shape {given.shape}: expected finite numbers of "
                              f"shape ({dimension},) for one observation or (m, {dimension}) for m of them")
+    if bool((x.abs() > torch.finfo(torch.float32).max).any()):
+        raise PosteriorError("observations hold values beyond float32's range (±3.4e38), which the network reads as "
+                             "infinite; give them in the units the model was trained on")
     return x
+
+
+def real_array(observations):
+    """The observations as a numpy array of real numbers, or a PosteriorError naming what they are."""
+    if isinstance(observations, np.ma.MaskedArray):     # np.asarray would drop the mask and keep the masked values
+        raise PosteriorError("observations: a masked array; fill or drop the masked values first (numpy.ma.filled, "
+                             ".compressed()) and pass a plain array")
+    if isinstance(observations, torch.Tensor):
+        observations = observations.detach().cpu()
+        observations = observations if observations.is_complex() else observations.to(torch.float64)
+    try:
+        array = np.asarray(observations)
+    except (TypeError, ValueError) as error:            # a ragged list
+        raise PosteriorError(f"observations: not an array of numbers ({error}); pass a numpy array (d,) or "
+                             "(m, d)") from None
+    if array.dtype.kind not in "biuf":
+        raise PosteriorError(f"observations: {type(observations).__name__} of {array.dtype}, not real numbers; pass "
+                             "a numpy array or tensor of floats, (d,) or (m, d)")
+    return array
 
 
 def check_ensemble_cost(problem, prior, settings, observations):
@@ -546,13 +594,13 @@ def for_observation(learned, observations, truth=None, device="cpu", case=0):
     settings = posterior_settings(problem, prior.lattice_steps, learned.analysis_settings)
     x = observation_ensemble(observations, problem.dimension)
     points = check_ensemble_cost(problem, prior, settings, len(x))
-    score_fn = host_scores(learned_scoring(learned.model, torch.device(device), prior, x[None],
-                                           score_targets(settings), settings, case_scores.Evaluations()))
+    score_fn = host_scores(case_blocks.learned_scoring(learned.model, torch.device(device), prior, x[None],
+                                                       score_targets(settings), settings, case_scores.Evaluations()))
     counted = ScoredPoints(score_fn, points)
     posterior = from_scores(problem, prior.lattice_steps, counted, learned.analysis_settings, learned.seed, truth,
                             case)
     counted.finish()
-    posterior.prior_sd = prior_sds(prior, problem.parameter_count)
+    posterior.prior_sd = flatness.prior_sds(prior, problem.parameter_count)
     return posterior
 
 

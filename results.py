@@ -8,15 +8,18 @@
 A record is one run folder: its configuration (baseline, or the knob it changes and the
 value), its cohort member, the resolved training settings, the training and analysis
 states, the metrics of its complete analysis (None otherwise) and its model's training
-history. `comparison_figure` draws what `report --plot` writes.
+history (`report` says under its table how each training ended: trainer.training_outcome).
+`comparison_figure` draws what `report --plot` writes.
 """
 import csv
 import io
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Iterable
 
 import store
+import trainer
 from settings import is_number
 
 
@@ -93,11 +96,13 @@ def model_history(root, folder):
 
 
 def training_columns(history):
-    """selected_epoch and final_validation_loss (the last epoch's validation BCE) of a history."""
+    """selected_epoch, final_validation_loss (the last epoch's validation BCE) and stopped_epoch (where patience
+    ended training, or None) of a history."""
     history = history or {}
     validation = history.get("validation") or [{}]
     final = validation[-1].get("bce") if isinstance(validation[-1], dict) else None
-    return {"selected_epoch": history.get("selected_epoch"), "final_validation_loss": final}
+    return {"selected_epoch": history.get("selected_epoch"), "final_validation_loss": final,
+            "stopped_epoch": history.get("stopped_epoch")}
 
 
 def analysis_and_metrics(root, folder):
@@ -133,7 +138,7 @@ def lookup(mapping, path, default=None):
 def flatten(value, prefix=""):
     """{dotted path: scalar} of every number, string, bool or null below value (lists by index)."""
     if isinstance(value, dict):
-        items = value.items()
+        items: Iterable[tuple[Any, Any]] = value.items()
     elif isinstance(value, list):
         items = enumerate(value)
     else:
@@ -203,22 +208,32 @@ def table(records, columns=()):
     """A compact text table of the analysed runs: configuration, prior and the study's headline metrics.
 
     `columns` are (heading, metric path) pairs, the analysis class's REPORT_COLUMNS (levels
-    are keys such as "0.68").
+    are keys such as "0.68"); a column no analysed run has a value for is left out (the exact
+    likelihood's coverage of a study without one, say), a value some runs lack is `-`.
     """
+    analysed = [record.metrics for record in records if record.metrics is not None]
+    if not analysed:
+        return "no analysed runs yet"
+    columns = [(heading, path) for heading, path in columns
+               if any(_cell(metrics, path) != "-" for metrics in analysed)]
     lines = [["configuration", "prior", *(heading for heading, _ in columns)]]
     for record in records:
         if record.metrics is not None:
             lines.append([record.swept, str(record.prior), *(_cell(record.metrics, path) for _, path in columns)])
-    if len(lines) == 1:
-        return "no analysed runs yet"
     widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
 
 
 def report_text(records, columns=(), warning_paths=()):
     """The table, then one line per warning of the analysed runs: what `run` and `report` print."""
-    return "\n".join([table(records, columns), *warning_lines(records, warning_paths), *dropped_lines(records),
-                      *round_lines(records)])
+    return "\n".join([table(records, columns), *training_lines(records), *warning_lines(records, warning_paths),
+                      *dropped_lines(records), *round_lines(records)])
+
+
+def training_lines(records):
+    """One line per analysed run trained by the bundled trainer: how its training ended and the epoch it kept."""
+    outcomes = [(record, trainer.training_outcome(record.history)) for record in records if record.metrics is not None]
+    return [f"training: {record.swept} {record.prior}: {outcome}" for record, outcome in outcomes if outcome]
 
 
 def round_lines(records):
@@ -279,7 +294,8 @@ def panel_point(metrics, path):
     value = lookup(metrics, path)
     interval = nominal = None
     if isinstance(value, dict):
-        value, interval, nominal = value.get("joint"), value.get("interval"), value.get("nominal")
+        level: dict = value
+        value, interval, nominal = level.get("joint"), level.get("interval"), level.get("nominal")
     if not is_number(value):
         return None
     if not (isinstance(interval, list) and len(interval) == 2 and all(map(is_number, interval))):
@@ -289,7 +305,7 @@ def panel_point(metrics, path):
 
 def series(records, knob, path):
     """{member: (prior, replica, [(knob value, metric, interval or None)])} along one knob, the baseline included."""
-    found = {}
+    found: dict[str, Any] = {}
     for record in records:
         point = None if record.metrics is None else panel_point(record.metrics, path)
         if point is not None and record.knob in (None, knob):
@@ -392,7 +408,7 @@ def draw_prior_panel(ax, records, panel, priors):
 
 def row_legend(row):
     """One legend for a row of panels, right of its last panel: every line and marker of the row, once."""
-    entries = {}
+    entries: dict[str, Any] = {}
     for ax in row:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             entries.setdefault(label, handle)

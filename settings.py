@@ -1,6 +1,10 @@
 """Settings: loading the two settings files, Choice and one-factor-at-a-time expansion,
 identity digests, and the checks of every section the framework itself reads.
 
+A settings file holds one profile as a dict `SETTINGS`, or several as `PROFILES`, `DEFAULT_PROFILE`
+and `make_settings(profile)` (README.md, "The settings files"). Training settings need only
+`experiment`: `output`, `seed` and `runtime` default (fill_training_defaults).
+
 The framework's sections (`output`, `seed`, `runtime`, `verification`, `plotting`, and the
 `metrics`/`plots`/`cohort_plots` lists) are checked here; the bundled trainer checks
 `training` (trainer.py) and a study checks its own sections (its `validate()`), all with
@@ -28,7 +32,8 @@ __all__ = [
     "name_list", "TRAINING_SECTIONS", "ANALYSIS_SECTIONS", "LAUNCH_INVARIANT", "Choice", "Configuration", "Profile",
     "canonical_json", "digest", "check_structure", "resolve", "to_jsonable", "identity", "expand", "check_training",
     "check_analysis", "RUNTIME_DEFAULTS", "DEVICE_FORMS", "check_runtime", "check_framework",
-    "make_study_importable", "load_profile",
+    "make_study_importable", "load_profile", "fill_training_defaults", "single_profile_name", "SEED_DEFAULT",
+    "FORMAT_DOCS",
 ]
 
 
@@ -57,7 +62,8 @@ def require(mapping, key, path):
     if not isinstance(mapping, dict):
         raise SettingsError(f"{path}: expected a dict, got {type(mapping).__name__}")
     if key not in mapping:
-        raise SettingsError(f"{path}.{key} is missing; add it to the settings")
+        raise SettingsError(f"{path}.{key} is missing; add it to the settings ({FORMAT_DOCS} says which a study "
+                            "needs)")
     return mapping[key]
 
 
@@ -114,12 +120,18 @@ def name_list(value, path, allow_empty=True):
 
 
 # The framework's own sections; a study's sections beside them are the study's to check
-# (study.check_study_sections and the study's validate()).
+# (study_loading.check_study_sections and the study's validate()).
 TRAINING_SECTIONS = ("experiment", "output", "seed", "runtime")
+TRAINING_REQUIRED = ("experiment",)     # the others default (fill_training_defaults)
+SEED_DEFAULT = 0
 ANALYSIS_SECTIONS = ("analysis", "verification", "metrics", "plots", "cohort_plots", "plotting")
 LAUNCH_INVARIANT = ("experiment", "output", "runtime")
 TRAINING_FILE = "settings_training.py"
 ANALYSIS_FILE = "settings_analysis.py"
+# A single-profile settings file: one dict of sections under this name, no PROFILES/make_settings.
+SINGLE = "SETTINGS"
+# Where every error about the files' form sends the reader (tests/test_docs.py checks the heading exists).
+FORMAT_DOCS = 'README.md, "The settings files"'
 
 _CLASS_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _SCALARS = (str, int, float, bool, type(None))
@@ -218,8 +230,7 @@ def _fail(where, path, problem):
 def check_structure(settings, where="settings"):
     """Reject bad keys, non-finite numbers, misplaced or empty Choices, non-JSON values."""
     if not isinstance(settings, dict):
-        _fail(where, "", f"settings must be a dict, got {type(settings).__name__}; "
-                         "make_settings must return a dict of sections")
+        _fail(where, "", f"settings must be a dict of sections, got {type(settings).__name__} ({FORMAT_DOCS})")
     _check_node(settings, "", where, allow_choice=True)
 
 
@@ -371,11 +382,11 @@ def _first_choice_path(value, path=""):
 
 
 def check_sections(settings, required, where):
-    """Every framework section is present (the study checks its own sections)."""
+    """Every required framework section is present (the study checks its own sections)."""
     missing = [name for name in required if name not in settings]
     if missing:
-        raise SettingsError(f"{where}: missing sections: {', '.join(missing)}; nnpd needs the sections "
-                            f"{', '.join(required)} beside the study's own")
+        raise SettingsError(f"{where}: missing sections: {', '.join(missing)}; add them beside the study's own "
+                            f"({FORMAT_DOCS})")
 
 
 def check_class_ref(settings, section, where):
@@ -389,7 +400,7 @@ def check_class_ref(settings, section, where):
 def check_training(settings, where="settings_training.py"):
     """Structure, sections, launch invariants and class reference of training settings."""
     check_structure(settings, where)
-    check_sections(settings, TRAINING_SECTIONS, where)
+    check_sections(settings, TRAINING_REQUIRED, where)
     for section in LAUNCH_INVARIANT:
         path = _first_choice_path(settings[section], section)
         if path is not None:
@@ -398,11 +409,26 @@ def check_training(settings, where="settings_training.py"):
     check_class_ref(settings, "experiment", where)
 
 
+def fill_training_defaults(settings, profile):
+    """The framework's training sections a file leaves out, filled in place before the settings are expanded:
+    `output.root` "outputs/<profile>", `seed` SEED_DEFAULT and `runtime` {} (RUNTIME_DEFAULTS).
+
+    Filled, they enter the identity as if written out; a value of the wrong type is left for the checks.
+    """
+    if isinstance(settings, dict):
+        output = settings.get("output", {})
+        if isinstance(output, dict):
+            settings["output"] = {"root": f"outputs/{profile}", **output}
+        settings.setdefault("seed", SEED_DEFAULT)
+        settings.setdefault("runtime", {})
+    return settings
+
+
 def check_analysis(settings, where="settings_analysis.py"):
     """Structure, sections, no Choice and class reference of analysis settings; fills the framework's defaults.
 
     Only `analysis` is required: the other framework sections default to ANALYSIS_DEFAULTS, and
-    `metrics` to what the analysis class selects (study.load_study).
+    `metrics`, `plots` and `cohort_plots` to what the analysis class selects (study_loading.load_study).
     """
     check_structure(settings, where)
     check_sections(settings, ("analysis",), where)
@@ -433,7 +459,7 @@ PLOT_FORMATS = ("png", "pdf", "svg")
 # profiles' own: they let the default profile's largest analysis through and stop a typo's.
 LIMIT_DEFAULTS = {"max_model_evaluations": 2e12, "max_saved_bytes": 8e9, "max_candidate_points": 2e6}
 PLOTTING_DEFAULTS = {"format": "png", "dpi": 120}
-ANALYSIS_DEFAULTS = {"verification": LIMIT_DEFAULTS, "plots": [], "cohort_plots": [], "plotting": PLOTTING_DEFAULTS}
+ANALYSIS_DEFAULTS = {"verification": LIMIT_DEFAULTS, "plotting": PLOTTING_DEFAULTS}
 
 
 def check_runtime(runtime_settings):
@@ -487,10 +513,11 @@ def check_analysis_framework(analysis):
     analysis["plotting"] = plotting = {**PLOTTING_DEFAULTS, **analysis["plotting"]}
     one_of(plotting["format"], PLOT_FORMATS, "plotting.format")
     integer(plotting["dpi"], "plotting.dpi", 1, 2400)
-    if "metrics" in analysis:       # else the analysis class chooses them (study.load_study)
+    if "metrics" in analysis:       # else the analysis class chooses them (study_loading.load_study), and the figures
         name_list(analysis["metrics"], "metrics", allow_empty=False)
-    name_list(analysis["plots"], "plots")
-    name_list(analysis["cohort_plots"], "cohort_plots")
+    for name in ("plots", "cohort_plots"):
+        if name in analysis:
+            name_list(analysis[name], name)
 
 
 def check_framework(profile):
@@ -612,34 +639,72 @@ def _described(error):
 def _attribute(module, path, attribute):
     """A required module-level name of a settings file."""
     if not hasattr(module, attribute):
-        raise SettingsError(f"{path}: {attribute} is not defined; define it "
-                            "(see the settings file format)")
+        raise SettingsError(f"{path}: {attribute} is not defined; define it ({FORMAT_DOCS})")
     return getattr(module, attribute)
 
 
 def _profiles(module, path):
-    """The PROFILES tuple of a settings file, as a list of names."""
-    names = _attribute(module, path, "PROFILES")
+    """The profile names of a settings file (its PROFILES), or None for a single-profile file (its SETTINGS)."""
+    if hasattr(module, SINGLE) and hasattr(module, "PROFILES"):
+        raise SettingsError(f"{path}: defines both {SINGLE} and PROFILES; keep {SINGLE} for one profile, or "
+                            f"PROFILES with make_settings for several ({FORMAT_DOCS})")
+    if hasattr(module, SINGLE):
+        return None
+    if not hasattr(module, "PROFILES"):
+        raise SettingsError(f"{path}: defines neither {SINGLE} (a dict of sections: one profile) nor PROFILES "
+                            f"with make_settings (several); define one ({FORMAT_DOCS})")
+    names = module.PROFILES
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
-        raise SettingsError(f"{path}: PROFILES must be a tuple of profile names")
+        raise SettingsError(f"{path}: PROFILES must be a tuple of profile names ({FORMAT_DOCS})")
     return list(names)
 
 
+def single_profile_name(settings_dir):
+    """The name of a single-profile file's profile: its folder's, as a safe name ("study" when none is left)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(settings_dir).name)[:64].strip("._-").replace("..", "_")
+    return name or "study"
+
+
+def _profile_name(module, path, settings_dir, asked):
+    """The profile a launch uses: the asked one (else DEFAULT_PROFILE) of PROFILES, or a SETTINGS file's own."""
+    known = _profiles(module, path)
+    if known is None:
+        name = single_profile_name(settings_dir)
+        if asked not in (None, name):
+            raise SettingsError(f"{path}: holds one profile, {name!r} ({SINGLE}, named after its folder), not "
+                                f"{asked!r}; leave out --profile ({FORMAT_DOCS})")
+        return name
+    profile = _attribute(module, path, "DEFAULT_PROFILE") if asked is None else asked
+    if profile not in known:
+        raise SettingsError(f"unknown profile {profile!r}; known profiles: {', '.join(known)} (from {path})")
+    return profile
+
+
 def _make(module, path, profile):
-    """Call make_settings(profile), turning its failures into SettingsError."""
+    """A copy of the file's SETTINGS, or make_settings(profile), its failures turned into SettingsError."""
+    if hasattr(module, SINGLE):
+        settings, where = getattr(module, SINGLE), f"{SINGLE} is a"
+        if isinstance(settings, dict):
+            return copy.deepcopy(settings)      # deepcopy keeps Choice objects
+    else:
+        settings, where = _called_make_settings(module, path, profile), "make_settings returned a"
+    if not isinstance(settings, dict):
+        raise SettingsError(f"{path.name} [{profile}]: {where} {type(settings).__name__}; it must be a dict of "
+                            f"sections ({FORMAT_DOCS})")
+    return settings
+
+
+def _called_make_settings(module, path, profile):
+    """make_settings(profile), turning its failures into SettingsError."""
     make_settings = _attribute(module, path, "make_settings")
     try:
         with _no_exit() as pressed:
-            settings = make_settings(profile)
+            return make_settings(profile)
     except SettingsError as error:
         raise SettingsError(f"{path.name} [{profile}]: {error}") from None
     except BaseException as error:
         _reraise_ctrl_c(error, pressed)
         raise SettingsError(f"{path.name} [{profile}]: make_settings failed: {_described(error)}") from None
-    if not isinstance(settings, dict):
-        raise SettingsError(f"{path.name} [{profile}]: make_settings returned "
-                            f"{type(settings).__name__}; it must return a dict")
-    return settings
 
 
 def make_study_importable(profile):
@@ -663,16 +728,11 @@ def load_profile(settings_dir, profile=None, training_dir=None):
     analysis_path = settings_dir / ANALYSIS_FILE
     training_module = _load_module(training_path)
     analysis_module = _load_module(analysis_path)
-    known = _profiles(training_module, training_path)
-    if profile is None:
-        profile = _attribute(training_module, training_path, "DEFAULT_PROFILE")
-    if profile not in known:
-        raise SettingsError(f"unknown profile {profile!r}; known profiles: "
-                            f"{', '.join(known)} (from {training_path})")
-    if profile not in _profiles(analysis_module, analysis_path):
-        raise SettingsError(f"{analysis_path}: profile {profile!r} is missing from "
-                            "PROFILES; add it so both files define the same profiles")
-    training = _make(training_module, training_path, profile)
+    profile = _profile_name(training_module, training_path, settings_dir, profile)
+    if profile not in (_profiles(analysis_module, analysis_path) or [profile]):    # a SETTINGS file serves any
+        raise SettingsError(f"{analysis_path}: profile {profile!r} is missing from PROFILES; add it so both files "
+                            f"define the same profiles, or give the analysis one {SINGLE} dict ({FORMAT_DOCS})")
+    training = fill_training_defaults(_make(training_module, training_path, profile), profile)
     analysis = _make(analysis_module, analysis_path, profile)
     check_training(training, f"{TRAINING_FILE} [{profile}]")
     check_analysis(analysis, f"{ANALYSIS_FILE} [{profile}]")

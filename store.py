@@ -37,10 +37,10 @@ if TYPE_CHECKING:       # for annotations only: the store imports torch where it
     import torch
 
 __all__ = [
-    "MANIFEST", "NnpdError", "DamagedArtifact", "MissingArtifact", "LaunchError", "RestoreError", "disk_problem",
-    "refuse_link", "own_folder", "canonical_json", "sha256_text", "digest", "record_checksum", "write_json_atomic",
-    "ATOMIC_LEFTOVER", "write_bytes_atomic", "now_iso", "Writer", "Artifact", "Store", "EXPERIMENT_METHODS",
-    "ROOT_MARKER", "import_class", "restore",
+    "MANIFEST", "NnpdError", "NnpdWarning", "DamagedArtifact", "MissingArtifact", "LaunchError", "RestoreError",
+    "disk_problem", "refuse_link", "own_folder", "MAX_NUMBERS", "irregular_file", "read_npy", "canonical_json",
+    "sha256_text", "digest", "record_checksum", "write_json_atomic", "ATOMIC_LEFTOVER", "write_bytes_atomic",
+    "now_iso", "Writer", "Artifact", "Store", "EXPERIMENT_METHODS", "ROOT_MARKER", "import_class", "restore",
 ]
 
 SCHEMA = 1
@@ -54,6 +54,10 @@ _CHUNK = 4 << 20  # large reads keep deep verification near raw hashlib speed
 # and this one imports nothing of the project. Second bases stay only where callers catch them.
 class NnpdError(Exception):
     """A problem nnpd found and names in one line that says how to fix it (not a bug)."""
+
+
+class NnpdWarning(UserWarning):
+    """Something nnpd computed but the user should know before trusting it (warnings.warn's category)."""
 
 
 class DamagedArtifact(NnpdError):
@@ -115,6 +119,51 @@ def own_folder(path):
         raise LaunchError(f"{path} is a file where nnpd keeps a folder of its own; move the file elsewhere "
                           f"or delete it")
     return path
+
+
+# Numbers nnpd reads from one .npy array (an infer input, a bank's x or θ): 0.8 GB as float64,
+# checked against the header before anything is allocated.
+MAX_NUMBERS = 10**8
+
+
+def irregular_file(path):
+    """Why `path` cannot be read as a file, or None for a regular file.
+
+    Checked before opening: a FIFO blocks the open for ever and /dev/zero never ends.
+    """
+    try:
+        kind = os.stat(path).st_mode
+    except (OSError, ValueError) as error:
+        return f"cannot be read ({getattr(error, 'strerror', None) or error})"
+    if not stat.S_ISREG(kind):
+        return "is not a regular file (a folder, FIFO or device)"
+    return None
+
+
+def read_npy(stream, cap=MAX_NUMBERS):
+    """A real numeric array from an open .npy stream; ValueError naming what is wrong.
+
+    The header's dtype and size are checked before any data are allocated or read, so a
+    header declaring 10^12 rows or a deflate bomb costs nothing, and pickles are never loaded.
+    """
+    version = np.lib.format.read_magic(stream)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f".npy format version {version} holds no plain numbers")
+    read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
+    shape, fortran, dtype = read_header(stream)
+    if dtype.kind not in "biuf":
+        raise ValueError(f"it holds {dtype}, not real numbers")
+    count = int(np.prod(shape, dtype=object))
+    if count > cap:
+        raise ValueError(f"its header declares {count:,} numbers, over the {cap:,} nnpd reads from one array")
+    array = np.empty(count, dtype)
+    view = array.view(np.uint8).data
+    filled = 0
+    while filled < len(view) and (n := stream.readinto(view[filled:])):
+        filled += n
+    if filled < len(view):
+        raise ValueError(f"it is truncated: {filled:,} of the {len(view):,} bytes its header declares")
+    return array.reshape(shape[::-1]).T if fortran else array.reshape(shape)
 
 
 # ---------------------------------------------------------------- JSON helpers
@@ -888,8 +937,11 @@ class Restored:
         if not callable(getattr(self.experiment, "posterior", None)):
             raise RestoreError(f"{type(self.experiment).__name__} gives no posterior (studies on the study kit do)")
         device = device or next(self.model.parameters()).device
-        return self.experiment.posterior(self.member, self.model, self.analysis_settings(), observations,
-                                         truth=truth, device=device)
+        posterior = self.experiment.posterior(self.member, self.model, self.analysis_settings(), observations,
+                                              truth=truth, device=device)
+        if callable(getattr(posterior, "report_flatness", None)):   # a kit posterior: warn as `infer` prints
+            posterior.report_flatness(self.history, stacklevel=2)
+        return posterior
 
     def analysis_settings(self) -> dict[str, Any]:
         """The analysis settings of the run's analysis, or {} (every default) for a run never analysed."""

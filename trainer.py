@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import NamedTuple
+from typing import Any, NamedTuple, TypedDict, cast
 
 import numpy as np
 import torch
@@ -38,13 +38,13 @@ from probes import COMMUNICATE, STEP_PHASES  # noqa: F401
 
 __all__ = [
     "Preempted", "PARTS", "TRAINING_DEFAULTS", "VALIDATION_CHUNK", "FLAG_EXCHANGE_SECONDS",
-    "check_training_settings", "FunctionalAdam", "make_optimizer", "training_tensors", "batch_loss",
-    "kept_validation", "train",
+    "TrainingSettings", "Objective", "objective_of", "check_training_settings", "FunctionalAdam", "make_optimizer", "training_tensors", "batch_loss",
+    "kept_validation", "LOSS_NAMES", "objective_name", "watched_loss", "training_outcome", "train",
 ]
 
 Preempted = runtime.Preempted      # the one class; trainer.Preempted is the name callers of train() know
 # The modules split from this one: their code shapes every model it trains, so they enter a
-# model's key beside trainer.py (study.experiment_sources).
+# model's key beside trainer.py (study_loading.experiment_sources).
 PARTS = (ddp, training_state, training_hooks)
 
 TRAINING_DEFAULTS = {
@@ -65,6 +65,42 @@ TRAINING_DEFAULTS = {
     "gamma": 1.0,
     "patience": None,
 }
+
+
+class TrainingSettings(TypedDict):
+    """The `training` section, every default filled in and checked (check_training_settings): mypy names a
+    key misspelt where it is read."""
+    epochs: int
+    batch_size: int
+    optimizer: str
+    learning_rate: float
+    betas: list[float]
+    epsilon: float
+    weight_decay: float
+    gradient_clip: float | None
+    precision: str
+    checkpoint: str
+    objective: str
+    balance_weight: float
+    selection: str
+    classes: int
+    gamma: float
+    patience: int | None
+
+
+class Objective(NamedTuple):
+    """What a training loss reads of the settings: the trained objective and its two hyper-parameters."""
+    kind: str                 # "bce", "balanced" or "contrastive" (training.objective)
+    classes: int              # atoms per joint pair: training.classes for "contrastive", else one re-paired row
+    gamma: float              # the contrastive loss' γ
+    balance_weight: float     # the balanced loss' λ
+
+
+def objective_of(settings: TrainingSettings) -> Objective:
+    """The objective the settings train."""
+    return Objective(settings["objective"], contrast_classes(settings), settings["gamma"], settings["balance_weight"])
+
+
 OPTIMIZERS = ("adam", "adamw")
 CHECKPOINTS = ("best", "last")
 OBJECTIVES = ("bce", "balanced", "contrastive")
@@ -79,7 +115,7 @@ FLAG_EXCHANGE_SECONDS = 0.1
 # ---------------------------------------------------------------- settings
 
 
-def check_training_settings(training_settings: dict) -> dict:
+def check_training_settings(training_settings: dict) -> TrainingSettings:
     """Validate the `training` settings and return them with defaults filled in."""
     known_keys(training_settings, tuple(TRAINING_DEFAULTS), "training")
     s = {**TRAINING_DEFAULTS, **training_settings}
@@ -109,13 +145,13 @@ def check_training_settings(training_settings: dict) -> dict:
     s["betas"] = [float(b) for b in betas]
     s["balance_weight"] = float(s["balance_weight"])
     s["gamma"] = float(s["gamma"])
-    return s
+    return cast(TrainingSettings, s)
 
 
 # ---------------------------------------------------------------- the optimizer
 
 
-def _fast_flag(device: torch.device) -> dict:
+def _fast_flag(device: torch.device) -> dict[str, Any]:
     """Optimizer keyword choosing the fused (or foreach) implementation for speed."""
     return {"fused": True} if device.type in ("cpu", "cuda") else {"foreach": True}
 
@@ -130,11 +166,11 @@ class FunctionalAdam:
     states load either way.
     """
 
-    def __init__(self, params, settings: dict, device: torch.device):
+    def __init__(self, params, settings: TrainingSettings, device: torch.device):
         self.params = list(params)
         self.update = adam_update if settings["optimizer"] == "adam" else adamw_update
         beta1, beta2 = settings["betas"]
-        self.hyper = {"lr": settings["learning_rate"], "beta1": beta1, "beta2": beta2, "eps": settings["epsilon"],
+        self.hyper: dict[str, Any] = {"lr": settings["learning_rate"], "beta1": beta1, "beta2": beta2, "eps": settings["epsilon"],
                       "weight_decay": settings["weight_decay"], "amsgrad": False, "maximize": False}
         self.flags = _fast_flag(device)
         self.param_groups = [{"params": self.params}]   # what clipping and the state checks read
@@ -174,7 +210,7 @@ class FunctionalAdam:
                 own[name].copy_(value)
 
 
-def make_optimizer(params, settings: dict, device: torch.device, scaled: bool = False):
+def make_optimizer(params, settings: TrainingSettings, device: torch.device, scaled: bool = False):
     """Adam or AdamW with the settings' hyper-parameters (torch.optim's only under a gradient scaler)."""
     if not scaled:      # float16's GradScaler drives torch.optim's fused step itself
         return FunctionalAdam(params, settings, device)
@@ -182,7 +218,7 @@ def make_optimizer(params, settings: dict, device: torch.device, scaled: bool = 
     return cls(
         params,
         lr=settings["learning_rate"],
-        betas=tuple(settings["betas"]),
+        betas=(settings["betas"][0], settings["betas"][1]),
         eps=settings["epsilon"],
         weight_decay=settings["weight_decay"],
         **_fast_flag(device),
@@ -236,12 +272,12 @@ def _check_data(data: dict) -> bool:
     return joint
 
 
-def contrast_classes(settings: dict) -> int:
+def contrast_classes(settings: TrainingSettings) -> int:
     """Atoms per joint pair: `classes` for the contrastive objective, one re-paired row for the binary ones."""
     return settings["classes"] if settings["objective"] == "contrastive" else 1
 
 
-def joint_validation(x, theta, settings: dict, seed: int) -> tuple:
+def joint_validation(x, theta, settings: TrainingSettings, seed: int) -> tuple:
     """The validation set as (inputs, None, columns): each row with its atoms, drawn once for every epoch."""
     columns = contrast_classes(settings) + 1
     atoms = contrast.fixed_atoms(x.shape[0], columns - 1, seed).to(x.device)
@@ -261,7 +297,7 @@ def balance_defect(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return (probability[joint].mean() + probability[~joint].mean() - 1).item()
 
 
-def validation_objective(bce: float, balance: float, settings: dict, contrastive: float | None = None) -> float:
+def validation_objective(bce: float, balance: float, settings: TrainingSettings, contrastive: float | None = None) -> float:
     """The trained objective on the validation set: its BCE, plus for "balanced" λ times the squared defect,
     or for "contrastive" the mean NRE-C loss of the validation rows and their fixed atoms.
 
@@ -272,11 +308,13 @@ def validation_objective(bce: float, balance: float, settings: dict, contrastive
     if settings["objective"] == "balanced":
         return bce + settings["balance_weight"] * balance**2
     if settings["objective"] == "contrastive":
+        if contrastive is None:
+            raise ValueError("the contrastive objective's validation needs its contrastive loss")
         return contrastive
     return bce
 
 
-def _validate(model, validation: tuple, device, settings: dict) -> dict:
+def _validate(model, validation: tuple, device, settings: TrainingSettings) -> dict:
     """Validation metrics of the unwrapped model, with its balance defect; a non-finite logit is an error.
 
     `validation` is (inputs, labels, None) for fixed pairs, or (inputs, None, K + 1) for
@@ -355,8 +393,8 @@ def _balance_terms(logits: torch.Tensor, labels: torch.Tensor, weight: float, rt
     return surrogate, weight * gap**2
 
 
-def batch_loss(logits: torch.Tensor, labels: torch.Tensor | None, batch_len: int, settings: dict,
-               rt: runtime.Runtime):
+def batch_loss(logits: torch.Tensor, labels: torch.Tensor | None, batch_len: int, objective: Objective,
+               rt: runtime.Runtime) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's loss to back-propagate for its shard of a global batch, and the shard's record.
 
     The record sums to the global batch's objective times its rows over ranks: the shard's
@@ -364,18 +402,20 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor | None, batch_len: int
     For "contrastive" (labels None) a row is a joint pair's K + 1 logits and the record the
     sum of their NRE-C losses.
     """
-    if settings["objective"] == "contrastive":
-        losses = contrast.contrastive_losses(logits.reshape(-1, settings["classes"] + 1), settings["gamma"])
+    if objective.kind == "contrastive":
+        losses = contrast.contrastive_losses(logits.reshape(-1, objective.classes + 1), objective.gamma)
         loss_sum, shard_len = losses.sum(), losses.shape[0]
         return loss_sum / max(shard_len, 1) * loss_scale(shard_len, batch_len, rt.train_world_size), loss_sum.detach()
+    if labels is None:
+        raise ValueError(f"the {objective.kind!r} objective needs labels (fixed pairs) or re-paired rows")
     shard_len = labels.shape[0]
     loss_sum = F.binary_cross_entropy_with_logits(logits, labels, reduction="sum")
     # The shard mean times loss_scale: an empty shard (sum 0, scale 0) still joins the
     # all-reduce with zero gradients, and DDP's averaging yields the global-batch mean's gradient.
     loss = loss_sum / max(shard_len, 1) * loss_scale(shard_len, batch_len, rt.train_world_size)
     record = loss_sum.detach()
-    if settings["objective"] == "balanced":
-        surrogate, penalty = _balance_terms(logits, labels, settings["balance_weight"], rt)
+    if objective.kind == "balanced":
+        surrogate, penalty = _balance_terms(logits, labels, objective.balance_weight, rt)
         loss = loss + surrogate
         if rt.leads_training:   # the penalty is counted once, not once per DDP rank
             record = record + batch_len * penalty.detach()
@@ -387,7 +427,7 @@ class Fit(NamedTuple):
     the checked `training` settings and the runtime."""
     state: TrainingState
     net: torch.nn.Module
-    settings: dict
+    settings: TrainingSettings
     rt: runtime.Runtime
 
 
@@ -403,22 +443,28 @@ def _step(fit: Fit, params: list, shard: tuple, batch_len: int, index: int) -> N
     with probes.phase("train.forward", device=device), _autocast(device, settings["precision"]):
         logits = net(xb).reshape(-1)
     with probes.phase("train.loss", device=device):
-        loss, record = batch_loss(logits.float(), yb, batch_len, settings, rt)
+        loss, record = batch_loss(logits.float(), yb, batch_len, objective_of(settings), rt)
     scaled, clip = state.scaler.is_enabled(), settings["gradient_clip"]
+    norms, batch_losses = state.norms, state.batch_losses     # made with the epoch (norms when clipping)
+    assert batch_losses is not None, "an epoch's buffers are made before its first step"
     with probes.phase("train.backward", device=device):
         state.optimizer.zero_grad(set_to_none=True)
         (state.scaler.scale(loss) if scaled else loss).backward()
     with probes.phase("train.optimizer", device=device):
+        # Under the scaler the optimizer is torch.optim's (make_optimizer), which the scaler drives.
+        scaled_optimizer = cast(torch.optim.Optimizer, state.optimizer)
         if clip is not None:
             if scaled:
-                state.scaler.unscale_(state.optimizer)
-            state.norms[index] = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+                state.scaler.unscale_(scaled_optimizer)
+            norm = torch.nn.utils.clip_grad_norm_(params, clip, foreach=True)
+            if norms is not None:
+                norms[index] = norm
         if scaled:
-            state.scaler.step(state.optimizer)
+            state.scaler.step(scaled_optimizer)
             state.scaler.update()
         else:
             state.optimizer.step()
-    state.batch_losses[index] = record
+    batch_losses[index] = record
 
 
 def _joint_shard(fit: Fit, xs, thetas, batch: tuple, index: int) -> tuple:
@@ -484,7 +530,38 @@ def selection_scores(history: dict) -> list:
     return [metrics["bce"] for metrics in history["validation"]]
 
 
-def patience_exhausted(history: dict, settings: dict) -> bool:
+# The validation loss each objective trains, as the log, `report` and the `training` figure name it.
+LOSS_NAMES = {"bce": "BCE", "balanced": "balanced loss", "contrastive": "contrastive loss"}
+
+
+def objective_name(history: dict) -> str:
+    """The trained objective's name ("contrastive loss", ...); "objective" for a history saved before it said."""
+    return LOSS_NAMES.get(str(history.get("objective")), "objective")
+
+
+def watched_loss(history: dict) -> str:
+    """The validation loss that chose the kept epoch and that patience watched (training.selection)."""
+    return "validation " + (objective_name(history) if history.get("selection") == "objective" else "BCE")
+
+
+def training_outcome(history: dict) -> str | None:
+    """One line: stopped early (the epoch, patience and the watched loss) or ran every epoch, then the kept epoch
+    and its loss; None for a history this trainer did not write."""
+    if not isinstance(history, dict) or history.get("selection") not in SELECTIONS:
+        return None
+    epochs, kept, stopped = history.get("epochs"), history.get("selected_epoch"), history.get("stopped_epoch")
+    scores = selection_scores(history)
+    if not isinstance(kept, int) or not 1 <= kept <= len(scores) or not isinstance(epochs, int):
+        return None
+    watched = watched_loss(history)
+    kept_text = f"kept epoch {kept} ({watched} {scores[kept - 1]:.4f})"
+    if isinstance(stopped, int):
+        return (f"stopped early at epoch {stopped} of {epochs} (patience {history.get('patience')}: the {watched} "
+                f"had not improved for {history.get('patience')} epochs), {kept_text}")
+    return f"ran all {epochs} epochs, {kept_text}"
+
+
+def patience_exhausted(history: dict, settings: TrainingSettings) -> bool:
     """True when the selected validation loss has not improved for `patience` epochs (never without patience)."""
     scores = selection_scores(history)
     if settings["patience"] is None or not scores:
@@ -519,10 +596,10 @@ def _close_epoch(fit: Fit, batch_losses, norms, validation: tuple) -> dict:
     if converged:
         history["stopped_epoch"] = state.epoch + 1
     last = state.epoch + 1 == settings["epochs"] or converged
-    if (settings["checkpoint"] == "best" and score < state.best_bce) or (
+    if (settings["checkpoint"] == "best" and score < state.best_loss) or (
         settings["checkpoint"] == "last" and last
     ):
-        state.best_bce = score
+        state.best_loss = score
         state.best_weights = cpu_copy(state.model.state_dict())
         history["selected_epoch"] = state.epoch + 1
     state.epoch += 1
@@ -544,11 +621,12 @@ def _train_epochs(fit: Fit, tensors: tuple, validation: tuple, runner: HookRunne
         batch_losses, norms = _run_epoch(fit, x, y, runner, joint)
         stop = runner.drain()
         metrics = _close_epoch(fit, batch_losses, norms, validation)
-        record = {**metrics, "seconds": time.monotonic() - began, "epochs": settings["epochs"]}
+        record = {**metrics, "seconds": time.monotonic() - began, "epochs": settings["epochs"],
+                  "objective_name": LOSS_NAMES[settings["objective"]]}
         runner.epoch_done(state, stop, record)
 
 
-def _new_history(settings: dict, rows: int, rt: runtime.Runtime) -> dict:
+def _new_history(settings: TrainingSettings, rows: int, rt: runtime.Runtime) -> dict:
     """The history of a training that has not started."""
     return {
         "train_loss": [],
@@ -558,6 +636,7 @@ def _new_history(settings: dict, rows: int, rt: runtime.Runtime) -> dict:
         "validation_objective": [],
         "validation_balance": [],
         "selection": settings["selection"],
+        "objective": settings["objective"],     # names the losses (objective_name); absent in earlier histories
         # Loss terms per epoch (train_loss is their mean): the rows of fixed pairs, twice the
         # joint pairs (each and its re-paired row) under "bce"/"balanced", the pairs under "contrastive".
         "rows_per_epoch": rows,
@@ -570,7 +649,7 @@ def _new_history(settings: dict, rows: int, rt: runtime.Runtime) -> dict:
     }
 
 
-def _new_state(model, settings: dict, rt: runtime.Runtime, seed: int, rows: int) -> TrainingState:
+def _new_state(model, settings: TrainingSettings, rt: runtime.Runtime, seed: int, rows: int) -> TrainingState:
     """A fresh training state for a model already on the device."""
     device = rt.device
     return TrainingState(
@@ -618,7 +697,7 @@ def _train(model, data: dict, training_settings: dict, rt: runtime.Runtime, seed
     with probes.phase("train.setup"):
         given = tuple(data[name] for name in (JOINT_ARRAYS if joint else TRAINING_ARRAYS))
         tensors = tuple(tensor.to(device=device, dtype=torch.float32) for tensor in given)
-        validation = joint_validation(*tensors[2:], settings, seed) if joint else (*tensors[2:], None)
+        validation = joint_validation(tensors[2], tensors[3], settings, seed) if joint else (*tensors[2:], None)
         model = model.to(device)
         model.train()
         net = ddp.wrapped(model, rt)

@@ -42,7 +42,8 @@ class TrainingHooks:
       at the same step, saves (when saving) and raises Preempted (runtime.Preempted).
     - on_epoch(epoch, record): after each epoch (under DDP rank 0 only); record holds train_loss, bce,
       accuracy, auc, objective and balance (the validation objective and balance defect, see
-      trainer.validation_objective), seconds (the epoch's wall time) and epochs (the total).
+      trainer.validation_objective), objective_name (what that objective is called: trainer.LOSS_NAMES),
+      seconds (the epoch's wall time) and epochs (the total).
     - on_resume(epoch, batch): when training continues from a loaded state (under DDP rank 0 only).
     Under DDP every rank passes hooks with the same fields set: they decide which
     collectives run.
@@ -81,9 +82,11 @@ class HookRunner:
 
     def __init__(self, hooks: TrainingHooks | None, rt: runtime.Runtime, identity: dict | None, n_batches: int,
                  exchange_seconds: float):
-        self.hooks, self.rt, self.identity, self.n_batches = hooks, rt, identity, n_batches
-        self.polling = hooks is not None and hooks.stop_requested is not None
-        self.saving = hooks is not None and hooks.saving
+        # No hooks are hooks with nothing set: every call below then finds its callable None.
+        self.hooks = hooks if hooks is not None else TrainingHooks()
+        self.rt, self.identity, self.n_batches = rt, identity or {}, n_batches
+        self.polling = self.hooks.stop_requested is not None
+        self.saving = self.hooks.saving
         self.active = self.polling or self.saving
         self.exchange = FlagExchange(rt, exchange_seconds) if rt.ddp and self.active else None
         self.stop_seen = False
@@ -103,7 +106,7 @@ class HookRunner:
         """Save the whole state (a collective under DDP, where rank 0 writes)."""
         with probes.phase("train.save"):
             saved = training_state.saved_state(state, self.rt, self.identity)
-            if saved is not None:
+            if saved is not None and self.hooks.save_state is not None:
                 self.hooks.save_state(saved)
         self.last_save = time.monotonic()
 
@@ -117,7 +120,8 @@ class HookRunner:
         """Poll for a stop; save and stop when agreed; under DDP offer this step's flags."""
         if not self.active:
             return
-        self.stop_seen = self.stop_seen or (self.polling and bool(self.hooks.stop_requested()))
+        poll = self.hooks.stop_requested
+        self.stop_seen = self.stop_seen or (poll is not None and bool(poll()))
         stop, due = (self.stop_seen, self._save_due()) if self.exchange is None else self.exchange.collect()
         if self.saving and (stop or due):
             self._save(state)
@@ -134,16 +138,16 @@ class HookRunner:
         """Save at the epoch end, report the epoch (under DDP from rank 0), then stop when asked."""
         if self.saving:
             self._save(state)
-        if self.hooks is not None and self.hooks.on_epoch is not None and self.rt.leads_training:
+        if self.hooks.on_epoch is not None and self.rt.leads_training:
             self.hooks.on_epoch(state.epoch, record)
         if stop:
             self._stop(state)
 
     def _load(self, state: TrainingState) -> tuple[bool, str | None, str | None]:
         """Load and apply this rank's saved state: (found one, why it is unusable, its save id)."""
-        saved, problem = None, None
+        saved, problem, load = None, None, self.hooks.load_state
         try:
-            saved = self.hooks.load_state()
+            saved = load() if load is not None else None
             if saved is not None:
                 problem = training_state.state_problem(saved, state, self.identity, self.n_batches)
                 if problem is None:
@@ -157,7 +161,7 @@ class HookRunner:
 
     def resume(self, state: TrainingState) -> None:
         """Continue from the saved state when every rank can; otherwise warn once and start afresh."""
-        if self.hooks is None or self.hooks.load_state is None:
+        if self.hooks.load_state is None:
             return
         fresh = state.state_dict(), training_state.global_rng(self.rt.device)
         report = self._load(state)

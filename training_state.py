@@ -13,6 +13,7 @@ import hashlib
 import math
 import uuid
 from dataclasses import dataclass, field
+from typing import Any, Mapping, Protocol
 
 import torch
 
@@ -20,7 +21,7 @@ import runtime
 from settings import is_integer
 
 __all__ = [
-    "cpu_copy", "TrainingState", "state_identity", "global_rng", "set_global_rng", "saved_state", "state_problem",
+    "Optimizer", "cpu_copy", "TrainingState", "state_identity", "global_rng", "set_global_rng", "saved_state", "state_problem",
     "apply_saved_state", "first_problem", "one_line",
 ]
 
@@ -42,12 +43,22 @@ def cpu_copy(value):
     return value
 
 
+class Optimizer(Protocol):
+    """What a training state holds of its optimizer: trainer.FunctionalAdam, or torch.optim's Adam/AdamW."""
+    param_groups: list[dict[str, Any]]
+
+    def zero_grad(self, set_to_none: bool = True) -> None: ...
+    def step(self) -> Any: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
 @dataclass
 class TrainingState:
     """All mutable training state of one rank in one place: saved and resumed as a whole."""
 
     model: torch.nn.Module
-    optimizer: object   # a FunctionalAdam, or torch.optim's Adam/AdamW under float16's gradient scaler
+    optimizer: Optimizer   # a FunctionalAdam, or torch.optim's Adam/AdamW under float16's gradient scaler
     scaler: torch.amp.GradScaler
     generator: torch.Generator
     epoch: int = 0
@@ -62,8 +73,8 @@ class TrainingState:
     norms: torch.Tensor | None = None
     history: dict = field(default_factory=dict)
     # The lowest validation value so far of the selection criterion (training.selection): the
-    # BCE or the objective. Named for the BCE, which it was before the choice: saved states keep the name.
-    best_bce: float = math.inf
+    # BCE or the objective. Saved states keep its earlier name, "best_bce", so theirs still resume.
+    best_loss: float = math.inf
     best_weights: dict | None = None
 
     def state_dict(self) -> dict:
@@ -79,7 +90,7 @@ class TrainingState:
             "batch_losses": self.batch_losses,
             "norms": self.norms,
             "history": self.history,
-            "best_bce": self.best_bce,
+            "best_bce": self.best_loss,
             "best_weights": self.best_weights,
         })
 
@@ -95,7 +106,7 @@ class TrainingState:
         self.batch_losses, self.norms = (None if t is None else t.to(self.device, copy=True)
                                          for t in (state["batch_losses"], state["norms"]))
         self.history = cpu_copy(state["history"])
-        self.best_bce = float(state["best_bce"])
+        self.best_loss = float(state["best_bce"])
         self.best_weights = cpu_copy(state["best_weights"])
 
     def permutation(self, rows: int) -> torch.Tensor:
@@ -118,7 +129,7 @@ _IDENTITY_PHRASES = {"world_size": "it was saved by a launch with another number
                      "data": "its training or validation data differ"}
 
 
-def state_identity(settings: dict, seed: int, rt: runtime.Runtime, tensors) -> dict:
+def state_identity(settings: Mapping[str, Any], seed: int, rt: runtime.Runtime, tensors) -> dict:
     """What a saved state must share with this training to continue it."""
     digest = hashlib.sha256()
     for tensor in tensors:

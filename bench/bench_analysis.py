@@ -115,7 +115,7 @@ class Job:
     def learned(self):
         """The learned product; returns the model rows evaluated and the rows per call."""
         counted = case_scores.Evaluations()
-        scoring = nre_analysis.learned_scoring(self.model, self.device, self.prior, self.observations, self.targets,
+        scoring = case_blocks.learned_scoring(self.model, self.device, self.prior, self.observations, self.targets,
                                                self.settings, counted)
         self.summarise(self.targets, scoring)
         synchronize(self.device)
@@ -124,7 +124,7 @@ class Job:
     def exact(self):
         """The exact product; returns the likelihood terms evaluated."""
         counted = case_scores.Evaluations()
-        self.summarise(["exact"], nre_analysis.exact_scoring(self.problem.log_likelihood, self.observations,
+        self.summarise(["exact"], case_blocks.exact_scoring(self.problem.log_likelihood, self.observations,
                                                              self.device, self.settings["chunk_rows"], counted))
         synchronize(self.device)
         return counted.rows, None

@@ -159,7 +159,7 @@ def references(p, cases, level=0.68):
 
 def exact_scoring(problem, observations):
     """The exact target's scoring of blocks of cases on the CPU, as the exact product does it."""
-    return nre_analysis.exact_scoring(problem.log_likelihood, observations, torch.device("cpu"), 1 << 24)
+    return case_blocks.exact_scoring(problem.log_likelihood, observations, torch.device("cpu"), 1 << 24)
 
 
 def exact_row(p, design, candidates, cases, folder, reference):
@@ -226,7 +226,7 @@ def learned_timer(cases, candidates):
 
     def timed():
         counted = case_scores.Evaluations()
-        scoring = nre_analysis.learned_scoring(model, torch.device("cpu"), prior, observations, targets,
+        scoring = case_blocks.learned_scoring(model, torch.device("cpu"), prior, observations, targets,
                                                default_inference(), counted)
         started = time.perf_counter()
         with tempfile.TemporaryDirectory() as folder, torch.no_grad():

@@ -68,6 +68,12 @@ def recorded_figures():
         yield figures
 
 
+def figure_legend_texts(figure):
+    """The texts of every legend of a matplotlib figure: its own (the kit's, below the panels) and its axes'."""
+    axes_legends = [axis.get_legend() for axis in figure.axes if axis.get_legend()]
+    return [text.get_text() for legend in figure.legends + axes_legends for text in legend.get_texts()]
+
+
 def write_settings(directory, root, training="", analysis="", tiny=True):
     """Copy the repository's settings files into `directory`, patched by the given code.
 
@@ -578,7 +584,7 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
     seed = 11
     points, log_measure = designs.make_candidates(problem.low, problem.high, [None] * p, candidates, seed)
 
-    scoring = nre_analysis.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
+    scoring = case_blocks.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
     writer = Writer(tmp_path / name)
     (tmp_path / name).mkdir()
     box = adaptive.support_box(problem.low, problem.high, [None] * p)

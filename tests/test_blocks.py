@@ -162,7 +162,7 @@ def test_the_cuda_policy_puts_millions_of_rows_into_each_network_call_of_the_lea
     settings_ = {"kind": "adaptive", "candidate_count": 2048, "coarse_count": 256, "refinement_stages": 3}
     policy = case_scores.call_policy("cuda", 1 << 24, case_scores.network_row_bytes(network, 2), free_bytes=16 << 30)
     counted = case_scores.Evaluations()
-    scoring = nre_analysis.learned_scoring(network, torch.device("cpu"), Uniform(), x, ["ratio", "posterior"],
+    scoring = case_blocks.learned_scoring(network, torch.device("cpu"), Uniform(), x, ["ratio", "posterior"],
                                            {"chunk_rows": 1 << 24}, counted, policy)
     points, log_measure = designs.make_candidates(torch.zeros(1), torch.full((1,), 10.0), [None], settings_, seed=1)
     box = adaptive.support_box(torch.zeros(1), torch.full((1,), 10.0), [None])

@@ -72,7 +72,7 @@ USER_ERRORS = [
     ('settings["runtime"]["device"] = "mps"\n', "", "train", "runtime.device"),
     ('settings["cohort"]["priors"] = ["uniform", "uniform"]\n', "", "train", "cohort.priors"),
     ('settings["seed"] = "abc"\n', "", "train", "seed"),
-    ('del settings["output"]["root"]\n', "", "train", "output.root"),
+    ('settings["output"]["root"] = " "\n', "", "train", "output.root"),   # left out, it is outputs/<profile>
 ]
 
 

@@ -1,13 +1,20 @@
-"""The command line's edges: settings code raising KeyboardInterrupt, a real Ctrl-C, and a reader that leaves."""
+"""The command line's edges: settings code raising KeyboardInterrupt, a real Ctrl-C, a reader that leaves, and
+banks and infer inputs that must be answered in one line."""
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import warnings
 
+import numpy as np
 import pytest
 
-from helpers import REPO, ahead, made_ahead, run_cli, write_settings
+from helpers import REPO, ahead, kit_study, made_ahead, main_in_process, one_error_line, run_cli, write_settings
+from posterior import PosteriorError, PosteriorWarning
+from store import restore
 
 pytestmark = pytest.mark.launch
 
@@ -92,3 +99,72 @@ def test_plan_piped_into_head_prints_no_traceback():
                             env=clean_environment(), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.stdout == "{\n"
     assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr, result.stderr
+
+
+# ---------------------------------------------------------------- banks and infer's inputs, answered in one line
+
+def test_a_fifo_as_the_bank_is_refused_by_plan_and_train_without_hanging(tmp_path):
+    os.mkfifo(tmp_path / "bank.npz")                 # opening it would block for ever
+    folder, _, root = kit_study(tmp_path, training=f'settings["data"]["bank"] = {str(tmp_path / "bank.npz")!r}\n')
+    for action in ("plan", "train"):
+        result = run_cli(action, "--settings-dir", str(folder), timeout=120)
+        line = one_error_line(result)
+        assert result.returncode == 2 and "data.bank: " in line and "is not a regular file" in line, result.stderr
+    assert not root.exists()
+
+
+@pytest.fixture(scope="module")
+def smoke_run(trained_smoke_root):
+    """A run folder of the shared trained root (read, never changed)."""
+    return next(trained_smoke_root.glob("runs/*/uniform-r0-*"))
+
+
+def test_infer_output_through_a_link_into_the_cache_is_refused(smoke_run, tmp_path):
+    np.save(tmp_path / "x.npy", np.array([5.0]))
+    entry = next(smoke_run.parents[2].glob("cache/model/*"))
+    (tmp_path / "link").symlink_to(entry)                 # outside the root, pointing into it
+    before = sorted(entry.iterdir())
+    result = main_in_process("infer", str(smoke_run), "--observations", str(tmp_path / "x.npy"),
+                             "--output", str(tmp_path / "link"))
+    assert result.returncode == 2 and "inside the output root" in one_error_line(result), result.stderr
+    assert sorted(entry.iterdir()) == before
+
+
+def test_infer_answers_a_huge_observation_and_an_output_name_that_is_a_folder_in_one_line(smoke_run, tmp_path):
+    np.save(tmp_path / "big.npy", np.array([1e300]))
+    np.save(tmp_path / "x.npy", np.array([5.0]))
+    (tmp_path / "x-uniform-r0.samples.npy").mkdir()
+    for observations, message in (("big.npy", "beyond float32's range"), ("x.npy", r"samples\.npy: exists and is "
+                                                                                   r"not a file; move it")):
+        result = main_in_process("infer", str(smoke_run), "--observations", str(tmp_path / observations),
+                                 "--samples", "50")
+        assert result.returncode == 2 and re.search(message, one_error_line(result)), result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["big.npy", "x-uniform-r0.samples.npy", "x.npy"]
+
+
+def test_infer_scores_c2st_on_sets_of_equal_size(smoke_run, tmp_path):
+    np.save(tmp_path / "x.npy", np.array([5.0]))
+    with warnings.catch_warnings():     # the smoke model is barely trained: its flatness is not this test's concern
+        warnings.simplefilter("ignore", PosteriorWarning)
+        posterior = restore(smoke_run).posterior(np.array([5.0]))
+    np.save(tmp_path / "reference.npy", posterior.sample(2000, seed=7).numpy())   # the very posterior, 10× as many
+    result = main_in_process("infer", str(smoke_run), "--observations", str(tmp_path / "x.npy"), "--samples", "200",
+                             "--reference", str(tmp_path / "reference.npy"))
+    assert result.returncode == 0, result.stderr
+    line = next(line for line in result.stdout.splitlines() if line.startswith("c2st:"))
+    assert ", 200 samples against 200 of the 2000 reference draws (sets of equal size" in line
+    summary = json.loads((tmp_path / "x-uniform-r0.posterior.json").read_text())
+    assert summary["c2st_draws"] == 200 and summary["c2st"] < 0.7     # unequal sets read about 0.9
+
+
+@pytest.mark.parametrize("observations, message", [
+    (np.array([5.0 + 1j]), "complex128, not real numbers"),
+    (np.ma.masked_array([5.0], mask=[True]), "a masked array; fill or drop the masked values"),
+    (np.array([5.0], dtype=object), "of object, not real numbers"),
+    ("5.0", "str of <U3, not real numbers"),
+    ({"x": 5.0}, "dict of object, not real numbers"),
+    (np.array([1e300]), "beyond float32's range"),
+])
+def test_restore_posterior_refuses_input_that_is_not_real_numbers_naming_the_fix(smoke_run, observations, message):
+    with pytest.raises(PosteriorError, match=message):
+        restore(smoke_run).posterior(observations)

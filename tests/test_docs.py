@@ -8,6 +8,9 @@ would type them there after the README's set-up: each in a fresh `bash` that has
 the virtual environment's own, with nothing else added to PATH or PYTHONPATH; a python
 block is typed into that `python`. Each must exit with status 0.
 """
+import ast
+import csv
+import json
 import os
 import re
 import signal
@@ -18,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
+import jobs
 from helpers import (LAUNCH_VARIABLES, REPO, TIMEOUT, ahead, finish_agent, free_port, made_ahead, repository_copy,
-                     toy_environment, toy_settings, train_command, write_settings)
+                     run_cli, toy_environment, toy_settings, train_command, write_settings)
 
 MARKER = "# runs on CPU"
 BLOCK = re.compile(r"^```(sh|python)\n(.*?)^```", re.MULTILINE | re.DOTALL)
@@ -226,3 +230,176 @@ def test_a_preempted_torchrun_launch_resumes(tmp_path):
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed runs/" in again.stdout
     assert len(list((tmp_path / "out" / "cache" / "model").glob("*/artifact.json"))) == 3
+
+
+# ---------------------------------------------------------------- what the code's messages point to
+
+# A section named in a message: `README.md, "Heading"` or `docs/<page>.md, "Heading"`.
+SECTION_REFERENCE = re.compile(r'(README\.md|docs/[\w-]+\.md), \\?"([^"\\]+)\\?"')
+CODE = sorted(REPO.glob("*.py"))
+
+
+def headings(document):
+    """The headings of a markdown document, without their #s."""
+    return {line.lstrip("#").strip() for line in (REPO / document).read_text().splitlines() if line.startswith("#")}
+
+
+def settings_error_texts(path):
+    """The literal text of every SettingsError(...) call of a module, its f-strings' literal parts joined."""
+    texts = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", "")) == "SettingsError":
+            parts = [part.value for part in ast.walk(node) if isinstance(part, ast.Constant)
+                     and isinstance(part.value, str)]
+            texts.append("".join(parts))
+    return texts
+
+
+@pytest.mark.unit
+def test_every_section_the_code_names_is_a_heading_of_that_document():
+    named = [(path.name, document, heading) for path in CODE
+             for document, heading in SECTION_REFERENCE.findall(path.read_text())]
+    assert any(document == "README.md" for _, document, _ in named)       # the scan sees the settings' own
+    missing = [f"{name} names {document}, \"{heading}\"" for name, document, heading in named
+               if heading not in headings(document)]
+    assert not missing, missing
+
+
+@pytest.mark.unit
+def test_a_settings_error_that_says_see_names_a_document():
+    vague = [(path.name, text) for path in CODE for text in settings_error_texts(path)
+             if re.search(r"\bsee (?!docs/|README)", text)]
+    assert not vague, vague
+
+
+@pytest.mark.unit
+def test_a_settings_file_without_either_form_names_a_real_section(tmp_path):
+    import settings
+    (tmp_path / "settings_training.py").write_text("x = 1\n")
+    (tmp_path / "settings_analysis.py").write_text("x = 1\n")
+    with pytest.raises(settings.SettingsError) as info:
+        settings.load_profile(tmp_path)
+    (document, heading), = SECTION_REFERENCE.findall(str(info.value))
+    assert heading in headings(document)
+
+
+# ---------------------------------------------------------------- the README's smallest study
+
+SMALLEST = "examples/line"
+
+
+def smallest_study_blocks():
+    """{path: code} of the README's blocks that show a file of the smallest study (first line: `# <path>`)."""
+    shown = {}
+    for _, code in BLOCK.findall((REPO / "README.md").read_text()):
+        first, _, rest = code.partition("\n")
+        if first.startswith(f"# {SMALLEST}/"):
+            shown[first[2:]] = rest
+    return shown
+
+
+@pytest.mark.unit
+def test_the_readme_shows_the_smallest_study_whole_in_under_twenty_lines():
+    shown = smallest_study_blocks()
+    files = sorted(str(path.relative_to(REPO)) for path in (REPO / SMALLEST).glob("*.py"))
+    assert sorted(shown) == files
+    assert all(shown[path] == (REPO / path).read_text() for path in files)          # the files, as they are
+    assert sum(len(code.splitlines()) for code in shown.values()) < 20
+
+
+@pytest.mark.launch
+def test_the_readmes_smallest_study_runs_and_reports(tmp_path):
+    copy = reader_copy(tmp_path / "nnpd")
+    block = next(code for language, code in BLOCK.findall((REPO / "README.md").read_text())
+                 if language == "sh" and f"--settings-dir {SMALLEST}" in code)
+    command, typed = reader_command("sh", block)
+    result = subprocess.run(command, cwd=copy, env=fresh_shell_environment(), input=typed, capture_output=True,
+                            text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, f"{result.stdout}\n{result.stderr}"
+    assert (copy / "outputs" / "line").is_dir() and len(list(copy.glob("outputs/line/runs/*/*/metrics.json"))) == 1
+    report = result.stdout.split("run done")[-1]           # what `report` printed after the run
+    assert "baseline       uniform" in report and "training: baseline uniform: " in report
+
+
+@pytest.mark.unit
+def test_every_function_the_documents_call_by_module_exists_there():
+    import importlib
+    called = re.compile(r"`([a-z_]\w*)\.([A-Za-z_]\w*)\(")        # `module.function(...)`, as a reader would call it
+    modules = {path.stem for path in CODE}
+    named = [(document.name, module, name) for document in DOCUMENTS
+             for module, name in called.findall(document.read_text()) if module in modules]
+    assert ("results.md", "c2st", "c2st") in named
+    missing = [found for found in named if not hasattr(importlib.import_module(found[1]), found[2])]
+    assert not missing, missing
+
+
+@pytest.mark.unit
+def test_extending_describes_the_pairs_and_recipe_the_kit_trains_the_weibull_example_on():
+    text = (REPO / "docs" / "extending.md").read_text()
+    assert "balanced joint\nand product pairs" not in text and "balanced joint and product pairs" not in text
+    assert "re-pairs each x" in text and "contrastive NRE with 10 contrasting θ (`nre_study.KIT_TRAINING`)" in text
+    weibull = (REPO / "examples" / "weibull" / "settings_training.py").read_text()
+    assert '"training": {"epochs": 12, "batch_size": 256, "learning_rate": 3e-3}' in weibull   # the three keys named
+
+
+def named_tests(text):
+    """(file, test) for every `test_file.py::test_name` of a page, `::test_name` alone naming the last file's."""
+    found, current = [], None
+    for file, name in re.findall(r"(test_\w+\.py)?(?:::(test_\w+))?", text):
+        current = file or current
+        if name:
+            found.append((current, name))
+    return found
+
+
+@pytest.mark.unit
+def test_every_test_the_bitwise_list_names_exists():
+    # docs/testing.md says why each bitwise assertion holds on any CPU; a renamed test must not leave it stale.
+    named = named_tests((REPO / "docs" / "testing.md").read_text())
+    assert len(named) > 40
+    missing = [(file, name) for file, name in named
+               if f"def {name}(" not in (REPO / "tests" / file).read_text()]
+    assert not missing, missing
+
+
+# ---------------------------------------------------------------- docs/extending.md's failing simulator
+
+FRAGILE = REPO / "examples" / "fragile"
+# The example's sizes, and the tiny ones its test trains with: seconds, and still about a sixth of the
+# truths where the simulator fails.
+FRAGILE_SIZES = {'"train": 6000, "validation": 500, "test": 500': '"train": 600, "validation": 100, "test": 100',
+                 '"epochs": 20': '"epochs": 2', '"sobol_truths": 256': '"sobol_truths": 64',
+                 '"root": f"outputs/fragile-{profile}"': '"root": {root!r}'}
+
+
+def fragile_copy(folder, root):
+    """examples/fragile in `folder` with tiny sizes, writing to `root`."""
+    folder.mkdir(parents=True)
+    for path in FRAGILE.glob("*.py"):
+        text = path.read_text()
+        for old, new in FRAGILE_SIZES.items():
+            text = text.replace(old, new.format(root=str(root)))
+        (folder / path.name).write_text(text)
+    return folder
+
+
+@pytest.mark.launch
+def test_the_failing_simulator_runs_through_run_and_report(tmp_path):
+    """The docs' Fragile study fails (NaN) above θ = 2.5: `run` drops those truths, counts them and goes on."""
+    settings = fragile_copy(tmp_path / "settings", tmp_path / "out")
+    result = run_cli("run", "--settings-dir", str(settings))
+    assert result.returncode == 0, result.stdout + result.stderr
+    metrics = json.loads(next((tmp_path / "out").glob("runs/*/*/metrics.json")).read_text())
+    dropped = metrics["dropped_truths"]
+    assert dropped["truths"] == 64 and 0 < dropped["dropped"] < 64 and dropped["cases"] == 64 - dropped["dropped"]
+    assert metrics["expected_coverage"]["cases"] == dropped["cases"]
+    note = f"note: baseline lognormal: {dropped['dropped']} of 64 truths dropped"
+    assert note in result.stdout
+    report = run_cli("report", "--settings-dir", str(settings), "--csv", str(tmp_path / "fragile.csv"))
+    assert report.returncode == 0 and note in report.stdout, report.stdout + report.stderr
+    with open(tmp_path / "fragile.csv", newline="") as file:
+        row = next(csv.DictReader(file))
+    assert int(row["dropped_truths.dropped"]) == dropped["dropped"] and int(row["dropped_train"]) > 0
+    if not jobs.matplotlib_missing():       # the kit's default figures, drawn from the cases analysed
+        assert sorted(path.name for path in (tmp_path / "out").glob("runs/*/**/*.png")) == [
+            "bias_width.png", "estimates.png", "expected_coverage.png", "training.png"]

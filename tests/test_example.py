@@ -58,6 +58,7 @@ def test_quick_profile_trains_both_priors_and_analyses_them(trained):
         metrics = json.loads((run / "metrics.json").read_text())
         assert set(metrics) == KIT_METRICS
         assert metrics["classification"]["auc"] > 0.7
+        assert metrics["posterior"]["flat"]["flat_cases"] == 0          # informative posteriors: no false alarm
         exact = metrics["exact_reference"]
         for level, learned in metrics["coverage"].items():
             cases, nominal = learned["cases"], learned["nominal"]

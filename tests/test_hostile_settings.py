@@ -139,9 +139,10 @@ def test_malformed_settings_are_refused_with_one_line(tmp_path_factory, case):
     assert ".".join(path) in line, (value, line)                # the line names the setting
 
 
-REQUIRED = [("training", ("experiment",)), ("training", ("problem", "dimension")), ("training", ("cohort", "priors")),
+REQUIRED = [("training", ("experiment",)), ("training", ("problem", "dimension")), ("training", ("data", "validation")),
             ("training", ("data", "train")), ("training", ("model", "kind")), ("training", ("problem",)),
-            ("analysis", ("analysis",))]      # every other analysis setting has a default
+            ("analysis", ("analysis",))]      # every other analysis setting has a default, as have output, seed,
+                                               # runtime and a kit study's cohort and priors (tests/test_settings.py)
 
 
 @pytest.mark.parametrize("file, path", REQUIRED)

@@ -15,6 +15,7 @@ import pytest
 import posterior as post
 import settings_analysis
 from helpers import main_in_process, run_cli
+import inference_schema
 from inference_schema import check_inference_settings
 from settings import SettingsError
 from store import restore
@@ -130,6 +131,18 @@ def test_a_flat_posterior_is_reported_by_infer(flat, tmp_path):
 
 
 @pytest.mark.launch
+def test_the_python_posterior_warns_the_lines_infer_prints(flat, tmp_path):
+    _, run = flat
+    x = np.array([0.31, 0.42, 0.2])
+    result, _ = infer_files(run, tmp_path, x)
+    printed = [line.removeprefix("warning: ") for line in result.stdout.splitlines() if line.startswith("warning:")]
+    with pytest.warns(post.PosteriorWarning) as caught:
+        posterior = restore(run).posterior(x)
+    assert printed and posterior.warnings == printed == [str(warning.message) for warning in caught]
+    assert posterior.flat["flat"] is True and caught[0].filename == __file__     # warned at the user's line
+
+
+@pytest.mark.launch
 def test_run_with_only_the_analysis_class_reports_a_flat_posterior(flat):
     folder, run = flat
     result = main_in_process("run", "--settings-dir", str(folder))
@@ -178,6 +191,16 @@ def test_every_inference_key_has_a_default_sized_for_the_parameters():
     assert given["candidates"]["candidate_count"] == 512 and given["targets"][-1] == "exact"
     with pytest.raises(SettingsError, match="inference.observations"):
         check_inference_settings({"observations": 0}, 1)
+
+
+@pytest.mark.unit
+def test_the_typed_section_and_the_schema_name_the_same_keys():
+    # The TypedDicts are what mypy checks reads against; the schema is what a user's file is checked against.
+    schema = inference_schema.INFERENCE_SCHEMA
+    assert set(inference_schema.Inference.__annotations__) == set(schema)
+    for section, typed in (("truths", inference_schema.Truths), ("candidates", inference_schema.Candidates)):
+        assert set(typed.__annotations__) == set(schema[section]), section
+    assert set(check_inference_settings({}, 2)) == set(schema)
 
 
 @pytest.mark.parametrize("profile", settings_analysis.PROFILES)

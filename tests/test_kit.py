@@ -16,6 +16,7 @@ import nre_study
 import runtime
 import trainer
 from helpers import REPO, kit_study, main_in_process, module_name, run_without_pythonpath, without_pythonpath
+from nre_analysis import NREAnalysis
 from store import Store
 
 @pytest.mark.launch
@@ -175,9 +176,9 @@ def test_a_network_returning_a_column_of_logits_trains_and_is_analysed(tmp_path)
 
 def data_source_digest(folder, module):
     """The data key's source part of the study, computed in a fresh interpreter."""
-    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(folder)!r}]; import fingerprint, study, importlib; "
+    code = (f"import sys; sys.path[:0] = [{str(REPO)!r}, {str(folder)!r}]; import fingerprint, study_loading, importlib; "
             f"cls = importlib.import_module({module!r}).Line; "
-            "print(fingerprint.source_fingerprint(*study.experiment_sources(cls.__new__(cls), 'DATA_SOURCES')))")
+            "print(fingerprint.source_fingerprint(*study_loading.experiment_sources(cls.__new__(cls), 'DATA_SOURCES')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     return result.stdout.strip()
 
@@ -375,3 +376,61 @@ def test_run_notes_posterior_coverage_under_a_non_uniform_prior_and_not_under_a_
     for metrics in root.glob("runs/*/*/metrics.json"):
         note = json.loads(metrics.read_text())["posterior"]["truths_note"]
         assert (note is None) == ("/uniform-" in str(metrics)) and (note is None or note in notes[0])
+
+
+class Flat(nre_study.Study):
+    """x = θ + noise, for the kit's defaults."""
+
+    parameters = {"a": (0.0, 1.0)}
+
+    def simulate(self, theta, generator):
+        return theta + torch.randn(len(theta), 1, generator=generator, dtype=torch.float64)
+
+
+@pytest.mark.unit
+def test_the_kit_defaults_one_uniform_member_and_a_test_split_enter_the_keys_as_if_written_out():
+    short = Flat({"experiment": "x:Flat", "seed": 0, "data": {"train": 64, "validation": 16}})
+    spelled = Flat({"experiment": "x:Flat", "seed": 0, "cohort": {"priors": ["uniform"], "replicas": 1},
+                    "priors": {"uniform": {"family": "uniform"}}, "data": {"train": 64, "validation": 16, "test": 16}})
+    short.validate()
+    member, = short.members()
+    assert member["name"] == "uniform-r0" and short.sample_data(member)["test_x"].shape == (16, 1)
+    assert short.data_recipe(member) == spelled.data_recipe(member)
+    assert short.model_recipe(member) == spelled.model_recipe(member)
+    assert Flat({"cohort": {"priors": ["uniform"]}, "data": {}}).settings["cohort"]["replicas"] == 1
+
+
+@pytest.mark.unit
+def test_a_kit_study_without_data_is_told_what_it_reads_and_where_the_defaults_are(tmp_path):
+    folder = tmp_path / "nodata"
+    folder.mkdir()
+    (folder / "flat_nodata.py").write_text("import nre_study\n\n\nclass Flat(nre_study.Study):\n"
+                                           "    parameters = {'a': (0.0, 1.0)}\n")
+    (folder / "settings_training.py").write_text('SETTINGS = {"experiment": "flat_nodata:Flat"}\n')
+    (folder / "settings_analysis.py").write_text('SETTINGS = {"analysis": "nre_analysis:NREAnalysis"}\n')
+    result = main_in_process("plan", "--settings-dir", str(folder), cwd=tmp_path)
+    assert result.returncode == 2, result.stdout
+    assert "missing sections: data; Flat reads:" in result.stderr
+    assert '(optional: cohort, priors, problem, model, training, rounds) (README.md, "The settings files")' in result.stderr
+    assert not (tmp_path / "outputs").exists()
+
+
+class Copies(nre_study.Study):
+    """x = θ + noise, two numbers: the smallest kit study, for what the kit's analysis fills in."""
+
+    parameters = {"rate": (0.0, 1.0)}
+
+    def simulate(self, theta, generator):
+        return theta + 0.1 * torch.randn(len(theta), 2, generator=generator, dtype=torch.float64)
+
+
+@pytest.mark.unit
+def test_the_kit_analysis_draws_a_small_set_of_figures_unless_the_settings_name_them():
+    experiment = Copies({"seed": 1, "cohort": {"priors": ["uniform"], "replicas": 1},
+                         "priors": {"uniform": {"family": "uniform"}}, "data": {"train": 64, "validation": 8}})
+    filled = NREAnalysis({"analysis": "nre_analysis:NREAnalysis"}, experiment).settings
+    assert filled["plots"] == ["expected_coverage"]
+    assert filled["cohort_plots"] == ["training", "estimates", "bias_width"]
+    named = NREAnalysis({"analysis": "nre_analysis:NREAnalysis", "plots": [], "cohort_plots": ["priors"]},
+                        experiment).settings
+    assert named["plots"] == [] and named["cohort_plots"] == ["priors"]

@@ -147,3 +147,142 @@ def test_a_split_is_simulated_in_chunks_reported_to_nnpd_the_first_from_the_spli
     assert np.array_equal(arrays["train_theta"][:chunk], first_theta.numpy())
     assert arrays["train_x"].shape == (chunk + 10, 2) and not np.array_equal(arrays["train_x"][chunk:], first_x[:10].numpy())
     study.report_progress("data.train", 1, 2)           # outside a launch: nothing to report to, no error
+
+
+# ---------------------------------------------------------------- a study's science answered in one line at plan
+
+class WiderAboveTwo(Seeded):
+    """Right for one or two rows, a column too many for more (plan once simulated two)."""
+
+    def simulate(self, theta, generator):
+        x = super().simulate(theta, generator)
+        return x if len(theta) <= 2 else torch.cat([x, x[:, :1]], dim=1)
+
+
+class ListAboveTwo(Seeded):
+    def simulate(self, theta, generator):
+        x = super().simulate(theta, generator)
+        return x if len(theta) <= 2 else x.tolist()
+
+
+class Complex(Seeded):
+    def simulate(self, theta, generator):
+        return super().simulate(theta, generator) * (1 + 1j)
+
+
+class ChangesTheta(Seeded):
+    """Shifts θ in place (was blamed on the generator: the second call saw the shifted θ)."""
+
+    def simulate(self, theta, generator):
+        theta += 1
+        return super().simulate(theta, generator)
+
+
+class AlwaysInvalid(Seeded):
+    def simulate(self, theta, generator):
+        return super().simulate(theta, generator) * float("nan")
+
+
+@pytest.mark.parametrize("kind, message", [
+    (WiderAboveTwo, r"^WiderAboveTwo\.simulate: returned 3 numbers per row for 16 rows but 2 for 1; return the same "
+                    r"observation width d for any number of rows"),
+    (ListAboveTwo, r"^ListAboveTwo\.simulate: for 16 parameter rows it returned list"),
+    (Complex, r"^Complex\.simulate: returned torch\.complex128 values; return real numbers"),
+    (ChangesTheta, r"^ChangesTheta\.simulate changed its θ argument in place; work on a copy"),
+])
+def test_a_simulator_that_breaks_the_contract_is_named_at_plan(kind, message):
+    with pytest.raises(SettingsError, match=message):
+        kind(settings()).validate()
+
+
+def test_a_simulator_whose_width_changes_with_n_past_plans_batch_fails_at_train_in_one_line():
+    class WiderAboveSixteen(Seeded):
+        def simulate(self, theta, generator):
+            x = super().simulate(theta, generator)
+            return x if len(theta) <= nre_study.CHECK_ROWS else torch.cat([x, x[:, :1]], dim=1)
+
+    kit = WiderAboveSixteen(settings())
+    kit.validate()
+    with pytest.raises(SettingsError, match=r"for 100 parameter rows it returned \(100, 3\); .* \(100, 2\)"):
+        kit.sample_data(kit.members()[0])
+
+
+def test_a_split_left_empty_under_drop_does_not_advise_drop():
+    dropping = settings()
+    dropping["data"]["invalid"] = "drop"
+    with pytest.raises(ValueError, match=r"leaving 0 \(at least 2 needed\); fix the simulator there, or narrow") as error:
+        AlwaysInvalid(dropping).sample_data(AlwaysInvalid(dropping).members()[0])
+    assert "set data.invalid" not in str(error.value)
+
+
+def test_a_contrastive_batch_smaller_than_classes_plus_one_is_refused_naming_the_setting():
+    small = {**settings(), "training": {"batch_size": 8, "classes": 10}}
+    with pytest.raises(SettingsError, match=r"^training\.batch_size: 8 rows per batch, fewer than training\.classes "
+                                            r"\+ 1 = 11"):
+        Seeded(small).validate()
+    Seeded({**settings(), "training": {"batch_size": 11, "classes": 10}}).validate()
+
+
+@pytest.mark.parametrize("parameter, message", [
+    ({"low": 0.0, "high": 1.0, "normal_std": 0}, r"\.normal_std: expected a finite number in \(0, inf\]"),
+    ({"low": 0.0, "high": 1.0, "normal_std": -1}, r"\.normal_std: expected a finite number"),
+    ({"low": 0.0, "high": 1.0, "normal_mean": float("nan")}, r"\.normal_mean: expected a finite number"),
+    ({"low": 0.0, "high": 1.0, "exponential_rate": float("inf")}, r"\.exponential_rate: expected a finite number"),
+    ((float("nan"), 1.0), r"\.low: expected a finite number"),
+    ((0.0, float("inf")), r"\.high: expected a finite number"),
+    ((-1e308, 1e308), r"\.low: expected a finite number in \[-3\.40282e\+38, 3\.40282e\+38\]"),
+])
+def test_the_bundled_priors_hyper_parameters_are_checked_at_plan(parameter, message):
+    class Declared(Seeded):
+        parameters = {"mu": parameter}
+
+    with pytest.raises(SettingsError, match=rf"^Declared\.parameters\['mu'\]{message}"):
+        Declared(settings()).validate()
+
+
+class NanPrior(LogNormal):
+    def sample(self, n, generator):
+        return super().sample(n, generator) * float("nan")
+
+
+class LateNanPrior(LogNormal):
+    """Finite for plan's draws, NaN from the 17th row on: only training meets it."""
+
+    def sample(self, n, generator):
+        theta = super().sample(n, generator)
+        theta[nre_study.CHECK_ROWS:] = float("nan")
+        return theta
+
+
+class GlobalStreamPrior(LogNormal):
+    def sample(self, n, generator):
+        return torch.exp(torch.randn(n, 1, dtype=torch.float64))
+
+
+class SetDescribed(LogNormal):
+    def describe(self):
+        return {"support": {"positive"}}
+
+
+@pytest.mark.parametrize("prior, message", [
+    (NanPrior(), r"^priors\.own \(NanPrior\): sample\(\) drew NaN or infinite θ"),
+    (GlobalStreamPrior(), r"^priors\.own \(GlobalStreamPrior\): two sample\(\) calls with generators of the same seed "
+                          r"drew different θ; draw every random number from the `generator`"),
+    (SetDescribed(), r"^priors\.own \(SetDescribed\): describe\(\) returned a value JSON cannot hold"),
+])
+def test_a_custom_prior_that_breaks_the_contract_is_named_at_plan(prior, message):
+    class Own(Boxed):
+        custom_priors = {"own": prior}
+
+    with pytest.raises(SettingsError, match=message):
+        Own(settings(["own"])).validate()
+
+
+def test_a_custom_prior_drawing_nan_in_training_is_named_as_the_prior_not_the_simulator():
+    class Own(Boxed):
+        custom_priors = {"own": LateNanPrior()}
+
+    kit = Own(settings(["own"]))
+    kit.validate()
+    with pytest.raises(SettingsError, match=r"^data\.train: the prior \(LateNanPrior\) drew NaN or infinite θ"):
+        kit.sample_data(kit.members()[0])

@@ -111,6 +111,7 @@ def test_the_report_writes_one_csv_row_per_run(trained, tmp_path):
     result = main_in_process("report", "--settings-dir", str(settings), "--csv", str(table))
     assert result.returncode == 0, result.stderr
     assert "cov68" in result.stdout and "normal" in result.stdout and "uniform" in result.stdout
+    assert "exact68" in result.stdout and "nearly flat" not in result.stdout     # informative: no false alarm
     rows = list(csv.DictReader(table.open()))
     assert {row["prior"] for row in rows} == PRIORS
     for row in rows:

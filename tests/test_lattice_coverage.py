@@ -30,7 +30,7 @@ def lattice_exact_summaries(tmp_path, problem, lattice_steps, cases, seed):
     points, log_measure = designs.make_candidates(problem.low, problem.high, lattice_steps, candidates, seed)
     writer = Writer(tmp_path)
 
-    scoring = nre_analysis.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
+    scoring = case_blocks.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
     box = adaptive.support_box(problem.low, problem.high, lattice_steps)
     design = case_blocks.Design("sobol", list(lattice_steps), adaptive.Refinement(box, LEVELS, None, seed))
     work = nre_analysis.Cases(["exact"], truths, case_blocks.Candidates(points, log_measure),

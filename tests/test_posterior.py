@@ -142,14 +142,16 @@ def test_hpd_bounds_equal_the_analysis_bounds_of_the_same_case(analysed):
                 assert region["lower"] == restored.array("learned", "posterior_lower")[case, i].tolist()
                 assert region["upper"] == restored.array("learned", "posterior_upper")[case, i].tolist()
             assert posterior.mode().tolist() == restored.array("learned", "posterior_mode")[case].tolist()
-        assert restored.posterior(observations[0]).summary()["hpd"].keys() == {"0.68", "0.95"}
+        with pytest.warns(post.PosteriorWarning, match="learned little"):    # the tiny models learn nothing
+            assert restored.posterior(observations[0]).summary()["hpd"].keys() == {"0.68", "0.95"}
 
 
 @pytest.mark.launch
 def test_building_a_posterior_and_sampling_it_report_their_progress(analysed):
     restored = restore(next(analysed.glob("runs/*/uniform-r0-*")))
     reported = []
-    with study.progress_to(lambda what, done, total: reported.append((what, done, total))):
+    with study.progress_to(lambda what, done, total: reported.append((what, done, total))), \
+            pytest.warns(post.PosteriorWarning, match="nearly flat"):
         posterior = restored.posterior(restored.array("observations", "observations")[0])
         built = len(reported)
         posterior.sample(200, seed=0)
@@ -209,7 +211,8 @@ def test_infer_says_how_it_sampled_and_scores_the_samples_against_a_reference(an
     restored = restore(run)
     observation = restored.array("observations", "observations")[2]
     np.save(tmp_path / "x.npy", observation)
-    own = restored.posterior(observation).sample(2000, seed=5).numpy()     # the posterior's own draws: C2ST ≈ 0.5
+    with pytest.warns(post.PosteriorWarning, match="nearly flat"):
+        own = restored.posterior(observation).sample(2000, seed=5).numpy()     # its own draws: C2ST ≈ 0.5
     np.save(tmp_path / "same.npy", own)
     np.save(tmp_path / "far.npy", own + 6 * own.std(0))                   # shifted by six sds: C2ST ≈ 1
     scores = {}
@@ -219,7 +222,7 @@ def test_infer_says_how_it_sampled_and_scores_the_samples_against_a_reference(an
         out = capsys.readouterr().out
         assert re.search(r"^samples: 2000 by rejection, 100% distinct, acceptance", out, re.M), out
         scores[name] = json.loads(next((tmp_path / name).glob("*.posterior.json")).read_text())["c2st"]
-        assert f"c2st: {scores[name]:.3f} against 2000 reference draws" in out
+        assert f"c2st: {scores[name]:.3f}, 2000 samples against 2000 of the 2000 reference draws" in out
     assert scores["same"] < 0.56 and scores["far"] > 0.95
     np.save(tmp_path / "wide.npy", np.zeros((20, 3)))
     assert nnpd.main(["infer", str(run), "--observations", str(tmp_path / "x.npy"), "--reference",

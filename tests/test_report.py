@@ -22,6 +22,36 @@ def test_lookup_follows_keys_that_hold_dots_and_flatten_names_every_scalar():
                                         "coverage.0.68.interval.1": 0.8, "coverage.0.95.joint": 0.9}
 
 
+def analysed_record(prior, metrics):
+    """A record of an analysed baseline run of `prior` with these metrics."""
+    return results.RunRecord(run=f"runs/baseline/{prior}", configuration="baseline", knob=None, value=None,
+                             member={"name": f"{prior}-r0", "prior": prior}, settings={}, status="complete",
+                             analysis="complete", metrics=metrics)
+
+
+def coverage(joint):
+    """A coverage metric at 0.68 with its interval."""
+    return {"0.68": {"joint": joint, "interval": [joint - 0.05, joint + 0.05]}}
+
+
+@pytest.mark.unit
+def test_the_table_shows_the_exact_coverage_beside_the_learned_one_when_a_study_has_it():
+    import nre_analysis
+
+    columns = nre_analysis.NREAnalysis.REPORT_COLUMNS
+    with_exact = {"coverage": coverage(0.630), "exact_reference": {"coverage": coverage(0.686)}}
+    lines = results.table([analysed_record("uniform", with_exact)], columns).splitlines()
+    headings = lines[0].split()
+    assert headings.index("exact68") == headings.index("cov68") + 1
+    assert "0.630 [0.58, 0.68]  0.686 [0.64, 0.74]" in lines[1]
+    # Without a likelihood no run has the column: it is left out, not a row of dashes.
+    without = results.table([analysed_record("uniform", {"coverage": coverage(0.630)})], columns)
+    assert "exact68" not in without and "cov68" in without
+    records = [analysed_record("uniform", with_exact), analysed_record("normal", {"coverage": coverage(0.6)})]
+    mixed = results.table(records, columns).splitlines()
+    assert "exact68" in mixed[0] and mixed[2].endswith("0.65]  -")       # a run without it
+
+
 @pytest.fixture(scope="module")
 def swept_root(tmp_path_factory):
     """A smoke root with two configurations (the baseline and one more learning rate), analysed."""

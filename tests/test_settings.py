@@ -321,16 +321,16 @@ def test_make_settings_error_is_reported(tmp_path):
 
 @pytest.mark.unit
 def test_missing_and_extra_sections(tmp_path):
-    body = TRAINING.replace('"seed": 1,', '"sede": 1,')
+    body = TRAINING.replace('"experiment": ', '"experimnt": ')
     folder = write_settings(tmp_path, body, ANALYSIS)
     with pytest.raises(SettingsError) as info:
         load_profile(folder)
     message = str(info.value)
     assert message.startswith("settings_training.py [smoke]")
-    assert "missing sections: seed" in message and "sede" not in message   # the study's sections are its own
+    assert "missing sections: experiment" in message and "experimnt" not in message   # the study's are its own
     body = ANALYSIS.replace('"plots": [],', "")
     folder = write_settings(tmp_path / "b", TRAINING, body)
-    assert load_profile(folder).analysis["plots"] == []         # a framework section with a default
+    assert "plots" not in load_profile(folder).analysis         # left to the analysis class (study_loading.load_study)
     body = ANALYSIS.replace('"analysis": ', '"analyss": ')
     folder = write_settings(tmp_path / "c", TRAINING, body)
     with pytest.raises(SettingsError, match=r"settings_analysis.py \[smoke\].*"
@@ -449,3 +449,65 @@ def test_property_digests_ignore_dict_order(settings, seed):
     a, b = expand(settings), expand(other)
     assert a[0].digest == b[0].digest
     assert {c.digest for c in a} == {c.digest for c in b}
+
+
+# ---------------------------------------------------------------- a single-profile file and the defaults
+
+def write_single(folder, training, analysis='{"analysis": "study:Analysis"}'):
+    """Both settings files as single-profile SETTINGS dicts."""
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "settings_training.py").write_text(f"from settings import Choice\nSETTINGS = {training}\n")
+    (folder / "settings_analysis.py").write_text(f"SETTINGS = {analysis}\n")
+    return folder
+
+
+@pytest.mark.unit
+def test_a_plain_dict_is_one_profile_named_after_its_folder_with_the_framework_defaults(tmp_path):
+    folder = write_single(tmp_path / "my study", '{"experiment": "study:Experiment", "data": {"train": 64}}')
+    loaded = load_profile(folder)
+    assert loaded.name == "my_study"
+    assert loaded.training["output"] == {"root": "outputs/my_study"}
+    assert loaded.training["seed"] == 0 and loaded.training["runtime"] == {}
+    assert load_profile(folder, "my_study").training == loaded.training
+    spelled_out = write_single(tmp_path / "b", '{"experiment": "study:Experiment", "data": {"train": 64}, '
+                                               '"seed": 0, "runtime": {}, "output": {"root": "elsewhere"}}')
+    assert identity(load_profile(spelled_out).training) == identity(loaded.training)   # filled as if written
+
+
+@pytest.mark.unit
+def test_a_plain_dict_may_sweep_and_serves_an_analysis_of_several_profiles(tmp_path):
+    folder = write_single(tmp_path / "s", '{"experiment": "study:Experiment", "seed": Choice([1, 2])}')
+    assert [c.settings["seed"] for c in load_profile(folder).configurations] == [1, 2]
+    both = write_settings(tmp_path / "t", TRAINING, ANALYSIS)
+    (both / "settings_analysis.py").write_text(f"SETTINGS = {ANALYSIS}\n")
+    assert load_profile(both, "full").analysis["metrics"] == ["bias"]
+
+
+@pytest.mark.parametrize("training, profile, words", [
+    ('{"experiment": "study:Experiment"}\nPROFILES = ("a",)', None, "defines both SETTINGS and PROFILES"),
+    ('[1, 2]', None, "SETTINGS is a list; it must be a dict of sections"),
+    ('{"experiment": "study:Experiment"}', "smoke", "holds one profile, 's' (SETTINGS, named after its folder)"),
+    ('{"data": {}}', None, "missing sections: experiment"),
+])
+@pytest.mark.unit
+def test_a_plain_dict_file_answers_mistakes_in_one_line_naming_the_docs(tmp_path, training, profile, words):
+    folder = write_single(tmp_path / "s", training)
+    with pytest.raises(SettingsError, match="README.md, \"The settings files\"") as info:
+        load_profile(folder, profile)
+    assert words in str(info.value)
+
+
+@pytest.mark.unit
+def test_a_file_with_neither_form_says_what_to_define(tmp_path):
+    folder = write_single(tmp_path / "s", "{}")
+    (folder / "settings_training.py").write_text("x = 1\n")
+    with pytest.raises(SettingsError, match="defines neither SETTINGS .* nor PROFILES with make_settings"):
+        load_profile(folder)
+
+
+@pytest.mark.unit
+def test_a_missing_setting_names_where_the_required_ones_are_listed():
+    from settings import require
+    with pytest.raises(SettingsError, match=r'^data\.validation is missing; add it to the settings \(README\.md, '
+                                            r'"The settings files" says which a study needs\)$'):
+        require({"train": 64}, "validation", "data")

@@ -7,7 +7,9 @@ import sys
 import pytest
 
 import fingerprint
+import store
 import study
+import study_loading
 from study import Metric, Product
 from settings import SettingsError
 from helpers import REPO
@@ -30,7 +32,7 @@ def product(*needs):
 @pytest.mark.unit
 def test_a_sound_graph_passes_with_dependencies_first():
     products = {"c": product("a", "b"), "b": product("a"), "a": product(), "d": product()}
-    assert study.check_graph(products, {"m": Metric(len, needs=("c",))}, ["m"]) == ["a", "b", "c", "d"]
+    assert study_loading.check_graph(products, {"m": Metric(len, needs=("c",))}, ["m"]) == ["a", "b", "c", "d"]
 
 
 @pytest.mark.parametrize("products, metrics, selected, message", [
@@ -44,20 +46,20 @@ def test_a_sound_graph_passes_with_dependencies_first():
 @pytest.mark.unit
 def test_bad_graphs_are_rejected_at_plan_time(products, metrics, selected, message):
     with pytest.raises(SettingsError, match=message):
-        study.check_graph(products, metrics, selected)
+        study_loading.check_graph(products, metrics, selected)
 
 
 @pytest.mark.unit
 def test_load_class_names_the_setting_and_checks_the_contract():
-    assert study.load_class("gaussian_study:GaussianAnalysis", "analysis").__name__ == "GaussianAnalysis"
+    assert study_loading.load_class("gaussian_study:GaussianAnalysis", "analysis").__name__ == "GaussianAnalysis"
     with pytest.raises(SettingsError, match="experiment: cannot import module 'no_such_module'"):
-        study.load_class("no_such_module:X", "experiment")
+        study_loading.load_class("no_such_module:X", "experiment")
     with pytest.raises(SettingsError, match="analysis: module 'study' has no class 'Nope'"):
-        study.load_class("study:Nope", "analysis")
+        study_loading.load_class("study:Nope", "analysis")
     with pytest.raises(SettingsError, match="experiment: 'study:Product' is not an nnpd experiment class"):
-        study.check_members(study.load_class("study:Product", "experiment")(None, None), "study:Product", "experiment")
+        study_loading.check_members(study_loading.load_class("study:Product", "experiment")(None, None), "study:Product", "experiment")
     with pytest.raises(SettingsError, match="standard-library module"):
-        study.load_class("subprocess:Popen", "experiment")
+        study_loading.load_class("subprocess:Popen", "experiment")
 
 
 
@@ -79,7 +81,7 @@ def test_an_optional_member_a_class_leaves_out_takes_the_contracts_one_default()
     assert study.optional(own, "plan_errors", study.Analysis)() == ()       # the default method, bound to it
     assert study.optional(own, "settings", study.Analysis) is None          # set by nnpd: no class default
     # plan reads both parts through it: the experiment's default and the analysis' own line.
-    assert study.plan_notes(object(), own) == ([], ["own warning"])
+    assert study_loading.plan_notes(object(), own) == ([], ["own warning"])
 
 
 def protocol_members(protocol):
@@ -91,7 +93,7 @@ def protocol_members(protocol):
 
 @pytest.mark.unit
 def test_the_contract_protocols_declare_what_plan_requires_of_a_study():
-    assert protocol_members(study.ExperimentContract) == set(study.EXPERIMENT_METHODS + study.EXPERIMENT_SOURCES)
+    assert protocol_members(study.ExperimentContract) == set(store.EXPERIMENT_METHODS + study.EXPERIMENT_SOURCES)
     assert protocol_members(study.AnalysisContract) == set(study.ANALYSIS_MEMBERS) | {"settings"}
 
 

@@ -358,7 +358,7 @@ def test_balanced_loss_gradient_is_autograd_of_the_formula_on_the_full_batch():
     data, model = _data(), _model()
     x, y = data["train_inputs"], data["train_labels"]
     settings = trainer.check_training_settings({"objective": "balanced", "balance_weight": 3.0})
-    loss, record = trainer.batch_loss(model(x), y, len(y), settings, CPU)
+    loss, record = trainer.batch_loss(model(x), y, len(y), trainer.objective_of(settings), CPU)
     formula = _balanced_formula(model(x), y, 3.0)
     for got, want in zip(_gradients(loss, model), _gradients(formula, model)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
@@ -375,7 +375,7 @@ def test_a_batch_of_one_class_has_no_balance_term():
     x = _data()["train_inputs"][:10]
     settings = trainer.check_training_settings({"objective": "balanced", "balance_weight": 50.0})
     for labels in (torch.ones(10), torch.zeros(10)):
-        loss, record = trainer.batch_loss(model(x), labels, 10, settings, CPU)
+        loss, record = trainer.batch_loss(model(x), labels, 10, trainer.objective_of(settings), CPU)
         bce = torch.nn.functional.binary_cross_entropy_with_logits(model(x), labels)
         assert loss.item() == pytest.approx(bce.item(), rel=1e-6)
         assert record.item() == pytest.approx(10 * bce.item(), rel=1e-6)
@@ -401,7 +401,9 @@ def test_balanced_with_zero_weight_trains_exactly_like_bce():
     plain, plain_history = _train({"epochs": 2, "learning_rate": 0.05})
     zero, zero_history = _train({"epochs": 2, "learning_rate": 0.05, "objective": "balanced", "balance_weight": 0.0})
     weighted, _ = _train({"epochs": 2, "learning_rate": 0.05, "objective": "balanced", "balance_weight": 10.0})
-    assert all(torch.equal(plain[k], zero[k]) for k in plain) and plain_history == zero_history
+    assert all(torch.equal(plain[k], zero[k]) for k in plain)
+    assert (plain_history.pop("objective"), zero_history.pop("objective")) == ("bce", "balanced")  # it names them
+    assert plain_history == zero_history
     assert any(not torch.allclose(plain[k], weighted[k]) for k in plain)
 
 
@@ -664,3 +666,23 @@ def test_patience_stops_training_once_the_selected_loss_stops_improving_and_resu
     for key, value in (("classes", 1), ("gamma", 0), ("objective", "nre-b")):
         with pytest.raises(SettingsError, match=rf"^training\.{key}"):
             trainer.check_training_settings({key: value})
+
+
+@pytest.mark.unit
+def test_the_outcome_line_says_where_patience_stopped_training_and_which_epoch_it_kept():
+    _, history = _train({"epochs": 60, "learning_rate": 0.2, "patience": 3})
+    stopped, kept = history["stopped_epoch"], history["selected_epoch"]
+    assert stopped is not None and stopped == len(history["validation"]) < 60 and kept == stopped - 3
+    assert trainer.training_outcome(history) == (
+        f"stopped early at epoch {stopped} of 60 (patience 3: the validation BCE had not improved for 3 epochs), "
+        f"kept epoch {kept} (validation BCE {history['validation'][kept - 1]['bce']:.4f})")
+
+
+@pytest.mark.unit
+def test_the_outcome_line_of_a_training_that_ran_every_epoch_names_the_watched_objective():
+    _, history = _train({"epochs": 2, "objective": "balanced", "selection": "objective", "checkpoint": "last"})
+    assert trainer.training_outcome(history) == (
+        f"ran all 2 epochs, kept epoch 2 (validation balanced loss {history['validation_objective'][1]:.4f})")
+    del history["objective"]                       # a history saved before it named its objective
+    assert "kept epoch 2 (validation objective " in trainer.training_outcome(history)
+    assert trainer.training_outcome({"loss": [1.0]}) is None           # another trainer's history

@@ -18,5 +18,5 @@ def make_settings(profile):
             "truths": {"sobol_truths": 1000 if profile == "quick" else 10_000},
             "candidates": {"kind": "grid", "candidate_points_per_axis": 512},
         },
-        # "plots": ["diagnostic_cases", "expected_coverage"] and "cohort_plots" draw figures (matplotlib).
+        # Without "plots" and "cohort_plots" the kit draws its default figures (with matplotlib installed).
     }

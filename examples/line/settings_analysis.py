@@ -1,0 +1,1 @@
+SETTINGS = {"analysis": "nre_analysis:NREAnalysis"}

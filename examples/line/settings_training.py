@@ -1,0 +1,1 @@
+SETTINGS = {"experiment": "line_study:Line", "data": {"train": 2000, "validation": 500}}
