@@ -31,8 +31,8 @@ from store import NnpdError
 
 __all__ = [
     "ROUND_KEYS", "RoundsError", "rounds_settings", "read_observation", "observation_digest", "base_member",
-    "round_recipe", "with_earlier", "BoxProblem", "CutPrior", "cut_prior", "posterior_box", "next_round",
-    "outside_warning",
+    "round_recipe", "with_earlier", "BoxProblem", "CutPrior", "cut_prior", "snap_to_lattice", "posterior_box",
+    "edge_mass", "edge_warnings", "next_round", "outside_warning",
 ]
 
 ROUND_KEYS = ("round", "box", "previous", "observation", "reuse", "history")

@@ -81,6 +81,29 @@ def test_the_cut_prior_draws_inside_the_box_and_follows_the_prior_there(prior):
     assert cut.log_prob(torch.tensor([[5.9, 0.0], [7.0, 0.3]])).isinf().all()
 
 
+class Counts(nre_study.Study):
+    """One parameter on a lattice of step 0.5 over [0, 10]."""
+
+    parameters = {"k": (0.0, 10.0, 0.5)}
+
+    def simulate(self, theta, generator):
+        return theta + torch.randn(theta.shape, generator=generator, dtype=torch.float64)
+
+
+@pytest.mark.unit
+def test_a_lattice_prior_is_cut_on_its_own_lattice():
+    study = Counts({"seed": 3, "cohort": {"priors": ["grid"], "replicas": 1}, "priors": {"grid": {"family": "grid"}},
+                    "data": {"train": 8, "validation": 4, "test": 4}})
+    low, high = rounds.snap_to_lattice(study.problem(), torch.tensor([2.3]), torch.tensor([7.1]))
+    assert (low.item(), high.item()) == (2.0, 7.5)
+    cut = study.prior({"name": "grid-r0", "prior": "grid", "replica": 0, "round": 2,
+                       "box": [low.tolist(), high.tolist()]})
+    draws = cut.sample(4000, torch.Generator().manual_seed(0))[:, 0]
+    assert set((draws * 2).round().tolist()) == set(range(4, 16))            # the 12 lattice points in the box
+    assert torch.allclose(cut.log_prob(torch.arange(4, 16)[:, None] / 2.0), torch.tensor(-math.log(12.0),
+                                                                                      dtype=torch.float64))
+
+
 @pytest.mark.unit
 def test_a_rounds_key_changes_with_the_observation_the_box_and_the_previous_model():
     study = pair_study()
