@@ -106,8 +106,7 @@ def write_settings(folder, source, spec, prior, data, rounds):
         training["rounds"] = rounds
     for file, settings in (("settings_training.py", training),
                            ("settings_analysis.py", {"analysis": "nre_analysis:NREAnalysis"})):
-        (folder / file).write_text(f'DEFAULT_PROFILE = "bench"\nPROFILES = ("bench",)\nSETTINGS = {settings!r}\n\n\n'
-                                   'def make_settings(profile):\n    import copy\n    return copy.deepcopy(SETTINGS)\n')
+        (folder / file).write_text(f'"""Bench settings (written by bench_rounds.py)."""\nSETTINGS = {settings!r}\n')
 
 
 def split(simulations):
