@@ -671,9 +671,11 @@ class Study(Experiment):
         return super().train(member, model, tensors, rt, hooks)
 
     def workload(self, member: Member) -> dict[str, int]:
-        """Training examples seen and network size: the training cost estimate (at most `epochs` epochs)."""
+        """Training examples seen and network size: the training cost estimate (at most `epochs` epochs, in
+        every round)."""
         epochs = trainer.check_training_settings(self.training_settings())["epochs"]
-        return {**super().workload(member), "training_examples": self.settings["data"]["train"] * epochs}
+        count = (rounds.rounds_settings(self.settings) or {"count": 1})["count"]
+        return {**super().workload(member), "training_examples": self.settings["data"]["train"] * epochs * count}
 
     def posterior(self, member: Member, model: torch.nn.Module, analysis_settings: dict[str, Any], observations: Any,
                   truth: Any = None, device: str | torch.device = "cpu", case: int = 0) -> Any:

@@ -137,6 +137,9 @@ def test_a_rounds_section_is_checked_at_plan(tmp_path):
     study.settings["rounds"] = {"count": 2, "observation": str(tmp_path / "wrong.npy")}
     with pytest.raises(SettingsError, match=r"expected \(2,\)"):
         study.validate()
+    once = study.workload(study.members()[0])["training_examples"]
+    study.settings["rounds"]["count"] = 3                    # three trainings: the launch's cost estimate says so
+    assert study.workload(study.members()[0])["training_examples"] == 3 * once // 2
 
 
 @pytest.mark.unit
