@@ -12,6 +12,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -30,7 +31,7 @@ from training_hooks import TrainingHooks
 
 
 __all__ = [
-    "Job", "Launch", "keep_watch", "model_recipe", "train_job", "trained_artifacts", "analyze_job",
+    "Job", "Launch", "RoundTools", "keep_watch", "model_recipe", "train_job", "trained_artifacts", "analyze_job",
     "matplotlib_missing", "draw_figures", "cohort_figures", "job_cost", "claim_jobs",
 ]
 
@@ -43,17 +44,17 @@ class Job:
     experiment: study.ExperimentContract
     analysis: study.AnalysisContract
     analysis_workload: dict
+    run: str = field(init=False)     # the run folder relative to the output root
+
+    def __post_init__(self) -> None:
+        """Name the run folder after the cohort member: a study trained in rounds keeps it for every round."""
+        tag = digest({"configuration": self.configuration.digest, "member": self.member})[:10]
+        self.run = f"runs/{self.configuration.name}/{self.member['name']}-{tag}"
 
     @property
     def settings(self):
         """The configuration's resolved training settings."""
         return self.configuration.settings
-
-    @property
-    def run(self):
-        """The run folder relative to the output root."""
-        tag = digest({"configuration": self.configuration.digest, "member": self.member})[:10]
-        return f"runs/{self.configuration.name}/{self.member['name']}-{tag}"
 
 
 @dataclass
@@ -200,9 +201,30 @@ def write_model(writer, state, history):
 
 # ---------------------------------------------------------------- training
 
+class RoundTools(NamedTuple):
+    """What a study trained in rounds gets to make its next round's member (the study's `next_round`)."""
+    trained: Callable[[], Any]      # the current round's (data, model), got or trained through the store
+    store: Store
+    rt: runtime.Runtime
+    log: Callable[[str], None]
+    used: set                       # keys the launch used: what a round caches is kept with them
+
+
 def train_job(launch, job):
-    """Get or sample the data, then get or train the model; status becomes `trained` (timed as a stage)."""
+    """Get or sample the data, then get or train the model; status becomes `trained` (timed as a stage).
+
+    A study with `next_round(member, tools)` trains in rounds: each round's member is trained
+    in turn through the store alone, and the run records the last (docs/rounds.md).
+    """
     with launch.timer.stage("training"):
+        next_round = getattr(job.experiment, "next_round", None)
+        while next_round is not None:
+            tools = RoundTools(lambda: get_artifacts(launch, job), launch.store, launch.rt,
+                               launch_log(launch), launch.used)
+            member = next_round(job.member, tools)
+            if member is None:
+                break
+            job.member = member          # the same run folder (Job.run), the next round's member
         return get_trained(launch, job)
 
 
@@ -216,14 +238,7 @@ def get_trained(launch, job):
     if launch.owner and not current:
         launch.timer.did_work("training")
         output_root.start_run(launch.root, job.run, run_record(launch, job), rt.rank)
-    data = find_intact(store, "training-data", data_key)
-    if data is None:
-        launch.log(f"data    {job.run}: sampling", every_worker=True)
-        build = runtime.unless_stopped(lambda writer: write_data(launch, job, writer))
-        data = store.get("training-data", recipe_of_data, build=build)
-    else:
-        launch.log(f"data    {job.run}: reused", every_worker=True)
-    model = get_model(launch, job, data, recipe)
+    data, model = get_artifacts(launch, job)
     if launch.owner and not current:
         dropped = (data.metadata or {}).get("dropped_simulations")
         if dropped:          # run.json says what the model was trained without; the report repeats it
@@ -231,6 +246,21 @@ def get_trained(launch, job):
         output_root.write_artifacts(launch.root, run_dir, {"training-data": data, "model": model})
         output_root.write_status(run_dir, "trained", worker=rt.rank, data=data.key, model=model.key,
                           selected_epoch=model.metadata.get("selected_epoch"))
+    return data, model
+
+
+def get_artifacts(launch, job):
+    """The job's data and model through the store alone, reused or made now (no run folder is written)."""
+    store, recipe_of_data = launch.store, data_recipe(job)
+    data_key = store.key("training-data", recipe_of_data)
+    data = find_intact(store, "training-data", data_key)
+    if data is None:
+        launch.log(f"data    {job.run}: sampling", every_worker=True)
+        build = runtime.unless_stopped(lambda writer: write_data(launch, job, writer))
+        data = store.get("training-data", recipe_of_data, build=build)
+    else:
+        launch.log(f"data    {job.run}: reused", every_worker=True)
+    model = get_model(launch, job, data, model_recipe(job, data_key, launch.identity))
     launch.used |= {artifact.key for artifact in (data, model) if artifact is not None}
     return data, model
 
@@ -337,7 +367,10 @@ def trained_artifacts(launch, job):
                               "from the store, retraining nothing the store still holds")
         state = f"state {status['state']}" if status.get("state") else "no run folder"
         raise LaunchError(f"{run_dir}: no trained model ({state}); {fix}")
-    backend = output_root.read_json(run_dir / "run.json", {}).get("backend")
+    record = output_root.read_json(run_dir / "run.json", {})
+    backend, member = record.get("backend"), record.get("member")
+    if isinstance(member, dict) and all(member.get(key) == value for key, value in job.member.items()):
+        job.member = member          # the member it was trained as: a later round's, which extends the planned one
     if backend != launch.identity:
         raise LaunchError(f"{run_dir}: its model was trained on another backend ({describe_backend(backend)}), "
                           f"not this one ({describe_backend(launch.identity)}); {fix} here, or restore it with "

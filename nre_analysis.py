@@ -68,6 +68,13 @@ def kit_experiment(ctx: Context) -> KitExperiment:
     return cast(KitExperiment, ctx.experiment)
 
 
+def problem_key(ctx):
+    """What the truths and candidates depend on: the study's problem settings, and a later round's box
+    (docs/rounds.md: its analysis tests it inside the box)."""
+    recipe = kit_experiment(ctx).problem_recipe()
+    return recipe if "box" not in ctx.member else {"problem": recipe, "box": ctx.member["box"]}
+
+
 def candidate_lattice(ctx):
     """Lattice steps per coordinate of the candidates (None for continuous axes)."""
     return designs.candidate_lattice(ctx.prior.lattice_steps, ctx.problem.parameter_count,
@@ -616,12 +623,12 @@ class NREAnalysis(Analysis):
 
     products = {
         "truths": Product(build_truths, lambda ctx: {
-            "problem": kit_experiment(ctx).problem_recipe(), "seed": ctx.settings["seed"],
+            "problem": problem_key(ctx), "seed": ctx.settings["seed"],
             "truths": ctx.analysis_settings["inference"]["truths"]}),
         "observations": Product(build_observations, lambda ctx: {
             "observations": ctx.analysis_settings["inference"]["observations"]}, needs=("truths",)),
         "candidates": Product(build_candidates, lambda ctx: {
-            "problem": kit_experiment(ctx).problem_recipe(), "seed": ctx.settings["seed"],
+            "problem": problem_key(ctx), "seed": ctx.settings["seed"],
             "candidates": ctx.analysis_settings["inference"]["candidates"], "lattice": candidate_lattice(ctx)}),
         "learned": Product(build_learned, lambda ctx: {
             "prior": kit_experiment(ctx).prior_recipe(ctx.member),
@@ -663,7 +670,8 @@ class NREAnalysis(Analysis):
     DEFAULT_PLOTS = ("expected_coverage",)
     DEFAULT_COHORT_PLOTS = ("training", "estimates", "bias_width")
     plots = {"diagnostic_cases": Figure(nre_figures.draw_diagnostic_cases),
-             "expected_coverage": Figure(nre_figures.draw_expected_coverage)}
+             "expected_coverage": Figure(nre_figures.draw_expected_coverage),
+             "rounds": Figure(nre_figures.draw_rounds)}
     cohort_plots = {
         "priors": Figure(nre_figures.draw_priors),
         "training": Figure(nre_figures.draw_training),

@@ -16,12 +16,13 @@ import numpy as np
 import torch
 
 import analysis_metrics
+import infer
 import results
 import trainer
 
 __all__ = [
     "TRUTH_BINS", "case_truths", "draw_priors", "draw_training", "draw_estimates", "draw_bias_width",
-    "draw_diagnostic_cases", "draw_expected_coverage",
+    "draw_diagnostic_cases", "draw_expected_coverage", "draw_rounds",
 ]
 
 MAX_AXES = 6   # parameters drawn per figure; the rest are left out
@@ -479,3 +480,50 @@ def draw_expected_coverage(ctx, figure):
     axes[0].legend(fontsize="small", loc="upper left")
     figure.suptitle(f"Expected coverage of {ctx.member['name']}, configuration {configuration_label(ctx)}, "
                     f"over {report['cases']} cases (below the diagonal: overconfident)")
+
+
+def draw_rounds(ctx, figure):
+    """A run trained in rounds (docs/rounds.md): each round's box over the prior's, per parameter pair,
+    with x_o's final posterior samples; a note for a run trained without rounds."""
+    history = ctx.member.get("history")
+    if not history:
+        figure.text(0.5, 0.5, f"{ctx.member['name']} was not trained in rounds", ha="center")
+        return
+    full, names = ctx.experiment.problem(), ctx.problem.names
+    x_o = infer.read_array(ctx.settings["rounds"]["observation"], "rounds.observation")
+    # The posterior's own default design (as for a run never analysed): one observation affords more points.
+    samples = ctx.experiment.posterior(ctx.member, ctx.model, {}, x_o).sample(2000, seed=0).numpy()
+    p = len(names)
+    axes = figure.subplots(p, p, squeeze=False)
+    colours = [f"C{k % 10}" for k in range(len(history))]
+    for i in range(p):
+        for j in range(p):
+            axis = axes[i][j]
+            if j > i:
+                axis.axis("off")
+                continue
+            axis.set_xlim(float(full.low[j]), float(full.high[j]))
+            if i == j:
+                axis.hist(samples[:, j], bins=40, color="grey")
+                for row, colour in zip(history, colours):
+                    for bound in (row["box"][0][j], row["box"][1][j]):
+                        axis.axvline(bound, color=colour, linewidth=1)
+            else:
+                axis.set_ylim(float(full.low[i]), float(full.high[i]))
+                axis.scatter(samples[:, j], samples[:, i], s=1, color="grey")
+                for row, colour in zip(history, colours):
+                    (low, high) = row["box"]
+                    axis.add_patch(_box_patch(low[j], low[i], high[j] - low[j], high[i] - low[i], colour,
+                                              f"round {row['round']}: {100 * row['volume']:.3g}% of the volume"))
+            axis.set_xlabel(names[j] if i == p - 1 else "")
+            axis.set_ylabel(names[i] if j == 0 and i > 0 else "")
+    if p > 1:
+        axes[1][0].legend(fontsize="small", loc="upper right")
+    figure.suptitle(f"Rounds of {ctx.member['name']}: each round's box over the prior's, and x_o's posterior "
+                    f"samples of the last round ({len(samples)} draws)")
+
+
+def _box_patch(x, y, width, height, colour, label):
+    """An unfilled rectangle: one round's box on a pair of parameters."""
+    from matplotlib.patches import Rectangle    # matplotlib is optional: only drawing imports it
+    return Rectangle((x, y), width, height, fill=False, edgecolor=colour, linewidth=1.2, label=label)

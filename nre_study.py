@@ -44,6 +44,7 @@ import networks
 import posterior
 import priors
 import output_root
+import rounds
 import runtime
 import trainer
 from settings import SettingsError, integer, known_keys, name_list, number, one_of, require
@@ -470,6 +471,11 @@ def check_contrastive(training, data: DataSettings):
                             f"{path} or lower training.classes")
 
 
+def member_round(member: Member) -> tuple[object, ...]:
+    """The labels a later round adds to its member's random streams: its data are fresh draws."""
+    return ("round", member["round"]) if "round" in member else ()
+
+
 class Study(Experiment):
     """The training side of a ratio-estimator study, derived from its science (see the module's docstring)."""
 
@@ -478,7 +484,7 @@ class Study(Experiment):
     standardize = True       # model.standardize when the settings leave it out
     log_likelihood: Any = None    # define log_likelihood(self, x, theta) for the exact target
     SECTIONS: tuple[str, ...] = ("data",)
-    OPTIONAL_SECTIONS: tuple[str, ...] = ("cohort", "priors", "problem", "model", "training")
+    OPTIONAL_SECTIONS: tuple[str, ...] = ("cohort", "priors", "problem", "model", "training", "rounds")
     DATA_SOURCES: tuple[object, ...] = (priors, sample_training_data, sample_joint, runtime.derived_seed)
     MODEL_SOURCES: tuple[object, ...] = (networks, trainer, contrast, runtime.derived_seed)
 
@@ -486,6 +492,7 @@ class Study(Experiment):
         self.settings = with_kit_defaults(settings)
         self._problem: Any = None              # make_problem's, built once
         self._bank: tuple[np.ndarray, np.ndarray] | None = None
+        self.round_data: dict[str, dict[str, np.ndarray]] = {}     # a round's simulations, for the next (rounds.py)
 
     @property
     def data_settings(self) -> DataSettings:
@@ -505,6 +512,7 @@ class Study(Experiment):
         """Check the problem, the cohort and its priors, the data sizes and bank, the model and training."""
         check_cohort(self.settings, self.custom_priors)
         self.problem()
+        self.check_rounds()
         for member in self.members()[:len(self.settings["cohort"]["priors"])]:
             prior = self.prior(member)
             if isinstance(prior, priors.CustomPrior):
@@ -525,6 +533,20 @@ class Study(Experiment):
         training = trainer.check_training_settings(self.training_settings())
         if training["objective"] == "contrastive":
             check_contrastive(training, self.data_settings)
+
+    def check_rounds(self) -> None:
+        """The `rounds` section and its observation, which must fit the simulator (docs/rounds.md)."""
+        section = rounds.rounds_settings(self.settings)
+        if section is not None:
+            if self.settings["data"].get("bank") is not None:
+                raise SettingsError("rounds: a bank's simulations come from the whole prior, not a round's box; "
+                                    'remove data.bank or the rounds section (docs/rounds.md, "Settings")')
+            rounds.read_observation(section["observation"], self.problem().dimension)
+
+    def next_round(self, member: Member, tools: Any) -> Member | None:
+        """The member of the round after `member` (trained first through `tools`), or None: the framework
+        trains a job's rounds in turn and records the last (rounds.py, docs/rounds.md)."""
+        return rounds.next_round(self, member, tools)
 
     def model_settings(self) -> dict[str, Any]:
         """The `model` section, or the kit's network (KIT_MODEL) when the settings have none."""
@@ -571,9 +593,11 @@ class Study(Experiment):
                        type(self).__name__, None if bank is None else bank[0].shape[1])
 
     def problem(self, member: Member | None = None) -> ProblemContract:
-        """The simulator and its parameters (the same for every member), built once."""
+        """The simulator and its parameters, built once; a later round's member sees them inside its box."""
         if self._problem is None:
             self._problem = self.make_problem()
+        if member is not None and "box" in member:
+            return rounds.BoxProblem(self._problem, member["box"])
         return self._problem
 
     def problem_recipe(self) -> Json:
@@ -583,6 +607,8 @@ class Study(Experiment):
     def prior(self, member: Member) -> PriorContract:
         """The member's training prior: a bundled family from `priors`, or the study's own object."""
         name = member["prior"]
+        if "box" in member:                 # a later round's: the member's prior cut to the round's box
+            return rounds.cut_prior(self, member)
         if name in self.custom_priors and name not in self.settings["priors"]:
             return priors.CustomPrior(self.custom_priors[name], self.problem().names)
         return priors.make_prior(self.problem(), self.settings["priors"][name], f"priors.{name}")
@@ -590,6 +616,8 @@ class Study(Experiment):
     def prior_recipe(self, member: Member) -> Json:
         """What the member's prior depends on: its settings, or the object's description."""
         name = member["prior"]
+        if "box" in member:                 # a later round's: its member's prior, cut
+            return {"cut": self.prior_recipe(rounds.base_member(member)), "box": member["box"]}
         if name in self.custom_priors and name not in self.settings["priors"]:
             return {"object": self.prior(member).describe()}
         return self.settings["priors"][name]
@@ -605,17 +633,19 @@ class Study(Experiment):
         if self.bank() is not None:
             data["bank"] = {"sha256": bank_digest(self.bank())}
         return {"problem": self.problem_recipe(), "prior": self.prior_recipe(member), "data": data,
-                "seed": self.settings["seed"], "member": member["name"]}
+                "seed": self.settings["seed"], "member": member["name"], **rounds.round_recipe(member)}
 
     def sample_data(self, member: Member) -> dict[str, np.ndarray]:
         """Train/validation/test simulations under the member's prior (or the bank's), see sample_training_data."""
-        seed = runtime.derived_seed(self.settings["seed"], "data", member["name"])
-        return sample_training_data(self.problem(), self.prior(member), self.data_settings, seed, self.bank())
+        seed = runtime.derived_seed(self.settings["seed"], "data", member["name"], *member_round(member))
+        arrays = sample_training_data(self.problem(), self.prior(member), self.data_settings, seed, self.bank())
+        return rounds.with_earlier(self, member, arrays)
 
     def model_recipe(self, member: Member) -> Json:
         """The settings the member's model depends on (besides its data key and the backend)."""
         recipe = {"model": self.model_settings(), "training": self.training_settings(),
-                  "seed": self.settings["seed"], "member": member["name"], "input_size": self.input_size()}
+                  "seed": self.settings["seed"], "member": member["name"], "input_size": self.input_size(),
+                  **rounds.round_recipe(member)}
         embedding = self.embedding_recipe()
         if embedding is not None:        # only then: the model keys of studies without one stay as they were
             recipe["embedding"] = embedding
@@ -657,15 +687,23 @@ class Study(Experiment):
         return super().train(member, model, tensors, rt, hooks)
 
     def workload(self, member: Member) -> dict[str, int]:
-        """Training examples seen and network size: the training cost estimate (at most `epochs` epochs)."""
+        """Training examples seen and network size: the training cost estimate (at most `epochs` epochs, in
+        every round)."""
         epochs = trainer.check_training_settings(self.training_settings())["epochs"]
-        return {**super().workload(member), "training_examples": self.data_settings["train"] * epochs}
+        count = (rounds.rounds_settings(self.settings) or {"count": 1})["count"]
+        return {**super().workload(member), "training_examples": self.data_settings["train"] * epochs * count}
 
     def posterior(self, member: Member, model: torch.nn.Module, analysis_settings: dict[str, Any], observations: Any,
                   truth: Any = None, device: str | torch.device = "cpu", case: int = 0) -> Any:
         """The member's posterior for an observation, from its trained `model` (see posterior.py)."""
-        learned = posterior.Learned(self.problem(), self.prior(member), model, analysis_settings, self.settings["seed"])
-        return posterior.for_observation(learned, observations, truth=truth, device=device, case=case)
+        learned = posterior.Learned(self.problem(member), self.prior(member), model, analysis_settings,
+                                    self.settings["seed"])
+        found = posterior.for_observation(learned, observations, truth=truth, device=device, case=case)
+        outside = rounds.outside_warning(member, observations)
+        if outside:                     # a posterior warning: infer prints it as a line of its own
+            found.warnings.append(outside)
+            warnings.warn(outside, posterior.PosteriorWarning, stacklevel=2)
+        return found
 
     def plan_warnings(self) -> list[str]:
         """Lines for plan: a bank's θ or priors' mass outside the parameter box, models of the earlier data

@@ -25,7 +25,7 @@ from settings import is_number
 
 
 __all__ = [
-    "read_runs", "lookup", "flatten", "write_csv", "report_text", "member_style", "comparison_figure",
+    "read_runs", "lookup", "flatten", "write_csv", "report_text", "round_lines", "member_style", "comparison_figure",
     "comparison_png",
 ]
 
@@ -227,13 +227,29 @@ def table(records, columns=()):
 def report_text(records, columns=(), warning_paths=()):
     """The table, then one line per warning of the analysed runs: what `run` and `report` print."""
     return "\n".join([table(records, columns), *training_lines(records), *warning_lines(records, warning_paths),
-                      *dropped_lines(records)])
+                      *dropped_lines(records), *round_lines(records)])
 
 
 def training_lines(records):
     """One line per analysed run trained by the bundled trainer: how its training ended and the epoch it kept."""
     outcomes = [(record, trainer.training_outcome(record.history)) for record in records if record.metrics is not None]
     return [f"training: {record.swept} {record.prior}: {outcome}" for record, outcome in outcomes if outcome]
+
+
+def round_lines(records):
+    """One row per round of each run trained in rounds (its member's `history`, docs/rounds.md): the box,
+    its share of the prior's volume and mass, the simulations, the posterior mass near each cut face."""
+    lines = []
+    for record in records:
+        for row in record.member.get("history") or ():
+            edge = row.get("edge_mass")
+            box = ", ".join(f"[{low:.4g}, {high:.4g}]" for low, high in zip(*row["box"]))
+            lines.append(f"round {row['round']}: {record.swept} {record.prior}: box {box}, "
+                         f"{100 * row['volume']:.3g}% of the prior's volume, {100 * row['prior_mass']:.3g}% of its "
+                         f"mass, {row['simulations']:,} simulations"
+                         + (f" ({row['reused']:,} of earlier rounds)" if row.get("reused") else "")
+                         + ("" if edge is None else ", mass near cut faces " + " ".join(f"{m:.2g}" for m in edge)))
+    return lines
 
 
 def warning_lines(records, paths=()):

@@ -49,7 +49,7 @@ def base_settings():
             "max_candidate_points": 2e6,
         },
         "metrics": list(METRICS),
-        "plots": [],            # per run: "diagnostic_cases", "expected_coverage" (need matplotlib)
+        "plots": [],            # per run: "diagnostic_cases", "expected_coverage", "rounds" (need matplotlib)
         "cohort_plots": [],     # per configuration: "priors", "training", "estimates", "bias_width"
         "plotting": {"format": "png", "dpi": 120},
     }

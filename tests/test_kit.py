@@ -411,7 +411,7 @@ def test_a_kit_study_without_data_is_told_what_it_reads_and_where_the_defaults_a
     result = main_in_process("plan", "--settings-dir", str(folder), cwd=tmp_path)
     assert result.returncode == 2, result.stdout
     assert "missing sections: data; Flat reads:" in result.stderr
-    assert '(optional: cohort, priors, problem, model, training) (README.md, "The settings files")' in result.stderr
+    assert '(optional: cohort, priors, problem, model, training, rounds) (README.md, "The settings files")' in result.stderr
     assert not (tmp_path / "outputs").exists()
 
 

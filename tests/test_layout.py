@@ -14,7 +14,7 @@ STUDY = {"gaussian", "gaussian_study"}          # the bundled study's own module
 MAY_IMPORT_THE_STUDY = STUDY | {"settings_training", "settings_analysis"}
 # The study kit, written on the framework; studies are written on it.
 KIT = {"nre_study", "nre_analysis", "inference_schema", "nre_figures", "priors", "networks", "posterior",
-       "sampler"}
+       "sampler", "rounds"}
 FRAMEWORK = {"nnpd", "jobs", "output_root", "store", "runtime", "trainer", "study", "settings", "results", "timings",
              "probes", "launcher", "designs", "case_scores", "case_blocks", "hpd", "analysis_metrics", "infer",
              "contrast", "c2st", "ddp", "training_state", "training_hooks", "fingerprint",
