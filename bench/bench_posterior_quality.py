@@ -199,9 +199,9 @@ def settings_files(name, study, folder, args, bank):
     analysis = {"analysis": "nre_analysis:NREAnalysis"}
     for file, settings in (("settings_training.py", training), ("settings_analysis.py", analysis)):
         (folder / file).write_text(f'"""Bench settings for {name} (written by bench_posterior_quality.py)."""\n'
-                                   f'DEFAULT_PROFILE = "bench"\nPROFILES = ("bench",)\nSETTINGS = {settings!r}\n\n\n'
+                                   f'DEFAULT_PROFILE = "bench"\nPROFILES = ("bench",)\nBENCH = {settings!r}\n\n\n'
                                    'def make_settings(profile):\n    """The one profile."""\n'
-                                   '    import copy\n    return copy.deepcopy(SETTINGS)\n')
+                                   '    import copy\n    return copy.deepcopy(BENCH)\n')
 
 
 def nnpd_command(stage, folder):

@@ -6,7 +6,7 @@ import pytest
 
 import nnpd
 import results
-import study
+import study_loading
 from helpers import figure_legend_texts, recorded_figures, run_cli, write_settings
 from nre_analysis import NREAnalysis
 
@@ -123,7 +123,7 @@ def test_report_plot_with_nothing_to_draw_says_so_and_writes_nothing(drawn, monk
     assert results.comparison_figure(records, (), "title") is None
     figure = tmp / "out" / "report" / "comparison.png"
     figure.unlink(missing_ok=True)
-    monkeypatch.setattr(study, "report_layout", lambda analysis: ((), (("absent", "no.such.metric"),)))
+    monkeypatch.setattr(study_loading, "report_layout", lambda analysis: ((), (("absent", "no.such.metric"),)))
     _, notes = nnpd.report(None, str(settings), plot=True)
     assert notes == ["--plot: nothing to draw (no analysed run has a metric of the figure); no figure written"]
     assert not figure.exists()

@@ -7,6 +7,7 @@ bitwise those of an uninterrupted launch with the same settings in another outpu
 """
 import functools
 import json
+import re
 import os
 import signal
 import time
@@ -197,7 +198,7 @@ def test_switching_backends_keeps_the_models_of_both(tmp_path):
     assert len(models) == 4                                # two priors, two backends (world size 2 and 1)
     third = finish_launch(command(settings, workers=2))
     assert third.returncode == 0, third.stdout + third.stderr
-    assert third.stdout.count("reused") >= 2 and "epoch" not in third.stdout
+    assert third.stdout.count("reused") >= 2 and not re.search(r"epoch \d+/\d+", third.stdout)
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("cache/model/*/weights.pt")} == models
     history = json.loads((tmp_path / "out" / "history.json").read_text())["trainings"]
     assert len(history) == 1 and len(history[0]["backends"]) == 2
