@@ -7,7 +7,7 @@ TORCH  ?= torch==2.13.0
 # own index, where PIP_INDEX_URL / PIP_EXTRA_INDEX_URL in the environment are honoured.
 TORCH_INDEX_URL ?=
 
-.PHONY: setup test test-fast typecheck smoke bench bench-sbi bench-posterior clean
+.PHONY: setup test test-fast typecheck lint format check smoke bench bench-sbi bench-posterior clean
 
 setup: $(VENV)/.ready
 
@@ -48,6 +48,22 @@ test-fast: setup
 typecheck: setup
 	$(PY) -c "import mypy" 2>/dev/null || $(PY) -m pip install mypy
 	$(PY) -m mypy
+
+# ruff for development only, installed into the venv when the target runs (like mypy): `lint`
+# checks the whole tree against pyproject.toml's [tool.ruff] and that it is formatted; `format`
+# formats it and sorts its imports.
+lint: setup
+	$(PY) -c "import ruff" 2>/dev/null || $(PY) -m pip install ruff
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: setup
+	$(PY) -c "import ruff" 2>/dev/null || $(PY) -m pip install ruff
+	$(PY) -m ruff check --select I --fix .
+	$(PY) -m ruff format .
+
+# What to run before a commit: the fast layers, the types and the style.
+check: test-fast typecheck lint
 
 smoke: setup
 	$(PY) nnpd.py run --profile smoke

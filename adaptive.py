@@ -18,6 +18,7 @@ One case, in order (refine_block):
 4. zero-measure probes along rays from each density's mean sharpen the projected
    bounds: they change no mass, threshold or coverage, only where a region is seen to end.
 """
+
 import math
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -27,21 +28,33 @@ import torch
 import designs
 import hpd
 
-__all__ = ["Box", "Proposal", "Refinement", "case_seed", "draw_proposals", "fit_proposals", "mixture_log_terms",
-           "proposal_log_density", "refine_block", "stack_proposals", "support_box"]
+__all__ = [
+    "Box",
+    "Proposal",
+    "Refinement",
+    "case_seed",
+    "draw_proposals",
+    "fit_proposals",
+    "mixture_log_terms",
+    "proposal_log_density",
+    "refine_block",
+    "stack_proposals",
+    "support_box",
+]
 
-INFLATION = 1.5      # a refined proposal's sd over the density's estimated sd: wide enough not to clip it
-REACH = 4.0          # a refined box spans the proposal mean ± REACH proposal sds (and the modes found)
-MAX_SHRINK = 4.0     # a pass narrows the previous spread at most this much: few effective points mislead
-PROBE_REACH = 1.5    # rays reach this multiple of the farthest region point's Mahalanobis radius
+INFLATION = 1.5  # a refined proposal's sd over the density's estimated sd: wide enough not to clip it
+REACH = 4.0  # a refined box spans the proposal mean ± REACH proposal sds (and the modes found)
+MAX_SHRINK = 4.0  # a pass narrows the previous spread at most this much: few effective points mislead
+PROBE_REACH = 1.5  # rays reach this multiple of the farthest region point's Mahalanobis radius
 
 
 class Box(NamedTuple):
     """The prior's support: bounds (p,) (lattice axes: first and last lattice point) and steps."""
+
     low: torch.Tensor
     high: torch.Tensor
-    lattice: torch.Tensor   # bool (p,)
-    step: torch.Tensor      # the lattice step, 1 on continuous axes
+    lattice: torch.Tensor  # bool (p,)
+    step: torch.Tensor  # the lattice step, 1 on continuous axes
 
     def to(self, device):
         """The same box with its tensors on `device`."""
@@ -73,23 +86,30 @@ def support_box(low, high, lattice_steps):
     designs.check_box(low, high)
     lattice = torch.tensor([s is not None for s in lattice_steps])
     step = torch.tensor([1.0 if s is None else float(s) for s in lattice_steps], dtype=torch.float64)
-    last = torch.tensor([float(designs.lattice_support(a, b, s)[-1]) if s is not None else b
-                         for a, b, s in zip(low.tolist(), high.tolist(), lattice_steps)], dtype=torch.float64)
+    last = torch.tensor(
+        [
+            float(designs.lattice_support(a, b, s)[-1]) if s is not None else b
+            for a, b, s in zip(low.tolist(), high.tolist(), lattice_steps)
+        ],
+        dtype=torch.float64,
+    )
     return Box(low, last, lattice, step)
 
 
 class Refinement(NamedTuple):
     """What refine_block needs besides the cases: the prior's support box, the levels summarised,
     the passes' sizes (designs.adaptive_sizes) and the seed of the cases' streams (see case_seed)."""
+
     box: Box
     levels: Sequence[float]
-    sizes: Mapping[str, Any] | None    # None: a fixed design, nothing to refine
+    sizes: Mapping[str, Any] | None  # None: a fixed design, nothing to refine
     seed: int
 
 
 class Proposal(NamedTuple):
     """Products of normals truncated to boxes [low, high], one per case (fields (B, p)); a lattice
     point takes its cell's mass. Stacked proposals have fields (B, C, p) and counts (C,)."""
+
     mean: torch.Tensor
     sd: torch.Tensor
     low: torch.Tensor
@@ -109,7 +129,7 @@ def _log1mexp(x):
 
 def _log_normal_interval(a, b):
     """log(Φ(b) − Φ(a)) for a <= b, accurate in both tails."""
-    upper = a > 0   # both in the upper tail: mirror into the lower one, where Φ keeps its digits
+    upper = a > 0  # both in the upper tail: mirror into the lower one, where Φ keeps its digits
     a, b = torch.where(upper, -b, a), torch.where(upper, -a, b)
     log_b = torch.special.log_ndtr(b)
     return log_b + _log1mexp(torch.special.log_ndtr(a) - log_b)
@@ -135,8 +155,9 @@ def _log_normalisers(proposals, box):
     """Each stacked proposal's log normaliser (B, C): its log density at its mean is at most minus this."""
     sd = proposals.sd[..., ~box.lattice]
     za, zb = _standard_z(proposals, box)
-    return (torch.log(sd).sum(dim=2) + 0.5 * sd.shape[2] * math.log(2 * math.pi)
-            + _log_normal_interval(za, zb).sum(dim=2))
+    return (
+        torch.log(sd).sum(dim=2) + 0.5 * sd.shape[2] * math.log(2 * math.pi) + _log_normal_interval(za, zb).sum(dim=2)
+    )
 
 
 def proposal_log_density(proposals, points, box, offset=None, extremes=None):
@@ -147,11 +168,11 @@ def proposal_log_density(proposals, points, box, offset=None, extremes=None):
     columns = hpd.point_columns(points)
     inside = _inside_boxes(columns, proposals.low, proposals.high, extremes)
     continuous = ~box.lattice
-    everywhere = bool(continuous.all())     # no lattice axis: no column to pick out
+    everywhere = bool(continuous.all())  # no lattice axis: no column to pick out
     x = columns if everywhere else columns[:, continuous]
     mean = proposals.mean if everywhere else proposals.mean[..., continuous]
     sd = proposals.sd if everywhere else proposals.sd[..., continuous]
-    inverse = sd ** -2
+    inverse = sd**-2
     # Each proposal's log normaliser, less the offset: what every point's −½ quadratic loses.
     constant = _log_normalisers(proposals, box)
     constant = (constant if offset is None else constant - offset)[..., None]
@@ -187,21 +208,23 @@ def _inside_boxes(columns, low, high, extremes=None):
     (cases, p, n), components = columns.shape, low.shape[1]
     inside = within = None
     for j in range(p):
-        column = columns[:, j:j + 1, :]
+        column = columns[:, j : j + 1, :]
         for side, (compare, bound) in enumerate(((torch.ge, low), (torch.le, high))):
             if not crossed[side][j]:
                 continue
             if inside is None:
                 inside = torch.ones(cases, components, n, dtype=torch.bool, device=columns.device)
-                within = torch.empty_like(inside)       # every comparison written here, not a fresh array
-            inside.logical_and_(compare(column, bound[:, :, j:j + 1], out=within))
+                within = torch.empty_like(inside)  # every comparison written here, not a fresh array
+            inside.logical_and_(compare(column, bound[:, :, j : j + 1], out=within))
     return inside
 
 
 def stack_proposals(proposals):
     """Proposals stacked along a second axis (fields (B, C, p)), for proposal_log_density."""
+
     def stacked(name):
         return torch.stack([getattr(c, name) for c in proposals], dim=1)
+
     return Proposal(stacked("mean"), stacked("sd"), stacked("low"), stacked("high"), [c.count for c in proposals])
 
 
@@ -228,7 +251,7 @@ def _log_weights(log_denominator, multiplicity):
     """Importance weights (B, n), as logs, from the mixture's denominators; coarse points merged on
     a lattice (first) weigh their multiplicity (log given) times that."""
     log_weights = -log_denominator
-    log_weights[:, :multiplicity.numel()] += multiplicity
+    log_weights[:, : multiplicity.numel()] += multiplicity
     return log_weights
 
 
@@ -254,8 +277,9 @@ def fit_proposals(points, log_q, spread, box, anchors, count):
     # Few effective points place the mean roughly and see too little of the tails: widen more
     # (1/√ESS = √Σq², Kish's effective size of normalised weights).
     inflation = INFLATION * (1 + (q * q).sum(dim=1).sqrt())[:, None]
-    sd = torch.maximum(torch.maximum(inflation * covariance.diagonal(dim1=1, dim2=2).sqrt(), spread / MAX_SHRINK),
-                       floor)
+    sd = torch.maximum(
+        torch.maximum(inflation * covariance.diagonal(dim1=1, dim2=2).sqrt(), spread / MAX_SHRINK), floor
+    )
     low = torch.maximum(torch.minimum(mean - REACH * sd, anchors.amin(dim=1)), box.low)
     high = torch.minimum(torch.maximum(mean + REACH * sd, anchors.amax(dim=1)), box.high)
     # Lattice axes: widen outwards onto the lattice.
@@ -279,7 +303,7 @@ def _rows_at(values, index):
     return values[torch.arange(values.shape[0], device=values.device), index]
 
 
-SOBOL_BITS = 30      # torch's SobolEngine.MAXBIT: its directions and points are 30-bit integers
+SOBOL_BITS = 30  # torch's SobolEngine.MAXBIT: its directions and points are 30-bit integers
 
 
 def _case_draws(seeds, count, p, device):
@@ -294,21 +318,21 @@ def _case_draws(seeds, count, p, device):
     plain direction. Its point i is shift ^ (the directions of the bits set in gray(i)) over
     2^30, the first one rounded as the engine rounds it (in the default dtype).
     """
-    base = torch.quasirandom.SobolEngine(p).sobolstate                  # (p, 30), unscrambled
+    base = torch.quasirandom.SobolEngine(p).sobolstate  # (p, 30), unscrambled
     shift_bits, rows = [], []
     for seed in seeds:
         generator = torch.Generator().manual_seed(seed)
         shift_bits.append(torch.randint(2, (p, SOBOL_BITS), generator=generator))
         rows.append(torch.randint(2, (p, SOBOL_BITS, SOBOL_BITS), generator=generator))
-    powers = torch.pow(2, torch.arange(SOBOL_BITS))                     # bit k is worth 2^k
-    shift = (torch.stack(shift_bits) * powers).sum(dim=-1)              # (B, p)
+    powers = torch.pow(2, torch.arange(SOBOL_BITS))  # bit k is worth 2^k
+    shift = (torch.stack(shift_bits) * powers).sum(dim=-1)  # (B, p)
     matrices = torch.stack(rows).tril_()
     matrices.diagonal(0, -2, -1).fill_(1)
-    row_values = (matrices * powers.flip(0)).sum(dim=-1)                # (B, p, 30): row q, bit 29 − k for column k
-    parity = row_values[:, :, None, :] & base[None, :, :, None]         # (B, p, 30 directions, 30 rows)
+    row_values = (matrices * powers.flip(0)).sum(dim=-1)  # (B, p, 30): row q, bit 29 − k for column k
+    parity = row_values[:, :, None, :] & base[None, :, :, None]  # (B, p, 30 directions, 30 rows)
     for half in (16, 8, 4, 2, 1):
         parity ^= parity >> half
-    directions = ((parity & 1) * powers.flip(0)).sum(dim=-1)            # (B, p, 30)
+    directions = ((parity & 1) * powers.flip(0)).sum(dim=-1)  # (B, p, 30)
     # In Gray-code order, gray(2^k + i) = gray(i) ^ 2^k ^ 2^(k−1) for i < 2^k: each block of points
     # is the one before it with two directions flipped (one for the first block).
     flips = directions.clone()
@@ -320,10 +344,10 @@ def _case_draws(seeds, count, p, device):
     size, k = 1, 0
     while size < count:
         step = min(size, count - size)
-        torch.bitwise_xor(state[:, :, :step], flips[:, :, k:k + 1], out=state[:, :, size:size + step])
+        torch.bitwise_xor(state[:, :, :step], flips[:, :, k : k + 1], out=state[:, :, size : size + step])
         size, k = size + step, k + 1
-    points = state.view(torch.float64).sub_(2.0 ** 22)
-    points[:, :, 0] = (shift / 2 ** SOBOL_BITS).to(torch.float64)
+    points = state.view(torch.float64).sub_(2.0**22)
+    points[:, :, 0] = (shift / 2**SOBOL_BITS).to(torch.float64)
     return points.to(device).transpose(1, 2)
 
 
@@ -331,7 +355,7 @@ def _draw_pass(columns, start, proposals, units, box):
     """Draw each proposal's points, from its share of a pass's unit points (B, n, p), into the
     columns (B, p, N) from `start` on; returns where they end."""
     for proposal, unit in zip(proposals, units.split([c.count for c in proposals], dim=1)):
-        draw_proposals(proposal, unit, box, out=columns[:, :, start:start + proposal.count].transpose(1, 2))
+        draw_proposals(proposal, unit, box, out=columns[:, :, start : start + proposal.count].transpose(1, 2))
         start += proposal.count
     return start
 
@@ -343,8 +367,14 @@ def _fit_targets(points, scores, log_weights, anchors, spread, box, size):
     fitted = {}
     for target, share in zip(scores, _shares(size, len(scores))):
         best = _rows_at(points, scores[target].argmax(dim=1))
-        fitted[target] = fit_proposals(points, scores[target] + log_weights, spread[target], box,
-                                       torch.stack([anchors[target], best], dim=1), share)
+        fitted[target] = fit_proposals(
+            points,
+            scores[target] + log_weights,
+            spread[target],
+            box,
+            torch.stack([anchors[target], best], dim=1),
+            share,
+        )
         spread[target] = fitted[target].sd
     return fitted
 
@@ -352,6 +382,7 @@ def _fit_targets(points, scores, log_weights, anchors, spread, box, size):
 class Refined(NamedTuple):
     """What the refined passes leave: the mixture weights (B, n) of the n points measured (coarse and
     refined), each target's last proposal and the points' extremes (see point_extremes)."""
+
     log_weights: torch.Tensor
     last: dict
     extremes: tuple
@@ -368,7 +399,7 @@ def _refined_passes(score_fn, columns, scores, multiplicity, box, sizes, seeds):
     # Points are held as columns, each coordinate a contiguous row, and used through their
     # (B, n, p) view: elementwise work and comparisons then run along those rows.
     points = columns[:, :, :filled].transpose(1, 2)
-    anchors = {t: _rows_at(points, scores[t][:, :filled].argmax(dim=1)) for t in targets}   # the coarse modes
+    anchors = {t: _rows_at(points, scores[t][:, :filled].argmax(dim=1)) for t in targets}  # the coarse modes
     uniform_sd = (box.high - box.low + 2 * box.half_cell()) / math.sqrt(12)
     spread = {t: uniform_sd.expand(cases, -1) for t in targets}
     components, extremes = [], point_extremes(columns[:, :, :filled])
@@ -377,8 +408,15 @@ def _refined_passes(score_fn, columns, scores, multiplicity, box, sizes, seeds):
     # Every pass's unit points at once: one draw per case, split between the passes in order.
     units = _case_draws(seeds, sum(sizes["passes"]), points.shape[2], points.device).split(sizes["passes"], dim=1)
     for size, pass_units in zip(sizes["passes"], units):
-        last = _fit_targets(points, {t: s[:, :filled] for t, s in scores.items()},
-                            _log_weights(log_denominator[:, :filled], multiplicity), anchors, spread, box, size)
+        last = _fit_targets(
+            points,
+            {t: s[:, :filled] for t, s in scores.items()},
+            _log_weights(log_denominator[:, :filled], multiplicity),
+            anchors,
+            spread,
+            box,
+            size,
+        )
         fitted = list(last.values())
         start = _draw_pass(columns, filled, fitted, pass_units, box)
         fresh = columns[:, :, filled:start].transpose(1, 2)
@@ -387,8 +425,11 @@ def _refined_passes(score_fn, columns, scores, multiplicity, box, sizes, seeds):
         components += fitted
         earlier = log_denominator[:, :filled]
         torch.logaddexp(earlier, mixture_log_terms(stack_proposals(fitted), points, box, extremes), out=earlier)
-        torch.logaddexp(uniform, mixture_log_terms(stack_proposals(components), fresh, box, fresh_extremes),
-                        out=log_denominator[:, filled:start])
+        torch.logaddexp(
+            uniform,
+            mixture_log_terms(stack_proposals(components), fresh, box, fresh_extremes),
+            out=log_denominator[:, filled:start],
+        )
         for target in targets:
             scores[target][:, filled:start] = fresh_scores[target]
         extremes = (torch.minimum(extremes[0], fresh_extremes[0]), torch.maximum(extremes[1], fresh_extremes[1]))
@@ -403,14 +444,15 @@ def _merged(points, log_weights, box):
     if bool(box.lattice.any()):
         cases, n, p = points.shape
         case = torch.arange(cases, dtype=points.dtype, device=points.device).repeat_interleave(n)
-        _, group = torch.unique(torch.cat([case[:, None], points.reshape(-1, p)], dim=1), dim=0,
-                                return_inverse=True)
+        _, group = torch.unique(torch.cat([case[:, None], points.reshape(-1, p)], dim=1), dim=0, return_inverse=True)
         flat = log_weights.reshape(-1)
         position = torch.arange(flat.numel(), device=flat.device)
         first = torch.full((int(group.max()) + 1,), flat.numel(), device=flat.device).scatter_reduce(
-            0, group, position, "amin")
+            0, group, position, "amin"
+        )
         peak = torch.full(first.shape, -math.inf, dtype=flat.dtype, device=flat.device).scatter_reduce(
-            0, group, flat, "amax")
+            0, group, flat, "amax"
+        )
         finite_peak = torch.where(torch.isfinite(peak), peak, torch.zeros_like(peak))
         total = torch.zeros_like(peak).index_add_(0, group, torch.exp(flat - finite_peak[group]))
         merged = torch.full_like(flat, -math.inf)
@@ -436,16 +478,20 @@ def _ray_frame(scaled, q, scores, covariance, origin, threshold, box):
     rays = torch.cat([directions, -directions], dim=1)
     # Whitened offsets L⁻¹(θ − origin)√q, Σ = LLᵀ: one small inverse, then one batched product.
     identity = torch.eye(covariance.shape[1], dtype=covariance.dtype, device=covariance.device)
-    whitening = torch.linalg.solve_triangular(torch.linalg.cholesky(covariance), identity.expand_as(covariance),
-                                              upper=False)
+    whitening = torch.linalg.solve_triangular(
+        torch.linalg.cholesky(covariance), identity.expand_as(covariance), upper=False
+    )
     whitened = torch.bmm(whitening, scaled)
-    squared = whitened.mul_(whitened).sum(dim=1)          # each point's radius², times its weight
+    squared = whitened.mul_(whitened).sum(dim=1)  # each point's radius², times its weight
     counted = (scores >= threshold[:, None]) & (q > 0)
     farthest = torch.where(counted, squared / q, 0.0).amax(dim=1).sqrt()
     reach = PROBE_REACH * farthest.clamp(min=1.0)
     safe = torch.where(rays == 0, torch.ones_like(rays), rays)
-    exits = torch.where(rays > 0, (box.high - origin[:, None, :]) / safe,
-                        torch.where(rays < 0, (box.low - origin[:, None, :]) / safe, torch.full_like(rays, math.inf)))
+    exits = torch.where(
+        rays > 0,
+        (box.high - origin[:, None, :]) / safe,
+        torch.where(rays < 0, (box.low - origin[:, None, :]) / safe, torch.full_like(rays, math.inf)),
+    )
     ends = torch.minimum(exits.amin(dim=2).clamp(min=0.0), reach[:, None])
     return rays, ends
 
@@ -468,7 +514,7 @@ def _bracket_radii(scores, radii, thresholds):
     parts = []
     for level, share in enumerate(_shares(designs.PROBE_REFINE, thresholds.shape[1])):
         inside = scores >= thresholds[:, level, None, None]
-        last = (inside * position).amax(dim=2, keepdim=True)   # 0 when no radius is inside
+        last = (inside * position).amax(dim=2, keepdim=True)  # 0 when no radius is inside
         inner, outer = padded.gather(2, last), padded.gather(2, (last + 1).clamp(max=count))
         fraction = torch.arange(1, share + 1, dtype=radii.dtype, device=radii.device) / (share + 1)
         parts.append(inner + (outer - inner) * fraction)
@@ -483,17 +529,15 @@ def _probe(score_fn, frames, box):
     """
     steps = torch.arange(1, designs.PROBE_RADII + 1, dtype=torch.float64, device=box.low.device)
     first = {t: ends[..., None] * steps / designs.PROBE_RADII for t, (_, _, ends, _) in frames.items()}
-    points = torch.cat([_ray_points(origin, rays, first[t], box) for t, (origin, rays, _, _) in frames.items()],
-                       dim=1)
+    points = torch.cat([_ray_points(origin, rays, first[t], box) for t, (origin, rays, _, _) in frames.items()], dim=1)
     scores = score_fn(points)
     second, offset = {}, 0
     for target, (_, rays, _, thresholds) in frames.items():
         size = rays.shape[1] * designs.PROBE_RADII
-        own = scores[target][:, offset:offset + size].reshape(-1, rays.shape[1], designs.PROBE_RADII)
+        own = scores[target][:, offset : offset + size].reshape(-1, rays.shape[1], designs.PROBE_RADII)
         second[target] = _bracket_radii(own, first[target], thresholds)
         offset += size
-    more = torch.cat([_ray_points(origin, rays, second[t], box) for t, (origin, rays, _, _) in frames.items()],
-                     dim=1)
+    more = torch.cat([_ray_points(origin, rays, second[t], box) for t, (origin, rays, _, _) in frames.items()], dim=1)
     more_scores = score_fn(more)
     return torch.cat([points, more], dim=1), {t: torch.cat([scores[t], more_scores[t]], dim=1) for t in scores}
 
@@ -540,8 +584,10 @@ def _coarse_scores(score_fn, coarse_points, truths, cases):
         values = values[:, :-1]
         bad = ~torch.isfinite(values).any(dim=1) | torch.isnan(values).any(dim=1) | torch.isposinf(values).any(dim=1)
         if bool(bad.any()):
-            raise ValueError(f"case {cases[int(torch.nonzero(bad)[0])]}: {target} scores on the coarse candidates "
-                             "are NaN, +inf or all -inf; check the network output or the likelihood for that case")
+            raise ValueError(
+                f"case {cases[int(torch.nonzero(bad)[0])]}: {target} scores on the coarse candidates "
+                "are NaN, +inf or all -inf; check the network output or the likelihood for that case"
+            )
     return {t: s[:, :-1] for t, s in first.items()}, {t: s[:, -1] for t, s in first.items()}
 
 
@@ -552,12 +598,12 @@ def _measured_summaries(points, refined, scores, truth_scores, levels, box):
     columns = hpd.point_columns(points)
     summaries, frames, other = {}, {}, None
     for target, values in scores.items():
-        summary, q, ranking = hpd.weighted_summary(values, log_weights, points, truth_scores[target], levels,
-                                                   other)
+        summary, q, ranking = hpd.weighted_summary(values, log_weights, points, truth_scores[target], levels, other)
         other = other or (summary, ranking)
         origin, covariance, scaled = weighted_moments(columns, q)
-        summary["edge_mass"], summary["disagreement"] = refinement_checks(columns, q, (origin, covariance),
-                                                                          last[target], box, extremes)
+        summary["edge_mass"], summary["disagreement"] = refinement_checks(
+            columns, q, (origin, covariance), last[target], box, extremes
+        )
         # Rays start at the mean: far closer to a region's centre than the best point found.
         rays, ends = _ray_frame(scaled, q, values, covariance, origin, summary["threshold"].amin(dim=1), box)
         frames[target] = (origin, rays, ends, summary["threshold"])
@@ -594,8 +640,15 @@ def refine_block(score_fn, coarse, truths, cases, refinement):
     for target, values in scores.items():
         values[:, :coarse], values[:, -1] = first[target], truth_scores[target]
     measured_scores = {t: s[:, :measured] for t, s in scores.items()}
-    refined = _refined_passes(score_fn, columns, measured_scores, multiplicity, box,
-                              dict(sizes, passes=passes, coarse_points=coarse), [case_seed(seed, case) for case in cases])
+    refined = _refined_passes(
+        score_fn,
+        columns,
+        measured_scores,
+        multiplicity,
+        box,
+        dict(sizes, passes=passes, coarse_points=coarse),
+        [case_seed(seed, case) for case in cases],
+    )
     points = columns[:, :, :measured].transpose(1, 2)
     refined = refined._replace(log_weights=_merged(points, refined.log_weights, box))
     summaries, frames = _measured_summaries(points, refined, measured_scores, truth_scores, levels, box)
@@ -606,5 +659,11 @@ def refine_block(score_fn, coarse, truths, cases, refinement):
         _widen(summary, probes, probe_scores[target], measured_scores[target].amax(dim=1))
     log_measure = torch.full((truths.shape[0], total), -math.inf, dtype=torch.float64, device=device)
     log_measure[:, :measured] = refined.log_weights
-    return {"points": columns.transpose(1, 2), "log_measure": log_measure, "scores": scores,
-            "summaries": summaries, "proposals": refined.last, "evaluated": total}
+    return {
+        "points": columns.transpose(1, 2),
+        "log_measure": log_measure,
+        "scores": scores,
+        "summaries": summaries,
+        "proposals": refined.last,
+        "evaluated": total,
+    }

@@ -13,15 +13,30 @@ import torch
 
 import hpd
 
-__all__ = ["MAX_FLAGGED_SHARE", "bias_metrics", "classification_metrics", "coverage_metrics", "effective_sample_size",
-           "effective_sizes", "finite_or_none", "level_key", "randomised_inside", "resolution_flags",
-           "resolution_metrics", "sliced_wasserstein", "wasserstein_1d", "width_metrics", "wilson_interval"]
+__all__ = [
+    "MAX_FLAGGED_SHARE",
+    "bias_metrics",
+    "classification_metrics",
+    "coverage_metrics",
+    "effective_sample_size",
+    "effective_sizes",
+    "finite_or_none",
+    "level_key",
+    "randomised_inside",
+    "resolution_flags",
+    "resolution_metrics",
+    "sliced_wasserstein",
+    "wasserstein_1d",
+    "width_metrics",
+    "wilson_interval",
+]
 
-Summaries = Mapping[str, Any]     # HPD summaries per case, as numpy arrays (see hpd.hld_summaries)
+Summaries = Mapping[str, Any]  # HPD summaries per case, as numpy arrays (see hpd.hld_summaries)
 
 # ---------------------------------------------------------------------------
 # Metrics (JSON-able: python floats/lists, None where undefined)
 # ---------------------------------------------------------------------------
+
 
 def finite_or_none(value: Any) -> float | None:
     """A python float, or None when undefined (NaN/inf or no data)."""
@@ -46,9 +61,12 @@ def bias_metrics(modes: Any, truths: Any, names: Sequence[str]) -> dict[str, Any
     per_axis = {}
     for j, name in enumerate(names):
         e = error[:, j]
-        per_axis[name] = {"signed": _mean(e), "absolute": _mean(np.abs(e)),
-                          "rmse": finite_or_none(math.sqrt(e.dot(e) / e.size)) if e.size else None}
-    rmse = finite_or_none(math.sqrt((error ** 2).mean())) if error.size else None
+        per_axis[name] = {
+            "signed": _mean(e),
+            "absolute": _mean(np.abs(e)),
+            "rmse": finite_or_none(math.sqrt(e.dot(e) / e.size)) if e.size else None,
+        }
+    rmse = finite_or_none(math.sqrt((error**2).mean())) if error.size else None
     return {"cases": int(error.shape[0]), "per_axis": per_axis, "rmse": rmse}
 
 
@@ -79,8 +97,9 @@ def randomised_inside(credibility: Any, credibility_upper: Any, level: float) ->
     return np.where(tie > 0, np.clip(spread, 0.0, 1.0), (low < level).astype(np.float64))
 
 
-def coverage_metrics(summaries: Summaries, truths: Any, levels: Sequence[float],
-                     names: Sequence[str]) -> dict[str, Any]:
+def coverage_metrics(
+    summaries: Summaries, truths: Any, levels: Sequence[float], names: Sequence[str]
+) -> dict[str, Any]:
     """Per level: the fraction of truths inside the projected bounds per axis (and their mean) and
     inside the joint region, with the case count and 95% Wilson intervals of each fraction; and
     `lattice`, the randomised joint coverage (see randomised_inside), nominal for an exact
@@ -93,16 +112,23 @@ def coverage_metrics(summaries: Summaries, truths: Any, levels: Sequence[float],
     for i, level in enumerate(hpd.check_levels(levels)):
         inside = (summaries["lower"][:, i] <= truths) & (truths <= summaries["upper"][:, i])
         covered = np.asarray(summaries["covered"][:, i])
-        lattice = (randomised_inside(summaries["credibility"], summaries["credibility_upper"], level)
-                   if randomised else covered.astype(np.float64))
+        lattice = (
+            randomised_inside(summaries["credibility"], summaries["credibility_upper"], level)
+            if randomised
+            else covered.astype(np.float64)
+        )
         result[level_key(level)] = {
-            "nominal": float(level), "cases": cases,
+            "nominal": float(level),
+            "cases": cases,
             "per_axis": {name: _mean(inside[:, j]) for j, name in enumerate(names)},
-            "per_axis_interval": {name: wilson_interval(int(inside[:, j].sum()), cases)
-                                  for j, name in enumerate(names)},
+            "per_axis_interval": {
+                name: wilson_interval(int(inside[:, j].sum()), cases) for j, name in enumerate(names)
+            },
             "mean": _mean(inside.mean(axis=1)) if inside.size else None,
-            "joint": _mean(covered), "interval": wilson_interval(int(covered.sum()), cases),
-            "lattice": _mean(lattice), "lattice_interval": wilson_interval(float(lattice.sum()), cases),
+            "joint": _mean(covered),
+            "interval": wilson_interval(int(covered.sum()), cases),
+            "lattice": _mean(lattice),
+            "lattice_interval": wilson_interval(float(lattice.sum()), cases),
         }
     return result
 
@@ -119,9 +145,9 @@ def width_metrics(summaries: Summaries, levels: Sequence[float], names: Sequence
     return result
 
 
-MIN_REGION_ESS = 100       # effective points a widest region needs before its mass and bounds are trusted
-MAX_EDGE_MASS = 0.01       # mass allowed near the edge of a refined box
-MAX_FLAGGED_SHARE = 0.01   # a larger share of flagged cases raises the warning
+MIN_REGION_ESS = 100  # effective points a widest region needs before its mass and bounds are trusted
+MAX_EDGE_MASS = 0.01  # mass allowed near the edge of a refined box
+MAX_FLAGGED_SHARE = 0.01  # a larger share of flagged cases raises the warning
 
 
 def resolution_flags(summaries: Summaries, design: str) -> dict[str, np.ndarray]:
@@ -143,14 +169,17 @@ def _flag_problem(flagged, cases, levels):
     """The warning text for flagged cases, or None when few enough are flagged."""
     if not cases or flagged["any"] <= MAX_FLAGGED_SHARE * cases:
         return None
-    return (f"{flagged['any']} of {cases} cases are under-resolved ({flagged['few_effective_points']} with fewer "
-            f"than {MIN_REGION_ESS} effective points in the {max(levels):g} region, {flagged['edge_mass']} with "
-            f"mass at the edge of the refined box, {flagged['disagreement']} where the refined density "
-            "disagrees with the passes that placed it)")
+    return (
+        f"{flagged['any']} of {cases} cases are under-resolved ({flagged['few_effective_points']} with fewer "
+        f"than {MIN_REGION_ESS} effective points in the {max(levels):g} region, {flagged['edge_mass']} with "
+        f"mass at the edge of the refined box, {flagged['disagreement']} where the refined density "
+        "disagrees with the passes that placed it)"
+    )
 
 
-def resolution_metrics(summaries: Summaries, candidate_count: int, levels: Sequence[float] | np.ndarray,
-                       design: str = "sobol") -> dict[str, Any]:
+def resolution_metrics(
+    summaries: Summaries, candidate_count: int, levels: Sequence[float] | np.ndarray, design: str = "sobol"
+) -> dict[str, Any]:
     """Candidate count, ESS spread, attained mass per level, counts of under-resolved cases, a warning."""
     levels = hpd.check_levels(levels)
     ess = np.asarray(summaries["ess"], dtype=np.float64)
@@ -171,22 +200,32 @@ def resolution_metrics(summaries: Summaries, candidate_count: int, levels: Seque
     if problem:
         problems.append(problem)
     warning = None
-    if problems and design != "enumerate":   # an enumerated lattice is exact, however few points carry the mass
-        fix = ("raise inference.candidates.candidate_count or refinement_stages" if design == "adaptive" else
-               "set inference.candidates.kind to 'adaptive' or raise candidate_count or candidate_points_per_axis")
+    if problems and design != "enumerate":  # an enumerated lattice is exact, however few points carry the mass
+        fix = (
+            "raise inference.candidates.candidate_count or refinement_stages"
+            if design == "adaptive"
+            else "set inference.candidates.kind to 'adaptive' or raise candidate_count or candidate_points_per_axis"
+        )
         warning = "low candidate resolution: " + "; ".join(problems) + "; " + fix
     return {
-        "design": design, "candidate_count": int(candidate_count), "cases": int(ess.size),
+        "design": design,
+        "candidate_count": int(candidate_count),
+        "cases": int(ess.size),
         "ess_min": finite_or_none(ess.min()) if ess.size else None,
         "ess_median": median,
-        "ess_median_fraction": finite_or_none(median / candidate_count) if median is not None and candidate_count else None,
+        "ess_median_fraction": finite_or_none(median / candidate_count)
+        if median is not None and candidate_count
+        else None,
         "region_ess_min": finite_or_none(region_ess.min()) if region_ess.size else None,
         "region_ess_median": finite_or_none(np.median(region_ess)) if region_ess.size else None,
-        "attained_mass": attained, "flagged": flagged, "warning": warning,
+        "attained_mass": attained,
+        "flagged": flagged,
+        "warning": warning,
     }
 
 
 # ---------------------------------------------------------------- classification
+
 
 def _average_ranks(values: torch.Tensor) -> torch.Tensor:
     """1-based ranks of `values`, ties sharing their average rank."""
@@ -214,6 +253,7 @@ def classification_metrics(logits: torch.Tensor, labels: torch.Tensor) -> dict[s
 
 
 # ---------------------------------------------------------------- sample-based checks
+
 
 def effective_sizes(log_weights: torch.Tensor) -> torch.Tensor:
     """Kish's effective sample size (Σw)²/Σw² of weights given as logs, over the last axis."""
@@ -250,7 +290,8 @@ def sliced_wasserstein(a: Any, b: Any, b_log_weights: Any = None, projections: i
         b_log_weights = torch.as_tensor(b_log_weights, dtype=torch.float64)
         b_weights = torch.exp(b_log_weights - b_log_weights.max())
     a_weights = torch.ones(a.shape[0], dtype=torch.float64)
-    directions = torch.randn(projections, a.shape[1], generator=torch.Generator().manual_seed(seed),
-                             dtype=torch.float64)
+    directions = torch.randn(
+        projections, a.shape[1], generator=torch.Generator().manual_seed(seed), dtype=torch.float64
+    )
     directions /= directions.norm(dim=1, keepdim=True)
     return sum(wasserstein_1d(a @ d, a_weights, b @ d, b_weights) for d in directions) / projections

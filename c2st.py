@@ -7,6 +7,7 @@ both sets standardised by the reference's mean and sd, labelled 0 and 1, a ReLU 
 of two hidden layers of 10·dim units, its k-fold cross-validated accuracy. Here in plain
 torch, seeded, on one thread. `python nnpd.py infer RUN --reference FILE.npy` prints it.
 """
+
 import math
 from typing import Any, Sequence
 
@@ -15,9 +16,9 @@ import torch
 
 __all__ = ["c2st"]
 
-Draws = np.ndarray | torch.Tensor | Sequence[Any]       # rows of draws, (n, p) or (n,)
+Draws = np.ndarray | torch.Tensor | Sequence[Any]  # rows of draws, (n, p) or (n,)
 
-C2ST_EPOCHS = 20         # passes over the training folds: enough to learn a shift or memorise repeated rows
+C2ST_EPOCHS = 20  # passes over the training folds: enough to learn a shift or memorise repeated rows
 C2ST_BATCH = 512
 C2ST_RATE = 5e-3
 
@@ -47,8 +48,9 @@ def _fold_accuracy(x, y, test, generator, epochs, batch_rows):
     optimizer = torch.optim.Adam(parameters, lr=C2ST_RATE)
     for _ in range(epochs):
         for batch in torch.randperm(train_x.shape[0], generator=generator).split(batch_rows):
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(_logits(parameters, train_x[batch]),
-                                                                        train_y[batch])
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                _logits(parameters, train_x[batch]), train_y[batch]
+            )
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
@@ -56,8 +58,9 @@ def _fold_accuracy(x, y, test, generator, epochs, batch_rows):
         return float(((_logits(parameters, x[test]) > 0).float() == y[test]).float().mean())
 
 
-def c2st(samples: Draws, reference: Draws, folds: int = 5, seed: int = 0, epochs: int = C2ST_EPOCHS,
-         batch: int = C2ST_BATCH) -> float:
+def c2st(
+    samples: Draws, reference: Draws, folds: int = 5, seed: int = 0, epochs: int = C2ST_EPOCHS, batch: int = C2ST_BATCH
+) -> float:
     """Classifier two-sample test: the k-fold cross-validated accuracy of an MLP telling samples from reference
     (0.5: indistinguishable, 1.0: disjoint).
 
@@ -77,7 +80,7 @@ def c2st(samples: Draws, reference: Draws, folds: int = 5, seed: int = 0, epochs
     generator = torch.Generator().manual_seed(int(seed))
     order = torch.randperm(x.shape[0], generator=generator)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)        # small matrices: more threads only contend (ten times slower on busy cores)
+    torch.set_num_threads(1)  # small matrices: more threads only contend (ten times slower on busy cores)
     try:
         return sum(_fold_accuracy(x, y, order[k::folds], generator, epochs, batch) for k in range(folds)) / folds
     finally:

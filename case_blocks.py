@@ -21,15 +21,28 @@ import designs
 import hpd
 import runtime
 
-__all__ = ["Candidates", "Design", "Scoring", "ScoreFn", "analyse_block", "blocks_of_cases", "case_bytes",
-           "decide_design", "design_case_bytes", "exact_scoring", "learned_scoring", "network_precision",
-           "shared_candidates"]
+__all__ = [
+    "Candidates",
+    "Design",
+    "Scoring",
+    "ScoreFn",
+    "analyse_block",
+    "blocks_of_cases",
+    "case_bytes",
+    "decide_design",
+    "design_case_bytes",
+    "exact_scoring",
+    "learned_scoring",
+    "network_precision",
+    "shared_candidates",
+]
 
-ScoreFn = Callable[[torch.Tensor], Mapping[str, torch.Tensor]]   # points (B, n, p) -> {target: scores (B, n)}
+ScoreFn = Callable[[torch.Tensor], Mapping[str, torch.Tensor]]  # points (B, n, p) -> {target: scores (B, n)}
 
 
 class Candidates(NamedTuple):
     """A shared design: points (K, p) and their log measure (K,); the adaptive kind's coarse pass."""
+
     points: torch.Tensor
     log_measure: torch.Tensor
 
@@ -42,6 +55,7 @@ class Design(NamedTuple):
     """How a prior's cases are scored: the kind ('enumerate', 'grid', 'sobol' or 'adaptive'), the
     candidates' lattice steps (None: continuous) and, for refine_block, the refinement (its sizes
     None for a fixed design, which refines nothing)."""
+
     kind: str
     lattice: list[float | None]
     refinement: adaptive.Refinement
@@ -50,13 +64,15 @@ class Design(NamedTuple):
 class Scoring(NamedTuple):
     """How a product scores blocks of cases: `scores(cases (B,), points (B, n, p)) -> {target: (B, n)}`
     on `device`, and the bytes a block of cases may use there."""
+
     scores: Callable[[torch.Tensor, torch.Tensor], Mapping[str, torch.Tensor]]
     device: torch.device
     block_bytes: int
 
 
-def decide_design(box: tuple[Any, Any], lattice_steps: Sequence[float | None], settings: Mapping[str, Any],
-                  targets: int, seed: int) -> Design:
+def decide_design(
+    box: tuple[Any, Any], lattice_steps: Sequence[float | None], settings: Mapping[str, Any], targets: int, seed: int
+) -> Design:
     """The design of a prior's cases: box (low, high) and its lattice steps, the analysis' `inference`
     settings, the number of targets scored together (they share the adaptive probes) and the
     training seed, from which the refined passes' seed is derived.
@@ -69,20 +85,24 @@ def decide_design(box: tuple[Any, Any], lattice_steps: Sequence[float | None], s
     lattice = designs.candidate_lattice(lattice_steps, p, candidates)
     kind = designs.candidate_design(p, lattice, low, high, candidates)
     sizes = designs.adaptive_sizes(p, candidates, targets) if kind == "adaptive" else None
-    refinement = adaptive.Refinement(adaptive.support_box(low, high, lattice), list(settings["levels"]), sizes,
-                                     runtime.derived_seed(seed, "refine"))
+    refinement = adaptive.Refinement(
+        adaptive.support_box(low, high, lattice), list(settings["levels"]), sizes, runtime.derived_seed(seed, "refine")
+    )
     return Design(kind, lattice, refinement)
 
 
-def shared_candidates(box: tuple[Any, Any], lattice: Sequence[float | None], candidates: Mapping[str, Any],
-                      seed: int) -> Candidates:
+def shared_candidates(
+    box: tuple[Any, Any], lattice: Sequence[float | None], candidates: Mapping[str, Any], seed: int
+) -> Candidates:
     """The shared design of a box on the candidates' lattice, its seed derived from the training seed."""
-    return Candidates(*designs.make_candidates(box[0], box[1], lattice, candidates,
-                                               runtime.derived_seed(seed, "candidates")))
+    return Candidates(
+        *designs.make_candidates(box[0], box[1], lattice, candidates, runtime.derived_seed(seed, "candidates"))
+    )
 
 
-def analyse_block(design: Design, shared: Candidates, score_fn: ScoreFn, truths: torch.Tensor,
-                  cases: Sequence[int]) -> dict[str, Any]:
+def analyse_block(
+    design: Design, shared: Candidates, score_fn: ScoreFn, truths: torch.Tensor, cases: Sequence[int]
+) -> dict[str, Any]:
     """A block of cases refined (adaptive design: adaptive.refine_block, `shared` its coarse pass) or
     scored on the shared candidates, every target's summaries as tensors.
 
@@ -97,12 +117,18 @@ def analyse_block(design: Design, shared: Candidates, score_fn: ScoreFn, truths:
     summaries = {}
     for target, values in rows.items():
         hpd.check_scores(values[:, :-1], values[:, -1])
-        summary = hpd.summarise_block(values[:, :-1], shared.log_measure, shared.points, values[:, -1],
-                                      design.refinement.levels)
+        summary = hpd.summarise_block(
+            values[:, :-1], shared.log_measure, shared.points, values[:, -1], design.refinement.levels
+        )
         summary["edge_mass"] = summary["disagreement"] = values.new_full((truths.shape[0],), math.nan)
         summaries[target] = summary
-    return {"points": shared.points, "log_measure": shared.log_measure, "scores": dict(rows),
-            "summaries": summaries, "evaluated": shared.points.shape[0]}
+    return {
+        "points": shared.points,
+        "log_measure": shared.log_measure,
+        "scores": dict(rows),
+        "summaries": summaries,
+        "evaluated": shared.points.shape[0],
+    }
 
 
 def case_bytes(candidates: int, p: int, targets: int, levels: int, components: int = 0, draws: int = 0) -> int:
@@ -122,25 +148,38 @@ def design_case_bytes(design: Design, candidates: int, p: int, targets: int) -> 
     return case_bytes(sizes["total"] + 1, p, targets, levels, targets * len(sizes["passes"]), sum(sizes["passes"]))
 
 
-def blocks_of_cases(design: Design, shared: Candidates, scoring: Scoring, truths: torch.Tensor, targets: int,
-                    progress: Callable[[int], None] = lambda case: None) -> Iterator[tuple[int, dict[str, Any]]]:
+def blocks_of_cases(
+    design: Design,
+    shared: Candidates,
+    scoring: Scoring,
+    truths: torch.Tensor,
+    targets: int,
+    progress: Callable[[int], None] = lambda case: None,
+) -> Iterator[tuple[int, dict[str, Any]]]:
     """Every case through analyse_block, as many at once as `scoring.block_bytes` allows for `targets`
     targets: yields each block's first case and its results, on `scoring.device`; `progress(case)`
     is told each block's first case before its work."""
     cases, p = truths.shape
-    block = case_scores.cases_per_block(cases, design_case_bytes(design, shared.points.shape[0], p, targets),
-                                        scoring.block_bytes)
+    block = case_scores.cases_per_block(
+        cases, design_case_bytes(design, shared.points.shape[0], p, targets), scoring.block_bytes
+    )
     shared = shared.to(scoring.device)
     for start in range(0, cases, block):
         stop = min(cases, start + block)
         progress(start)
         index = torch.arange(start, stop)
-        result = analyse_block(design, shared, lambda points: scoring.scores(index, points),
-                               truths[start:stop].to(scoring.device), index.tolist())
+        result = analyse_block(
+            design,
+            shared,
+            lambda points: scoring.scores(index, points),
+            truths[start:stop].to(scoring.device),
+            index.tolist(),
+        )
         yield start, result
 
 
 # ---------------------------------------------------------------- the scorings of the kit's targets
+
 
 @contextlib.contextmanager
 def network_precision(precision, device):
@@ -164,8 +203,9 @@ def learned_scoring(model, device, prior, observations, targets, settings, count
     (ratio), plus the log prior (posterior); `counted` (an case_scores.Evaluations) counts the calls.
     `policy` (an case_scores.CallPolicy) defaults to the device's own."""
     input_width = observations.shape[2] + len(prior.lattice_steps)
-    policy = policy or case_scores.call_policy(device.type, settings["chunk_rows"],
-                                               case_scores.network_row_bytes(model, input_width))
+    policy = policy or case_scores.call_policy(
+        device.type, settings["chunk_rows"], case_scores.network_row_bytes(model, input_width)
+    )
     on_device, precision = observations.to(device), settings.get("precision", "float32")
 
     # The model is the logit function itself: the logits of any floating dtype (bfloat16 under
@@ -175,8 +215,9 @@ def learned_scoring(model, device, prior, observations, targets, settings, count
 
     def scores(cases, points):
         with network_precision(precision, device):
-            ratio = case_scores.ensemble_scores(model, on_device[cases.to(device)], points, policy.rows_per_call,
-                                                counted, column_rows)
+            ratio = case_scores.ensemble_scores(
+                model, on_device[cases.to(device)], points, policy.rows_per_call, counted, column_rows
+            )
         values = {"ratio": ratio}
         if "posterior" in targets:
             values["posterior"] = ratio + torch.as_tensor(prior.log_prob(points), device=device)
@@ -195,7 +236,8 @@ def exact_scoring(log_likelihood, observations, device, chunk_rows, counted=None
         if counted is not None:
             terms = points.shape[0] * points.shape[1] * observations.shape[1]
             counted.add(terms, terms)
-        return {"exact": case_scores.exact_scores(log_likelihood, on_device[cases.to(device)], points,
-                                                  policy.rows_per_call)}
+        return {
+            "exact": case_scores.exact_scores(log_likelihood, on_device[cases.to(device)], points, policy.rows_per_call)
+        }
 
     return Scoring(scores, device, policy.block_bytes)

@@ -11,10 +11,20 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["CallPolicy", "EVAL_BLOCK_ROWS", "Evaluations", "ROW_PAD", "accepts_column_rows", "call_policy",
-           "cases_per_block", "ensemble_scores", "exact_scores", "network_row_bytes"]
+__all__ = [
+    "CallPolicy",
+    "EVAL_BLOCK_ROWS",
+    "Evaluations",
+    "ROW_PAD",
+    "accepts_column_rows",
+    "call_policy",
+    "cases_per_block",
+    "ensemble_scores",
+    "exact_scores",
+    "network_row_bytes",
+]
 
-LogitFn = Callable[[torch.Tensor], torch.Tensor]         # rows (n, d + p) -> one logit per row
+LogitFn = Callable[[torch.Tensor], torch.Tensor]  # rows (n, d + p) -> one logit per row
 
 # Network calls always see this many rows (whole candidates, last block padded) when
 # chunk_rows allows it, so ensemble scores are bitwise independent of chunk_rows.
@@ -25,13 +35,14 @@ ROW_PAD = 64
 
 class CallPolicy(NamedTuple):
     """How the analysis sizes its work on a device: rows per network call, bytes per block of cases."""
+
     rows_per_call: int
     block_bytes: int
 
 
-CPU_BLOCK_BYTES = 256 << 20     # a block of cases' refinement arrays on the host
-CUDA_MEMORY_SHARE = 0.25        # of the free device memory: a network call's activations, and a block's arrays
-CUDA_MAX_ROWS = 1 << 24         # the most rows of one network call on CUDA
+CPU_BLOCK_BYTES = 256 << 20  # a block of cases' refinement arrays on the host
+CUDA_MEMORY_SHARE = 0.25  # of the free device memory: a network call's activations, and a block's arrays
+CUDA_MAX_ROWS = 1 << 24  # the most rows of one network call on CUDA
 # ensemble_scores builds the rows of several network calls at once (several of EVAL_BLOCK_ROWS on
 # the CPU), in the slots of one buffer that walk through the calls side by side (slot j holds calls
 # j·S, j·S + 1, ...): a slot keeps its case's observations from call to call, the points of all
@@ -113,9 +124,9 @@ def accepts_column_rows(logit_fn: LogitFn, width: int, device: torch.device | st
         try:
             columns, contiguous = logit_fn(buffer.T).reshape(-1), logit_fn(buffer.T.contiguous()).reshape(-1)
             return columns.shape == contiguous.shape and bool(torch.allclose(columns, contiguous, 1e-5, 1e-5))
-        except KeyboardInterrupt:   # a stop (runtime.Interrupted is also an Exception) is never swallowed
+        except KeyboardInterrupt:  # a stop (runtime.Interrupted is also an Exception) is never swallowed
             raise
-        except Exception:     # whatever the network objects to, contiguous rows are what it was always given
+        except Exception:  # whatever the network objects to, contiguous rows are what it was always given
             return False
 
 
@@ -131,12 +142,18 @@ def _theta_rows(points, span, length, device):
     candidates from b·span on, its padding and the rows' tail zero."""
     cases, n, p = points.shape
     theta = torch.zeros(p, length, dtype=torch.float32, device=device)
-    theta[:, :cases * span].view(p, cases, span)[:, :, :n].copy_(points.permute(2, 0, 1))
+    theta[:, : cases * span].view(p, cases, span)[:, :, :n].copy_(points.permute(2, 0, 1))
     return theta
 
 
-def ensemble_scores(logit_fn: LogitFn, observations: torch.Tensor, points: torch.Tensor, rows_per_call: int,
-                    counted: Evaluations | None = None, column_rows: bool = True) -> torch.Tensor:
+def ensemble_scores(
+    logit_fn: LogitFn,
+    observations: torch.Tensor,
+    points: torch.Tensor,
+    rows_per_call: int,
+    counted: Evaluations | None = None,
+    column_rows: bool = True,
+) -> torch.Tensor:
     """S(θ) = Σ_k logit(x_k, θ) of every case's candidates: observations (B, m, d), points (B, n, p)
     -> (B, n) float64 on the observations' device. A single case's (m, d) and (n, p) give (n,).
 
@@ -151,10 +168,10 @@ def ensemble_scores(logit_fn: LogitFn, observations: torch.Tensor, points: torch
     """
     if observations.dim() == 2:
         return ensemble_scores(logit_fn, observations[None], points[None], rows_per_call, counted, column_rows)[0]
-    beside = observations.to(torch.float32).permute(0, 2, 1)[..., None]    # each case's (d, m, 1), a copy source
+    beside = observations.to(torch.float32).permute(0, 2, 1)[..., None]  # each case's (d, m, 1), a copy source
     (cases, d, m, _), (_, n, p) = beside.shape, points.shape
     block, span, together = _call_layout(m, cases, n, rows_per_call)
-    count = cases * span                        # candidate slots: each case's n and its padding
+    count = cases * span  # candidate slots: each case's n and its padding
     calls, width = -(-count // block), -(-block * m // ROW_PAD) * ROW_PAD
     group, stride = _call_groups(calls, (d + p) * width)
     theta = _theta_rows(points, span, group * stride * block, beside.device)
@@ -163,18 +180,23 @@ def ensemble_scores(logit_fn: LogitFn, observations: torch.Tensor, points: torch
     scores = torch.empty(stride, group, block, dtype=torch.float64, device=beside.device)
     # Every view the loop uses is taken here: between network calls each operation is slow (see
     # CALL_GROUP_BYTES), so a group of calls takes one copy of its θ, one stack and one sum.
-    thetas = buffer[d:, :, :block * m].view(p, group, m, block)
-    sources = theta.view(p, group, stride, 1, block).unbind(2)              # each group's θ, (p, group, 1, block)
-    observed = buffer[:d, :, :block * m].view(d, group, m, block).unbind(1)  # each slot's observations
-    held = [None] * group                       # the first case whose observations fill a slot
+    thetas = buffer[d:, :, : block * m].view(p, group, m, block)
+    sources = theta.view(p, group, stride, 1, block).unbind(2)  # each group's θ, (p, group, 1, block)
+    observed = buffer[:d, :, : block * m].view(d, group, m, block).unbind(1)  # each slot's observations
+    held = [None] * group  # the first case whose observations fill a slot
     with torch.no_grad():
         for g, (source, summed) in enumerate(zip(sources, scores)):
-            k = min(group, -(-(calls - g) // stride))     # the slots with a call in this group
-            _refresh_observations(observed, held, beside, [(j * stride + g) * block // span for j in range(k)],
-                                  together)
-            thetas.copy_(source)                          # slots past k compute nothing that is kept
-            _sum_logits(torch.stack([logit_fn(slots[j] if column_rows else slots[j].contiguous()) for j in range(k)]),
-                        width, m, summed[:k])
+            k = min(group, -(-(calls - g) // stride))  # the slots with a call in this group
+            _refresh_observations(
+                observed, held, beside, [(j * stride + g) * block // span for j in range(k)], together
+            )
+            thetas.copy_(source)  # slots past k compute nothing that is kept
+            _sum_logits(
+                torch.stack([logit_fn(slots[j] if column_rows else slots[j].contiguous()) for j in range(k)]),
+                width,
+                m,
+                summed[:k],
+            )
     if counted is not None:
         counted.add(cases * n * m, calls * width, calls)
     return scores.transpose(0, 1).reshape(-1)[:count].view(cases, span)[:, :n]
@@ -185,8 +207,10 @@ def _sum_logits(logits, width, m, out):
     out (calls, candidates); a network that gives other than one logit per row is refused."""
     calls, block = out.shape
     if logits.numel() != calls * width:
-        raise ValueError(f"the network gave logits of shape {tuple(logits.shape[1:])} for {width} rows; it must "
-                         "give one logit per row")
+        raise ValueError(
+            f"the network gave logits of shape {tuple(logits.shape[1:])} for {width} rows; it must "
+            "give one logit per row"
+        )
     torch.sum(logits.as_strided((calls, m, block), (width, block, 1)).double(), dim=1, out=out)
 
 
@@ -209,12 +233,16 @@ def _fill_observations(observed, beside, first, together):
         observed.copy_(beside[first])
         return
     d, m, block = observed.shape
-    cases = beside[first:first + together]
-    observed.view(d, m, together, block // together)[:, :, :cases.shape[0]].copy_(cases.permute(1, 2, 0, 3))
+    cases = beside[first : first + together]
+    observed.view(d, m, together, block // together)[:, :, : cases.shape[0]].copy_(cases.permute(1, 2, 0, 3))
 
 
-def exact_scores(log_likelihood: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], observations: torch.Tensor,
-                 points: torch.Tensor, chunk_rows: int = EVAL_BLOCK_ROWS) -> torch.Tensor:
+def exact_scores(
+    log_likelihood: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    observations: torch.Tensor,
+    points: torch.Tensor,
+    chunk_rows: int = EVAL_BLOCK_ROWS,
+) -> torch.Tensor:
     """Σ_k log p(x_k | θ) of every case's candidates, with `log_likelihood(x (c, m, d), θ (c, 1, p)) -> (c, m)`
     broadcasting: observations (B, m, d), points (B, n, p) -> (B, n) float64 on the observations'
     device; a single case's (m, d) and (n, p) give (n,). Each candidate's sum depends on its own
@@ -228,7 +256,7 @@ def exact_scores(log_likelihood: Callable[[torch.Tensor, torch.Tensor], torch.Te
     scores = torch.empty(cases * n, dtype=torch.float64, device=observations.device)
     with torch.no_grad():
         for start in range(0, cases * n, block):
-            chunk = theta[start:start + block]
-            values = log_likelihood(observations[owner[start:start + block]], chunk).reshape(chunk.shape[0], m)
-            scores[start:start + chunk.shape[0]] = values.to(torch.float64).sum(dim=1)
+            chunk = theta[start : start + block]
+            values = log_likelihood(observations[owner[start : start + block]], chunk).reshape(chunk.shape[0], m)
+            scores[start : start + chunk.shape[0]] = values.to(torch.float64).sum(dim=1)
     return scores.reshape(cases, n)

@@ -65,7 +65,7 @@ def fixed_atoms(rows: int, classes: int, seed: int) -> torch.Tensor:
 
 def pair_rows(x: torch.Tensor, theta: torch.Tensor, own: torch.Tensor, atoms: torch.Tensor) -> torch.Tensor:
     """Network inputs (n·(K+1), d+p): for each x_i, [x_i, θ_own_i] then [x_i, θ_a] for its K atoms a."""
-    columns = torch.cat([own[:, None], atoms], dim=1)           # (n, K+1) indices into theta
+    columns = torch.cat([own[:, None], atoms], dim=1)  # (n, K+1) indices into theta
     picked = theta.index_select(0, columns.reshape(-1))
     repeated = x.repeat_interleave(columns.shape[1], dim=0)
     return torch.cat([repeated, picked], dim=1)

@@ -21,9 +21,14 @@ import probes
 import runtime
 from probes import COMMUNICATE
 
-
 __all__ = [
-    "epoch_batches", "shard_slice", "shard_sizes", "loss_scale", "FlagExchange", "timed_allreduce", "wrapped",
+    "epoch_batches",
+    "shard_slice",
+    "shard_sizes",
+    "loss_scale",
+    "FlagExchange",
+    "timed_allreduce",
+    "wrapped",
     "release_frames",
 ]
 
@@ -93,9 +98,9 @@ class FlagExchange:
 
     def __init__(self, rt: runtime.Runtime, seconds: float):
         self.rt, self.group, self.seconds = rt, _flag_group(rt), seconds
-        self.step = 0                              # steps trained in this call
-        self.next_post = 1                         # the step that posts next, the same on every rank
-        self.last_post = (0, time.monotonic())     # step and time of the latest post
+        self.step = 0  # steps trained in this call
+        self.next_post = 1  # the step that posts next, the same on every rank
+        self.last_post = (0, time.monotonic())  # step and time of the latest post
         self.pending: tuple[Any, torch.Tensor] | None = None
 
     def collect(self) -> tuple[bool, bool]:
@@ -164,6 +169,7 @@ def _gloo_timed_allreduce(world: int):
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(tensor)
         return done
+
     return hook
 
 
@@ -195,7 +201,9 @@ def _nccl_timed_allreduce(device: torch.device, world: int):
                 timing.wait_stream(torch.cuda.current_stream(device))
             span.__exit__(None, None, None)
             return done.value()[0]
+
         return future.then(close)
+
     return hook
 
 

@@ -13,9 +13,26 @@ from typing import Any, Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-__all__ = ["CANDIDATE_KINDS", "PROBE_RADII", "PROBE_REFINE", "adaptive_sizes", "as_f64", "candidate_count_for",
-           "candidate_design", "candidate_lattice", "check_box", "lattice_size", "lattice_support", "make_candidates",
-           "make_observations", "make_truths", "merge_duplicates", "points_per_case", "snap_to_lattice", "truth_count"]
+__all__ = [
+    "CANDIDATE_KINDS",
+    "PROBE_RADII",
+    "PROBE_REFINE",
+    "adaptive_sizes",
+    "as_f64",
+    "candidate_count_for",
+    "candidate_design",
+    "candidate_lattice",
+    "check_box",
+    "lattice_size",
+    "lattice_support",
+    "make_candidates",
+    "make_observations",
+    "make_truths",
+    "merge_duplicates",
+    "points_per_case",
+    "snap_to_lattice",
+    "truth_count",
+]
 
 CANDIDATE_KINDS = ("sobol", "grid", "adaptive")
 # Bounds of a box or lattice steps as given: a tensor, or one number per parameter.
@@ -26,6 +43,7 @@ Steps = Sequence["float | None"]
 # ---------------------------------------------------------------------------
 # Small helpers
 # ---------------------------------------------------------------------------
+
 
 def as_f64(values: Values) -> torch.Tensor:
     """Return values as a 1-D CPU float64 tensor."""
@@ -69,8 +87,9 @@ def lattice_support(low: Values, high: Values, step: Values) -> torch.Tensor:
 def snap_to_lattice(theta: torch.Tensor, low: Values, high: Values, step: Values) -> torch.Tensor:
     """Round each column to its lattice low + k·step, clamped into [low, high]."""
     low, high, step = as_f64(low), as_f64(high), as_f64(step)
-    top = torch.tensor([lattice_size(a, b, s) - 1 for a, b, s in
-                        zip(low.tolist(), high.tolist(), step.tolist())], dtype=torch.float64)
+    top = torch.tensor(
+        [lattice_size(a, b, s) - 1 for a, b, s in zip(low.tolist(), high.tolist(), step.tolist())], dtype=torch.float64
+    )
     k = torch.round((theta - low) / step).clamp(min=0)
     k = torch.minimum(k, top)
     return low + k * step
@@ -100,6 +119,7 @@ def merge_duplicates(points: torch.Tensor, log_measure: torch.Tensor) -> tuple[t
 # Truths and observations
 # ---------------------------------------------------------------------------
 
+
 def _truth_kind(p, settings):
     """Resolve size_adaptive into grid or sobol for dimension p."""
     kind = settings.get("kind", "grid")
@@ -121,8 +141,9 @@ def truth_count(p: int, settings: Mapping[str, Any]) -> int:
     return count * int(settings.get("repeats", 1))
 
 
-def make_truths(low: Values, high: Values, grid_step: Values | None, settings: Mapping[str, Any],
-                seed: int) -> torch.Tensor:
+def make_truths(
+    low: Values, high: Values, grid_step: Values | None, settings: Mapping[str, Any], seed: int
+) -> torch.Tensor:
     """Truth parameters (T, p) float64 inside the margin-shrunk box."""
     low, high = as_f64(low), as_f64(high)
     check_box(low, high)
@@ -142,8 +163,7 @@ def make_truths(low: Values, high: Values, grid_step: Values | None, settings: M
         if n == 1:  # one point per axis: the centre, not the lower end
             axes = [((a + b) / 2).reshape(1) for a, b in zip(inner_low, inner_high)]
         else:
-            axes = [torch.linspace(float(a), float(b), n, dtype=torch.float64)
-                    for a, b in zip(inner_low, inner_high)]
+            axes = [torch.linspace(float(a), float(b), n, dtype=torch.float64) for a, b in zip(inner_low, inner_high)]
         truths = _cartesian(axes)
     else:
         count = int(settings.get("sobol_truths", 1024)) * 2 ** (p - 1)
@@ -152,15 +172,21 @@ def make_truths(low: Values, high: Values, grid_step: Values | None, settings: M
         truths = inner_low + _sobol(p, count, seed) * (inner_high - inner_low)
     if settings.get("align_truths_to_grid", True):
         if grid_step is None or as_f64(grid_step).numel() != p:
-            raise ValueError("align_truths_to_grid needs one grid_step per parameter; "
-                             "set the grid_step of each parameter or align_truths_to_grid: false")
+            raise ValueError(
+                "align_truths_to_grid needs one grid_step per parameter; "
+                "set the grid_step of each parameter or align_truths_to_grid: false"
+            )
         # Snapped truths may coincide; each stays a case of its own, so the workload is as planned.
         truths = snap_to_lattice(truths, low, high, grid_step)
     return truths.repeat_interleave(repeats, dim=0).contiguous()
 
 
-def make_observations(simulate: Callable[[torch.Tensor, torch.Generator], torch.Tensor], truths: torch.Tensor,
-                      observations: int, seed: int) -> torch.Tensor:
+def make_observations(
+    simulate: Callable[[torch.Tensor, torch.Generator], torch.Tensor],
+    truths: torch.Tensor,
+    observations: int,
+    seed: int,
+) -> torch.Tensor:
     """Ensembles (N, m, d): m independent simulator draws at each case's truth."""
     m = int(observations)
     if m < 1:
@@ -174,6 +200,7 @@ def make_observations(simulate: Callable[[torch.Tensor, torch.Generator], torch.
 # ---------------------------------------------------------------------------
 # Candidates
 # ---------------------------------------------------------------------------
+
 
 def candidate_lattice(lattice_steps: Steps | None, p: int, settings: Mapping[str, Any]) -> list[float | None]:
     """Per-coordinate lattice step of the candidates: the prior's own with native_grid_prior, else None."""
@@ -211,20 +238,23 @@ def _candidate_plan(p, lattice_steps, low, high, settings):
     return kind, count
 
 
-def candidate_design(p: int, lattice_steps: Steps | None, low: Values, high: Values,
-                     settings: Mapping[str, Any]) -> str:
+def candidate_design(
+    p: int, lattice_steps: Steps | None, low: Values, high: Values, settings: Mapping[str, Any]
+) -> str:
     """The design each case is scored on: 'enumerate', 'grid', 'sobol' or 'adaptive'."""
     return _candidate_plan(p, lattice_steps, low, high, settings)[0]
 
 
-def candidate_count_for(p: int, lattice_steps: Steps | None, low: Values, high: Values,
-                        settings: Mapping[str, Any]) -> int:
+def candidate_count_for(
+    p: int, lattice_steps: Steps | None, low: Values, high: Values, settings: Mapping[str, Any]
+) -> int:
     """Size of the shared design (before duplicate merging) without building it."""
     return _candidate_plan(p, lattice_steps, low, high, settings)[1]
 
 
-def points_per_case(p: int, lattice_steps: Steps | None, low: Values, high: Values, settings: Mapping[str, Any],
-                    targets: int = 1) -> int:
+def points_per_case(
+    p: int, lattice_steps: Steps | None, low: Values, high: Values, settings: Mapping[str, Any], targets: int = 1
+) -> int:
     """Points each case is scored on (the truth aside): the shared design, or every adaptive pass."""
     design, count = _candidate_plan(p, lattice_steps, low, high, settings)
     if design == "adaptive":
@@ -271,8 +301,9 @@ def _sobol_rule(low, high, steps, count, seed):
     return torch.stack(columns, dim=1), torch.full((count,), log_total - math.log(count), dtype=torch.float64)
 
 
-def make_candidates(low: Values, high: Values, lattice_steps: Steps | None, settings: Mapping[str, Any],
-                    seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_candidates(
+    low: Values, high: Values, lattice_steps: Steps | None, settings: Mapping[str, Any], seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Candidate points (K, p) and their log quadrature weights (K,), duplicates merged.
 
     Lattice coordinates (with native_grid_prior) carry counting measure. An all-lattice
@@ -299,8 +330,8 @@ def make_candidates(low: Values, high: Values, lattice_steps: Steps | None, sett
 # Adaptive candidates: their sizes (adaptive.py refines them)
 # ---------------------------------------------------------------------------
 
-PROBE_RADII = 16     # first probe round: evenly spaced radii along each ray
-PROBE_REFINE = 16    # second round, per ray: points inside the brackets where the levels' regions end
+PROBE_RADII = 16  # first probe round: evenly spaced radii along each ray
+PROBE_REFINE = 16  # second round, per ray: points inside the brackets where the levels' regions end
 
 
 def adaptive_sizes(p: int, settings: Mapping[str, Any], targets: int = 1) -> dict[str, Any]:
@@ -316,7 +347,9 @@ def adaptive_sizes(p: int, settings: Mapping[str, Any], targets: int = 1) -> dic
     probes = targets * 2 * p * (PROBE_RADII + PROBE_REFINE)
     last = total - coarse * stages - probes
     if coarse < 1 or last < coarse:
-        raise ValueError(f"candidate_count={total} is too small for an adaptive design with coarse_count={coarse} "
-                         f"and refinement_stages={stages} in {p} dimensions: it needs at least "
-                         f"{coarse * (stages + 1) + probes}; raise candidate_count or lower coarse_count")
+        raise ValueError(
+            f"candidate_count={total} is too small for an adaptive design with coarse_count={coarse} "
+            f"and refinement_stages={stages} in {p} dimensions: it needs at least "
+            f"{coarse * (stages + 1) + probes}; raise candidate_count or lower coarse_count"
+        )
     return {"coarse": coarse, "passes": [coarse] * (stages - 1) + [last], "probes": probes, "total": total}

@@ -19,8 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-__all__ = ["referenced_names", "source_objects", "source_fingerprint", "source_text", "class_block",
-           "library_versions"]
+__all__ = ["referenced_names", "source_objects", "source_fingerprint", "source_text", "class_block", "library_versions"]
 
 
 def referenced_names(code: types.CodeType) -> set[str]:
@@ -71,7 +70,7 @@ def source_text(obj: Any) -> str:
     path = inspect.getsourcefile(obj) if inspect.isclass(obj) and "." not in obj.__qualname__ else None
     if path is None:
         return inspect.getsource(obj)
-    linecache.checkcache(path)          # as inspect does: a file edited since it was read is read again
+    linecache.checkcache(path)  # as inspect does: a file edited since it was read is read again
     block = class_block(obj, path, linecache.getlines(path))
     return "".join(block) if block is not None else inspect.getsource(obj)
 
@@ -92,7 +91,7 @@ def class_block(cls: type, path: str, lines: list[str]) -> list[str] | None:
     codes = [inspect.unwrap(f).__code__ for f in vars(cls).values() if inspect.isfunction(f)]
     methods = [code.co_firstlineno for code in codes if code.co_filename == path]
     if any(not start + 1 < line <= start + len(block) for line in methods):
-        return None                                 # the methods lie elsewhere: not this block
+        return None  # the methods lie elsewhere: not this block
     return block
 
 

@@ -10,8 +10,16 @@ import math
 
 import torch
 
-__all__ = ["FLAT_SD_SHARE", "HIGH_AUC", "PRIOR_DRAWS", "flat_cause", "flatness_report", "joint_share",
-           "prior_sds", "sd_shares"]
+__all__ = [
+    "FLAT_SD_SHARE",
+    "HIGH_AUC",
+    "PRIOR_DRAWS",
+    "flat_cause",
+    "flatness_report",
+    "joint_share",
+    "prior_sds",
+    "sd_shares",
+]
 
 # A learned posterior is nearly flat when it keeps nearly the prior's spread as a whole: the geometric
 # mean of its sds over the prior's (the p-th root of its sd ellipsoid's volume share) above
@@ -26,7 +34,7 @@ __all__ = ["FLAT_SD_SHARE", "HIGH_AUC", "PRIOR_DRAWS", "flat_cause", "flatness_r
 # candidates missed the posterior: the resolution warning says so).
 FLAT_SD_SHARE = 0.85
 HIGH_AUC = 0.75
-PRIOR_DRAWS = 20_000     # draws of the prior's sds: a relative error of about 0.5%
+PRIOR_DRAWS = 20_000  # draws of the prior's sds: a relative error of about 0.5%
 
 
 def prior_sds(prior, parameter_count):
@@ -40,15 +48,19 @@ def flat_cause(auc):
     if auc is None:
         return "the model's validation AUC is unknown"
     if auc < HIGH_AUC:
-        return (f"the model barely tells joint from marginal pairs (validation AUC {auc:.2f}, below {HIGH_AUC}), "
-                "so it has learned little: train longer or on more data")
-    return (f"the model tells joint from marginal pairs well (validation AUC {auc:.2f}), so the observations say "
-            "little about them (or the candidates missed the posterior)")
+        return (
+            f"the model barely tells joint from marginal pairs (validation AUC {auc:.2f}, below {HIGH_AUC}), "
+            "so it has learned little: train longer or on more data"
+        )
+    return (
+        f"the model tells joint from marginal pairs well (validation AUC {auc:.2f}), so the observations say "
+        "little about them (or the candidates missed the posterior)"
+    )
 
 
 def sd_shares(posterior_sds, prior_sd):
     """Each parameter's posterior sd over its prior's (None where the prior's is 0, or unknown: None)."""
-    if prior_sd is None:            # a posterior built without its prior's sds (posterior.from_scores)
+    if prior_sd is None:  # a posterior built without its prior's sds (posterior.from_scores)
         return [None] * len(posterior_sds)
     return [float(a) / float(b) if float(b) > 0 else None for a, b in zip(posterior_sds, prior_sd)]
 
@@ -67,11 +79,22 @@ def flatness_report(names, posterior_sds, prior_sd, auc):
     """
     shares = sd_shares(posterior_sds, prior_sd)
     joint = joint_share(shares)
-    flat = [] if joint is None or joint <= FLAT_SD_SHARE else \
-        [name for name, share in zip(names, shares) if share > FLAT_SD_SHARE]
+    flat = (
+        []
+        if joint is None or joint <= FLAT_SD_SHARE
+        else [name for name, share in zip(names, shares) if share > FLAT_SD_SHARE]
+    )
     warning = None
     if flat:
-        warning = (f"the posterior is nearly flat in {', '.join(flat)}: its sds are {joint:.2f} of the prior's "
-                   f"(geometric mean, above {FLAT_SD_SHARE:g}); {flat_cause(auc)}")
-    return {"flat": bool(flat), "parameters": flat, "sd_share": shares, "joint_sd_share": joint,
-            "validation_auc": auc, "warning": warning}
+        warning = (
+            f"the posterior is nearly flat in {', '.join(flat)}: its sds are {joint:.2f} of the prior's "
+            f"(geometric mean, above {FLAT_SD_SHARE:g}); {flat_cause(auc)}"
+        )
+    return {
+        "flat": bool(flat),
+        "parameters": flat,
+        "sd_share": shares,
+        "joint_sd_share": joint,
+        "validation_auc": auc,
+        "warning": warning,
+    }

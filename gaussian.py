@@ -46,8 +46,7 @@ def _parse_name(text, dimension, path):
     if not index.isdigit():
         raise SettingsError(f"{path}: {text!r} has a bad index {index!r}; use a 0-based integer or '*'")
     if int(index) >= dimension:
-        raise SettingsError(
-            f"{path}: {text!r} is out of range for dimension {dimension} (indices 0..{dimension - 1})")
+        raise SettingsError(f"{path}: {text!r} is out of range for dimension {dimension} (indices 0..{dimension - 1})")
     return kind, int(index)
 
 
@@ -79,6 +78,7 @@ def expand_infer(infer, dimension, path="problem.infer"):
 
 # ---------------------------------------------------------------- the simulator
 
+
 class GaussianProblem:
     """Diagonal Gaussian in d dimensions with some means/stds inferred, the rest fixed."""
 
@@ -91,11 +91,12 @@ class GaussianProblem:
         self._parameters = {name: dict(values) for name, values in parameters.items()}
         self.low = torch.tensor([self._parameters[n]["low"] for n in self.names], dtype=torch.float64)
         self.high = torch.tensor([self._parameters[n]["high"] for n in self.names], dtype=torch.float64)
-        self.grid_step = torch.tensor([self._parameters[n]["grid_step"] for n in self.names],
-                                      dtype=torch.float64)
+        self.grid_step = torch.tensor([self._parameters[n]["grid_step"] for n in self.names], dtype=torch.float64)
         # Which theta column fills which mean/std dimension.
-        self._columns = {kind: [(c, int(n.split(":")[1])) for c, n in enumerate(self.names)
-                                if n.startswith(kind + ":")] for kind in KINDS}
+        self._columns = {
+            kind: [(c, int(n.split(":")[1])) for c, n in enumerate(self.names) if n.startswith(kind + ":")]
+            for kind in KINDS
+        }
 
     @classmethod
     def from_settings(cls, settings, path="problem"):
@@ -123,8 +124,9 @@ class GaussianProblem:
         batch = theta.shape[:-1]
         result = []
         for kind in KINDS:
-            base = torch.tensor([self._fixed[f"{kind}:{j}"] for j in range(self.dimension)],
-                                dtype=torch.float64, device=theta.device)
+            base = torch.tensor(
+                [self._fixed[f"{kind}:{j}"] for j in range(self.dimension)], dtype=torch.float64, device=theta.device
+            )
             values = base.expand(*batch, self.dimension).clone()
             for column, j in self._columns[kind]:
                 values[..., j] = theta[..., column]
@@ -158,15 +160,23 @@ class GaussianProblem:
         From m observations a mean is known to std/√m, a std to std/√(2m).
         """
         _, stds = self.means_and_stds((self.low + self.high) / 2)
-        return torch.tensor([float(stds[int(name.split(":")[1])]) / math.sqrt(observations * (1 + name.startswith("std:")))
-                             for name in self.names], dtype=torch.float64)
+        return torch.tensor(
+            [
+                float(stds[int(name.split(":")[1])]) / math.sqrt(observations * (1 + name.startswith("std:")))
+                for name in self.names
+            ],
+            dtype=torch.float64,
+        )
 
     def describe(self):
         """JSON-able summary: dimension, inferred names with their settings, fixed values."""
         fixed = {name: value for name, value in self._fixed.items() if name not in self.names}
-        return {"dimension": self.dimension, "names": list(self.names),
-                "parameters": {name: dict(self._parameters[name]) for name in self.names},
-                "fixed": fixed}
+        return {
+            "dimension": self.dimension,
+            "names": list(self.names),
+            "parameters": {name: dict(self._parameters[name]) for name in self.names},
+            "fixed": fixed,
+        }
 
 
 def _fixed_values(settings, dimension, path):
@@ -231,19 +241,24 @@ def _check_parameter(kind, values, sources):
     if low >= high:
         raise SettingsError(f"{sources['low']}={low} must be below {sources['high']}={high}")
     if kind == "std" and low <= 0:
-        raise SettingsError(f"{sources['low']}: standard deviations must be > 0, so the std low bound "
-                            f"must be > 0, got {low}")
+        raise SettingsError(
+            f"{sources['low']}: standard deviations must be > 0, so the std low bound must be > 0, got {low}"
+        )
     if values["normal_std"] <= 0:
         raise SettingsError(f"{sources['normal_std']}: must be > 0, got {values['normal_std']}")
     if step <= 0 or step > high - low:
-        raise SettingsError(f"{sources['grid_step']}={step} does not fit the box [{low}, {high}]; "
-                            f"use a step in (0, {high - low}]")
+        raise SettingsError(
+            f"{sources['grid_step']}={step} does not fit the box [{low}, {high}]; use a step in (0, {high - low}]"
+        )
     if designs.lattice_size(low, high, step) > MAX_LATTICE_POINTS:
-        raise SettingsError(f"{sources['grid_step']}={step} gives more than {MAX_LATTICE_POINTS} "
-                            f"lattice points on [{low}, {high}]; use a larger step")
+        raise SettingsError(
+            f"{sources['grid_step']}={step} gives more than {MAX_LATTICE_POINTS} "
+            f"lattice points on [{low}, {high}]; use a larger step"
+        )
 
 
 # ---------------------------------------------------------------- analytic shortcuts
+
 
 def log_evidence(problem, x, points, log_weights, rows=64):
     """log Σ_k w_k p(x | θ_k) for every row of x (n, d), over weighted points θ_k.
@@ -269,12 +284,10 @@ def log_evidence(problem, x, points, log_weights, rows=64):
     buffer = torch.empty(min(rows, len(x)), len(points), dtype=torch.float64)
     evidence = torch.empty(len(x), dtype=torch.float64)
     for start in range(0, len(x), rows):
-        chunk = x[start:start + rows]
-        block = buffer[:len(chunk)]
+        chunk = x[start : start + rows]
+        block = buffer[: len(chunk)]
         torch.mm(chunk.square(), quadratic, out=block)
         block.addmm_(chunk, linear).add_(offset)
-        peak = block.amax(1, keepdim=True).clamp_(min=torch.finfo(torch.float64).min)   # all -inf stays finite
-        evidence[start:start + rows] = block.sub_(peak).exp_().sum(1).log_().add_(peak.squeeze(1))
+        peak = block.amax(1, keepdim=True).clamp_(min=torch.finfo(torch.float64).min)  # all -inf stays finite
+        evidence[start : start + rows] = block.sub_(peak).exp_().sum(1).log_().add_(peak.squeeze(1))
     return evidence
-
-

@@ -9,7 +9,6 @@ import gaussian
 import nre_study
 from nre_analysis import NREAnalysis
 
-
 __all__ = ["GaussianExperiment", "GaussianAnalysis"]
 
 

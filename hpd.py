@@ -14,13 +14,21 @@ import torch
 
 import designs
 
-__all__ = ["check_levels", "check_scores", "hld_summaries", "host_summary", "point_columns", "region_bounds",
-           "summarise_block", "weighted_summary"]
+__all__ = [
+    "check_levels",
+    "check_scores",
+    "hld_summaries",
+    "host_summary",
+    "point_columns",
+    "region_bounds",
+    "summarise_block",
+    "weighted_summary",
+]
 
-Summary = dict[str, torch.Tensor]               # a block's summaries, one tensor per field
-Ranking = tuple[torch.Tensor, torch.Tensor]     # density order (B, K) and the levels' region sizes (B, L)
-Levels = Sequence[float] | np.ndarray            # enclosed masses in (0, 1]
-Ranked = tuple[Summary, Ranking]                # another target's summary and ranking (weighted_summary)
+Summary = dict[str, torch.Tensor]  # a block's summaries, one tensor per field
+Ranking = tuple[torch.Tensor, torch.Tensor]  # density order (B, K) and the levels' region sizes (B, L)
+Levels = Sequence[float] | np.ndarray  # enclosed masses in (0, 1]
+Ranked = tuple[Summary, Ranking]  # another target's summary and ranking (weighted_summary)
 
 # Cases summarised at once: bounds the (cases, K) work arrays of hld_summaries.
 SUMMARY_CELLS = 1 << 22
@@ -29,6 +37,7 @@ SUMMARY_CELLS = 1 << 22
 # ---------------------------------------------------------------------------
 # Highest-density summaries
 # ---------------------------------------------------------------------------
+
 
 def check_levels(levels: Levels) -> np.ndarray:
     """Levels as a float64 array, each in (0, 1]."""
@@ -44,8 +53,10 @@ def check_scores(scores: torch.Tensor, truth_scores: torch.Tensor) -> None:
     bad |= torch.isneginf(scores).all(dim=1) | torch.isnan(truth_scores) | torch.isposinf(truth_scores)
     if bad.any():
         case = int(torch.nonzero(bad)[0])
-        raise ValueError(f"case {case}: scores must be finite or -inf, not NaN/+inf, and not all -inf; "
-                         "check the network output or the likelihood for that case")
+        raise ValueError(
+            f"case {case}: scores must be finite or -inf, not NaN/+inf, and not all -inf; "
+            "check the network output or the likelihood for that case"
+        )
 
 
 def _mass_above(ascending, cumulative, values, side):
@@ -106,8 +117,9 @@ def _density_order(scores, order=None):
     return torch.argsort(scores, dim=1, descending=True, stable=True)
 
 
-def summarise_block(scores: torch.Tensor, log_measure: torch.Tensor, points: torch.Tensor, truth_scores: torch.Tensor,
-                    levels: Levels) -> Summary:
+def summarise_block(
+    scores: torch.Tensor, log_measure: torch.Tensor, points: torch.Tensor, truth_scores: torch.Tensor, levels: Levels
+) -> Summary:
     """HPD summaries of a block of cases as tensors on the scores' device (see hld_summaries).
 
     scores (B, K); log_measure (K,) and points (K, p) shared by the cases, or each
@@ -119,12 +131,19 @@ def summarise_block(scores: torch.Tensor, log_measure: torch.Tensor, points: tor
 def _widest_region_ess(running, sorted_q, widest):
     """Kish ESS (B,) of the points inside the widest region, how well it is resolved: running holds the
     cumulative weights in density order and widest (B, 1) the region's last index. Squares sorted_q in place."""
-    return (torch.gather(running, 1, widest) ** 2
-            / torch.gather(torch.cumsum(sorted_q.mul_(sorted_q), dim=1), 1, widest))[:, 0]
+    return (
+        torch.gather(running, 1, widest) ** 2 / torch.gather(torch.cumsum(sorted_q.mul_(sorted_q), dim=1), 1, widest)
+    )[:, 0]
 
 
-def weighted_summary(scores: torch.Tensor, log_measure: torch.Tensor, points: torch.Tensor, truth_scores: torch.Tensor,
-                     levels: Levels, other: Ranked | None = None) -> tuple[Summary, torch.Tensor, Ranking]:
+def weighted_summary(
+    scores: torch.Tensor,
+    log_measure: torch.Tensor,
+    points: torch.Tensor,
+    truth_scores: torch.Tensor,
+    levels: Levels,
+    other: Ranked | None = None,
+) -> tuple[Summary, torch.Tensor, Ranking]:
     """summarise_block's summaries, the candidates' normalised weights q (B, K) and their ranking: density
     order (B, K) and the levels' region sizes (B, L). `other`, another target's summary and ranking on the
     same points: its order is used where it orders these scores too, its bounds where every region agrees."""
@@ -145,7 +164,7 @@ def weighted_summary(scores: torch.Tensor, log_measure: torch.Tensor, points: to
     reach = torch.searchsorted(cumulative, level_t.expand(n, -1).contiguous(), side="left")
     threshold = torch.gather(sorted_scores, 1, reach.clamp(max=count - 1))
     # Every tie at the cutoff joins: the region is the prefix of scores >= threshold.
-    ascending = sorted_scores.neg()                 # for searchsorted, which looks up ascending rows
+    ascending = sorted_scores.neg()  # for searchsorted, which looks up ascending rows
     size = torch.searchsorted(ascending, -threshold, side="right")
     last = size - 1
     mass = torch.gather(cumulative, 1, last)
@@ -157,12 +176,17 @@ def weighted_summary(scores: torch.Tensor, log_measure: torch.Tensor, points: to
     credibility_upper = _mass_above(ascending, cumulative, truth_scores, "right")
     lower, upper = _bounds(columns, scores, threshold, (order, size), other)
     summary = {
-        "lower": lower, "upper": upper, "mass": mass, "threshold": threshold,
+        "lower": lower,
+        "upper": upper,
+        "mass": mass,
+        "threshold": threshold,
         "covered": truth_scores[:, None] >= threshold,
-        "mode": points[torch.arange(n, device=scores.device), scores.argmax(dim=1)],   # the first among ties
+        "mode": points[torch.arange(n, device=scores.device), scores.argmax(dim=1)],  # the first among ties
         "ess": ess,
-        "log_normalizer": log_normalizer, "region_ess": region_ess,
-        "credibility": credibility, "credibility_upper": credibility_upper,
+        "log_normalizer": log_normalizer,
+        "region_ess": region_ess,
+        "credibility": credibility,
+        "credibility_upper": credibility_upper,
     }
     return summary, q, (order, size)
 
@@ -180,8 +204,9 @@ def host_summary(summary: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
     return {key: value.cpu().numpy() for key, value in summary.items()}
 
 
-def hld_summaries(scores: Any, log_measure: Any, points: Any, truth_scores: Any,
-                  levels: Levels) -> dict[str, np.ndarray]:
+def hld_summaries(
+    scores: Any, log_measure: Any, points: Any, truth_scores: Any, levels: Levels
+) -> dict[str, np.ndarray]:
     """Highest-density summaries per case as a dict of numpy arrays.
 
     q ∝ exp(score + log_measure). Candidates are ranked by score (density), and the
@@ -205,6 +230,8 @@ def hld_summaries(scores: Any, log_measure: Any, points: Any, truth_scores: Any,
     levels = check_levels(levels)
     check_scores(scores, truth_scores)
     step = max(1, SUMMARY_CELLS // max(1, scores.shape[1]))
-    parts = [host_summary(summarise_block(scores[i:i + step], log_measure, points, truth_scores[i:i + step], levels))
-             for i in range(0, scores.shape[0], step)]
+    parts = [
+        host_summary(summarise_block(scores[i : i + step], log_measure, points, truth_scores[i : i + step], levels))
+        for i in range(0, scores.shape[0], step)
+    ]
     return {key: np.concatenate([part[key] for part in parts]) for key in parts[0]}

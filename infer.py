@@ -7,14 +7,16 @@ or an ensemble of m observations (m, d) of the same parameters; `--truth FILE.np
 marks known parameters on the corner plot. A bad file or shape changes nothing on disk.
 A nearly flat posterior (Posterior.flatness) gets one line saying so, kept under "flat" in
 the JSON too: the lines of the posterior's own warnings (Posterior.warnings), which
-`restore(run).posterior` gives a Python user as PosteriorWarnings. A run only trained, never analysed, is scored with the study's default analysis
-settings on posterior.POSTERIOR_CANDIDATES' design. One line says how the samples were drawn
+`restore(run).posterior` gives a Python user as PosteriorWarnings. A run only trained, never
+analysed, is scored with the study's default analysis settings on posterior.POSTERIOR_CANDIDATES'
+design. One line says how the samples were drawn
 (Posterior.sampling), with a warning when they could not be made independent; with
 `--reference FILE.npy` (n, p) draws of a reference posterior, one line gives the C2ST of the
 samples against them (0.5: indistinguishable; c2st.py) on sets of equal size, the larger one
 subsampled, kept under "c2st" (and the size under "c2st_draws") in the JSON. `--output` is
 followed through links before the check that it lies outside every output root.
 """
+
 import io
 import json
 import os
@@ -33,7 +35,7 @@ from store import ROOT_MARKER, NnpdError, irregular_file, read_npy, restore, wri
 __all__ = ["InferError", "add_arguments", "command"]
 
 DEFAULT_SAMPLES = 1000
-MAX_SAMPLES = 10**7         # samples infer draws at most (10^7 rows of p float64 fit in memory for modest p)
+MAX_SAMPLES = 10**7  # samples infer draws at most (10^7 rows of p float64 fit in memory for modest p)
 
 
 class InferError(NnpdError):
@@ -42,13 +44,18 @@ class InferError(NnpdError):
 
 def add_arguments(parser):
     """The infer command's arguments, beside the command line's own."""
-    parser.add_argument("run", nargs="?", help="infer: the run folder (outputs/<profile>/runs/<configuration>/<member>)")
+    parser.add_argument(
+        "run", nargs="?", help="infer: the run folder (outputs/<profile>/runs/<configuration>/<member>)"
+    )
     parser.add_argument("--observations", metavar="FILE.npy", help="infer: the observation (d,) or ensemble (m, d)")
     parser.add_argument("--truth", metavar="FILE.npy", help="infer: known parameters (p,) to mark on the corner plot")
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="infer: posterior samples to draw")
     parser.add_argument("--output", metavar="DIR", help="infer: where to write (default: beside the observations)")
-    parser.add_argument("--reference", metavar="FILE.npy",
-                        help="infer: reference posterior draws (n, p) to score the samples against (C2ST)")
+    parser.add_argument(
+        "--reference",
+        metavar="FILE.npy",
+        help="infer: reference posterior draws (n, p) to score the samples against (C2ST)",
+    )
 
 
 def read_array(path, what):
@@ -64,7 +71,9 @@ def read_array(path, what):
         with open(path, "rb") as stream:
             array = read_npy(stream)
     except (OSError, ValueError, EOFError) as error:
-        raise InferError(f"{what} {path}: not a readable .npy file of numbers ({error}); save one with numpy.save")
+        raise InferError(
+            f"{what} {path}: not a readable .npy file of numbers ({error}); save one with numpy.save"
+        ) from None
     if not np.isfinite(array).all():
         raise InferError(f"{what} {path}: holds NaN or infinite values")
     return array
@@ -75,11 +84,12 @@ def output_folder(arguments):
     folder = Path(arguments.output) if arguments.output else Path(arguments.observations).parent
     if folder.exists() and not folder.is_dir():
         raise InferError(f"--output {folder}: exists and is not a folder; name a folder")
-    real = Path(os.path.realpath(folder))      # a link must not lead into the root (its cache) unseen
+    real = Path(os.path.realpath(folder))  # a link must not lead into the root (its cache) unseen
     for place in (real, *real.parents):
         if (place / ROOT_MARKER).is_file():
-            raise InferError(f"{folder}: inside the output root {place}, which nnpd manages; write elsewhere "
-                             "(--output DIR)")
+            raise InferError(
+                f"{folder}: inside the output root {place}, which nnpd manages; write elsewhere (--output DIR)"
+            )
     return folder
 
 
@@ -94,12 +104,12 @@ def command(arguments):
     try:
         written, lines = infer(arguments)
         print("\n".join([f"written: {path}" for path in written] + lines))
-    except KeyboardInterrupt:           # a stop is an NnpdError too, but not one to answer with exit status 2
+    except KeyboardInterrupt:  # a stop is an NnpdError too, but not one to answer with exit status 2
         raise
     # Only nnpd's own errors are the user's to fix: a TypeError or a bare ValueError from the
     # study's code is a bug, and stays a traceback rather than a misleading one-line answer.
     except NnpdError as error:
-        if runtime.STOP.requested is not None:      # raised after a stop the study's code swallowed: that stop
+        if runtime.STOP.requested is not None:  # raised after a stop the study's code swallowed: that stop
             raise
         print(f"nnpd: error: {' '.join(str(error).split())}", file=sys.stderr)
         return 2
@@ -116,15 +126,24 @@ def infer(arguments):
     truth = read_array(arguments.truth, "--truth") if arguments.truth else None
     reference = read_array(arguments.reference, "--reference") if arguments.reference else None
     folder = output_folder(arguments)
-    restored = restore(arguments.run)       # its errors (NnpdError) name the run folder or file
-    progress = study.Progress(lambda line: print(f"nnpd: {line}", file=sys.stderr, flush=True),
-                              f"infer {restored.run_dir.name}", unit="points")
-    with study.progress_to(progress):         # a large ensemble's posterior takes a while: say how far it is
+    restored = restore(arguments.run)  # its errors (NnpdError) name the run folder or file
+    progress = study.Progress(
+        lambda line: print(f"nnpd: {line}", file=sys.stderr, flush=True),
+        f"infer {restored.run_dir.name}",
+        unit="points",
+    )
+    with study.progress_to(progress):  # a large ensemble's posterior takes a while: say how far it is
         posterior, samples = posterior_samples(restored, observations, truth, reference, arguments)
     figure = corner_png(posterior, samples, truth, run_label(restored)) if arguments.plot else None
-    summary = {"run": str(restored.run_dir), "observations": str(arguments.observations),
-               "shape": list(observations.shape), "samples": int(arguments.samples), **posterior.summary(),
-               "flat": posterior.flat, "sampling": posterior.sampling}
+    summary = {
+        "run": str(restored.run_dir),
+        "observations": str(arguments.observations),
+        "shape": list(observations.shape),
+        "samples": int(arguments.samples),
+        **posterior.summary(),
+        "flat": posterior.flat,
+        "sampling": posterior.sampling,
+    }
     if reference is not None:
         summary["c2st"], summary["c2st_draws"] = equal_size_c2st(samples, reference)
     stem = folder / file_stem(arguments.observations, restored.member.get("name", "run"))
@@ -140,23 +159,26 @@ def equal_size_c2st(samples, reference):
     """
     size = min(len(samples), len(reference))
     generator = np.random.default_rng(0)
-    mine, theirs = (array if len(array) == size else array[np.sort(generator.choice(len(array), size, replace=False))]
-                    for array in (samples, reference))
+    mine, theirs = (
+        array if len(array) == size else array[np.sort(generator.choice(len(array), size, replace=False))]
+        for array in (samples, reference)
+    )
     return c2st(mine, theirs, seed=0), size
 
 
 def posterior_samples(restored, observations, truth, reference, arguments):
     """The run's posterior for the observations and its samples; a shape that does not fit is an InferError."""
-    with warnings.catch_warnings():     # infer prints the posterior's warnings as lines of its own
+    with warnings.catch_warnings():  # infer prints the posterior's warnings as lines of its own
         warnings.simplefilter("ignore")
-        posterior = restored.posterior(observations)        # a bad observation is its PosteriorError
+        posterior = restored.posterior(observations)  # a bad observation is its PosteriorError
     p, names = len(posterior.names), ", ".join(posterior.names)
     if truth is not None and truth.shape != (p,):
         raise InferError(f"--truth {arguments.truth}: shape {truth.shape}, expected ({p},) for {names}")
     if reference is not None and (reference.ndim != 2 or reference.shape[1] != p or reference.shape[0] < 10):
-        raise InferError(f"--reference {arguments.reference}: shape {reference.shape}, expected (n, {p}) "
-                         f"draws, n >= 10, for {names}")
-    with warnings.catch_warnings():     # the sampling line says it once
+        raise InferError(
+            f"--reference {arguments.reference}: shape {reference.shape}, expected (n, {p}) draws, n >= 10, for {names}"
+        )
+    with warnings.catch_warnings():  # the sampling line says it once
         warnings.simplefilter("ignore")
         return posterior, posterior.sample(arguments.samples, seed=0).numpy()
 
@@ -165,7 +187,7 @@ def write_outputs(stem, summary, samples, figure):
     """The summary JSON, the samples and the corner plot (when drawn), each written atomically; their paths."""
     written = [stem.with_name(f"{stem.name}.posterior.json"), stem.with_name(f"{stem.name}.samples.npy")]
     for path in written + [stem.with_name(f"{stem.name}.corner.png")] * (figure is not None):
-        if os.path.lexists(path) and not os.path.isfile(path):       # the rename would fail on a folder
+        if os.path.lexists(path) and not os.path.isfile(path):  # the rename would fail on a folder
             raise InferError(f"{path}: exists and is not a file; move it, or write elsewhere (--output DIR)")
     write_bytes_atomic(written[0], (json.dumps(summary, indent=2) + "\n").encode())
     buffer = io.BytesIO()
@@ -183,15 +205,17 @@ def report_lines(summary, warned, reference):
     line = f"samples: {sampling['draws']} by {sampling['method']}, {sampling['distinct_fraction']:.0%} distinct"
     if sampling["acceptance"] is not None:
         line += f", acceptance {sampling['acceptance']:.2g} of {sampling['evaluations']} proposal evaluations"
-    if sampling.get("path"):        # which path placed the proposal (sampler.py): the candidates or PMC passes
+    if sampling.get("path"):  # which path placed the proposal (sampler.py): the candidates or PMC passes
         source = "the candidates" if sampling["path"] == "candidates" else sampling["path"]
         passes = f" ({sampling['passes']} passes)" if sampling["passes"] else ""
         line += f"; proposal from {source}{passes}, {sampling['effective']:.0f} effective draws"
     lines = [line] + [f"warning: {text}" for text in warned]
     if reference is not None:
         size = summary["c2st_draws"]
-        lines.append(f"c2st: {summary['c2st']:.3f}, {size} samples against {size} of the {len(reference)} reference "
-                     "draws (sets of equal size; 0.5: indistinguishable)")
+        lines.append(
+            f"c2st: {summary['c2st']:.3f}, {size} samples against {size} of the {len(reference)} reference "
+            "draws (sets of equal size; 0.5: indistinguishable)"
+        )
     return lines
 
 

@@ -4,6 +4,7 @@ and the check that fills them in (docs/extending.md tabulates every key).
 The analysis (nre_analysis.py) and a posterior for one observation (posterior.py) both read the
 section through check_inference_settings, so both see the same defaults.
 """
+
 from __future__ import annotations
 
 import copy
@@ -12,8 +13,20 @@ from typing import Any, TypedDict, cast
 import designs
 from settings import SettingsError, integer, is_number, name_list, one_of
 
-__all__ = ["Truths", "Candidates", "Inference", "TARGETS", "INFERENCE_SCHEMA", "INFERENCE_DEFAULTS", "COARSE_PER_PARAMETER", "CANDIDATES_PER_PARAMETER",
-           "default_design_sizes", "default_targets", "study_defaults", "check_inference_settings"]
+__all__ = [
+    "Truths",
+    "Candidates",
+    "Inference",
+    "TARGETS",
+    "INFERENCE_SCHEMA",
+    "INFERENCE_DEFAULTS",
+    "COARSE_PER_PARAMETER",
+    "CANDIDATES_PER_PARAMETER",
+    "default_design_sizes",
+    "default_targets",
+    "study_defaults",
+    "check_inference_settings",
+]
 
 TARGETS = ("ratio", "posterior", "exact")
 
@@ -21,6 +34,7 @@ TARGETS = ("ratio", "posterior", "exact")
 # The checked section as the code reads it: mypy names a key misspelt anywhere it is read.
 class Truths(TypedDict):
     """Where the analysis' truths lie (inference.truths)."""
+
     kind: str
     truth_points_per_axis: int
     sobol_truths: int
@@ -32,6 +46,7 @@ class Truths(TypedDict):
 
 class Candidates(TypedDict):
     """The candidate design each case is scored on (inference.candidates)."""
+
     kind: str
     candidate_count: int
     candidate_points_per_axis: int
@@ -43,6 +58,7 @@ class Candidates(TypedDict):
 
 class Inference(TypedDict):
     """The `inference` section, every default filled in (check_inference_settings)."""
+
     truths: Truths
     candidates: Candidates
     observations: int
@@ -55,25 +71,56 @@ class Inference(TypedDict):
 
 
 INFERENCE_SCHEMA = {
-    "truths": {"kind": ("grid", "sobol", "size_adaptive"), "truth_points_per_axis": int, "sobol_truths": int,
-               "max_grid_truths": int, "truth_margin_fraction": float, "align_truths_to_grid": bool,
-               "repeats": int},
-    "candidates": {"kind": designs.CANDIDATE_KINDS, "candidate_count": int, "candidate_points_per_axis": int,
-                   "native_grid_prior": bool, "max_enumerated": int, "coarse_count": int, "refinement_stages": int},
-    "observations": int, "chunk_rows": int, "diagnostic_cases": int, "retain": ("diagnostic", "full"),
+    "truths": {
+        "kind": ("grid", "sobol", "size_adaptive"),
+        "truth_points_per_axis": int,
+        "sobol_truths": int,
+        "max_grid_truths": int,
+        "truth_margin_fraction": float,
+        "align_truths_to_grid": bool,
+        "repeats": int,
+    },
+    "candidates": {
+        "kind": designs.CANDIDATE_KINDS,
+        "candidate_count": int,
+        "candidate_points_per_axis": int,
+        "native_grid_prior": bool,
+        "max_enumerated": int,
+        "coarse_count": int,
+        "refinement_stages": int,
+    },
+    "observations": int,
+    "chunk_rows": int,
+    "diagnostic_cases": int,
+    "retain": ("diagnostic", "full"),
     "precision": ("float32", "tf32", "bfloat16"),
-    "targets": list, "levels": list,
+    "targets": list,
+    "levels": list,
 }
 
 # What a study's `inference` section may leave out (docs/extending.md tabulates every key). The None
 # entries are each study's own (study_defaults): the candidate sizes from its parameter count, the
 # targets from whether it gives an exact likelihood.
 INFERENCE_DEFAULTS: dict[str, Any] = {
-    "truths": {"kind": "sobol", "sobol_truths": 512, "truth_points_per_axis": 7, "max_grid_truths": 1024,
-               "truth_margin_fraction": 0.0, "align_truths_to_grid": False, "repeats": 1},
+    "truths": {
+        "kind": "sobol",
+        "sobol_truths": 512,
+        "truth_points_per_axis": 7,
+        "max_grid_truths": 1024,
+        "truth_margin_fraction": 0.0,
+        "align_truths_to_grid": False,
+        "repeats": 1,
+    },
     "observations": 1,
-    "candidates": {"kind": "adaptive", "candidate_count": None, "coarse_count": None, "refinement_stages": 3,
-                   "candidate_points_per_axis": 64, "native_grid_prior": True, "max_enumerated": 100_000},
+    "candidates": {
+        "kind": "adaptive",
+        "candidate_count": None,
+        "coarse_count": None,
+        "refinement_stages": 3,
+        "candidate_points_per_axis": 64,
+        "native_grid_prior": True,
+        "max_enumerated": 100_000,
+    },
     "targets": None,
     "levels": [0.68, 0.95],
     "chunk_rows": 1 << 24,
@@ -95,8 +142,10 @@ MAX_COUNT = 10**9
 
 def default_design_sizes(parameter_count):
     """The default adaptive design's sizes for p parameters (see COARSE_PER_PARAMETER)."""
-    return {"candidate_count": CANDIDATES_PER_PARAMETER * parameter_count,
-            "coarse_count": COARSE_PER_PARAMETER * parameter_count}
+    return {
+        "candidate_count": CANDIDATES_PER_PARAMETER * parameter_count,
+        "coarse_count": COARSE_PER_PARAMETER * parameter_count,
+    }
 
 
 def default_targets(likelihood):
@@ -110,12 +159,13 @@ def with_defaults(given, defaults):
     Only a missing key takes its default: a key given as None is checked (and refused) as given.
     """
     if not isinstance(given, dict):
-        return given                  # check_value names what is wrong with it
+        return given  # check_value names what is wrong with it
     filled = {key: copy.deepcopy(value) for key, value in defaults.items() if key not in given}
     for key, value in given.items():
         inner = defaults.get(key)
-        filled[key] = {**copy.deepcopy(inner), **value} if isinstance(inner, dict) and isinstance(value, dict) \
-            else value
+        filled[key] = (
+            {**copy.deepcopy(inner), **value} if isinstance(inner, dict) and isinstance(value, dict) else value
+        )
     return filled
 
 
@@ -163,10 +213,10 @@ def check_inference_settings(settings: Any, parameter_count: int, likelihood: bo
             raise SettingsError(f"inference.candidates.{key}: must be at least 1")
     targets = name_list(settings["targets"], "inference.targets", allow_empty=False)
     if not set(targets) <= set(TARGETS):
-        raise SettingsError(f"inference.targets: a non-empty list of distinct targets from {', '.join(TARGETS)}; "
-                            f"got {targets!r}")
+        raise SettingsError(
+            f"inference.targets: a non-empty list of distinct targets from {', '.join(TARGETS)}; got {targets!r}"
+        )
     levels = settings["levels"]
-    if not levels or any(not is_number(v) or not 0 < v < 1 for v in levels) \
-            or sorted(set(levels)) != list(levels):
+    if not levels or any(not is_number(v) or not 0 < v < 1 for v in levels) or sorted(set(levels)) != list(levels):
         raise SettingsError(f"inference.levels: increasing enclosed masses strictly between 0 and 1; got {levels!r}")
     return cast(Inference, settings)

@@ -5,6 +5,7 @@ gets or trains the model through the store; `analyze_job` computes the selected 
 building analysis products lazily. Workers of a launch meet at marker files on the output
 root rather than in timed collectives, because one may wait long for another.
 """
+
 import io
 import os
 import sys
@@ -17,8 +18,8 @@ from typing import Any, Callable, NamedTuple
 import torch
 
 import fingerprint
-import probes
 import output_root
+import probes
 import runtime
 import study
 import study_loading
@@ -29,22 +30,33 @@ from settings import Configuration, Profile, digest
 from store import DamagedArtifact, Store, now_iso, write_bytes_atomic, write_json_atomic
 from training_hooks import TrainingHooks
 
-
 __all__ = [
-    "Job", "Launch", "RoundTools", "keep_watch", "model_recipe", "train_job", "trained_artifacts", "analyze_job",
-    "matplotlib_missing", "draw_figures", "cohort_figures", "job_cost", "claim_jobs",
+    "Job",
+    "Launch",
+    "RoundTools",
+    "keep_watch",
+    "model_recipe",
+    "train_job",
+    "trained_artifacts",
+    "analyze_job",
+    "matplotlib_missing",
+    "draw_figures",
+    "cohort_figures",
+    "job_cost",
+    "claim_jobs",
 ]
 
 
 @dataclass
 class Job:
     """One trained model: a configuration times a cohort member."""
+
     configuration: Configuration
     member: dict
     experiment: study.ExperimentContract
     analysis: study.AnalysisContract
     analysis_workload: dict
-    run: str = field(init=False)     # the run folder relative to the output root
+    run: str = field(init=False)  # the run folder relative to the output root
 
     def __post_init__(self) -> None:
         """Name the run folder after the cohort member: a study trained in rounds keeps it for every round."""
@@ -60,6 +72,7 @@ class Job:
 @dataclass
 class Launch:
     """What every job of one launch shares: where it writes, how it runs, who it is."""
+
     stage: str
     profile: Profile
     root: Path
@@ -69,8 +82,8 @@ class Launch:
     snapshot: str = ""
     id: str = ""
     waits: int = 0
-    used: set = field(default_factory=set)      # keys of every artifact this worker's jobs used
-    timer: timings.LaunchTimer = field(init=False)   # this worker's timings of the launch
+    used: set = field(default_factory=set)  # keys of every artifact this worker's jobs used
+    timer: timings.LaunchTimer = field(init=False)  # this worker's timings of the launch
 
     def __post_init__(self) -> None:
         """Start this worker's timings of the launch."""
@@ -115,9 +128,11 @@ class Launch:
                 return
             silent = [rank for rank in missing if self.silent_for(rank) > 60 * self.rt.timeout_minutes]
             if silent:
-                raise LaunchError(f"worker(s) {silent} stopped answering (no heartbeat for "
-                                  f"{self.rt.timeout_minutes:g} minutes, runtime.timeout_minutes) before {step!r}; "
-                                  "the launch ends; the same command resumes")
+                raise LaunchError(
+                    f"worker(s) {silent} stopped answering (no heartbeat for "
+                    f"{self.rt.timeout_minutes:g} minutes, runtime.timeout_minutes) before {step!r}; "
+                    "the launch ends; the same command resumes"
+                )
             time.sleep(0.2)
 
     def silent_for(self, rank):
@@ -144,7 +159,7 @@ def keep_watch(launch, interval=2.0, grace=10.0):
             try:
                 heartbeat.touch()
             except FileNotFoundError:
-                return               # rank 0 removed the launch's marks: the launch is over
+                return  # rank 0 removed the launch's marks: the launch is over
             if orphaned_at is None and os.getppid() != parent:
                 orphaned_at = time.monotonic()
                 print(f"[nnpd rank {launch.rt.rank}] the launcher died; stopping", file=sys.stderr, flush=True)
@@ -158,20 +173,27 @@ def keep_watch(launch, interval=2.0, grace=10.0):
 
 # ---------------------------------------------------------------- recipes
 
-DATA_SPLITS = ("train", "validation", "test")     # the order of a data artifact's per-split counts
+DATA_SPLITS = ("train", "validation", "test")  # the order of a data artifact's per-split counts
+
 
 def data_recipe(job):
     """The training data's recipe: no backend identity, so CPU and CUDA share data."""
-    return {"experiment": job.experiment.data_recipe(job.member),
-            "source": fingerprint.source_fingerprint(*study_loading.experiment_sources(job.experiment, "DATA_SOURCES")),
-            "versions": fingerprint.library_versions()}
+    return {
+        "experiment": job.experiment.data_recipe(job.member),
+        "source": fingerprint.source_fingerprint(*study_loading.experiment_sources(job.experiment, "DATA_SOURCES")),
+        "versions": fingerprint.library_versions(),
+    }
 
 
 def model_recipe(job, data_key, identity):
     """The model's recipe: settings, data, source, versions and backend identity."""
-    return {"experiment": job.experiment.model_recipe(job.member), "data": data_key, "backend": identity,
-            "source": fingerprint.source_fingerprint(*study_loading.experiment_sources(job.experiment, "MODEL_SOURCES")),
-            "versions": fingerprint.library_versions()}
+    return {
+        "experiment": job.experiment.model_recipe(job.member),
+        "data": data_key,
+        "backend": identity,
+        "source": fingerprint.source_fingerprint(*study_loading.experiment_sources(job.experiment, "MODEL_SOURCES")),
+        "versions": fingerprint.library_versions(),
+    }
 
 
 def launch_log(launch):
@@ -186,8 +208,10 @@ def write_data(launch, job, writer):
         arrays = job.experiment.sample_data(job.member)
     for name, array in arrays.items():
         writer.array(name, array)
-    metadata = {"rows": {name: int(array.shape[0]) for name, array in arrays.items() if name.endswith(("_labels", "_x"))}}
-    if "dropped_simulations" in arrays:       # the kit's invalid simulations dropped, per split (docs/training.md)
+    metadata = {
+        "rows": {name: int(array.shape[0]) for name, array in arrays.items() if name.endswith(("_labels", "_x"))}
+    }
+    if "dropped_simulations" in arrays:  # the kit's invalid simulations dropped, per split (docs/training.md)
         metadata["dropped_simulations"] = dict(zip(DATA_SPLITS, map(int, arrays["dropped_simulations"])))
     return metadata
 
@@ -201,13 +225,15 @@ def write_model(writer, state, history):
 
 # ---------------------------------------------------------------- training
 
+
 class RoundTools(NamedTuple):
     """What a study trained in rounds gets to make its next round's member (the study's `next_round`)."""
-    trained: Callable[[], Any]      # the current round's (data, model), got or trained through the store
+
+    trained: Callable[[], Any]  # the current round's (data, model), got or trained through the store
     store: Store
     rt: runtime.Runtime
     log: Callable[[str], None]
-    used: set                       # keys the launch used: what a round caches is kept with them
+    used: set  # keys the launch used: what a round caches is kept with them
 
 
 def train_job(launch, job):
@@ -219,12 +245,13 @@ def train_job(launch, job):
     with launch.timer.stage("training"):
         next_round = getattr(job.experiment, "next_round", None)
         while next_round is not None:
-            tools = RoundTools(lambda: get_artifacts(launch, job), launch.store, launch.rt,
-                               launch_log(launch), launch.used)
+            tools = RoundTools(
+                lambda: get_artifacts(launch, job), launch.store, launch.rt, launch_log(launch), launch.used
+            )
             member = next_round(job.member, tools)
             if member is None:
                 break
-            job.member = member          # the same run folder (Job.run), the next round's member
+            job.member = member  # the same run folder (Job.run), the next round's member
         return get_trained(launch, job)
 
 
@@ -241,11 +268,17 @@ def get_trained(launch, job):
     data, model = get_artifacts(launch, job)
     if launch.owner and not current:
         dropped = (data.metadata or {}).get("dropped_simulations")
-        if dropped:          # run.json says what the model was trained without; the report repeats it
+        if dropped:  # run.json says what the model was trained without; the report repeats it
             output_root.add_to_record(run_dir / "run.json", dropped_simulations=dropped)
         output_root.write_artifacts(launch.root, run_dir, {"training-data": data, "model": model})
-        output_root.write_status(run_dir, "trained", worker=rt.rank, data=data.key, model=model.key,
-                          selected_epoch=model.metadata.get("selected_epoch"))
+        output_root.write_status(
+            run_dir,
+            "trained",
+            worker=rt.rank,
+            data=data.key,
+            model=model.key,
+            selected_epoch=model.metadata.get("selected_epoch"),
+        )
     return data, model
 
 
@@ -267,11 +300,19 @@ def get_artifacts(launch, job):
 
 def run_record(launch, job):
     """What run.json says of a job: settings, member, backend, versions, source."""
-    return {"configuration": job.configuration.name, "variant": job.configuration.variant,
-            "knob": job.configuration.knob, "value": job.configuration.value, "member": job.member,
-            "settings": job.settings, "backend": launch.identity, "versions": fingerprint.library_versions(),
-            "source": launch.snapshot, "description": job.experiment.describe(job.member),
-            "study_path": study_loading.module_folder(type(job.experiment))}
+    return {
+        "configuration": job.configuration.name,
+        "variant": job.configuration.variant,
+        "knob": job.configuration.knob,
+        "value": job.configuration.value,
+        "member": job.member,
+        "settings": job.settings,
+        "backend": launch.identity,
+        "versions": fingerprint.library_versions(),
+        "source": launch.snapshot,
+        "description": job.experiment.describe(job.member),
+        "study_path": study_loading.module_folder(type(job.experiment)),
+    }
 
 
 def get_model(launch, job, data, recipe):
@@ -307,7 +348,7 @@ def train_model(launch, job, data, key):
     with runtime.STOP.polling():
         state, history = job.experiment.train(job.member, model, data, launch.rt, training_hooks(launch, job, key))
     outcome = trainer.training_outcome(history)
-    if outcome is not None:          # the bundled trainer's history: how it ended and what it kept
+    if outcome is not None:  # the bundled trainer's history: how it ended and what it kept
         launch.log(f"model   {job.run}: {outcome}", every_worker=True)
     return state, history
 
@@ -332,8 +373,14 @@ def training_hooks(launch, job, key):
     def on_resume(epoch, batch):
         launch.log(f"resumed {job.run}: epoch {epoch}, after batch {batch}", every_worker=True)
 
-    return TrainingHooks(load_state=load_state, save_state=save_state, save_seconds=launch.rt.resume_seconds,
-                         stop_requested=runtime.STOP, on_epoch=on_epoch, on_resume=on_resume)
+    return TrainingHooks(
+        load_state=load_state,
+        save_state=save_state,
+        save_seconds=launch.rt.resume_seconds,
+        stop_requested=runtime.STOP,
+        on_epoch=on_epoch,
+        on_resume=on_resume,
+    )
 
 
 def epoch_text(record):
@@ -341,8 +388,7 @@ def epoch_text(record):
     auc = "n/a" if record["auc"] is None else f"{record['auc']:.3f}"
     name = record.get("objective_name", "BCE")
     objective = "validation " if name == "BCE" else f"validation {name} {record['objective']:.4f}, "
-    return (f"loss {record['train_loss']:.4f}, {objective}BCE {record['bce']:.4f}, AUC {auc}, "
-            f"{record['seconds']:.1f} s")
+    return f"loss {record['train_loss']:.4f}, {objective}BCE {record['bce']:.4f}, AUC {auc}, {record['seconds']:.1f} s"
 
 
 def find_intact(store, name, key):
@@ -362,19 +408,23 @@ def trained_artifacts(launch, job):
         status = output_root.read_json(run_dir / "status.json", {})
         used = output_root.read_json(run_dir / "artifacts.json", {})
         if status.get("state") == "trained" and Path(str(used.get("model"))).name != status.get("model"):
-            raise LaunchError(f"{run_dir}: its status says trained, but artifacts.json (which names the data and "
-                              f"model the run used) is missing or names others; {fix}: it records them again "
-                              "from the store, retraining nothing the store still holds")
+            raise LaunchError(
+                f"{run_dir}: its status says trained, but artifacts.json (which names the data and "
+                f"model the run used) is missing or names others; {fix}: it records them again "
+                "from the store, retraining nothing the store still holds"
+            )
         state = f"state {status['state']}" if status.get("state") else "no run folder"
         raise LaunchError(f"{run_dir}: no trained model ({state}); {fix}")
     record = output_root.read_json(run_dir / "run.json", {})
     backend, member = record.get("backend"), record.get("member")
     if isinstance(member, dict) and all(member.get(key) == value for key, value in job.member.items()):
-        job.member = member          # the member it was trained as: a later round's, which extends the planned one
+        job.member = member  # the member it was trained as: a later round's, which extends the planned one
     if backend != launch.identity:
-        raise LaunchError(f"{run_dir}: its model was trained on another backend ({describe_backend(backend)}), "
-                          f"not this one ({describe_backend(launch.identity)}); {fix} here, or restore it with "
-                          "store.restore(run_dir, device=...)")
+        raise LaunchError(
+            f"{run_dir}: its model was trained on another backend ({describe_backend(backend)}), "
+            f"not this one ({describe_backend(launch.identity)}); {fix} here, or restore it with "
+            "store.restore(run_dir, device=...)"
+        )
     try:
         data, model = store.find("training-data", keys[0]), store.find("model", keys[1])
     except DamagedArtifact as error:
@@ -393,6 +443,7 @@ def describe_backend(identity):
 
 # ---------------------------------------------------------------- analysis
 
+
 def analyze_job(launch, job, data, model):
     """Compute the selected metrics of one trained model, building products lazily (timed as a stage)."""
     with launch.timer.stage("analysis"):
@@ -409,15 +460,26 @@ def analyze_model(launch, job, data, model):
         same = (done.get("model"), done.get("source"), done.get("settings")) == (model.key, launch.snapshot, settings)
         if problem is None and same:
             launch.used |= set(done["artifacts"])
-            return output_root.read_json(run_dir / "metrics.json", {})   # same model, code and settings, all intact
+            return output_root.read_json(run_dir / "metrics.json", {})  # same model, code and settings, all intact
         if problem is not None:
             output_root.warn(f"{run_dir}: its analysis cannot be reused ({problem}); analysing it again")
     launch.timer.did_work("analysis")
     output_root.clear_analysis(run_dir)
     record = {"settings": settings, "source": launch.snapshot, "model": model.key, "worker": launch.rt.rank}
     output_root.write_record(run_dir / "analysis.json", {"state": "running", **record, "time": now_iso()})
-    ctx = study.Context(job.settings, settings, job.member, job.experiment, job.analysis, launch.rt,
-                        run_dir, launch.store, data, model, progress=study.Progress(launch_log(launch), f"analyze {job.run}"))
+    ctx = study.Context(
+        job.settings,
+        settings,
+        job.member,
+        job.experiment,
+        job.analysis,
+        launch.rt,
+        run_dir,
+        launch.store,
+        data,
+        model,
+        progress=study.Progress(launch_log(launch), f"analyze {job.run}"),
+    )
     values = {}
     for name in settings["metrics"]:
         with probes.phase(f"metric.{name}"):
@@ -428,13 +490,16 @@ def analyze_model(launch, job, data, model):
     used = {"training-data": data, "model": model, **ctx.used}
     output_root.write_artifacts(launch.root, run_dir, used)
     keys = sorted(artifact.key for artifact in used.values())
-    output_root.write_record(run_dir / "analysis.json", {"state": "complete", **record, "artifacts": keys,
-                                                  "metrics": digest(values), "time": now_iso()})
+    output_root.write_record(
+        run_dir / "analysis.json",
+        {"state": "complete", **record, "artifacts": keys, "metrics": digest(values), "time": now_iso()},
+    )
     launch.used |= set(keys)
     return values
 
 
 # ---------------------------------------------------------------- figures
+
 
 def matplotlib_missing():
     """Whether figures cannot be drawn here (matplotlib is an optional extra)."""
@@ -449,7 +514,7 @@ def draw_figures(figures, selected, target, folder, plotting):
     """Draw the selected figures into folder, each written atomically; skipped without matplotlib."""
     if not selected or matplotlib_missing():
         return
-    from matplotlib.figure import Figure   # no pyplot: no global state, nothing left open
+    from matplotlib.figure import Figure  # no pyplot: no global state, nothing left open
 
     fmt, dpi = plotting.get("format", "png"), plotting.get("dpi", 120)
     for name in selected:
@@ -470,18 +535,35 @@ def cohort_figures(launch, jobs, trained):
         if not settings.get("cohort_plots"):
             continue
         # Each job's analysis settings, with its study's defaults filled in: the products' keys read them.
-        contexts = [study.Context(job.settings, job.analysis.settings, job.member, job.experiment, job.analysis,
-                                  launch.rt, launch.root / job.run, launch.store,
-                                  *(trained.get(job.run) or trained_artifacts(launch, job))) for job in members]
+        contexts = [
+            study.Context(
+                job.settings,
+                job.analysis.settings,
+                job.member,
+                job.experiment,
+                job.analysis,
+                launch.rt,
+                launch.root / job.run,
+                launch.store,
+                *(trained.get(job.run) or trained_artifacts(launch, job)),
+            )
+            for job in members
+        ]
         folder = launch.root / "runs" / configuration.name / "plots"
         if folder.exists():
-            output_root.discard(folder)          # figures no longer selected do not linger
+            output_root.discard(folder)  # figures no longer selected do not linger
         launch.log(f"figures {configuration.name}")
-        draw_figures(members[0].analysis.cohort_plots, settings["cohort_plots"], contexts, folder,
-                     launch.profile.analysis["plotting"])
+        draw_figures(
+            members[0].analysis.cohort_plots,
+            settings["cohort_plots"],
+            contexts,
+            folder,
+            launch.profile.analysis["plotting"],
+        )
 
 
 # ---------------------------------------------------------------- claiming
+
 
 def job_cost(job):
     """A rough cost in multiply-adds, used to start the largest jobs first."""
@@ -502,7 +584,7 @@ def claim_jobs(launch, jobs):
         yield from jobs
         return
     if os.environ.get("NNPD_ASSIGNMENT") == "round-robin":
-        yield from jobs[rt.rank::rt.world_size]
+        yield from jobs[rt.rank :: rt.world_size]
         return
     order = sorted(range(len(jobs)), key=lambda i: -job_cost(jobs[i]))
     claims = launch.marks / "claims.json"

@@ -7,6 +7,7 @@ a scheduler records as a failed job. Here that exception ends the launch with on
 the status of a process killed by the signal (143 for SIGTERM, 130 for SIGINT). Every other
 outcome, exit status and output is torchrun's own.
 """
+
 import logging
 import os
 import signal
@@ -18,8 +19,8 @@ from torch.distributed.run import main as torchrun_main
 
 __all__ = ["main", "leave_now"]
 
-DEATH_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)   # those torchrun handles
-WORKER_GRACE = 60.0      # seconds the launch waits for workers still saving after torchrun gave up on them
+DEATH_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)  # those torchrun handles
+WORKER_GRACE = 60.0  # seconds the launch waits for workers still saving after torchrun gave up on them
 
 
 def stopped_line(signum):
@@ -43,9 +44,9 @@ def wait_for_workers(seconds=WORKER_GRACE):
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return                        # no child left
+            return  # no child left
         if pid == 0:
-            time.sleep(0.05)              # children remain, none ended yet
+            time.sleep(0.05)  # children remain, none ended yet
 
 
 def main(argv=None):
@@ -74,6 +75,6 @@ def leave_now(status):
 
 if __name__ == "__main__":
     status = main()
-    if status:          # stopped by a signal: the line just printed stays the launch's last word
+    if status:  # stopped by a signal: the line just printed stays the launch's last word
         leave_now(status)
     sys.exit(status)

@@ -10,6 +10,7 @@ A study's own embedding network (docs/extending.md, "Your own network") sits bet
 standardisation and the classifier: `Embedded` hands the first d columns of each row (x)
 to the embedding and the classifier sees [embedding(x), θ].
 """
+
 from typing import Any
 
 import torch
@@ -17,14 +18,24 @@ import torch
 from settings import SettingsError, integer, known_keys, number, one_of, require
 
 __all__ = [
-    "MLP", "ResidualBlock", "ResidualNet", "check_model_settings", "build_classifier", "build_network", "Embedded",
-    "embedding_features", "Standardized", "fit_standardization",
+    "MLP",
+    "ResidualBlock",
+    "ResidualNet",
+    "check_model_settings",
+    "build_classifier",
+    "build_network",
+    "Embedded",
+    "embedding_features",
+    "Standardized",
+    "fit_standardization",
 ]
 
 MODEL_KEYS = ("kind", "hidden", "activation", "dropout", "width", "blocks", "standardize")
 ACTIVATIONS = {"relu": torch.nn.ReLU, "tanh": torch.nn.Tanh, "gelu": torch.nn.GELU}
 MAX_WIDTH = 1 << 16
-NEAR_ZERO = 1e-3          # the bound of a residual branch's last layer's initial weights
+NEAR_ZERO = 1e-3  # the bound of a residual branch's last layer's initial weights
+
+
 class MLP(torch.nn.Module):
     """Linear+activation per hidden width (optional dropout), then a Linear to one logit."""
 
@@ -112,8 +123,13 @@ def build_classifier(model_settings: dict[str, Any], input_size: int) -> torch.n
     return ResidualNet(input_size, model_settings["width"], model_settings["blocks"], activation, dropout)
 
 
-def build_network(model_settings: dict[str, Any], input_size: int, standardize: bool = True,
-                  embedding: torch.nn.Module | None = None, observation_size: int | None = None) -> torch.nn.Module:
+def build_network(
+    model_settings: dict[str, Any],
+    input_size: int,
+    standardize: bool = True,
+    embedding: torch.nn.Module | None = None,
+    observation_size: int | None = None,
+) -> torch.nn.Module:
     """The network for rows [x, θ] of width input_size (= d + p); `standardize` is the default of model.standardize.
 
     With an `embedding` (a module mapping x (n, d) to features (n, k); d = observation_size),
@@ -144,7 +160,7 @@ class Embedded(torch.nn.Module):
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
         """The classifier's logits of [embedding(x), θ]."""
-        x, theta = inputs[:, :self.observation_size], inputs[:, self.observation_size:]
+        x, theta = inputs[:, : self.observation_size], inputs[:, self.observation_size :]
         return self.classifier(torch.cat([self.embedding(x), theta], dim=1))
 
     def extra_repr(self) -> str:
@@ -159,32 +175,40 @@ def embedding_features(embedding: torch.nn.Module, observation_size: int, where:
     after it gets the same initial weights whatever the embedding holds.
     """
     if not isinstance(embedding, torch.nn.Module):
-        raise SettingsError(f"{where}: expected a torch.nn.Module mapping x (n, {observation_size}) to features "
-                            f"(n, k), got {type(embedding).__name__}")
+        raise SettingsError(
+            f"{where}: expected a torch.nn.Module mapping x (n, {observation_size}) to features "
+            f"(n, k), got {type(embedding).__name__}"
+        )
     training = embedding.training
     embedding.eval()
     try:
         with torch.no_grad():
             features = embedding(torch.zeros(2, observation_size))
-    except KeyboardInterrupt:           # a stop (runtime.Interrupted is also an Exception) is never swallowed
+    except KeyboardInterrupt:  # a stop (runtime.Interrupted is also an Exception) is never swallowed
         raise
-    except Exception as error:          # the study's code: any failure is reported as a settings error
+    except Exception as error:  # the study's code: any failure is reported as a settings error
         first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise SettingsError(f"{where}: calling it on x (2, {observation_size}) failed: {first}") from None
     finally:
         embedding.train(training)
-    if not isinstance(features, torch.Tensor) or features.dim() != 2 or features.shape[0] != 2 \
-            or features.shape[1] == 0:
+    if (
+        not isinstance(features, torch.Tensor)
+        or features.dim() != 2
+        or features.shape[0] != 2
+        or features.shape[1] == 0
+    ):
         shape = tuple(features.shape) if isinstance(features, torch.Tensor) else type(features).__name__
-        raise SettingsError(f"{where}: for x (2, {observation_size}) it returned {shape}; it must return features "
-                            "(n, k), one row of k numbers per row of x")
+        raise SettingsError(
+            f"{where}: for x (2, {observation_size}) it returned {shape}; it must return features "
+            "(n, k), one row of k numbers per row of x"
+        )
     return int(features.shape[1])
 
 
 class Standardized(torch.nn.Module):
     """A network applied to standardised inputs; the shift and scale are buffers saved with the weights."""
 
-    shift: torch.Tensor       # buffers (register_buffer), declared for the type checker
+    shift: torch.Tensor  # buffers (register_buffer), declared for the type checker
     scale: torch.Tensor
 
     def __init__(self, network: torch.nn.Module, input_size: int) -> None:

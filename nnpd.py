@@ -9,6 +9,7 @@ profile's store and moves damage aside; `report` tabulates the analysed runs (wi
 The same command works under `torchrun`, with workers taking disjoint jobs (`runtime.parallel="jobs"`) or
 training each model together (`runtime.parallel="ddp"`).
 """
+
 import argparse
 import contextlib
 import json
@@ -22,9 +23,9 @@ from pathlib import Path
 
 import infer
 import jobs
+import output_root
 import probes
 import results
-import output_root
 import runtime
 import settings
 import study
@@ -42,6 +43,7 @@ CODE_DIR = Path(__file__).resolve().parent
 
 # ---------------------------------------------------------------- planning
 
+
 def default_settings_dir():
     """The current directory when it holds settings files, else the code's directory."""
     here = Path.cwd()
@@ -52,7 +54,7 @@ def load(profile=None, settings_dir=None):
     """The profile's settings, loaded and structurally validated, with the framework's sections checked."""
     loaded = settings.load_profile(Path(settings_dir) if settings_dir else default_settings_dir(), profile)
     settings.check_framework(loaded)
-    settings.make_study_importable(loaded)       # for this launch: nnpd.main puts sys.path back after it
+    settings.make_study_importable(loaded)  # for this launch: nnpd.main puts sys.path back after it
     return loaded
 
 
@@ -69,21 +71,28 @@ def configuration_jobs(configuration, analysis_settings):
 
 def workload_errors(job, limits):
     """Messages for every analysis limit this job's estimate exceeds."""
-    checks = (("model_evaluations", "max_model_evaluations"), ("saved_bytes", "max_saved_bytes"),
-              ("candidate_points", "max_candidate_points"))
+    checks = (
+        ("model_evaluations", "max_model_evaluations"),
+        ("saved_bytes", "max_saved_bytes"),
+        ("candidate_points", "max_candidate_points"),
+    )
     advice = study.optional(job.analysis, "WORKLOAD_ADVICE", study.Analysis)
-    return [f"configuration {job.configuration.name} member {job.member['name']}: the analysis needs "
-            f"{job.analysis_workload[need]:.3g} {need.replace('_', ' ')}, over verification.{limit}="
-            f"{limits[limit]:.3g}; {advice} in settings_analysis.py, or raise the limit"
-            for need, limit in checks if job.analysis_workload[need] > limits[limit]]
+    return [
+        f"configuration {job.configuration.name} member {job.member['name']}: the analysis needs "
+        f"{job.analysis_workload[need]:.3g} {need.replace('_', ' ')}, over verification.{limit}="
+        f"{limits[limit]:.3g}; {advice} in settings_analysis.py, or raise the limit"
+        for need, limit in checks
+        if job.analysis_workload[need] > limits[limit]
+    ]
 
 
 @dataclass
 class Plan:
     """Every job of a launch and what stands in its way."""
+
     jobs: list
-    errors: list            # stop every stage
-    analysis_errors: list   # stop analyze and run (workload over the limits)
+    errors: list  # stop every stage
+    analysis_errors: list  # stop analyze and run (workload over the limits)
     warnings: list
 
 
@@ -100,7 +109,7 @@ def make_plan(profile):
         found.extend(mine)
         for job in mine:
             analysis_errors.extend(workload_errors(job, profile.analysis["verification"]))
-        for job in mine[:1]:     # a study's own lines, once per configuration
+        for job in mine[:1]:  # a study's own lines, once per configuration
             stops, notes = study_loading.plan_notes(job.experiment, job.analysis)
             analysis_errors.extend(f"configuration {configuration.name}: {line}" for line in stops)
             warnings_found.extend(f"configuration {configuration.name}: {line}" for line in notes)
@@ -124,11 +133,15 @@ def runtime_warnings(profile):
         runtime.check_precision(configuration.settings.get("training", {}).get("precision", "off"), device)
     found = []
     if runtime_settings["parallel"] == "ddp" and world == 1:
-        found.append("runtime.parallel=\"ddp\" in a single process trains as one process; launch with "
-                     "torchrun --nproc_per_node=N for collective training")
+        found.append(
+            'runtime.parallel="ddp" in a single process trains as one process; launch with '
+            "torchrun --nproc_per_node=N for collective training"
+        )
     if (profile.analysis.get("plots") or profile.analysis.get("cohort_plots")) and jobs.matplotlib_missing():
-        found.append("plots/cohort_plots: figures were requested but matplotlib is not installed, so they are "
-                     "skipped; install it with `pip install matplotlib` (the package's [plots] extra)")
+        found.append(
+            "plots/cohort_plots: figures were requested but matplotlib is not installed, so they are "
+            "skipped; install it with `pip install matplotlib` (the package's [plots] extra)"
+        )
     return found
 
 
@@ -137,17 +150,32 @@ def plan_report(profile, plan):
     configurations = []
     for configuration in profile.configurations:
         mine = [job for job in plan.jobs if job.configuration is configuration]
-        configurations.append({
-            "name": configuration.name, "variant": configuration.variant, "knob": configuration.knob,
-            "value": configuration.value,
-            "input_size": mine[0].experiment.input_size() if mine else None,
-            "jobs": [{"run": job.run, "member": job.member["name"],
-                      "workload": {**job.experiment.workload(job.member), **job.analysis_workload}}
-                     for job in mine],
-        })
-    return {"profile": profile.name, "settings_dir": str(profile.settings_dir),
-            "output_root": profile.training["output"]["root"], "configurations": configurations,
-            "jobs": len(plan.jobs), "warnings": plan.warnings, "errors": plan.errors + plan.analysis_errors}
+        configurations.append(
+            {
+                "name": configuration.name,
+                "variant": configuration.variant,
+                "knob": configuration.knob,
+                "value": configuration.value,
+                "input_size": mine[0].experiment.input_size() if mine else None,
+                "jobs": [
+                    {
+                        "run": job.run,
+                        "member": job.member["name"],
+                        "workload": {**job.experiment.workload(job.member), **job.analysis_workload},
+                    }
+                    for job in mine
+                ],
+            }
+        )
+    return {
+        "profile": profile.name,
+        "settings_dir": str(profile.settings_dir),
+        "output_root": profile.training["output"]["root"],
+        "configurations": configurations,
+        "jobs": len(plan.jobs),
+        "warnings": plan.warnings,
+        "errors": plan.errors + plan.analysis_errors,
+    }
 
 
 def plan(profile=None, settings_dir=None):
@@ -166,6 +194,7 @@ def plan_advice(profile, made):
 
 # ---------------------------------------------------------------- the launch
 
+
 def latest_training(profile):
     """For analyze: the profile with the training settings of the output root's latest training.
 
@@ -179,8 +208,10 @@ def latest_training(profile):
     loaded = settings.load_profile(profile.settings_dir, profile.name, training_dir=root)
     settings.check_framework(loaded)
     if runtime.launch_environment()[0] == 0:
-        output_root.warn(f"{profile.training_path} differs from the latest training; analysing the latest training "
-                  f"(settings in {loaded.training_path}); run train to train the edited settings")
+        output_root.warn(
+            f"{profile.training_path} differs from the latest training; analysing the latest training "
+            f"(settings in {loaded.training_path}); run train to train the edited settings"
+        )
     return loaded
 
 
@@ -220,13 +251,13 @@ def open_launch(launch, planned_runs=()):
     if probes.PROBLEM:
         raise SettingsError(probes.PROBLEM)
     rt, minutes = launch.rt, launch.rt.timeout_minutes
-    launch.store.phase = probes.phase    # the store's lookups and commits are timed too
+    launch.store.phase = probes.phase  # the store's lookups and commits are timed too
     with contextlib.ExitStack() as held:
         snapshot = None
         if rt.is_main:
             with probes.phase("launch.open"):
                 output_root.claim_root(launch.root, create=launch.stage != "analyze")
-                output_root.refuse_unsafe_places(launch.root)      # before the lease, whose lock file is the first write
+                output_root.refuse_unsafe_places(launch.root)  # before the lease, whose lock file is the first write
                 held.enter_context(output_root.take_lease(launch.store, minutes))
                 output_root.wait_for_leftovers(launch.store, minutes)
                 output_root.tidy_root(launch.root, launch.store)
@@ -244,10 +275,12 @@ def run_launch(launch, planned):
     """Run the stage over this worker's jobs, then finish the launch on rank 0 once all are done."""
     rt, root, profile = launch.rt, launch.root, launch.profile
     trained = {}
-    if launch.stage == "analyze":   # check every model before anything is written
+    if launch.stage == "analyze":  # check every model before anything is written
         trained = {job.run: jobs.trained_artifacts(launch, job) for job in planned}
-    launch.log(f"{launch.stage} {profile.name}: {len(planned)} jobs, device {rt.device}, {rt.world_size} worker(s), "
-               f"parallel={rt.parallel}, output {root}")
+    launch.log(
+        f"{launch.stage} {profile.name}: {len(planned)} jobs, device {rt.device}, {rt.world_size} worker(s), "
+        f"parallel={rt.parallel}, output {root}"
+    )
     failures, timed = [], None
     for job in jobs.claim_jobs(launch, planned):
         with launch.timer.job(launch, job):
@@ -263,14 +296,19 @@ def run_launch(launch, planned):
             finish_launch(launch, planned, trained, {key for _, used, _ in gathered for key in used})
         timed = launch.timer.report(launch, [record for _, _, record in gathered])
     launch.wait_for_workers("finished")
-    runtime.barrier(rt)   # everyone is past the marks: rank 0 removes them
+    runtime.barrier(rt)  # everyone is past the marks: rank 0 removes them
     if rt.is_main and rt.distributed:
         shutil.rmtree(launch.marks, ignore_errors=True)
     if failures:
         raise LaunchError(f"{len(failures)} job(s) failed; first: {failures[0]}")
     launch.log(f"{launch.stage} done: results in {root / 'runs'}")
-    return {"stage": launch.stage, "profile": profile.name, "root": str(root),
-            "runs": sorted(job.run for job in planned), "advice": timed and timed["advice"]}
+    return {
+        "stage": launch.stage,
+        "profile": profile.name,
+        "root": str(root),
+        "runs": sorted(job.run for job in planned),
+        "advice": timed and timed["advice"],
+    }
 
 
 def do_job(launch, job, trained=None):
@@ -292,13 +330,13 @@ def do_job(launch, job, trained=None):
     except (LaunchError, KeyboardInterrupt):
         raise
     except Exception as error:
-        if runtime.STOP.requested is not None:      # the study's code swallowed a stop, then failed for want of it
+        if runtime.STOP.requested is not None:  # the study's code swallowed a stop, then failed for want of it
             raise
         run_dir = launch.root / job.run
         output_root.fail_job(run_dir, stage, error)
         where = run_dir / ("status.json" if stage == "train" else "analysis.json")
         message = f"{job.run}: {stage} failed on worker {launch.rt.rank}: {error} (traceback in {where})"
-        if launch.rt.ddp:   # the other ranks cannot go on without this one: end the whole launch
+        if launch.rt.ddp:  # the other ranks cannot go on without this one: end the whole launch
             raise LaunchError(message) from error
         return message
 
@@ -308,9 +346,13 @@ def finish_launch(launch, planned, trained, used):
     root, profile = launch.root, launch.profile
     if launch.stage != "train":
         jobs.cohort_figures(launch, planned, trained)
-    fields = {"digest": settings.identity(profile.training), "profile": profile.name,
-              "runs": sorted(job.run for job in planned), "source": launch.snapshot,
-              "settings": settings.to_jsonable(profile.training)}
+    fields = {
+        "digest": settings.identity(profile.training),
+        "profile": profile.name,
+        "runs": sorted(job.run for job in planned),
+        "source": launch.snapshot,
+        "settings": settings.to_jsonable(profile.training),
+    }
     backend = {"digest": settings.digest(launch.identity), "identity": launch.identity}
     # A training launch keeps the analyses still valid for its models, so it keeps what they refer to.
     used = used | output_root.referenced_keys(root, fields["runs"])
@@ -320,8 +362,14 @@ def finish_launch(launch, planned, trained, used):
     output_root.copy_settings(root, profile)
     if launch.stage != "train":
         records = results.read_runs(root, fields["runs"])
-        print(results.report_text(records, study_loading.report_layout(profile.analysis)[0],
-                                  study_loading.report_warnings(profile.analysis)), flush=True)
+        print(
+            results.report_text(
+                records,
+                study_loading.report_layout(profile.analysis)[0],
+                study_loading.report_warnings(profile.analysis),
+            ),
+            flush=True,
+        )
 
 
 def verify(profile=None, settings_dir=None):
@@ -337,8 +385,12 @@ def verify(profile=None, settings_dir=None):
         checked, damaged = store.verify(repair=True)
         damaged += output_root.verify_records(root, store)
         entries, size = store.damaged_size()
-    return {"root": str(root), "checked": checked, "damaged": damaged,
-            "damaged_folder": {"entries": entries, "bytes": size}}
+    return {
+        "root": str(root),
+        "checked": checked,
+        "damaged": damaged,
+        "damaged_folder": {"entries": entries, "bytes": size},
+    }
 
 
 def report(profile=None, settings_dir=None, csv_path=None, plot=False):
@@ -354,16 +406,19 @@ def report(profile=None, settings_dir=None, csv_path=None, plot=False):
     if plot and jobs.matplotlib_missing():
         notes.append("--plot: skipped, matplotlib is not installed (pip install matplotlib)")
     elif plot:
-        png = results.comparison_png(records, panels,
-                                     f"Analysed runs of profile {loaded.name} ({root})")
+        png = results.comparison_png(records, panels, f"Analysed runs of profile {loaded.name} ({root})")
         if png is not None:
             write_bytes_atomic(root / "report" / "comparison.png", png)
-        notes.append(f"figure written to {root / 'report' / 'comparison.png'}" if png is not None else
-                     "--plot: nothing to draw (no analysed run has a metric of the figure); no figure written")
+        notes.append(
+            f"figure written to {root / 'report' / 'comparison.png'}"
+            if png is not None
+            else "--plot: nothing to draw (no analysed run has a metric of the figure); no figure written"
+        )
     return results.report_text(records, columns, study_loading.report_warnings(loaded.analysis)), notes
 
 
 # ---------------------------------------------------------------- command line
+
 
 def parse_arguments(argv):
     """The command line: an action, a profile and a settings directory."""
@@ -412,10 +467,11 @@ def run_action(arguments):
 
 def ended_by(error):
     """The exit status of a launch that `error` ended, after its one line on stderr; None for a bug's traceback."""
-    stopped = runtime.reported_stop(error)     # a stop first: an NnpdError too, and it explains what failed after it
-    problem = one_line(error) if isinstance(error, NnpdError) else \
-        disk_problem(error) if isinstance(error, OSError) else None
-    if stopped is None and problem is not None:     # a launch's, the store's, restore's, a full disk: the user's to fix
+    stopped = runtime.reported_stop(error)  # a stop first: an NnpdError too, and it explains what failed after it
+    problem = (
+        one_line(error) if isinstance(error, NnpdError) else disk_problem(error) if isinstance(error, OSError) else None
+    )
+    if stopped is None and problem is not None:  # a launch's, the store's, restore's, a full disk: the user's to fix
         print(f"nnpd: {'settings error' if isinstance(error, SettingsError) else 'error'}: {problem}", file=sys.stderr)
         return 2 if isinstance(error, SettingsError) else 1
     return stopped
@@ -432,9 +488,9 @@ def main(argv=None):
         warnings.formatwarning = format_warning
         try:
             status = run_action(arguments)
-            sys.stdout.flush()      # here, not at exit, so that a reader who left is noticed below
+            sys.stdout.flush()  # here, not at exit, so that a reader who left is noticed below
             return status
-        except BrokenPipeError:     # `nnpd plan | head`: the reader left; before OSError, of which it is one
+        except BrokenPipeError:  # `nnpd plan | head`: the reader left; before OSError, of which it is one
             # What is still buffered goes nowhere, so the flush at exit cannot fail again.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             return 1

@@ -12,6 +12,7 @@ summaries of every case, the test split's predictions and Bayes-optimal referenc
 Metrics: classification, bias, coverage, width, resolution, posterior, exact_reference,
 expected_coverage, pairwise, reweighting, normalization (docs/results.md says what each holds).
 """
+
 from __future__ import annotations
 
 import math
@@ -35,22 +36,51 @@ import priors
 import probes
 import runtime
 import trainer
-from study import Analysis, Context, ExperimentContract, Figure, Json, Member, Metric, Product
-from study_loading import check_selection
 from inference_schema import check_inference_settings
 from nre_figures import case_truths
 from settings import SettingsError
 from store import NnpdError
+from study import Analysis, Context, ExperimentContract, Figure, Json, Member, Metric, Product
+from study_loading import check_selection
 
-__all__ = ["ANALYSIS_STACK", "COARSE_REACH", "CREDIBILITY_LEVELS", "Cases", "InvalidObservations", "KitExperiment",
-           "MIN_COARSE_NEIGHBOURS", "NREAnalysis", "SUMMARY_FIELDS", "bayes_optimal_logits",
-           "build_learned", "case_design", "chi_square_quantile", "coverage_curve", "posterior_share",
-           "summarise_cases", "summarise_targets", "valid_cases"]
+__all__ = [
+    "ANALYSIS_STACK",
+    "COARSE_REACH",
+    "CREDIBILITY_LEVELS",
+    "Cases",
+    "InvalidObservations",
+    "KitExperiment",
+    "MIN_COARSE_NEIGHBOURS",
+    "NREAnalysis",
+    "SUMMARY_FIELDS",
+    "bayes_optimal_logits",
+    "build_learned",
+    "case_design",
+    "chi_square_quantile",
+    "coverage_curve",
+    "posterior_share",
+    "summarise_cases",
+    "summarise_targets",
+    "valid_cases",
+]
 
 # The modules of the analysis stack, whose sources enter every product's key (see NREAnalysis).
 ANALYSIS_STACK = (inference_schema, designs, case_scores, hpd, analysis_metrics, adaptive, case_blocks)
-SUMMARY_FIELDS = ("lower", "upper", "mass", "threshold", "covered", "mode", "ess", "log_normalizer", "region_ess",
-                  "edge_mass", "disagreement", "credibility", "credibility_upper")
+SUMMARY_FIELDS = (
+    "lower",
+    "upper",
+    "mass",
+    "threshold",
+    "covered",
+    "mode",
+    "ess",
+    "log_normalizer",
+    "region_ess",
+    "edge_mass",
+    "disagreement",
+    "credibility",
+    "credibility_upper",
+)
 # Credibility levels of the expected-coverage curve: 0.01, 0.02, ..., 0.99.
 CREDIBILITY_LEVELS = tuple(round(0.01 * k, 2) for k in range(1, 100))
 LIKELIHOOD_METRICS = ("exact_reference", "pairwise", "reweighting", "normalization")
@@ -77,8 +107,9 @@ def problem_key(ctx):
 
 def candidate_lattice(ctx):
     """Lattice steps per coordinate of the candidates (None for continuous axes)."""
-    return designs.candidate_lattice(ctx.prior.lattice_steps, ctx.problem.parameter_count,
-                                     ctx.analysis_settings["inference"]["candidates"])
+    return designs.candidate_lattice(
+        ctx.prior.lattice_steps, ctx.problem.parameter_count, ctx.analysis_settings["inference"]["candidates"]
+    )
 
 
 def build_truths(ctx, writer):
@@ -101,7 +132,8 @@ def build_observations(ctx, writer):
     truths = torch.from_numpy(ctx.require("truths").array("truths"))
     seed = runtime.derived_seed(ctx.settings["seed"], "observations")
     observations = designs.make_observations(
-        ctx.problem.simulate, truths, ctx.analysis_settings["inference"]["observations"], seed)
+        ctx.problem.simulate, truths, ctx.analysis_settings["inference"]["observations"], seed
+    )
     valid = valid_cases(observations, truths, ctx.settings.get("data", {}).get("invalid", "error"))
     if valid.all():
         writer.array("observations", observations.numpy())
@@ -118,20 +150,27 @@ def valid_cases(observations, truths, policy):
     count = int((~valid).sum())
     if not count or (policy == "drop" and count < len(valid)):
         return valid
-    line = (f"inference.truths: the simulator returned NaN or infinite values at {count:,} of {len(valid):,} truths "
-            f"({count / len(valid):.1%}), e.g. at θ = {[round(v, 6) for v in truths[~valid][0].tolist()]}")
+    line = (
+        f"inference.truths: the simulator returned NaN or infinite values at {count:,} of {len(valid):,} truths "
+        f"({count / len(valid):.1%}), e.g. at θ = {[round(v, 6) for v in truths[~valid][0].tolist()]}"
+    )
     if policy == "drop":
         raise InvalidObservations(f"{line}, every one: fix the simulator, or narrow the study's parameter box")
-    raise InvalidObservations(f"{line}; fix the simulator there, or set data.invalid = \"drop\" to analyse the "
-                              "other truths (training drops such simulations too)")
+    raise InvalidObservations(
+        f'{line}; fix the simulator there, or set data.invalid = "drop" to analyse the '
+        "other truths (training drops such simulations too)"
+    )
 
 
 def build_candidates(ctx, writer):
     """The shared design (the adaptive kind's coarse first pass) with its log measure."""
     problem, design = ctx.problem, case_design(ctx)
-    points, log_measure = case_blocks.shared_candidates((problem.low, problem.high), design.lattice,
-                                                        ctx.analysis_settings["inference"]["candidates"],
-                                                        ctx.settings["seed"])
+    points, log_measure = case_blocks.shared_candidates(
+        (problem.low, problem.high),
+        design.lattice,
+        ctx.analysis_settings["inference"]["candidates"],
+        ctx.settings["seed"],
+    )
     writer.array("points", points.numpy())
     writer.array("log_measure", log_measure.numpy())
     return {"count": int(points.shape[0]), "design": design.kind}
@@ -142,8 +181,12 @@ def inference_inputs(ctx):
     truths = torch.from_numpy(case_truths(ctx))
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
     candidates = ctx.require("candidates")
-    return truths, observations, torch.from_numpy(candidates.array("points")), \
-        torch.from_numpy(candidates.array("log_measure"))
+    return (
+        truths,
+        observations,
+        torch.from_numpy(candidates.array("points")),
+        torch.from_numpy(candidates.array("log_measure")),
+    )
 
 
 def write_summary(outputs, writer, target, summary, start, cases):
@@ -153,12 +196,13 @@ def write_summary(outputs, writer, target, summary, start, cases):
         key = f"{target}_{name}"
         if key not in outputs:
             outputs[key] = writer.allocate(key, (cases,) + value.shape[1:], value.dtype)
-        outputs[key][start:start + value.shape[0]] = value
+        outputs[key][start : start + value.shape[0]] = value
 
 
 class Cases(NamedTuple):
     """The cases a product summarises: the targets scored, the truths (T, p), the shared candidates
     (the adaptive design's coarse pass) and which scores to keep (see retain_settings)."""
+
     targets: list[str]
     truths: torch.Tensor
     shared: case_blocks.Candidates
@@ -171,19 +215,21 @@ def retained_arrays(writer: Any, design: case_blocks.Design, work: Cases) -> dic
     diagnostic cases (written at the end, see finish_retained)."""
     (cases, p), retain = work.truths.shape, work.retain
     kept, sizes = cases if retain["mode"] == "full" else min(retain["cases"], cases), design.refinement.sizes
-    if sizes is not None:            # an adaptive design: each case has points of its own
+    if sizes is not None:  # an adaptive design: each case has points of its own
         total = sizes["total"]
         if not kept:
             return {}
-        arrays = {"design_points": writer.allocate("design_points", (kept, total, p), "float64"),
-                  "design_log_measure": writer.allocate("design_log_measure", (kept, total), "float64")}
-        arrays.update({f"{t}_scores": writer.allocate(f"{t}_scores", (kept, total + 1), "float64")
-                       for t in work.targets})
+        arrays = {
+            "design_points": writer.allocate("design_points", (kept, total, p), "float64"),
+            "design_log_measure": writer.allocate("design_log_measure", (kept, total), "float64"),
+        }
+        arrays.update(
+            {f"{t}_scores": writer.allocate(f"{t}_scores", (kept, total + 1), "float64") for t in work.targets}
+        )
         return arrays
     candidates = work.shared.points.shape[0]
     if retain["mode"] == "full":
-        return {f"{t}_scores": writer.allocate(f"{t}_scores", (cases, candidates + 1), "float64")
-                for t in work.targets}
+        return {f"{t}_scores": writer.allocate(f"{t}_scores", (cases, candidates + 1), "float64") for t in work.targets}
     return {f"{t}_scores": np.zeros((kept, candidates + 1)) for t in work.targets} if kept else {}
 
 
@@ -196,14 +242,15 @@ def retain_cases(arrays: dict[str, np.ndarray], start: int, result: Mapping[str,
         return
     for name, key in (("design_points", "points"), ("design_log_measure", "log_measure")):
         if name in arrays:
-            arrays[name][start:start + count] = result[key][:count].cpu().numpy()
+            arrays[name][start : start + count] = result[key][:count].cpu().numpy()
     for target, scores in result["scores"].items():
         if f"{target}_scores" in arrays:
-            arrays[f"{target}_scores"][start:start + count] = scores[:count].cpu().numpy()
+            arrays[f"{target}_scores"][start : start + count] = scores[:count].cpu().numpy()
 
 
-def summarise_cases(writer: Any, scoring: case_blocks.Scoring, design: case_blocks.Design, work: Cases,
-                    progress: Callable[[int], None]) -> dict[str, Any]:
+def summarise_cases(
+    writer: Any, scoring: case_blocks.Scoring, design: case_blocks.Design, work: Cases, progress: Callable[[int], None]
+) -> dict[str, Any]:
     """Refine or score blocks of cases (case_blocks.blocks_of_cases) and write one HPD summary per case
     and target.
 
@@ -213,9 +260,10 @@ def summarise_cases(writer: Any, scoring: case_blocks.Scoring, design: case_bloc
     lattice points at −inf).
     """
     cases, arrays = work.truths.shape[0], retained_arrays(writer, design, work)
-    outputs: dict[str, np.ndarray] = {}         # the summaries' arrays, by name
-    for start, result in case_blocks.blocks_of_cases(design, work.shared, scoring, work.truths, len(work.targets),
-                                                     progress):
+    outputs: dict[str, np.ndarray] = {}  # the summaries' arrays, by name
+    for start, result in case_blocks.blocks_of_cases(
+        design, work.shared, scoring, work.truths, len(work.targets), progress
+    ):
         for target in work.targets:
             write_summary(outputs, writer, target, hpd.host_summary(result["summaries"][target]), start, cases)
         retain_cases(arrays, start, result)
@@ -237,8 +285,13 @@ def retain_settings(ctx: Any) -> dict[str, Any]:
 def case_design(ctx: Any, targets: int = 1) -> case_blocks.Design:
     """The design of this member's cases for `targets` targets scored together (case_blocks.decide_design)."""
     problem = ctx.problem
-    return case_blocks.decide_design((problem.low, problem.high), ctx.prior.lattice_steps,
-                                     ctx.analysis_settings["inference"], targets, ctx.settings["seed"])
+    return case_blocks.decide_design(
+        (problem.low, problem.high),
+        ctx.prior.lattice_steps,
+        ctx.analysis_settings["inference"],
+        targets,
+        ctx.settings["seed"],
+    )
 
 
 def summarise_targets(ctx: Any, writer: Any, targets: list[str], scoring: case_blocks.Scoring) -> dict[str, Any]:
@@ -249,7 +302,7 @@ def summarise_targets(ctx: Any, writer: Any, targets: list[str], scoring: case_b
     """
     truths, _, points, log_measure = inference_inputs(ctx)
     what = "+".join(targets)
-    progress = lambda case: ctx.report_progress(what, case, truths.shape[0])   # noqa: E731
+    progress = lambda case: ctx.report_progress(what, case, truths.shape[0])  # noqa: E731
     design = case_design(ctx, len(targets))
     work = Cases(list(targets), truths, case_blocks.Candidates(points, log_measure), retain_settings(ctx))
     metadata = summarise_cases(writer, scoring, design, work, progress)
@@ -263,22 +316,31 @@ def build_learned(ctx, writer):
     targets = [t for t in ("ratio", "posterior") if t in settings["targets"]]
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
     counted = case_scores.Evaluations()
-    scoring = case_blocks.learned_scoring(ctx.model, ctx.runtime.device, ctx.prior, observations, targets, settings,
-                                          counted)
+    scoring = case_blocks.learned_scoring(
+        ctx.model, ctx.runtime.device, ctx.prior, observations, targets, settings, counted
+    )
     with torch.no_grad():
         metadata = summarise_targets(ctx, writer, targets, scoring)
-    probes.count("product.learned", evaluations=counted.rows, network_calls=counted.calls,
-                 call_rows=counted.call_rows)
-    return {**metadata, "model_evaluations": counted.rows, "network_calls": counted.calls,
-            "rows_per_call": counted.call_rows // max(counted.calls, 1)}
+    probes.count("product.learned", evaluations=counted.rows, network_calls=counted.calls, call_rows=counted.call_rows)
+    return {
+        **metadata,
+        "model_evaluations": counted.rows,
+        "network_calls": counted.calls,
+        "rows_per_call": counted.call_rows // max(counted.calls, 1),
+    }
 
 
 def build_exact(ctx, writer):
     """HPD summaries of the exact likelihood, on the same kind of candidates, on the analysis' device."""
     observations = torch.from_numpy(ctx.require("observations").array("observations"))
     counted = case_scores.Evaluations()
-    scoring = case_blocks.exact_scoring(ctx.problem.log_likelihood, observations, ctx.runtime.device,
-                            ctx.analysis_settings["inference"]["chunk_rows"], counted)
+    scoring = case_blocks.exact_scoring(
+        ctx.problem.log_likelihood,
+        observations,
+        ctx.runtime.device,
+        ctx.analysis_settings["inference"]["chunk_rows"],
+        counted,
+    )
     with torch.no_grad():
         metadata = summarise_targets(ctx, writer, ["exact"], scoring)
     probes.count("product.exact", evaluations=counted.rows)
@@ -289,8 +351,10 @@ def split_pairs(ctx):
     """The test split's inputs and labels as tensors: its fixed pairs, or each simulation (label 1)
     followed by x re-paired with the θ of one other simulation drawn once (label 0; contrast.py)."""
     if "test_x.npy" not in ctx.data.files:
-        return (torch.from_numpy(np.asarray(ctx.data.array("test_inputs"))),
-                torch.from_numpy(np.asarray(ctx.data.array("test_labels"))))
+        return (
+            torch.from_numpy(np.asarray(ctx.data.array("test_inputs"))),
+            torch.from_numpy(np.asarray(ctx.data.array("test_labels"))),
+        )
     x, theta = (torch.from_numpy(np.asarray(ctx.data.array(name))) for name in ("test_x", "test_theta"))
     return contrast.fixed_pairs(x, theta, runtime.derived_seed(ctx.settings["seed"], "test pairs"))
 
@@ -299,14 +363,18 @@ def build_test_predictions(ctx, writer):
     """The model's logits on the held-out test split."""
     inputs, labels = split_pairs(ctx)
     with torch.no_grad():
-        logits = torch.cat([ctx.model(chunk.to(ctx.runtime.device)).float().cpu().reshape(-1)
-                            for chunk in inputs.split(trainer.VALIDATION_CHUNK)])
+        logits = torch.cat(
+            [
+                ctx.model(chunk.to(ctx.runtime.device)).float().cpu().reshape(-1)
+                for chunk in inputs.split(trainer.VALIDATION_CHUNK)
+            ]
+        )
     writer.array("logits", logits.numpy())
     writer.array("labels", labels.numpy())
     return {"rows": int(inputs.shape[0])}
 
 
-EVIDENCE_DRAWS = 20_000   # prior points of the Monte Carlo evidence (a small lattice is enumerated instead)
+EVIDENCE_DRAWS = 20_000  # prior points of the Monte Carlo evidence (a small lattice is enumerated instead)
 
 
 def log_evidence(log_likelihood, x, points, log_weights, rows=64):
@@ -315,9 +383,9 @@ def log_evidence(log_likelihood, x, points, log_weights, rows=64):
     rows = max(1, min(rows, 2**18 // max(1, len(points) * x.shape[1])))
     evidence = torch.empty(len(x), dtype=torch.float64)
     for start in range(0, len(x), rows):
-        chunk = x[start:start + rows]
+        chunk = x[start : start + rows]
         values = log_likelihood(chunk[:, None, :], points[None, :, :]).to(torch.float64) + log_weights
-        evidence[start:start + len(chunk)] = torch.logsumexp(values, dim=1)
+        evidence[start : start + len(chunk)] = torch.logsumexp(values, dim=1)
     return evidence
 
 
@@ -327,7 +395,7 @@ def bayes_optimal_logits(problem, prior, inputs, draws=EVIDENCE_DRAWS, seed=0):
     A problem with its own `log_evidence(x, points, log_weights)` (an analytic shortcut) uses it.
     """
     inputs = torch.as_tensor(inputs).detach().cpu().to(torch.float64)
-    x, theta = inputs[:, :problem.dimension], inputs[:, problem.dimension:]
+    x, theta = inputs[:, : problem.dimension], inputs[:, problem.dimension :]
     points, log_weights = priors.quadrature_points(prior, draws, seed)
     if callable(getattr(problem, "log_evidence", None)):
         evidence = problem.log_evidence(x, points, log_weights)
@@ -357,8 +425,9 @@ def build_pairwise(ctx, writer):
     x, theta0 = joint[:, :d], joint[:, d:]
     theta1 = theta0.roll(1, 0)
     with torch.no_grad():
-        learned = [ctx.model(torch.cat([x, t], 1).to(ctx.runtime.device)).double().cpu().reshape(-1)
-                   for t in (theta1, theta0)]
+        learned = [
+            ctx.model(torch.cat([x, t], 1).to(ctx.runtime.device)).double().cpu().reshape(-1) for t in (theta1, theta0)
+        ]
     exact = [ctx.problem.log_likelihood(x.double(), t.double()) for t in (theta1, theta0)]
     writer.array("learned", (learned[0] - learned[1]).numpy())
     writer.array("exact", (exact[0] - exact[1]).numpy())
@@ -371,10 +440,13 @@ def metric_pairwise(ctx):
     learned, exact = pairs.array("learned"), pairs.array("exact")
     error = learned - exact
     correlation = np.corrcoef(learned, exact)[0, 1] if len(error) > 1 and learned.std() > 0 else None
-    return {"pairs": int(len(error)), "mean_error": analysis_metrics.finite_or_none(error.mean()),
-            "mean_absolute_error": analysis_metrics.finite_or_none(np.abs(error).mean()),
-            "rmse": analysis_metrics.finite_or_none(np.sqrt((error ** 2).mean())),
-            "correlation": analysis_metrics.finite_or_none(correlation) if correlation is not None else None}
+    return {
+        "pairs": int(len(error)),
+        "mean_error": analysis_metrics.finite_or_none(error.mean()),
+        "mean_absolute_error": analysis_metrics.finite_or_none(np.abs(error).mean()),
+        "rmse": analysis_metrics.finite_or_none(np.sqrt((error**2).mean())),
+        "correlation": analysis_metrics.finite_or_none(correlation) if correlation is not None else None,
+    }
 
 
 def metric_reweighting(ctx):
@@ -392,10 +464,13 @@ def metric_reweighting(ctx):
         "sliced_wasserstein": {
             "learned_weights": analysis_metrics.sliced_wasserstein(joint, product, learned[product_mask], seed=seed),
             "unweighted": analysis_metrics.sliced_wasserstein(joint, product, None, seed=seed),
-            "exact_weights": analysis_metrics.sliced_wasserstein(joint, product, exact[product_mask], seed=seed)},
-        "ess": {"learned_weights": analysis_metrics.effective_sample_size(learned[product_mask]),
-                "exact_weights": analysis_metrics.effective_sample_size(exact[product_mask]),
-                "sample": int(product_mask.sum())},
+            "exact_weights": analysis_metrics.sliced_wasserstein(joint, product, exact[product_mask], seed=seed),
+        },
+        "ess": {
+            "learned_weights": analysis_metrics.effective_sample_size(learned[product_mask]),
+            "exact_weights": analysis_metrics.effective_sample_size(exact[product_mask]),
+            "sample": int(product_mask.sum()),
+        },
     }
 
 
@@ -404,12 +479,16 @@ def metric_normalization(ctx):
     _, labels = split_pairs(ctx)
     product = labels == 0
     report: dict[str, Any] = {}
-    for name, logits in (("learned", ctx.require("test_predictions").array("logits")),
-                         ("exact", ctx.require("reference_logits").array("logits"))):
+    for name, logits in (
+        ("learned", ctx.require("test_predictions").array("logits")),
+        ("exact", ctx.require("reference_logits").array("logits")),
+    ):
         ratios = np.exp(np.asarray(logits, dtype=np.float64)[product.numpy()])
         error = ratios.std(ddof=1) / np.sqrt(len(ratios)) if len(ratios) > 1 else None
-        report[name] = {"mean_ratio": analysis_metrics.finite_or_none(ratios.mean()),
-                        "standard_error": analysis_metrics.finite_or_none(error) if error is not None else None}
+        report[name] = {
+            "mean_ratio": analysis_metrics.finite_or_none(ratios.mean()),
+            "standard_error": analysis_metrics.finite_or_none(error) if error is not None else None,
+        }
     report["rows"] = int(product.sum())
     return report
 
@@ -421,8 +500,12 @@ def summary_of(artifact, target):
 
 def resolution_report(ctx, artifact, target):
     """Whether one target's candidates resolved its densities (see analysis_metrics.resolution_metrics)."""
-    return analysis_metrics.resolution_metrics(summary_of(artifact, target), artifact.metadata["candidates"],
-                                               ctx.analysis_settings["inference"]["levels"], artifact.metadata["design"])
+    return analysis_metrics.resolution_metrics(
+        summary_of(artifact, target),
+        artifact.metadata["candidates"],
+        ctx.analysis_settings["inference"]["levels"],
+        artifact.metadata["design"],
+    )
 
 
 def target_report(ctx, artifact, target):
@@ -431,17 +514,20 @@ def target_report(ctx, artifact, target):
     truths = case_truths(ctx)
     summary = summary_of(artifact, target)
     names = ctx.problem.names
-    return {"bias": analysis_metrics.bias_metrics(summary["mode"], truths, names),
-            "coverage": analysis_metrics.coverage_metrics(summary, truths, settings["levels"], names),
-            "width": analysis_metrics.width_metrics(summary, settings["levels"], names),
-            "resolution": resolution_report(ctx, artifact, target)}
+    return {
+        "bias": analysis_metrics.bias_metrics(summary["mode"], truths, names),
+        "coverage": analysis_metrics.coverage_metrics(summary, truths, settings["levels"], names),
+        "width": analysis_metrics.width_metrics(summary, settings["levels"], names),
+        "resolution": resolution_report(ctx, artifact, target),
+    }
 
 
 def metric_classification(ctx):
     """Held-out test BCE, accuracy and AUC."""
     predictions = ctx.require("test_predictions")
-    return analysis_metrics.classification_metrics(torch.from_numpy(predictions.array("logits")),
-                                                   torch.from_numpy(predictions.array("labels")))
+    return analysis_metrics.classification_metrics(
+        torch.from_numpy(predictions.array("logits")), torch.from_numpy(predictions.array("labels"))
+    )
 
 
 def metric_bias(ctx):
@@ -468,8 +554,12 @@ def metric_posterior(ctx):
     """Bias, coverage, width and resolution of the posterior target, and whether it is flat; or that it is off."""
     if "posterior" not in ctx.analysis_settings["inference"]["targets"]:
         return {"enabled": False}
-    return {"enabled": True, **target_report(ctx, ctx.require("learned"), "posterior"), "flat": case_flatness(ctx),
-            "truths_note": truths_note(ctx.prior)}
+    return {
+        "enabled": True,
+        **target_report(ctx, ctx.require("learned"), "posterior"),
+        "flat": case_flatness(ctx),
+        "truths_note": truths_note(ctx.prior),
+    }
 
 
 def metric_dropped_truths(ctx):
@@ -478,8 +568,10 @@ def metric_dropped_truths(ctx):
     dropped = int(ctx.require("observations").metadata.get("dropped_truths", 0))
     note = None
     if dropped:
-        note = (f"{dropped:,} of {total:,} truths dropped: the simulator returned NaN or infinite values there "
-                f"(data.invalid = \"drop\"), so every metric describes the other {total - dropped:,}")
+        note = (
+            f"{dropped:,} of {total:,} truths dropped: the simulator returned NaN or infinite values there "
+            f'(data.invalid = "drop"), so every metric describes the other {total - dropped:,}'
+        )
     return {"truths": total, "cases": total - dropped, "dropped": dropped, "note": note}
 
 
@@ -488,12 +580,14 @@ def truths_note(prior):
     coverage is not expected at nominal (docs/results.md, "Coverage under a non-uniform prior"); else None."""
     if all(family in ("uniform", "grid") for family in getattr(prior, "families", ["own"])):
         return None
-    return ("the posterior target's coverage is judged against truths spread evenly over the box, not drawn from "
-            "this prior, so it is expected off nominal where the prior is not flat; the ratio target's coverage "
-            "checks calibration under these truths")
+    return (
+        "the posterior target's coverage is judged against truths spread evenly over the box, not drawn from "
+        "this prior, so it is expected off nominal where the prior is not flat; the ratio target's coverage "
+        "checks calibration under these truths"
+    )
 
 
-FLAT_CASES = 4           # analysis cases whose posterior the `posterior` metric checks for flatness
+FLAT_CASES = 4  # analysis cases whose posterior the `posterior` metric checks for flatness
 
 
 def case_flatness(ctx):
@@ -508,17 +602,32 @@ def case_flatness(ctx):
     reports = []
     for case in range(cases):
         # The study's own posterior, as restore(run).posterior(x) gives it to the user.
-        posterior = ctx.experiment.posterior(ctx.member, ctx.model, ctx.analysis_settings, observations[case],
-                                             truth=truths[case], device=ctx.runtime.device, case=case)
+        posterior = ctx.experiment.posterior(
+            ctx.member,
+            ctx.model,
+            ctx.analysis_settings,
+            observations[case],
+            truth=truths[case],
+            device=ctx.runtime.device,
+            case=case,
+        )
         reports.append(posterior.flatness(auc))
     flat = [report for report in reports if report["flat"]]
     parameters = [name for name in names if any(name in report["parameters"] for report in flat)]
     warning = None
     if flat and 2 * len(flat) >= cases:
-        warning = (f"{len(flat)} of {cases} checked cases have a nearly flat posterior (in {', '.join(parameters)}: "
-                   f"sds above {flatness.FLAT_SD_SHARE:g} of the prior's, geometric mean); {flatness.flat_cause(auc)}")
-    return {"cases": cases, "flat_cases": len(flat), "parameters": parameters, "validation_auc": auc,
-            "sd_share": [report["sd_share"] for report in reports], "warning": warning}
+        warning = (
+            f"{len(flat)} of {cases} checked cases have a nearly flat posterior (in {', '.join(parameters)}: "
+            f"sds above {flatness.FLAT_SD_SHARE:g} of the prior's, geometric mean); {flatness.flat_cause(auc)}"
+        )
+    return {
+        "cases": cases,
+        "flat_cases": len(flat),
+        "parameters": parameters,
+        "validation_auc": auc,
+        "sd_share": [report["sd_share"] for report in reports],
+        "warning": warning,
+    }
 
 
 def metric_exact_reference(ctx):
@@ -544,9 +653,11 @@ def coverage_curve(credibility, levels=CREDIBILITY_LEVELS):
     cases = int(credibility.size)
     z = statistics.NormalDist().inv_cdf(1 - 0.025 / len(levels))
     bands = [analysis_metrics.wilson_interval(hits, cases, z) for hits in inside]
-    return {"coverage": [hits / cases if cases else None for hits in inside],
-            "lower": [band[0] if band else None for band in bands],
-            "upper": [band[1] if band else None for band in bands]}
+    return {
+        "coverage": [hits / cases if cases else None for hits in inside],
+        "lower": [band[0] if band else None for band in bands],
+        "upper": [band[1] if band else None for band in bands],
+    }
 
 
 def metric_expected_coverage(ctx):
@@ -561,7 +672,7 @@ def metric_expected_coverage(ctx):
     return report
 
 
-MIN_EXPECTED_INSIDE = 100   # design points a fixed design should put inside a 0.95 posterior region
+MIN_EXPECTED_INSIDE = 100  # design points a fixed design should put inside a 0.95 posterior region
 # An adaptive design's coarse pass must put a point near each posterior for the refined passes to
 # find it: in the bundled study a case is under-resolved about when no coarse point lies inside its
 # 0.95 region doubled in radius (README, "The bundled study"), which a uniform coarse pass leaves
@@ -605,46 +716,86 @@ class NREAnalysis(Analysis):
     """The whole analysis of a ratio-estimator study: products, metrics and figures."""
 
     SECTIONS = ()
-    OPTIONAL_SECTIONS = ("inference",)      # every key has a default (inference_schema.py)
+    OPTIONAL_SECTIONS = ("inference",)  # every key has a default (inference_schema.py)
     # lat68 / lat95: the randomised coverage, nominal for the exact likelihood on lattice priors too.
     # exact68 / exact95: the exact likelihood's coverage on the same truths and candidates (a study with
     # log_likelihood), beside the learned one: what the analysis itself gives, so the gap is the model's.
-    REPORT_COLUMNS = (("cov68", "coverage.0.68.joint"), ("exact68", "exact_reference.coverage.0.68.joint"),
-                      ("lat68", "coverage.0.68.lattice"),
-                      ("cov95", "coverage.0.95.joint"), ("exact95", "exact_reference.coverage.0.95.joint"),
-                      ("lat95", "coverage.0.95.lattice"),
-                      ("width68", "width.0.68.mean"), ("bias rmse", "bias.rmse"), ("test AUC", "classification.auc"),
-                      ("unresolved", "resolution.flagged.any"))
-    FIGURE_METRICS = (("joint 68% coverage", "coverage.0.68"), ("68% width", "width.0.68.mean"),
-                      ("bias RMSE", "bias.rmse"))
+    REPORT_COLUMNS = (
+        ("cov68", "coverage.0.68.joint"),
+        ("exact68", "exact_reference.coverage.0.68.joint"),
+        ("lat68", "coverage.0.68.lattice"),
+        ("cov95", "coverage.0.95.joint"),
+        ("exact95", "exact_reference.coverage.0.95.joint"),
+        ("lat95", "coverage.0.95.lattice"),
+        ("width68", "width.0.68.mean"),
+        ("bias rmse", "bias.rmse"),
+        ("test AUC", "classification.auc"),
+        ("unresolved", "resolution.flagged.any"),
+    )
+    FIGURE_METRICS = (
+        ("joint 68% coverage", "coverage.0.68"),
+        ("68% width", "width.0.68.mean"),
+        ("bias RMSE", "bias.rmse"),
+    )
     # Lines `run` and `report` print under the table; a path ending in "note" prints as a note.
     REPORT_WARNINGS = ("resolution.warning", "posterior.flat.warning", "posterior.truths_note", "dropped_truths.note")
     WORKLOAD_ADVICE = "reduce inference.truths, inference.candidates or inference.observations"
 
     products = {
-        "truths": Product(build_truths, lambda ctx: {
-            "problem": problem_key(ctx), "seed": ctx.settings["seed"],
-            "truths": ctx.analysis_settings["inference"]["truths"]}),
-        "observations": Product(build_observations, lambda ctx: {
-            "observations": ctx.analysis_settings["inference"]["observations"]}, needs=("truths",)),
-        "candidates": Product(build_candidates, lambda ctx: {
-            "problem": problem_key(ctx), "seed": ctx.settings["seed"],
-            "candidates": ctx.analysis_settings["inference"]["candidates"], "lattice": candidate_lattice(ctx)}),
-        "learned": Product(build_learned, lambda ctx: {
-            "prior": kit_experiment(ctx).prior_recipe(ctx.member),
-            "inference": {k: ctx.analysis_settings["inference"][k] for k in
-                          ("targets", "levels", "retain", "diagnostic_cases", "precision")}},
-            needs=("truths", "observations", "candidates"), uses_model=True),
-        "exact": Product(build_exact, lambda ctx: {
-            "inference": {k: ctx.analysis_settings["inference"][k] for k in
-                          ("levels", "retain", "diagnostic_cases")}},
-                         needs=("truths", "observations", "candidates")),
-        "test_predictions": Product(build_test_predictions, lambda ctx: {"data": ctx.data.key},
-                                    uses_model=True),
-        "reference_logits": Product(build_reference_logits, lambda ctx: {
-            "data": ctx.data.key, "problem": kit_experiment(ctx).problem_recipe(),
-            "prior": kit_experiment(ctx).prior_recipe(ctx.member), "seed": ctx.settings["seed"],
-            "member": ctx.member["name"]}),
+        "truths": Product(
+            build_truths,
+            lambda ctx: {
+                "problem": problem_key(ctx),
+                "seed": ctx.settings["seed"],
+                "truths": ctx.analysis_settings["inference"]["truths"],
+            },
+        ),
+        "observations": Product(
+            build_observations,
+            lambda ctx: {"observations": ctx.analysis_settings["inference"]["observations"]},
+            needs=("truths",),
+        ),
+        "candidates": Product(
+            build_candidates,
+            lambda ctx: {
+                "problem": problem_key(ctx),
+                "seed": ctx.settings["seed"],
+                "candidates": ctx.analysis_settings["inference"]["candidates"],
+                "lattice": candidate_lattice(ctx),
+            },
+        ),
+        "learned": Product(
+            build_learned,
+            lambda ctx: {
+                "prior": kit_experiment(ctx).prior_recipe(ctx.member),
+                "inference": {
+                    k: ctx.analysis_settings["inference"][k]
+                    for k in ("targets", "levels", "retain", "diagnostic_cases", "precision")
+                },
+            },
+            needs=("truths", "observations", "candidates"),
+            uses_model=True,
+        ),
+        "exact": Product(
+            build_exact,
+            lambda ctx: {
+                "inference": {
+                    k: ctx.analysis_settings["inference"][k] for k in ("levels", "retain", "diagnostic_cases")
+                }
+            },
+            needs=("truths", "observations", "candidates"),
+        ),
+        "test_predictions": Product(build_test_predictions, lambda ctx: {"data": ctx.data.key}, uses_model=True),
+        "reference_logits": Product(
+            build_reference_logits,
+            lambda ctx: {
+                "data": ctx.data.key,
+                "problem": kit_experiment(ctx).problem_recipe(),
+                "prior": kit_experiment(ctx).prior_recipe(ctx.member),
+                "seed": ctx.settings["seed"],
+                "member": ctx.member["name"],
+            },
+        ),
         "pairwise": Product(build_pairwise, lambda ctx: {"data": ctx.data.key}, uses_model=True),
     }
 
@@ -669,9 +820,11 @@ class NREAnalysis(Analysis):
     # seconds a run) and priors are asked for by name.
     DEFAULT_PLOTS = ("expected_coverage",)
     DEFAULT_COHORT_PLOTS = ("training", "estimates", "bias_width")
-    plots = {"diagnostic_cases": Figure(nre_figures.draw_diagnostic_cases),
-             "expected_coverage": Figure(nre_figures.draw_expected_coverage),
-             "rounds": Figure(nre_figures.draw_rounds)}
+    plots = {
+        "diagnostic_cases": Figure(nre_figures.draw_diagnostic_cases),
+        "expected_coverage": Figure(nre_figures.draw_expected_coverage),
+        "rounds": Figure(nre_figures.draw_rounds),
+    }
     cohort_plots = {
         "priors": Figure(nre_figures.draw_priors),
         "training": Figure(nre_figures.draw_training),
@@ -685,8 +838,9 @@ class NREAnalysis(Analysis):
         # The analysis stack (its designs, scores, refinement, summaries and metrics) and the
         # problem's code (its simulator and likelihood: the truths' observations, the exact
         # target) shape the products, so their sources enter every product's key.
-        self.SOURCES = (ANALYSIS_STACK + (priors, runtime.derived_seed)
-                        + tuple(getattr(experiment, "SCIENCE_SOURCES", ())))
+        self.SOURCES = (
+            ANALYSIS_STACK + (priors, runtime.derived_seed) + tuple(getattr(experiment, "SCIENCE_SOURCES", ()))
+        )
 
     def with_defaults(self, settings: Mapping[str, Any]) -> dict[str, Any]:
         """The analysis settings with the defaults of `inference`, `metrics` and the figures filled in for this
@@ -694,17 +848,25 @@ class NREAnalysis(Analysis):
         problem = self.experiment.problem()
         likelihood = callable(getattr(problem, "log_likelihood", None))
         inference = check_inference_settings(settings.get("inference", {}), problem.parameter_count, likelihood)
-        return {**settings, "inference": inference,
-                "metrics": settings.get("metrics", self.default_metrics(inference["targets"], likelihood)),
-                "plots": settings.get("plots", list(self.DEFAULT_PLOTS)),
-                "cohort_plots": settings.get("cohort_plots", list(self.DEFAULT_COHORT_PLOTS))}
+        return {
+            **settings,
+            "inference": inference,
+            "metrics": settings.get("metrics", self.default_metrics(inference["targets"], likelihood)),
+            "plots": settings.get("plots", list(self.DEFAULT_PLOTS)),
+            "cohort_plots": settings.get("cohort_plots", list(self.DEFAULT_COHORT_PLOTS)),
+        }
 
     def default_metrics(self, targets: Sequence[str], likelihood: bool) -> list[str]:
         """Every metric the targets and the study's likelihood allow; `dropped_truths` where data.invalid drops."""
         dropping = getattr(self.experiment, "settings", {}).get("data", {}).get("invalid") == "drop"
-        return [name for name in self.metrics if (likelihood or name not in LIKELIHOOD_METRICS)
-                and ("ratio" in targets or name not in self.NEEDS_RATIO)
-                and ("exact" in targets or name != "exact_reference") and (dropping or name != "dropped_truths")]
+        return [
+            name
+            for name in self.metrics
+            if (likelihood or name not in LIKELIHOOD_METRICS)
+            and ("ratio" in targets or name not in self.NEEDS_RATIO)
+            and ("exact" in targets or name != "exact_reference")
+            and (dropping or name != "dropped_truths")
+        ]
 
     def validate(self) -> None:
         """Check that every selected metric can be computed (the inference settings were checked when filled)."""
@@ -713,35 +875,57 @@ class NREAnalysis(Analysis):
         self.check_likelihood(targets)
         for name in self.settings["metrics"]:
             if name in self.NEEDS_RATIO and "ratio" not in targets:
-                raise SettingsError(f"metrics: {name!r} needs the 'ratio' target; add it to inference.targets "
-                                    f"or remove the metric")
+                raise SettingsError(
+                    f"metrics: {name!r} needs the 'ratio' target; add it to inference.targets or remove the metric"
+                )
             if name == "exact_reference" and "exact" not in targets:
-                raise SettingsError("metrics: 'exact_reference' needs the 'exact' target; add it to "
-                                    "inference.targets or remove the metric")
-        lattice_priors = sorted({member["prior"] for member in self.experiment.members()
-                                 if any(step is not None for step in self.experiment.prior(member).lattice_steps)})
-        if "posterior" in targets and lattice_priors and not self.settings["inference"]["candidates"]["native_grid_prior"]:
-            raise SettingsError(f"inference.targets: the 'posterior' target of lattice priors ({', '.join(lattice_priors)}) "
-                                "has no density on continuous candidates; set inference.candidates.native_grid_prior "
-                                "to True or remove 'posterior'")
+                raise SettingsError(
+                    "metrics: 'exact_reference' needs the 'exact' target; add it to "
+                    "inference.targets or remove the metric"
+                )
+        lattice_priors = sorted(
+            {
+                member["prior"]
+                for member in self.experiment.members()
+                if any(step is not None for step in self.experiment.prior(member).lattice_steps)
+            }
+        )
+        if (
+            "posterior" in targets
+            and lattice_priors
+            and not self.settings["inference"]["candidates"]["native_grid_prior"]
+        ):
+            raise SettingsError(
+                f"inference.targets: the 'posterior' target of lattice priors ({', '.join(lattice_priors)}) "
+                "has no density on continuous candidates; set inference.candidates.native_grid_prior "
+                "to True or remove 'posterior'"
+            )
         check_selection("plots", self.settings["plots"], self.plots)
         check_selection("cohort_plots", self.settings["cohort_plots"], self.cohort_plots)
         inference = self.settings["inference"]
-        if "diagnostic_cases" in self.settings["plots"] and inference["retain"] == "diagnostic" \
-                and inference["diagnostic_cases"] == 0:
-            raise SettingsError("plots: 'diagnostic_cases' draws retained scores; set inference.diagnostic_cases "
-                                "above 0 or inference.retain to 'full'")
+        if (
+            "diagnostic_cases" in self.settings["plots"]
+            and inference["retain"] == "diagnostic"
+            and inference["diagnostic_cases"] == 0
+        ):
+            raise SettingsError(
+                "plots: 'diagnostic_cases' draws retained scores; set inference.diagnostic_cases "
+                "above 0 or inference.retain to 'full'"
+            )
 
     def check_likelihood(self, targets: Sequence[str]) -> None:
         """The exact target and the likelihood metrics need the problem's log_likelihood."""
         if callable(getattr(self.experiment.problem(), "log_likelihood", None)):
             return
-        wanted = ["target 'exact'"] * ("exact" in targets) + \
-            [f"metric {name!r}" for name in self.settings["metrics"] if name in LIKELIHOOD_METRICS]
+        wanted = ["target 'exact'"] * ("exact" in targets) + [
+            f"metric {name!r}" for name in self.settings["metrics"] if name in LIKELIHOOD_METRICS
+        ]
         if wanted:
-            raise SettingsError(f"inference.targets / metrics: {', '.join(wanted)} need the exact likelihood, which "
-                                f"{type(self.experiment).__name__} does not give; define log_likelihood(x, theta) "
-                                "in the study, or remove them")
+            raise SettingsError(
+                f"inference.targets / metrics: {', '.join(wanted)} need the exact likelihood, which "
+                f"{type(self.experiment).__name__} does not give; define log_likelihood(x, theta) "
+                "in the study, or remove them"
+            )
 
     def learned_targets(self) -> list[str]:
         """The targets the learned product scores with the model."""
@@ -751,10 +935,12 @@ class NREAnalysis(Analysis):
         """The member's candidate design and its lattice steps."""
         problem = self.experiment.problem()
         candidates = self.settings["inference"]["candidates"]
-        lattice = designs.candidate_lattice(self.experiment.prior(member).lattice_steps, problem.parameter_count,
-                                            candidates)
-        return designs.candidate_design(problem.parameter_count, lattice, problem.low, problem.high,
-                                        candidates), lattice
+        lattice = designs.candidate_lattice(
+            self.experiment.prior(member).lattice_steps, problem.parameter_count, candidates
+        )
+        return designs.candidate_design(
+            problem.parameter_count, lattice, problem.low, problem.high, candidates
+        ), lattice
 
     def check_adaptive_sizes(self) -> None:
         """An adaptive design must fit its passes and probes into candidate_count."""
@@ -784,8 +970,12 @@ class NREAnalysis(Analysis):
         targets = len(learned) + ("exact" in settings["targets"])
         products = bool(learned) + ("exact" in settings["targets"])
         design_bytes = products * retained * per_case * (p + 1) if design == "adaptive" else 0
-        saved = 8 * (cases * ensemble * problem.dimension + (p + 1) * shared + design_bytes
-                     + targets * (retained * (per_case + 1) + cases * (2 * levels * p + 3 * levels + p + 7)))
+        saved = 8 * (
+            cases * ensemble * problem.dimension
+            + (p + 1) * shared
+            + design_bytes
+            + targets * (retained * (per_case + 1) + cases * (2 * levels * p + 3 * levels + p + 7))
+        )
         return {"model_evaluations": int(evaluations), "saved_bytes": int(saved), "candidate_points": int(per_case)}
 
     def plan_errors(self) -> list[str]:
@@ -793,8 +983,10 @@ class NREAnalysis(Analysis):
         on a bank, cannot simulate the observations of its truths."""
         if self.experiment.problem().simulate is not None:
             return []
-        return [f"{type(self.experiment).__name__} defines no simulate(theta, generator): the analysis simulates "
-                "observations at its truths; `train` on data.bank and `infer` work without it"]
+        return [
+            f"{type(self.experiment).__name__} defines no simulate(theta, generator): the analysis simulates "
+            "observations at its truths; `train` on data.bank and `infer` work without it"
+        ]
 
     def plan_warnings(self) -> list[str]:
         """One line per candidate design predicted to under-resolve the posteriors, before any compute:
@@ -802,19 +994,21 @@ class NREAnalysis(Analysis):
         candidates = self.settings["inference"]["candidates"]
         problem = self.experiment.problem()
         if not callable(getattr(problem, "posterior_sds", None)):
-            return []               # nothing to predict the posterior's size from
+            return []  # nothing to predict the posterior's size from
         by_design: dict[tuple[str, tuple[float | None, ...]], list[str]] = {}
         for member in self.experiment.members():
             design, lattice = self.design_of(member)
             if design in ("sobol", "grid", "adaptive"):
                 by_design.setdefault((design, tuple(lattice)), []).append(member["prior"])
-        lines = self.coarse_warnings({lattice: names for (design, lattice), names in by_design.items()
-                                      if design == "adaptive"})
+        lines = self.coarse_warnings(
+            {lattice: names for (design, lattice), names in by_design.items() if design == "adaptive"}
+        )
         for (design, steps), prior_names in by_design.items():
             if design == "adaptive":
                 continue
-            count = designs.candidate_count_for(problem.parameter_count, list(steps), problem.low, problem.high,
-                                                candidates)
+            count = designs.candidate_count_for(
+                problem.parameter_count, list(steps), problem.low, problem.high, candidates
+            )
             expected = count * posterior_share(problem, list(steps), self.settings["inference"]["observations"])
             if expected < MIN_EXPECTED_INSIDE:
                 needed = math.ceil(count * MIN_EXPECTED_INSIDE / max(expected, 1e-300))
@@ -823,7 +1017,8 @@ class NREAnalysis(Analysis):
                     f"inference.candidates: the fixed {design} design of {count} points puts about {expected:.3g} "
                     f"inside a 0.95 posterior region of the {problem.parameter_count} parameters (priors "
                     f"{', '.join(prior_names)}), fewer than {MIN_EXPECTED_INSIDE}, so coverage and widths describe the "
-                    f"design; set inference.candidates.kind to 'adaptive' or raise {knob}")
+                    f"design; set inference.candidates.kind to 'adaptive' or raise {knob}"
+                )
         return lines
 
     def coarse_warnings(self, lattices: Mapping[tuple[float | None, ...], list[str]]) -> list[str]:
@@ -836,21 +1031,29 @@ class NREAnalysis(Analysis):
         candidates, inference = self.settings["inference"]["candidates"], self.settings["inference"]
         problem = self.experiment.problem()
         p, coarse = problem.parameter_count, int(candidates["coarse_count"])
-        near = {lattice: coarse * posterior_share(problem, list(lattice), inference["observations"],
-                                                  COARSE_REACH) for lattice in lattices}
+        near = {
+            lattice: coarse * posterior_share(problem, list(lattice), inference["observations"], COARSE_REACH)
+            for lattice in lattices
+        }
         short = [lattice for lattice in lattices if near[lattice] < MIN_COARSE_NEIGHBOURS]
         if not short:
             return []
         fewest = min(near[lattice] for lattice in short)
         needed = math.ceil(coarse * MIN_COARSE_NEIGHBOURS / max(fewest, 1e-300))
         targets = max(len(self.learned_targets()), int("exact" in inference["targets"]), 1)
-        total = needed * (int(candidates["refinement_stages"]) + 1) + \
-            targets * 2 * p * (designs.PROBE_RADII + designs.PROBE_REFINE)
-        fit = (f" and candidate_count to at least {total:,}, which that needs"
-               if total > int(candidates["candidate_count"]) else "")
+        total = needed * (int(candidates["refinement_stages"]) + 1) + targets * 2 * p * (
+            designs.PROBE_RADII + designs.PROBE_REFINE
+        )
+        fit = (
+            f" and candidate_count to at least {total:,}, which that needs"
+            if total > int(candidates["candidate_count"])
+            else ""
+        )
         names = ", ".join(name for lattice in short for name in lattices[lattice])
-        return [f"inference.candidates: the adaptive design's coarse pass of {coarse} points puts about {fewest:.3g} "
-                f"inside a 0.95 posterior region of the {p} parameters doubled in radius (priors {names}), fewer "
-                f"than {MIN_COARSE_NEIGHBOURS:.2g}, so the refined passes may miss the posterior in roughly "
-                f"{min(1.0, 2 * math.exp(-fewest)):.0%} of the cases; raise inference.candidates.coarse_count to "
-                f"about {needed:,}{fit}"]
+        return [
+            f"inference.candidates: the adaptive design's coarse pass of {coarse} points puts about {fewest:.3g} "
+            f"inside a 0.95 posterior region of the {p} parameters doubled in radius (priors {names}), fewer "
+            f"than {MIN_COARSE_NEIGHBOURS:.2g}, so the refined passes may miss the posterior in roughly "
+            f"{min(1.0, 2 * math.exp(-fewest)):.0%} of the cases; raise inference.candidates.coarse_count to "
+            f"about {needed:,}{fit}"
+        ]

@@ -8,6 +8,7 @@ each, and the expected coverage against credibility. Every figure is titled with
 configuration (and member), its axes are labelled with the parameters' names, and every
 line and marker is in a legend (docs/results.md, "Figures").
 """
+
 import json
 from pathlib import Path
 from typing import Any
@@ -21,25 +22,37 @@ import results
 import trainer
 
 __all__ = [
-    "TRUTH_BINS", "case_truths", "draw_priors", "draw_training", "draw_estimates", "draw_bias_width",
-    "draw_diagnostic_cases", "draw_expected_coverage", "draw_rounds",
+    "TRUTH_BINS",
+    "case_truths",
+    "draw_priors",
+    "draw_training",
+    "draw_estimates",
+    "draw_bias_width",
+    "draw_diagnostic_cases",
+    "draw_expected_coverage",
+    "draw_rounds",
 ]
 
-MAX_AXES = 6   # parameters drawn per figure; the rest are left out
-CUSTOM_PRIOR_DRAWS = 20_000   # draws of a study's own prior per histogram: 400 a bin if flat, about 5% noise
+MAX_AXES = 6  # parameters drawn per figure; the rest are left out
+CUSTOM_PRIOR_DRAWS = 20_000  # draws of a study's own prior per histogram: 400 a bin if flat, about 5% noise
 PRIOR_BINS = 50
-TRUTH_BINS = 20   # bins of bias_width along a parameter with more distinct truths than this
+TRUTH_BINS = 20  # bins of bias_width along a parameter with more distinct truths than this
 # Truths above which `estimates` draws a member's modes as a 2-D histogram with median bands per truth bin:
 # one vertical band and marker per truth fills the panel solid long before a thousand truths.
 MANY_TRUTHS = 200
-PANEL_WIDTH = 2.6   # inches a parameter's panel needs beside its neighbours for its title and labels
-TARGET_TITLES = {"ratio": "learned ratio (flat prior)", "posterior": "learned posterior",
-                 "exact": "exact likelihood (flat prior)"}
+PANEL_WIDTH = 2.6  # inches a parameter's panel needs beside its neighbours for its title and labels
+TARGET_TITLES = {
+    "ratio": "learned ratio (flat prior)",
+    "posterior": "learned posterior",
+    "exact": "exact likelihood (flat prior)",
+}
 # Line styles of the diagnostic densities: the ratio wide and pale, so that a posterior equal to it
 # (under a uniform prior) is drawn visibly on top of it rather than hiding it.
-TARGET_STYLES = {"ratio": {"color": "tab:blue", "linestyle": "-", "linewidth": 4.0, "alpha": 0.45},
-                 "posterior": {"color": "tab:orange", "linestyle": "--", "linewidth": 1.8},
-                 "exact": {"color": "tab:green", "linestyle": ":", "linewidth": 2.2}}
+TARGET_STYLES = {
+    "ratio": {"color": "tab:blue", "linestyle": "-", "linewidth": 4.0, "alpha": 0.45},
+    "posterior": {"color": "tab:orange", "linestyle": "--", "linewidth": 1.8},
+    "exact": {"color": "tab:green", "linestyle": ":", "linewidth": 2.2},
+}
 
 
 def configuration_label(ctx):
@@ -56,8 +69,9 @@ def member_styles(contexts):
     priors = list(dict.fromkeys(str(ctx.member.get("prior", ctx.member["name"])) for ctx in contexts))
     styles = {}
     for ctx in contexts:
-        colour, marker, style = results.member_style(priors, ctx.member.get("prior", ctx.member["name"]),
-                                                     ctx.member.get("replica"))
+        colour, marker, style = results.member_style(
+            priors, ctx.member.get("prior", ctx.member["name"]), ctx.member.get("replica")
+        )
         styles[ctx.member["name"]] = colour, style, marker
     return styles
 
@@ -72,8 +86,9 @@ def figure_legend(figure, axes):
     for axis in axes:
         for handle, label in zip(*axis.get_legend_handles_labels()):
             entries.setdefault(label, handle)
-    figure.legend(list(entries.values()), list(entries), loc="outside lower center", fontsize="small",
-                  ncols=min(4, len(entries)))
+    figure.legend(
+        list(entries.values()), list(entries), loc="outside lower center", fontsize="small", ncols=min(4, len(entries))
+    )
 
 
 def parameter_axes(figure, count, rows=1):
@@ -104,7 +119,7 @@ def draw_priors(contexts, figure):
     for ctx in contexts:
         prior_name = str(ctx.member.get("prior", ctx.member["name"]))
         if prior_name in drawn:
-            continue                    # replicas share one prior
+            continue  # replicas share one prior
         drawn.add(prior_name)
         colour = styles[ctx.member["name"]][0]
         if hasattr(ctx.prior, "coordinate_log_prob"):
@@ -132,20 +147,31 @@ def draw_custom_prior(axes, prior, problem, prior_name, colour):
     """A study's own prior object on each parameter's axis, or a legend entry saying why it cannot be drawn."""
     try:
         curves = custom_prior_curves(prior, problem, len(axes))
-    except KeyboardInterrupt:           # a stop (runtime.Interrupted is also an Exception) is never swallowed
+    except KeyboardInterrupt:  # a stop (runtime.Interrupted is also an Exception) is never swallowed
         raise
-    except Exception as error:          # any failure of the study's object: name it rather than fail the figure
+    except Exception as error:  # any failure of the study's object: name it rather than fail the figure
         reason = f"{type(error).__name__}: {error}" if str(error) else type(error).__name__
         for axis in axes:
             axis.plot([], [], " ", label=f"{prior_name}: not drawable ({reason[:60]})")
         return
     for axis, (x, y, kind) in zip(axes, curves):
         if kind == "lattice":
-            axis.plot(x, y, "s", color=colour, markersize=3, label=f"{prior_name} (own prior, lattice of "
-                                                                   f"{CUSTOM_PRIOR_DRAWS:,} draws: mass / step)")
+            axis.plot(
+                x,
+                y,
+                "s",
+                color=colour,
+                markersize=3,
+                label=f"{prior_name} (own prior, lattice of {CUSTOM_PRIOR_DRAWS:,} draws: mass / step)",
+            )
         elif kind == "histogram":
-            axis.stairs(y, x, color=colour, linewidth=1.5,
-                        label=f"{prior_name} (own prior, histogram of {CUSTOM_PRIOR_DRAWS:,} draws)")
+            axis.stairs(
+                y,
+                x,
+                color=colour,
+                linewidth=1.5,
+                label=f"{prior_name} (own prior, histogram of {CUSTOM_PRIOR_DRAWS:,} draws)",
+            )
         else:
             axis.plot(x, y, color=colour, linestyle="-.", label=f"{prior_name} (own prior, from its log_prob)")
 
@@ -166,17 +192,16 @@ def custom_prior_curves(prior, problem, count, points=400):
         y: np.ndarray
         try:
             y = torch.exp(torch.as_tensor(prior.log_prob(x[:, None]), dtype=torch.float64).reshape(-1)).numpy()
-        except KeyboardInterrupt:       # a stop is never swallowed
+        except KeyboardInterrupt:  # a stop is never swallowed
             raise
-        except Exception:               # a log_prob that fails on a grid of values: its draws may still serve
+        except Exception:  # a log_prob that fails on a grid of values: its draws may still serve
             y = np.full(points, np.nan)
         if np.isfinite(y).all() and y.max() > 0:
             return [(x.numpy(), y, "density")]
-    generator = torch.Generator().manual_seed(0)     # the same histogram on every redraw
+    generator = torch.Generator().manual_seed(0)  # the same histogram on every redraw
     drawn = torch.as_tensor(prior.sample(CUSTOM_PRIOR_DRAWS, generator), dtype=torch.float64)
     draws = drawn.reshape(CUSTOM_PRIOR_DRAWS, len(problem.names)).numpy()
-    return [marginal_curve(draws[:, j], float(problem.low[j]), float(problem.high[j]), steps[j])
-            for j in range(count)]
+    return [marginal_curve(draws[:, j], float(problem.low[j]), float(problem.high[j]), steps[j]) for j in range(count)]
 
 
 def marginal_curve(values, low, high, step):
@@ -193,7 +218,7 @@ def roc_curve(logits, labels):
     """False- and true-positive rates at every distinct threshold (tied logits form one step)."""
     order = np.argsort(-logits, kind="stable")
     logits, labels = logits[order], labels[order]
-    ends = np.r_[np.flatnonzero(np.diff(logits)), len(logits) - 1]     # last index of each run of equal logits
+    ends = np.r_[np.flatnonzero(np.diff(logits)), len(logits) - 1]  # last index of each run of equal logits
     positives, negatives = labels.sum(), len(labels) - labels.sum()
     tpr = np.concatenate([[0.0], np.cumsum(labels)[ends] / max(positives, 1)])
     fpr = np.concatenate([[0.0], np.cumsum(1 - labels)[ends] / max(negatives, 1)])
@@ -203,7 +228,8 @@ def roc_curve(logits, labels):
 def draw_training(contexts, figure):
     """The trained objective per epoch, training and validation, with the kept epoch, and the test ROC with its
     AUC, per member."""
-    from matplotlib.ticker import MaxNLocator   # matplotlib is there whenever a figure is drawn
+    from matplotlib.ticker import MaxNLocator  # matplotlib is there whenever a figure is drawn
+
     curves, roc = figure.subplots(1, 2)
     styles = member_styles(contexts)
     loss = "BCE"
@@ -212,14 +238,15 @@ def draw_training(contexts, figure):
         colour, style, marker = styles[name]
         history = ctx.model_artifact.json("history")
         epochs = np.arange(1, len(history["train_loss"]) + 1)
-        loss = trainer.objective_name(history)      # train_loss is the objective's; compare it with its own
+        loss = trainer.objective_name(history)  # train_loss is the objective's; compare it with its own
         validation = history.get("validation_objective") or [v["bce"] for v in history["validation"]]
         curves.plot(epochs, history["train_loss"], color=colour, linestyle="-", marker=marker, label=name)
         curves.plot(epochs, validation, color=colour, linestyle="--", marker=marker, fillstyle="none")
         selected = history.get("selected_epoch")
         if selected:
-            curves.plot([selected], [validation[selected - 1]], "*", color=colour, markersize=12,
-                        markeredgecolor="black")
+            curves.plot(
+                [selected], [validation[selected - 1]], "*", color=colour, markersize=12, markeredgecolor="black"
+            )
         predictions = ctx.require("test_predictions")
         logits, labels = predictions.array("logits").reshape(-1), predictions.array("labels").reshape(-1)
         auc = analysis_metrics.classification_metrics(torch.from_numpy(logits), torch.from_numpy(labels))["auc"]
@@ -232,8 +259,13 @@ def draw_training(contexts, figure):
     curves.set(title=f"{loss} per epoch (solid: training, dashed: validation)", xlabel="epoch", ylabel=loss)
     curves.legend(fontsize="small")
     roc.plot([0, 1], [0, 1], ":", color="black", label="chance (AUC 0.5)")
-    roc.set(title="ROC on the held-out test pairs", xlabel="false-positive rate", ylabel="true-positive rate",
-            xlim=(0, 1), ylim=(0, 1.01))
+    roc.set(
+        title="ROC on the held-out test pairs",
+        xlabel="false-positive rate",
+        ylabel="true-positive rate",
+        xlim=(0, 1),
+        ylim=(0, 1.01),
+    )
     roc.legend(fontsize="small", loc="lower right")
     figure.suptitle(f"Training of the members of configuration {configuration_label(contexts[0])}")
 
@@ -264,10 +296,15 @@ def draw_estimate(axis, ctx, j, levels, estimates):
     if len(truths) > MANY_TRUTHS:
         draw_estimate_density(axis, truths[:, j], modes[:, j], lower[:, :, j], upper[:, :, j], levels)
     else:
-        for level in range(len(levels))[::-1]:     # widest first, the narrower on top, darker
-            axis.vlines(truths[:, j], lower[:, level, j], upper[:, level, j], linewidth=2 + 2 * (level == 0),
-                        alpha=0.8 - 0.5 * level / max(len(levels) - 1, 1),
-                        label=f"{levels[level]:g} HPD region (projected)")
+        for level in range(len(levels))[::-1]:  # widest first, the narrower on top, darker
+            axis.vlines(
+                truths[:, j],
+                lower[:, level, j],
+                upper[:, level, j],
+                linewidth=2 + 2 * (level == 0),
+                alpha=0.8 - 0.5 * level / max(len(levels) - 1, 1),
+                label=f"{levels[level]:g} HPD region (projected)",
+            )
         axis.plot(truths[:, j], modes[:, j], ".", color="black", markersize=4, label="mode of the ratio")
     span = [truths[:, j].min(), truths[:, j].max()]
     axis.plot(span, span, ":", color="gray", label="estimate = truth")
@@ -284,10 +321,16 @@ def draw_estimate_density(axis, truth, mode, lower, upper, levels):
     axis.fill_between([], [], [], color="0.35", label="modes of the ratio (2-D histogram: darker, more truths)")
     group, _ = truth_groups(truth)
     centre = group_medians(group, truth)
-    for level in range(len(levels))[::-1]:     # widest first, the narrower on top, darker
-        axis.fill_between(centre, group_medians(group, lower[:, level]), group_medians(group, upper[:, level]),
-                          color="tab:blue", alpha=0.45 - 0.25 * level / max(len(levels) - 1, 1), linewidth=0,
-                          label=f"{levels[level]:g} HPD region (projected), median per truth bin")
+    for level in range(len(levels))[::-1]:  # widest first, the narrower on top, darker
+        axis.fill_between(
+            centre,
+            group_medians(group, lower[:, level]),
+            group_medians(group, upper[:, level]),
+            color="tab:blue",
+            alpha=0.45 - 0.25 * level / max(len(levels) - 1, 1),
+            linewidth=0,
+            label=f"{levels[level]:g} HPD region (projected), median per truth bin",
+        )
     axis.plot(centre, group_medians(group, mode), color="tab:orange", label="median mode per truth bin")
 
 
@@ -309,8 +352,8 @@ def draw_estimates(contexts, figure):
     figure.set_size_inches(figure.get_figwidth(), max(figure.get_figheight(), 2.6 * rows))
     fit_columns(figure, columns)
     axes = list(figure.subplots(rows, columns, squeeze=False).ravel())
-    for axis in axes[len(contexts) * count:]:
-        axis.remove()                   # the last row's empty places
+    for axis in axes[len(contexts) * count :]:
+        axis.remove()  # the last row's empty places
     for i, ctx in enumerate(contexts):
         estimates = ratio_estimates(ctx)
         for j in range(count):
@@ -334,7 +377,7 @@ def draw_bias_width(contexts, figure):
     fit_columns(figure, len(bias_axes))
     styles = member_styles(contexts)
     truths = case_truths(contexts[0])
-    groups = [truth_groups(truths[:, j]) for j in range(len(bias_axes))]     # truths are shared by every member
+    groups = [truth_groups(truths[:, j]) for j in range(len(bias_axes))]  # truths are shared by every member
     for ctx in contexts:
         colour, style, marker = styles[ctx.member["name"]]
         _, modes, lower, upper = ratio_estimates(ctx)
@@ -355,10 +398,14 @@ def draw_bias_width(contexts, figure):
     if any(binned for _, binned in groups):
         bias_axes[-1].fill_between([], [], [], color="gray", alpha=0.2, linewidth=0, label="±2 s.e. of a bin's mean")
     figure_legend(figure, bias_axes)
-    hows = dict.fromkeys(f"bin means: {group.max() + 1} quantile bins of {len(truths)} truths" if binned
-                         else "mean per true value" for group, binned in groups)
-    figure.suptitle(f"Bias and width against the true value, configuration {configuration_label(contexts[0])}\n"
-                    f"(the ratio's mode and its {level:g} HPD region projected; {'; '.join(hows)})")
+    hows = dict.fromkeys(
+        f"bin means: {group.max() + 1} quantile bins of {len(truths)} truths" if binned else "mean per true value"
+        for group, binned in groups
+    )
+    figure.suptitle(
+        f"Bias and width against the true value, configuration {configuration_label(contexts[0])}\n"
+        f"(the ratio's mode and its {level:g} HPD region projected; {'; '.join(hows)})"
+    )
 
 
 def fit_columns(figure, columns):
@@ -404,7 +451,7 @@ def case_density(artifact, target, candidates, case, j=0):
     the mass of the candidates summed over bins of it (about √n bins of n candidates).
     """
     points, log_measure = case_design(artifact, candidates, case)
-    measured = np.isfinite(log_measure)          # refined designs also hold padding and zero-measure probes
+    measured = np.isfinite(log_measure)  # refined designs also hold padding and zero-measure probes
     scores = artifact.array(f"{target}_scores")[case, :-1][measured]
     points, log_measure = points[measured], log_measure[measured]
     log_mass = scores + log_measure - np.logaddexp.reduce(scores + log_measure)
@@ -437,13 +484,15 @@ def draw_diagnostic_cases(ctx, figure):
     for j, name in enumerate(names):
         for case, axis in zip(range(cases), axes[j]):
             draw_case(axis, ctx, sources, candidates, case, j, truths[case, j])
-        axes[j][0].set_ylabel(f"density of {name}")        # "normalised" and "marginal" are in the title
+        axes[j][0].set_ylabel(f"density of {name}")  # "normalised" and "marginal" are in the title
     fit_columns(figure, max(cases, 1))
     if cases:
         figure_legend(figure, [axes[0][0]])
         along = names[0] if not many else "each parameter (rows: marginal densities)"
-        title = (f"Retained cases of {ctx.member['name']}, configuration {configuration_label(ctx)}: "
-                 f"normalised density along {along}")
+        title = (
+            f"Retained cases of {ctx.member['name']}, configuration {configuration_label(ctx)}: "
+            f"normalised density along {along}"
+        )
     else:
         title = f"{ctx.member['name']}: no retained case to draw (inference.diagnostic_cases is 0)"
     figure.suptitle(title)
@@ -470,16 +519,24 @@ def draw_expected_coverage(ctx, figure):
     for target, axis in zip(targets, axes):
         colour = TARGET_STYLES.get(target, {}).get("color")
         curve = report[target]
-        axis.fill_between(levels, curve["lower"], curve["upper"], color=colour, alpha=0.25,
-                          label="95% band (all levels jointly)")
+        axis.fill_between(
+            levels, curve["lower"], curve["upper"], color=colour, alpha=0.25, label="95% band (all levels jointly)"
+        )
         axis.plot(levels, curve["coverage"], color=colour, label="empirical coverage")
         axis.plot([0, 1], [0, 1], ":", color="black", label="calibrated (diagonal)")
-        axis.set(xlim=(0, 1), ylim=(0, 1), aspect="equal", title=TARGET_TITLES.get(target, target),
-                 xlabel="credibility level of the HPD region")
+        axis.set(
+            xlim=(0, 1),
+            ylim=(0, 1),
+            aspect="equal",
+            title=TARGET_TITLES.get(target, target),
+            xlabel="credibility level of the HPD region",
+        )
     axes[0].set_ylabel("share of truths inside the region")
     axes[0].legend(fontsize="small", loc="upper left")
-    figure.suptitle(f"Expected coverage of {ctx.member['name']}, configuration {configuration_label(ctx)}, "
-                    f"over {report['cases']} cases (below the diagonal: overconfident)")
+    figure.suptitle(
+        f"Expected coverage of {ctx.member['name']}, configuration {configuration_label(ctx)}, "
+        f"over {report['cases']} cases (below the diagonal: overconfident)"
+    )
 
 
 def draw_rounds(ctx, figure):
@@ -513,17 +570,28 @@ def draw_rounds(ctx, figure):
                 axis.scatter(samples[:, j], samples[:, i], s=1, color="grey")
                 for row, colour in zip(history, colours):
                     (low, high) = row["box"]
-                    axis.add_patch(_box_patch(low[j], low[i], high[j] - low[j], high[i] - low[i], colour,
-                                              f"round {row['round']}: {100 * row['volume']:.3g}% of the volume"))
+                    axis.add_patch(
+                        _box_patch(
+                            low[j],
+                            low[i],
+                            high[j] - low[j],
+                            high[i] - low[i],
+                            colour,
+                            f"round {row['round']}: {100 * row['volume']:.3g}% of the volume",
+                        )
+                    )
             axis.set_xlabel(names[j] if i == p - 1 else "")
             axis.set_ylabel(names[i] if j == 0 and i > 0 else "")
     if p > 1:
         axes[1][0].legend(fontsize="small", loc="upper right")
-    figure.suptitle(f"Rounds of {ctx.member['name']}: each round's box over the prior's, and x_o's posterior "
-                    f"samples of the last round ({len(samples)} draws)")
+    figure.suptitle(
+        f"Rounds of {ctx.member['name']}: each round's box over the prior's, and x_o's posterior "
+        f"samples of the last round ({len(samples)} draws)"
+    )
 
 
 def _box_patch(x, y, width, height, colour, label):
     """An unfilled rectangle: one round's box on a pair of parameters."""
-    from matplotlib.patches import Rectangle    # matplotlib is optional: only drawing imports it
+    from matplotlib.patches import Rectangle  # matplotlib is optional: only drawing imports it
+
     return Rectangle((x, y), width, height, fill=False, edgecolor=colour, linewidth=1.2, label=label)

@@ -18,8 +18,9 @@ prior of `cohort.priors` times `cohort.replicas`), the bundled prior families by
 (`custom_priors = {"name": object}` on the class), the training data (every simulation a
 joint pair, re-paired with other rows' θ in every batch: contrast.py), the network
 (networks.py, inputs standardised on the training data unless `model.standardize` is
-False; a study's own embedding network for x in front of it, `Study.embedding`), training through the bundled trainer with a measured default recipe
-(`KIT_MODEL`, `KIT_TRAINING`; docs/training.md), and the whole analysis (nre_analysis.py).
+False; a study's own embedding network for x in front of it, `Study.embedding`), training
+through the bundled trainer with a measured default recipe (`KIT_MODEL`, `KIT_TRAINING`;
+docs/training.md), and the whole analysis (nre_analysis.py).
 docs/extending.md walks through a complete example.
 
 Training settings sections: `data` (`train`, `validation`; `test` defaults to validation's size), and
@@ -27,6 +28,7 @@ optionally `cohort` and `priors` (without them `KIT_COHORT`, `KIT_PRIORS`: one m
 the box), `model` (the whole network; without it `KIT_MODEL`), `training` (the keys it names replace
 `KIT_TRAINING`'s) and a `problem` of the study's own (`self.settings["problem"]`, part of every key).
 """
+
 import hashlib
 import math
 import sys
@@ -41,35 +43,46 @@ import torch
 
 import contrast
 import networks
+import output_root
 import posterior
 import priors
-import output_root
 import rounds
 import runtime
+import study
 import trainer
 from settings import SettingsError, integer, known_keys, name_list, number, one_of, require
-import study
 from store import canonical_json, irregular_file, read_npy
 from study import Experiment, Json, Member, PriorContract, ProblemContract
 
 __all__ = [
-    "SPLITS", "SIMULATION_CHUNK", "KIT_MODEL", "KIT_TRAINING", "KIT_COHORT", "KIT_PRIORS", "with_kit_defaults",
-    "DataSettings", "Problem", "sample_joint", "sample_pairs", "sample_training_data", "Study",
+    "SPLITS",
+    "SIMULATION_CHUNK",
+    "KIT_MODEL",
+    "KIT_TRAINING",
+    "KIT_COHORT",
+    "KIT_PRIORS",
+    "with_kit_defaults",
+    "DataSettings",
+    "Problem",
+    "sample_joint",
+    "sample_pairs",
+    "sample_training_data",
+    "Study",
 ]
 
 SPLITS = ("train", "validation", "test")
 # Rows plan simulates to check a simulator: a shape or type that changes with n shows on more
 # than two (docs/extending.md, the simulator's contract).
 CHECK_ROWS = 16
-SIMULATION_CHUNK = 4096     # simulations per simulator call: progress between calls, and bounded memory
+SIMULATION_CHUNK = 4096  # simulations per simulator call: progress between calls, and bounded memory
 MAX_ROWS = 10**9
 # "batch": data.* count simulations, each a joint pair re-paired in every batch (contrast.py);
 # "fixed": the earlier meaning, half joint and half product pairs, each a simulation, fixed for every epoch.
 PAIRINGS = ("batch", "fixed")
 NPY_MAGIC = b"\x93NUMPY"
-FLOAT32_MAX = float(np.finfo(np.float32).max)   # x and θ train as float32: beyond it they become inf
-BOX_DRAWS = 20_000          # prior draws plan checks against the parameter box
-BOX_MASS_WARNING = 0.001    # the share outside the box above which plan warns (a prior's draws, a bank's θ)
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # x and θ train as float32: beyond it they become inf
+BOX_DRAWS = 20_000  # prior draws plan checks against the parameter box
+BOX_MASS_WARNING = 0.001  # the share outside the box above which plan warns (a prior's draws, a bank's θ)
 # A bank with more than this share of its θ outside the box is refused: the network would
 # then train mostly where no posterior is computed; for banks, see
 # docs/training.md, "What `data` counts: simulations, each a joint pair used twice".
@@ -79,20 +92,31 @@ DATA_KEYS = SPLITS + ("pairing", "bank", "invalid")
 
 class DataSettings(TypedDict):
     """The kit's `data` section as the code reads it (check_cohort checks it): mypy names a misspelt key."""
-    train: int                      # simulator calls per split
+
+    train: int  # simulator calls per split
     validation: int
-    test: int                       # with_kit_defaults fills it: as many as validation
-    pairing: NotRequired[str]       # "batch" (the default) or "fixed"
-    invalid: NotRequired[str]       # "error" (the default) or "drop"
-    bank: NotRequired[Any]          # a .npz of simulations in place of the simulator, or None
+    test: int  # with_kit_defaults fills it: as many as validation
+    pairing: NotRequired[str]  # "batch" (the default) or "fixed"
+    invalid: NotRequired[str]  # "error" (the default) or "drop"
+    bank: NotRequired[Any]  # a .npz of simulations in place of the simulator, or None
+
+
 # data.invalid: what a simulation with a NaN or infinite number does, "error" (the sampling
 # fails, naming the share and a θ) or "drop" (the others are kept; data.* still count calls).
 INVALID = ("error", "drop")
 # The network and training a study gets when it writes no `model` / `training` section: chosen
 # on the posterior-quality benchmark (bench/bench_posterior_quality.py; docs/training.md).
 KIT_MODEL = {"kind": "residual", "width": 50, "blocks": 2, "activation": "relu"}
-KIT_TRAINING = {"objective": "contrastive", "classes": 10, "gamma": 1.0, "selection": "objective",
-                "batch_size": 200, "learning_rate": 5e-4, "epochs": 500, "patience": 20}
+KIT_TRAINING = {
+    "objective": "contrastive",
+    "classes": 10,
+    "gamma": 1.0,
+    "selection": "objective",
+    "batch_size": 200,
+    "learning_rate": 5e-4,
+    "epochs": 500,
+    "patience": 20,
+}
 # The cohort a study gets when it writes no `cohort` / `priors` section: one member, a uniform prior over the box.
 KIT_COHORT = {"priors": ["uniform"], "replicas": 1}
 KIT_PRIORS = {"uniform": {"family": "uniform"}}
@@ -111,8 +135,10 @@ class Problem:
     def __init__(self, parameters, simulate, log_likelihood, where, dimension=None):
         """Check the declared parameters and find the observation's dimension by one simulation (or take it)."""
         if not isinstance(parameters, dict) or not parameters:
-            raise SettingsError(f"{where}.parameters: declare the parameters as {{name: (low, high)}} "
-                                "or {name: (low, high, lattice step)}")
+            raise SettingsError(
+                f"{where}.parameters: declare the parameters as {{name: (low, high)}} "
+                "or {name: (low, high, lattice step)}"
+            )
         self._parameters = {name: parameter_values(name, value, where) for name, value in parameters.items()}
         self.names = list(self._parameters)
         self.parameter_count = len(self.names)
@@ -125,8 +151,9 @@ class Problem:
         self.log_likelihood = log_likelihood
         found = None if simulate is None else observation_dimension(self.simulate, (self.low + self.high) / 2, where)
         if None not in (found, dimension) and found != dimension:
-            raise SettingsError(f"data.bank: its x has {dimension} numbers per row where {where}.simulate returns "
-                                f"{found}")
+            raise SettingsError(
+                f"data.bank: its x has {dimension} numbers per row where {where}.simulate returns {found}"
+            )
         self.dimension = found or dimension
 
     def checked_simulate(self, theta, generator):
@@ -160,8 +187,15 @@ def parameter_values(name, value, where):
     if not high > low:
         raise SettingsError(f"{path}: high ({high:g}) must be above low ({low:g})")
     width = high - low
-    values = {"low": low, "high": high, "normal_mean": (low + high) / 2, "normal_std": width / 4,
-              "exponential_rate": 1 / width, "grid_step": None, **value}
+    values = {
+        "low": low,
+        "high": high,
+        "normal_mean": (low + high) / 2,
+        "normal_std": width / 4,
+        "exponential_rate": 1 / width,
+        "grid_step": None,
+        **value,
+    }
     number(values["normal_mean"], f"{path}.normal_mean")
     number(values["normal_std"], f"{path}.normal_std", 0, math.inf, low_open=True)
     number(values["exponential_rate"], f"{path}.exponential_rate")
@@ -179,15 +213,19 @@ def observation_dimension(simulate, theta, where):
     """
     rows = theta.expand(CHECK_ROWS, -1).clone()
     if not follows_its_generator(lambda generator: simulate(rows, generator)):
-        raise SettingsError(f"{where}.simulate: two calls with generators of the same seed gave different "
-                            "observations; draw every random number from the `generator` argument (for a simulator "
-                            "on torch's or numpy's global stream, see "
-                            'docs/extending.md, "Simulators on a global stream")')
+        raise SettingsError(
+            f"{where}.simulate: two calls with generators of the same seed gave different "
+            "observations; draw every random number from the `generator` argument (for a simulator "
+            "on torch's or numpy's global stream, see "
+            'docs/extending.md, "Simulators on a global stream")'
+        )
     dimension = int(simulate(rows, torch.Generator().manual_seed(0)).shape[1])
-    one = simulate(rows[:1], torch.Generator().manual_seed(0))     # an analysis may simulate one row at a time
+    one = simulate(rows[:1], torch.Generator().manual_seed(0))  # an analysis may simulate one row at a time
     if one.shape[1] != dimension:
-        raise SettingsError(f"{where}.simulate: returned {dimension} numbers per row for {CHECK_ROWS} rows but "
-                            f"{one.shape[1]} for 1; return the same observation width d for any number of rows")
+        raise SettingsError(
+            f"{where}.simulate: returned {dimension} numbers per row for {CHECK_ROWS} rows but "
+            f"{one.shape[1]} for 1; return the same observation width d for any number of rows"
+        )
     return dimension
 
 
@@ -221,14 +259,18 @@ def check_custom_prior(prior, name, kind):
     if not bool(torch.isfinite(draws).all()):
         raise SettingsError(f"{where}: sample() drew NaN or infinite θ; draw finite parameters")
     if not follows_its_generator(lambda generator: prior.sample(CHECK_ROWS, generator)):
-        raise SettingsError(f"{where}: two sample() calls with generators of the same seed drew different θ; draw "
-                            "every random number from the `generator` argument "
-                            '(docs/extending.md, "The kit\'s declarations")')
+        raise SettingsError(
+            f"{where}: two sample() calls with generators of the same seed drew different θ; draw "
+            "every random number from the `generator` argument "
+            '(docs/extending.md, "The kit\'s declarations")'
+        )
     try:
         canonical_json(prior.describe())
     except (TypeError, ValueError) as error:
-        raise SettingsError(f"{where}: describe() returned a value JSON cannot hold ({error}); return a dict of "
-                            "numbers, strings, lists and dicts") from None
+        raise SettingsError(
+            f"{where}: describe() returned a value JSON cannot hold ({error}); return a dict of "
+            "numbers, strings, lists and dicts"
+        ) from None
 
 
 def checked_simulation(simulate, theta, generator, where, dimension=None):
@@ -238,17 +280,28 @@ def checked_simulation(simulate, theta, generator, where, dimension=None):
     x = simulate(theta, generator)
     n = len(theta)
     if not same_values(theta, kept):
-        raise SettingsError(f"{where}.simulate changed its θ argument in place; work on a copy (theta = "
-                            "theta.clone()), since the same θ become the training pairs")
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.shape[0] != n or x.shape[1] == 0 \
-            or dimension not in (None, x.shape[1]):
+        raise SettingsError(
+            f"{where}.simulate changed its θ argument in place; work on a copy (theta = "
+            "theta.clone()), since the same θ become the training pairs"
+        )
+    if (
+        not isinstance(x, torch.Tensor)
+        or x.dim() != 2
+        or x.shape[0] != n
+        or x.shape[1] == 0
+        or dimension not in (None, x.shape[1])
+    ):
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         width = "d" if dimension is None else str(dimension)
-        raise SettingsError(f"{where}.simulate: for {n} parameter rows it returned {shape}; it must return a tensor "
-                            f"({n}, {width}), one observation of {width} numbers per row, for any n")
-    if x.is_complex():      # .to(float32) would keep the real part alone, with only a warning
-        raise SettingsError(f"{where}.simulate: returned {x.dtype} values; return real numbers (for a complex "
-                            "signal, its real and imaginary parts side by side: torch.view_as_real(x).flatten(1))")
+        raise SettingsError(
+            f"{where}.simulate: for {n} parameter rows it returned {shape}; it must return a tensor "
+            f"({n}, {width}), one observation of {width} numbers per row, for any n"
+        )
+    if x.is_complex():  # .to(float32) would keep the real part alone, with only a warning
+        raise SettingsError(
+            f"{where}.simulate: returned {x.dtype} values; return real numbers (for a complex "
+            "signal, its real and imaginary parts side by side: torch.view_as_real(x).flatten(1))"
+        )
     return x
 
 
@@ -263,14 +316,17 @@ def simulate_split(problem, prior, rows, seed, split):
     """A split's joint simulations, SIMULATION_CHUNK rows per simulator call, each chunk from its own
     stream (the first from the split's), with progress reported between calls."""
     parts = []
-    study.report_progress(f"data.{split}", 0, rows)       # the clock of its rate starts here
+    study.report_progress(f"data.{split}", 0, rows)  # the clock of its rate starts here
     for chunk, start in enumerate(range(0, rows, SIMULATION_CHUNK)):
         labels = ("split", split) if chunk == 0 else ("split", split, "chunk", chunk)
-        parts.append(sample_joint(problem, prior, min(SIMULATION_CHUNK, rows - start),
-                                  runtime.seeded_generator(seed, *labels)))
-        if not bool(torch.isfinite(parts[-1][1]).all()):      # not the simulator's failure: the prior's
-            raise SettingsError(f"data.{split}: the prior ({type(getattr(prior, 'prior', prior)).__name__}) drew NaN "
-                                "or infinite θ; fix its sample() to draw finite parameters")
+        parts.append(
+            sample_joint(problem, prior, min(SIMULATION_CHUNK, rows - start), runtime.seeded_generator(seed, *labels))
+        )
+        if not bool(torch.isfinite(parts[-1][1]).all()):  # not the simulator's failure: the prior's
+            raise SettingsError(
+                f"data.{split}: the prior ({type(getattr(prior, 'prior', prior)).__name__}) drew NaN "
+                "or infinite θ; fix its sample() to draw finite parameters"
+            )
         study.report_progress(f"data.{split}", start + len(parts[-1][0]), rows)
     return torch.cat([x for x, _ in parts]), torch.cat([theta for _, theta in parts])
 
@@ -307,7 +363,7 @@ def sample_training_data(problem, prior, data_settings: DataSettings, seed, bank
         rows = check_rows(require(data_settings, split, "data"), f"data.{split}", pairing)
         if bank is not None or pairing == "batch":
             if bank is not None:
-                x, theta = (torch.as_tensor(a[used:used + rows]).to(torch.float32) for a in bank)
+                x, theta = (torch.as_tensor(a[used : used + rows]).to(torch.float32) for a in bank)
                 used += rows
             else:
                 x, theta = simulate_split(problem, prior, rows, seed, split)
@@ -318,7 +374,7 @@ def sample_training_data(problem, prior, data_settings: DataSettings, seed, bank
             inputs, labels = sample_pairs(problem, prior, rows, runtime.seeded_generator(seed, "split", split))
             arrays[f"{split}_inputs"], arrays[f"{split}_labels"] = inputs.numpy(), labels.numpy()
     if any(dropped):
-        arrays["dropped_simulations"] = np.array(dropped, dtype=np.int64)     # per split, in SPLITS' order
+        arrays["dropped_simulations"] = np.array(dropped, dtype=np.int64)  # per split, in SPLITS' order
     return arrays
 
 
@@ -328,22 +384,28 @@ def valid_simulations(x, theta, path, policy):
     count = int(invalid.sum())
     if not count:
         return x, theta
-    line = (f"{path}: {count:,} of {len(x):,} simulations ({count / len(x):.2%}) returned NaN or infinite values, "
-            f"e.g. at θ = {[round(v, 6) for v in theta[invalid][0].tolist()]}")
+    line = (
+        f"{path}: {count:,} of {len(x):,} simulations ({count / len(x):.2%}) returned NaN or infinite values, "
+        f"e.g. at θ = {[round(v, 6) for v in theta[invalid][0].tolist()]}"
+    )
     if policy == "error":
-        raise ValueError(f"{line}; fix the simulator there, or set data.invalid = \"drop\" to train on the others "
-                         "(data.* still count every simulator call)")
-    if count > len(x) - 2:      # "drop" is set already: there is nothing left to train on
-        raise ValueError(f"{line}, leaving {len(x) - count} (at least 2 needed); fix the simulator there, or narrow "
-                         "the parameter box or the prior to where it works")
-    warnings.warn(f"{line}: dropped (data.invalid = \"drop\")", stacklevel=2)
+        raise ValueError(
+            f'{line}; fix the simulator there, or set data.invalid = "drop" to train on the others '
+            "(data.* still count every simulator call)"
+        )
+    if count > len(x) - 2:  # "drop" is set already: there is nothing left to train on
+        raise ValueError(
+            f"{line}, leaving {len(x) - count} (at least 2 needed); fix the simulator there, or narrow "
+            "the parameter box or the prior to where it works"
+        )
+    warnings.warn(f'{line}: dropped (data.invalid = "drop")', stacklevel=2)
     return x[~invalid], theta[~invalid]
 
 
 def check_rows(rows, path, pairing="fixed"):
     """Split sizes: at least two simulations, and even for fixed pairs (half joint, half product)."""
     if integer(rows, path, 2, MAX_ROWS) % 2 and pairing == "fixed":
-        raise SettingsError(f"{path}: expected a positive even number of rows for data.pairing \"fixed\", got {rows!r}")
+        raise SettingsError(f'{path}: expected a positive even number of rows for data.pairing "fixed", got {rows!r}')
     return rows
 
 
@@ -359,16 +421,22 @@ def read_bank(spec, parameters, where="data.bank"):
     elif isinstance(spec, dict) and set(spec) == {"x", "theta"} and all(isinstance(v, str) for v in spec.values()):
         x, theta = (bank_arrays(spec[name], f"{where}.{name}", None)[0] for name in ("x", "theta"))
     else:
-        raise SettingsError(f'{where}: expected "bank.npz" (arrays "x" and "theta") or '
-                            f'{{"x": "x.npy", "theta": "theta.npy"}}, got {spec!r}')
+        raise SettingsError(
+            f'{where}: expected "bank.npz" (arrays "x" and "theta") or '
+            f'{{"x": "x.npy", "theta": "theta.npy"}}, got {spec!r}'
+        )
     # Non-finite x are the simulator's invalid simulations, for data.invalid to decide; θ must be finite.
     if x.ndim != 2 or x.shape[1] == 0 or theta.shape != (x.shape[0], parameters) or not np.isfinite(theta).all():
-        raise SettingsError(f"{where}: x {x.shape} and theta {theta.shape} must be real numbers (θ finite) of shapes "
-                            f"(n, d) and (n, {parameters}), d ≥ 1, one simulation per row")
+        raise SettingsError(
+            f"{where}: x {x.shape} and theta {theta.shape} must be real numbers (θ finite) of shapes "
+            f"(n, d) and (n, {parameters}), d ≥ 1, one simulation per row"
+        )
     for name, array in (("x", x), ("theta", theta)):
         if (np.abs(array[np.isfinite(array)]) > FLOAT32_MAX).any():
-            raise SettingsError(f"{where}: its {name} holds finite values beyond float32's range "
-                                f"(±{FLOAT32_MAX:.3g}), which the network would read as infinite; rescale them")
+            raise SettingsError(
+                f"{where}: its {name} holds finite values beyond float32's range "
+                f"(±{FLOAT32_MAX:.3g}), which the network would read as infinite; rescale them"
+            )
     return x.astype(np.float64), theta.astype(np.float64)
 
 
@@ -384,16 +452,21 @@ def bank_arrays(path, where, members):
         with open(path, "rb") as stream:
             single = stream.read(len(NPY_MAGIC)) == NPY_MAGIC
             if single != (members is None):
-                raise ValueError("one array of a .npy file, not an .npz archive of x and theta" if single
-                                 else "not a .npy file of one array")
+                raise ValueError(
+                    "one array of a .npy file, not an .npz archive of x and theta"
+                    if single
+                    else "not a .npy file of one array"
+                )
             stream.seek(0)
             if members is None:
                 return [read_npy(stream)]
             with zipfile.ZipFile(stream) as archive:
                 return [npz_member(archive, name) for name in members]
     except (OSError, ValueError, EOFError, zipfile.BadZipFile, zlib.error) as error:
-        raise SettingsError(f'{where}: cannot read {path} as a bank ({error}); save one with numpy.savez(path, x=x, '
-                            'theta=theta), or name {"x": "x.npy", "theta": "theta.npy"}') from None
+        raise SettingsError(
+            f"{where}: cannot read {path} as a bank ({error}); save one with numpy.savez(path, x=x, "
+            'theta=theta), or name {"x": "x.npy", "theta": "theta.npy"}'
+        ) from None
 
 
 def npz_member(archive, name):
@@ -443,14 +516,17 @@ def check_cohort(settings, prior_objects):
     for i, name in enumerate(names):
         if name not in defined and name not in prior_objects:
             known = sorted(map(str, defined)) + sorted(prior_objects)
-            raise SettingsError(f"cohort.priors[{i}]: {name!r} is not defined in priors "
-                                f"(defined: {', '.join(known) or 'none'})")
+            raise SettingsError(
+                f"cohort.priors[{i}]: {name!r} is not defined in priors (defined: {', '.join(known) or 'none'})"
+            )
     data = require(settings, "data", "settings")
     known_keys(data, DATA_KEYS, "data")
     pairing = data.get("pairing", "batch")
     if not isinstance(pairing, str) or pairing not in PAIRINGS:
-        raise SettingsError(f'data.pairing: {pairing!r} is not valid; use "batch" (every simulation a joint pair, '
-                            're-paired in every batch) or "fixed" (half joint, half product pairs, as before)')
+        raise SettingsError(
+            f'data.pairing: {pairing!r} is not valid; use "batch" (every simulation a joint pair, '
+            're-paired in every batch) or "fixed" (half joint, half product pairs, as before)'
+        )
     for split in SPLITS:
         check_rows(require(data, split, "data"), f"data.{split}", pairing)
     one_of(data.get("invalid", "error"), INVALID, "data.invalid")
@@ -461,14 +537,17 @@ def check_cohort(settings, prior_objects):
 def check_contrastive(training, data: DataSettings):
     """The contrastive objective's needs: joint simulations, and batches with `classes` other rows for atoms."""
     if data.get("pairing", "batch") == "fixed":
-        raise SettingsError('training.objective "contrastive" re-pairs joint simulations: it needs data.pairing '
-                            '"batch"')
+        raise SettingsError(
+            'training.objective "contrastive" re-pairs joint simulations: it needs data.pairing "batch"'
+        )
     # Each row's `classes` atoms are other rows of its batch: fewer than classes + 1 rows repeat them.
     batch, path = min((training["batch_size"], "training.batch_size"), (data["train"], "data.train"))
     if batch < training["classes"] + 1:
-        raise SettingsError(f"{path}: {batch} rows per batch, fewer than training.classes + 1 = "
-                            f"{training['classes'] + 1} (each row's atoms are other rows of its batch); raise "
-                            f"{path} or lower training.classes")
+        raise SettingsError(
+            f"{path}: {batch} rows per batch, fewer than training.classes + 1 = "
+            f"{training['classes'] + 1} (each row's atoms are other rows of its batch); raise "
+            f"{path} or lower training.classes"
+        )
 
 
 def member_round(member: Member) -> tuple[object, ...]:
@@ -479,10 +558,12 @@ def member_round(member: Member) -> tuple[object, ...]:
 class Study(Experiment):
     """The training side of a ratio-estimator study, derived from its science (see the module's docstring)."""
 
-    parameters: dict[str, Any] | None = None        # name -> (low, high), (low, high, lattice step) or a dict of priors.PARAMETER_KEYS
-    custom_priors: dict[str, Any] = {}       # a study's own prior objects by name, beside the bundled families in settings
-    standardize = True       # model.standardize when the settings leave it out
-    log_likelihood: Any = None    # define log_likelihood(self, x, theta) for the exact target
+    parameters: dict[str, Any] | None = (
+        None  # name -> (low, high), (low, high, lattice step) or a dict of priors.PARAMETER_KEYS
+    )
+    custom_priors: dict[str, Any] = {}  # a study's own prior objects by name, beside the bundled families in settings
+    standardize = True  # model.standardize when the settings leave it out
+    log_likelihood: Any = None  # define log_likelihood(self, x, theta) for the exact target
     SECTIONS: tuple[str, ...] = ("data",)
     OPTIONAL_SECTIONS: tuple[str, ...] = ("cohort", "priors", "problem", "model", "training", "rounds")
     DATA_SOURCES: tuple[object, ...] = (priors, sample_training_data, sample_joint, runtime.derived_seed)
@@ -490,9 +571,9 @@ class Study(Experiment):
 
     def __init__(self, settings: dict[str, Any]) -> None:
         self.settings = with_kit_defaults(settings)
-        self._problem: Any = None              # make_problem's, built once
+        self._problem: Any = None  # make_problem's, built once
         self._bank: tuple[np.ndarray, np.ndarray] | None = None
-        self.round_data: dict[str, dict[str, np.ndarray]] = {}     # a round's simulations, for the next (rounds.py)
+        self.round_data: dict[str, dict[str, np.ndarray]] = {}  # a round's simulations, for the next (rounds.py)
 
     @property
     def data_settings(self) -> DataSettings:
@@ -513,7 +594,7 @@ class Study(Experiment):
         check_cohort(self.settings, self.custom_priors)
         self.problem()
         self.check_rounds()
-        for member in self.members()[:len(self.settings["cohort"]["priors"])]:
+        for member in self.members()[: len(self.settings["cohort"]["priors"])]:
             prior = self.prior(member)
             if isinstance(prior, priors.CustomPrior):
                 check_custom_prior(prior, member["prior"], type(self.custom_priors[member["prior"]]).__name__)
@@ -522,12 +603,14 @@ class Study(Experiment):
             data = self.data_settings
             rows = data["train"] + data["validation"] + data["test"]
             if rows > len(bank[0]):
-                raise SettingsError(f"data.bank: holds {len(bank[0])} simulations; data.train + validation + "
-                                    f"test ask for {rows}")
+                raise SettingsError(
+                    f"data.bank: holds {len(bank[0])} simulations; data.train + validation + test ask for {rows}"
+                )
             share, line = self.bank_outside(bank[1])
             if share > BANK_OUTSIDE_LIMIT:
-                raise SettingsError(line + "; widen `parameters` to the bank's θ, or give the "
-                                    "bank's rows inside the box")
+                raise SettingsError(
+                    line + "; widen `parameters` to the bank's θ, or give the bank's rows inside the box"
+                )
         networks.check_model_settings(self.model_settings())
         self.embedding_recipe()
         training = trainer.check_training_settings(self.training_settings())
@@ -539,8 +622,10 @@ class Study(Experiment):
         section = rounds.rounds_settings(self.settings)
         if section is not None:
             if self.settings["data"].get("bank") is not None:
-                raise SettingsError("rounds: a bank's simulations come from the whole prior, not a round's box; "
-                                    'remove data.bank or the rounds section (docs/rounds.md, "Settings")')
+                raise SettingsError(
+                    "rounds: a bank's simulations come from the whole prior, not a round's box; "
+                    'remove data.bank or the rounds section (docs/rounds.md, "Settings")'
+                )
             rounds.read_observation(section["observation"], self.problem().dimension)
 
     def next_round(self, member: Member, tools: Any) -> Member | None:
@@ -573,24 +658,36 @@ class Study(Experiment):
         share = float(outside.double().mean())
         if not share:
             return 0.0, ""
-        return share, (f"data.bank: {share:.1%} of its θ rows lie outside the parameter box (e.g. θ = "
-                       f"{[round(v, 4) for v in theta[outside][0].tolist()]}), where no posterior is computed")
+        return share, (
+            f"data.bank: {share:.1%} of its θ rows lie outside the parameter box (e.g. θ = "
+            f"{[round(v, 4) for v in theta[outside][0].tolist()]}), where no posterior is computed"
+        )
 
     def members(self) -> list[Member]:
         """The cohort: every prior in `cohort.priors` times `cohort.replicas`."""
         cohort = self.settings["cohort"]
-        return [{"name": f"{prior}-r{replica}", "prior": prior, "replica": replica}
-                for replica in range(cohort["replicas"]) for prior in cohort["priors"]]
+        return [
+            {"name": f"{prior}-r{replica}", "prior": prior, "replica": replica}
+            for replica in range(cohort["replicas"])
+            for prior in cohort["priors"]
+        ]
 
     def make_problem(self) -> Any:
         """The problem from the declared parameters, simulate and log_likelihood."""
         simulates = type(self).simulate is not Study.simulate
         bank = self.bank()
         if not simulates and bank is None:
-            raise SettingsError(f"{type(self).__name__} must define simulate(theta, generator), or train on "
-                                "simulations it already has (data.bank)")
-        return Problem(self.parameters, self.simulate if simulates else None, self.log_likelihood,
-                       type(self).__name__, None if bank is None else bank[0].shape[1])
+            raise SettingsError(
+                f"{type(self).__name__} must define simulate(theta, generator), or train on "
+                "simulations it already has (data.bank)"
+            )
+        return Problem(
+            self.parameters,
+            self.simulate if simulates else None,
+            self.log_likelihood,
+            type(self).__name__,
+            None if bank is None else bank[0].shape[1],
+        )
 
     def problem(self, member: Member | None = None) -> ProblemContract:
         """The simulator and its parameters, built once; a later round's member sees them inside its box."""
@@ -607,7 +704,7 @@ class Study(Experiment):
     def prior(self, member: Member) -> PriorContract:
         """The member's training prior: a bundled family from `priors`, or the study's own object."""
         name = member["prior"]
-        if "box" in member:                 # a later round's: the member's prior cut to the round's box
+        if "box" in member:  # a later round's: the member's prior cut to the round's box
             return rounds.cut_prior(self, member)
         if name in self.custom_priors and name not in self.settings["priors"]:
             return priors.CustomPrior(self.custom_priors[name], self.problem().names)
@@ -616,7 +713,7 @@ class Study(Experiment):
     def prior_recipe(self, member: Member) -> Json:
         """What the member's prior depends on: its settings, or the object's description."""
         name = member["prior"]
-        if "box" in member:                 # a later round's: its member's prior, cut
+        if "box" in member:  # a later round's: its member's prior, cut
             return {"cut": self.prior_recipe(rounds.base_member(member)), "box": member["box"]}
         if name in self.custom_priors and name not in self.settings["priors"]:
             return {"object": self.prior(member).describe()}
@@ -632,8 +729,14 @@ class Study(Experiment):
         data = dict(self.settings["data"])
         if self.bank() is not None:
             data["bank"] = {"sha256": bank_digest(self.bank())}
-        return {"problem": self.problem_recipe(), "prior": self.prior_recipe(member), "data": data,
-                "seed": self.settings["seed"], "member": member["name"], **rounds.round_recipe(member)}
+        return {
+            "problem": self.problem_recipe(),
+            "prior": self.prior_recipe(member),
+            "data": data,
+            "seed": self.settings["seed"],
+            "member": member["name"],
+            **rounds.round_recipe(member),
+        }
 
     def sample_data(self, member: Member) -> dict[str, np.ndarray]:
         """Train/validation/test simulations under the member's prior (or the bank's), see sample_training_data."""
@@ -643,11 +746,16 @@ class Study(Experiment):
 
     def model_recipe(self, member: Member) -> Json:
         """The settings the member's model depends on (besides its data key and the backend)."""
-        recipe = {"model": self.model_settings(), "training": self.training_settings(),
-                  "seed": self.settings["seed"], "member": member["name"], "input_size": self.input_size(),
-                  **rounds.round_recipe(member)}
+        recipe = {
+            "model": self.model_settings(),
+            "training": self.training_settings(),
+            "seed": self.settings["seed"],
+            "member": member["name"],
+            "input_size": self.input_size(),
+            **rounds.round_recipe(member),
+        }
         embedding = self.embedding_recipe()
-        if embedding is not None:        # only then: the model keys of studies without one stay as they were
+        if embedding is not None:  # only then: the model keys of studies without one stay as they were
             recipe["embedding"] = embedding
         return recipe
 
@@ -660,25 +768,29 @@ class Study(Experiment):
 
     def embedding_recipe(self) -> Json:
         """What the model key records of the embedding: its repr and feature width (None without one)."""
-        with torch.random.fork_rng(devices=[]):          # building it must not move torch's global stream
+        with torch.random.fork_rng(devices=[]):  # building it must not move torch's global stream
             embedding = self.embedding()
         if embedding is None:
             return None
         where = f"{type(self).__name__}.embedding()"
-        return {"network": repr(embedding),
-                "features": networks.embedding_features(embedding, self.problem().dimension, where)}
+        return {
+            "network": repr(embedding),
+            "features": networks.embedding_features(embedding, self.problem().dimension, where),
+        }
 
     def build_model(self, member: Member) -> torch.nn.Module:
         """A freshly initialised network (the embedding, then the classifier), identical for a given seed and member."""
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(runtime.derived_seed(self.settings["seed"], "init", member["name"]))
-            return networks.build_network(self.model_settings(), self.input_size(), self.standardize,
-                                          self.embedding(), self.problem().dimension)
+            return networks.build_network(
+                self.model_settings(), self.input_size(), self.standardize, self.embedding(), self.problem().dimension
+            )
 
-    def train(self, member: Member, model: torch.nn.Module, data: Any, rt: runtime.Runtime,
-              hooks: Any = None) -> tuple[dict[str, torch.Tensor], Any]:
+    def train(
+        self, member: Member, model: torch.nn.Module, data: Any, rt: runtime.Runtime, hooks: Any = None
+    ) -> tuple[dict[str, torch.Tensor], Any]:
         """Fit the input standardisation, then train with the bundled trainer; returns (state dict, history)."""
-        tensors = trainer.training_tensors(data)          # read once, for the fit and the training
+        tensors = trainer.training_tensors(data)  # read once, for the fit and the training
         if "train_x" in tensors:
             inputs = torch.cat([tensors["train_x"], tensors["train_theta"]], dim=1)
         else:
@@ -693,14 +805,23 @@ class Study(Experiment):
         count = (rounds.rounds_settings(self.settings) or {"count": 1})["count"]
         return {**super().workload(member), "training_examples": self.data_settings["train"] * epochs * count}
 
-    def posterior(self, member: Member, model: torch.nn.Module, analysis_settings: dict[str, Any], observations: Any,
-                  truth: Any = None, device: str | torch.device = "cpu", case: int = 0) -> Any:
+    def posterior(
+        self,
+        member: Member,
+        model: torch.nn.Module,
+        analysis_settings: dict[str, Any],
+        observations: Any,
+        truth: Any = None,
+        device: str | torch.device = "cpu",
+        case: int = 0,
+    ) -> Any:
         """The member's posterior for an observation, from its trained `model` (see posterior.py)."""
-        learned = posterior.Learned(self.problem(member), self.prior(member), model, analysis_settings,
-                                    self.settings["seed"])
+        learned = posterior.Learned(
+            self.problem(member), self.prior(member), model, analysis_settings, self.settings["seed"]
+        )
         found = posterior.for_observation(learned, observations, truth=truth, device=device, case=case)
         outside = rounds.outside_warning(member, observations)
-        if outside:                     # a posterior warning: infer prints it as a line of its own
+        if outside:  # a posterior warning: infer prints it as a line of its own
             found.warnings.append(outside)
             warnings.warn(outside, posterior.PosteriorWarning, stacklevel=2)
         return found
@@ -710,8 +831,10 @@ class Study(Experiment):
         meaning, a build_model of the study's own that drops the input standardisation."""
         bank = self.bank()
         share, line = (0.0, "") if bank is None else self.bank_outside(bank[1])
-        fix = "; widen `parameters` until it holds them " \
-              '(docs/training.md, "What `data` counts: simulations, each a joint pair used twice")'
+        fix = (
+            "; widen `parameters` until it holds them "
+            '(docs/training.md, "What `data` counts: simulations, each a joint pair used twice")'
+        )
         outside = [line + fix] * (share > BOX_MASS_WARNING)
         return outside + self.box_warnings() + self.pairing_warnings() + self.network_warnings()
 
@@ -721,17 +844,20 @@ class Study(Experiment):
         Study.train fits the standardisation only of a networks.Standardized; any other network
         would see raw x and θ while `model.standardize` says otherwise (docs/extending.md).
         """
-        if type(self).build_model is Study.build_model or \
-                not self.model_settings().get("standardize", self.standardize):
+        if type(self).build_model is Study.build_model or not self.model_settings().get(
+            "standardize", self.standardize
+        ):
             return []
-        with torch.random.fork_rng(devices=[]):          # an override may seed torch's global stream
+        with torch.random.fork_rng(devices=[]):  # an override may seed torch's global stream
             model = self.build_model(self.members()[0])
         if isinstance(model, networks.Standardized):
             return []
-        return [f"{type(self).__name__}.build_model returns a network without input standardisation (not a "
-                "networks.Standardized), so it sees raw x and θ, and the `model` section shapes it only if it "
-                "reads it; define embedding() instead to keep both, or set standardize = False on the class to "
-                'say so (docs/extending.md, "Your own network")']
+        return [
+            f"{type(self).__name__}.build_model returns a network without input standardisation (not a "
+            "networks.Standardized), so it sees raw x and θ, and the `model` section shapes it only if it "
+            "reads it; define embedding() instead to keep both, or set standardize = False on the class to "
+            'say so (docs/extending.md, "Your own network")'
+        ]
 
     def box_warnings(self) -> list[str]:
         """One line per prior whose draws leave the parameter box more than BOX_MASS_WARNING of the time.
@@ -740,15 +866,17 @@ class Study(Experiment):
         computed on, which is cut at the box's edge (docs/extending.md, "Choosing the box for an unbounded prior").
         """
         problem, found = self.problem(), []
-        for member in self.members()[:len(self.settings["cohort"]["priors"])]:
+        for member in self.members()[: len(self.settings["cohort"]["priors"])]:
             theta = self.prior(member).sample(BOX_DRAWS, runtime.seeded_generator(self.settings["seed"], "box check"))
             outside = ~((theta >= problem.low) & (theta <= problem.high)).all(dim=1)
             share = float(outside.double().mean())
             if share > BOX_MASS_WARNING:
-                found.append(f"prior {member['prior']!r}: {share:.1%} of its draws fall outside the parameter box "
-                             f"(e.g. θ = {[round(v, 4) for v in theta[outside][0].tolist()]}); widen `parameters` "
-                             "until it holds nearly all the prior's mass "
-                             '(docs/extending.md, "Choosing the box for an unbounded prior")')
+                found.append(
+                    f"prior {member['prior']!r}: {share:.1%} of its draws fall outside the parameter box "
+                    f"(e.g. θ = {[round(v, 4) for v in theta[outside][0].tolist()]}); widen `parameters` "
+                    "until it holds nearly all the prior's mass "
+                    '(docs/extending.md, "Choosing the box for an unbounded prior")'
+                )
         return found
 
     def pairing_warnings(self) -> list[str]:
@@ -756,13 +884,19 @@ class Study(Experiment):
         if "pairing" in self.settings["data"]:
             return []
         root = Path(self.settings["output"]["root"])
-        earlier = [run for run in sorted(root.glob("runs/*/*/artifacts.json")) if run.is_file()
-                   and (root / str(output_root.read_json(run, {}).get("training-data")) / "train_labels.npy").is_file()]
+        earlier = [
+            run
+            for run in sorted(root.glob("runs/*/*/artifacts.json"))
+            if run.is_file()
+            and (root / str(output_root.read_json(run, {}).get("training-data")) / "train_labels.npy").is_file()
+        ]
         if not earlier:
             return []
-        return [f"{len(earlier)} model(s) in {root} were trained when data.train counted fixed pairs, half joint and "
-                "half product; it now counts simulations, each a joint pair re-paired in every batch, so they are "
-                'retrained: set data.pairing = "fixed" to keep them (docs/training.md)']
+        return [
+            f"{len(earlier)} model(s) in {root} were trained when data.train counted fixed pairs, half joint and "
+            "half product; it now counts simulations, each a joint pair re-paired in every batch, so they are "
+            'retrained: set data.pairing = "fixed" to keep them (docs/training.md)'
+        ]
 
     def describe(self, member: Member) -> Json:
         """A JSON description of the member's problem and prior for run.json."""

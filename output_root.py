@@ -5,6 +5,7 @@ clean-up removes only what nnpd recorded as its own, never following a symbolic 
 launch at a time works in a root (a lease held for the whole launch); a second one waits.
 What the README calls "latest settings win" is implemented by `record_launch` and `clean_up`.
 """
+
 import contextlib
 import hashlib
 import importlib.metadata
@@ -20,25 +21,73 @@ import traceback
 import zipfile
 from pathlib import Path
 
-from store import (ATOMIC_LEFTOVER, ROOT_MARKER, DamagedArtifact, LaunchError, digest, now_iso, own_folder,
-                   record_checksum, refuse_link, write_bytes_atomic, write_json_atomic)
+from store import (
+    ATOMIC_LEFTOVER,
+    ROOT_MARKER,
+    DamagedArtifact,
+    LaunchError,
+    digest,
+    now_iso,
+    own_folder,
+    record_checksum,
+    refuse_link,
+    write_bytes_atomic,
+    write_json_atomic,
+)
 
 __all__ = [
-    "warn", "read_json", "refuse_wrong_root", "owns_root", "root_errors", "claim_root", "refuse_unsafe_places",
-    "take_lease", "wait_for_leftovers", "join_launch", "tidy_root", "clear_run_places", "discard", "write_status",
-    "clear_analysis", "write_record", "add_to_record", "start_run", "trained_keys", "write_artifacts",
-    "referenced_keys", "analysis_problem", "fail_job", "source_snapshot", "write_snapshot", "copy_settings",
-    "record_launch", "clean_up", "latest_training_digest", "verify_records",
+    "warn",
+    "read_json",
+    "refuse_wrong_root",
+    "owns_root",
+    "root_errors",
+    "claim_root",
+    "refuse_unsafe_places",
+    "take_lease",
+    "wait_for_leftovers",
+    "join_launch",
+    "tidy_root",
+    "clear_run_places",
+    "discard",
+    "write_status",
+    "clear_analysis",
+    "write_record",
+    "add_to_record",
+    "start_run",
+    "trained_keys",
+    "write_artifacts",
+    "referenced_keys",
+    "analysis_problem",
+    "fail_job",
+    "source_snapshot",
+    "write_snapshot",
+    "copy_settings",
+    "record_launch",
+    "clean_up",
+    "latest_training_digest",
+    "verify_records",
 ]
 
 HISTORY_SLOTS = 3
 ANALYSIS_FILES = ("analysis.json", "metrics.json", "metrics", "plots", "timings.json")
-NNPD_ENTRIES = ("cache", "scratch", "runs", "locks", "source", "damaged", "history.json", "timings.json", "report",
-                "settings_training.py", "settings_analysis.py", ROOT_MARKER)
+NNPD_ENTRIES = (
+    "cache",
+    "scratch",
+    "runs",
+    "locks",
+    "source",
+    "damaged",
+    "history.json",
+    "timings.json",
+    "report",
+    "settings_training.py",
+    "settings_analysis.py",
+    ROOT_MARKER,
+)
 OWN_FOLDERS = ("cache", "scratch", "runs", "locks", "source", "damaged", "report")
-LEASE, WORKERS = "launch", "workers"          # lock names of the root's lease
+LEASE, WORKERS = "launch", "workers"  # lock names of the root's lease
 SNAPSHOT = re.compile(r"[0-9a-f]{16}\.zip")
-VARIANT = re.compile(r".+-[0-9a-f]{10}")       # a configuration folder's name ends with its digest
+VARIANT = re.compile(r".+-[0-9a-f]{10}")  # a configuration folder's name ends with its digest
 
 
 def warn(message):
@@ -47,6 +96,7 @@ def warn(message):
 
 
 # ---------------------------------------------------------------- reading what may be damaged
+
 
 def read_json(path, default=None):
     """A JSON file's content; `default` when it is missing, unreadable or not a JSON object/list like default."""
@@ -66,13 +116,15 @@ def read_json(path, default=None):
 
 # ---------------------------------------------------------------- ownership and the lease
 
+
 def refuse_wrong_root(root):
     """Refuse roots that are surely a mistake: the filesystem root, the home folder, a file."""
     resolved = root.resolve()
     if resolved == Path(resolved.anchor) or resolved == Path.home().resolve():
         what = "your home folder" if resolved == Path.home().resolve() else "the filesystem's root"
-        raise LaunchError(f"output.root {str(root)!r} is {resolved}, {what}; choose a folder of its own, "
-                          "e.g. \"outputs/<profile>\"")
+        raise LaunchError(
+            f'output.root {str(root)!r} is {resolved}, {what}; choose a folder of its own, e.g. "outputs/<profile>"'
+        )
     if root.exists() and not root.is_dir():
         raise LaunchError(f"output.root {str(root)!r} exists and is not a folder; choose a folder of its own")
 
@@ -87,9 +139,11 @@ def owns_root(root):
     if marker.is_file() and not marker.is_symlink():
         return True
     if root.is_dir() and any(root.iterdir()):
-        raise LaunchError(f"output.root {str(root)!r} is a folder nnpd did not create (no {ROOT_MARKER} "
-                          f"marker) and is not empty; choose a new or empty folder (an output root of an "
-                          f"earlier nnpd release: create the marker with `touch {marker}`)")
+        raise LaunchError(
+            f"output.root {str(root)!r} is a folder nnpd did not create (no {ROOT_MARKER} "
+            f"marker) and is not empty; choose a new or empty folder (an output root of an "
+            f"earlier nnpd release: create the marker with `touch {marker}`)"
+        )
     return False
 
 
@@ -114,8 +168,9 @@ def check_creatable(root):
             raise NotADirectoryError(f"{ancestor} is not a folder")
         os.rmdir(tempfile.mkdtemp(prefix=".nnpd-probe-", dir=ancestor))
     except OSError as error:
-        raise LaunchError(f"output.root {str(root)!r} cannot be created ({error.strerror or error}); choose a "
-                          "folder you can write") from None
+        raise LaunchError(
+            f"output.root {str(root)!r} cannot be created ({error.strerror or error}); choose a folder you can write"
+        ) from None
 
 
 def claim_root(root, create):
@@ -138,7 +193,7 @@ def claim_root(root, create):
         os.rename(building, root)
     except OSError:
         shutil.rmtree(building, ignore_errors=True)
-        claim_root(root, create)             # someone else made it meanwhile: check theirs
+        claim_root(root, create)  # someone else made it meanwhile: check theirs
 
 
 def refuse_links(root):
@@ -156,7 +211,7 @@ def refuse_unsafe_places(root):
     refuse_links(root)
     for folder in OWN_FOLDERS:
         own_folder(root / folder)
-    for folder in ("cache", "scratch", "damaged"):     # their entries are folders too
+    for folder in ("cache", "scratch", "damaged"):  # their entries are folders too
         for entry in _children(root / folder):
             own_folder(entry)
 
@@ -180,21 +235,29 @@ def wait_for_lock(store, name, shared, minutes, waiting_message):
             print(f"nnpd: {waiting_message}", file=sys.stderr, flush=True)
             waiting_message = None
         if time.monotonic() > deadline:
-            raise LaunchError(f"{store.root}: still in use after {minutes:g} minutes (runtime.timeout_minutes); "
-                              "wait for the other launch to end, or use another output.root")
+            raise LaunchError(
+                f"{store.root}: still in use after {minutes:g} minutes (runtime.timeout_minutes); "
+                "wait for the other launch to end, or use another output.root"
+            )
         time.sleep(0.5)
 
 
 def take_lease(store, minutes):
     """Rank 0: hold the root's lease, so one launch at a time works here; wait for a running one."""
-    return wait_for_lock(store, LEASE, False, minutes,
-                         f"another launch is using {store.root}; waiting for it to end (Ctrl-C to stop)")
+    return wait_for_lock(
+        store, LEASE, False, minutes, f"another launch is using {store.root}; waiting for it to end (Ctrl-C to stop)"
+    )
 
 
 def wait_for_leftovers(store, minutes):
     """Rank 0 under its lease: wait until no worker of an earlier launch is still alive."""
-    wait_for_lock(store, WORKERS, False, minutes,
-                  f"workers of an earlier launch still run in {store.root}; waiting for them to stop").close()
+    wait_for_lock(
+        store,
+        WORKERS,
+        False,
+        minutes,
+        f"workers of an earlier launch still run in {store.root}; waiting for them to stop",
+    ).close()
 
 
 def join_launch(store, minutes):
@@ -215,28 +278,32 @@ def tidy_root(root, store):
     for states in _children(root / "scratch"):
         for state in _children(states):
             if (root / "cache" / states.name / state.stem / "artifact.json").is_file():
-                state.unlink()                           # its artifact was committed after all
+                state.unlink()  # its artifact was committed after all
     for marks in _children(root / "locks"):
         if marks.name.startswith("launch-") and marks.is_dir():
-            shutil.rmtree(marks, ignore_errors=True)     # marker folders of launches that died
+            shutil.rmtree(marks, ignore_errors=True)  # marker folders of launches that died
     for folder in _atomic_write_folders(root):
         for path in _children(folder):
-            if ATOMIC_LEFTOVER.fullmatch(path.name) and path.is_file() and not path.is_symlink() \
-                    and not _writer_alive(path.name):
-                path.unlink(missing_ok=True)             # the temporary file of a write that was killed
+            if (
+                ATOMIC_LEFTOVER.fullmatch(path.name)
+                and path.is_file()
+                and not path.is_symlink()
+                and not _writer_alive(path.name)
+            ):
+                path.unlink(missing_ok=True)  # the temporary file of a write that was killed
 
 
 def _writer_alive(leftover):
     """Whether the process a temporary file's name holds still runs here (`report` writes without the lease)."""
     pid = int(leftover.rsplit("-", 2)[1])
     if pid in (0, os.getpid()):
-        return False                                     # 0 would signal our whole process group
+        return False  # 0 would signal our whole process group
     try:
         os.kill(pid, 0)
     except (ProcessLookupError, OverflowError):
         return False
     except PermissionError:
-        return True                                      # it runs, as another user
+        return True  # it runs, as another user
     return True
 
 
@@ -245,12 +312,13 @@ def _atomic_write_folders(root):
     folders = [root, root / "report"] + _children(root / "scratch")
     for variant in _children(root / "runs"):
         folders.append(variant)
-        for run in _children(variant):              # run folders and the cohort's plots/
+        for run in _children(variant):  # run folders and the cohort's plots/
             folders += [run, run / "metrics", run / "plots"]
     return folders
 
 
 # ---------------------------------------------------------------- run folders
+
 
 def clear_run_places(root, store, runs, repair):
     """Make room for the planned run folders: a file where one (or its configuration folder) belongs.
@@ -261,12 +329,18 @@ def clear_run_places(root, store, runs, repair):
     for run in runs:
         for place in (root / Path(run).parent, root / run):
             if place.is_dir() or not os.path.lexists(place) or place.is_symlink():
-                continue                               # a link was refused before (refuse_links)
+                continue  # a link was refused before (refuse_links)
             if not repair:
-                raise LaunchError(f"{place} is a file where the run folder of {run} belongs; "
-                                  f"run train to make the run folder again")
-            store.move_aside(place, "records", "a file stands where a run folder belongs",
-                             then="the run is redone", name=str(place.relative_to(root)).replace("/", "__"))
+                raise LaunchError(
+                    f"{place} is a file where the run folder of {run} belongs; run train to make the run folder again"
+                )
+            store.move_aside(
+                place,
+                "records",
+                "a file stands where a run folder belongs",
+                then="the run is redone",
+                name=str(place.relative_to(root)).replace("/", "__"),
+            )
 
 
 def discard(path):
@@ -277,7 +351,7 @@ def discard(path):
     try:
         os.rename(path, trash)
     except FileNotFoundError:
-        return                            # already gone
+        return  # already gone
     shutil.rmtree(trash)
 
 
@@ -314,7 +388,7 @@ def start_run(root, run, record, worker):
     clear_analysis(run_dir)
     plots = run_dir.parent / "plots"
     if plots.exists():
-        discard(plots)                    # the cohort's figures no longer describe its models
+        discard(plots)  # the cohort's figures no longer describe its models
     write_status(run_dir, "running", worker=worker)
 
 
@@ -327,16 +401,23 @@ def trained_keys(run_dir):
     if record and record.get("checksum") != record_checksum(record):
         warn(f"{run_dir / 'run.json'} does not match its checksum; writing it again")
         return None
-    if not record or status.get("state") != "trained" or not model or Path(str(used.get("model"))).name != model \
-            or Path(str(used.get("training-data"))).name != data:
+    if (
+        not record
+        or status.get("state") != "trained"
+        or not model
+        or Path(str(used.get("model"))).name != model
+        or Path(str(used.get("training-data"))).name != data
+    ):
         return None
     return data, model
 
 
 def write_artifacts(root, run_dir, used):
     """Record relative references to every artifact a run used."""
-    write_json_atomic(run_dir / "artifacts.json",
-                      {name: str(Path(artifact.path).relative_to(root)) for name, artifact in used.items()})
+    write_json_atomic(
+        run_dir / "artifacts.json",
+        {name: str(Path(artifact.path).relative_to(root)) for name, artifact in used.items()},
+    )
 
 
 def referenced_artifacts(run_dir):
@@ -396,8 +477,10 @@ def fail_job(run_dir, stage, error):
         write_status(run_dir, "failed", error=str(error), traceback=text)
     else:
         previous = read_json(run_dir / "analysis.json", {})
-        write_record(run_dir / "analysis.json", {**previous, "state": "failed", "error": str(error),
-                                                 "traceback": text, "time": now_iso()})
+        write_record(
+            run_dir / "analysis.json",
+            {**previous, "state": "failed", "error": str(error), "traceback": text, "time": now_iso()},
+        )
 
 
 def is_own_run(root, path):
@@ -412,6 +495,7 @@ def is_own_run(root, path):
 
 
 # ---------------------------------------------------------------- source snapshot and settings copies
+
 
 def code_files(code_dir):
     """nnpd's own modules: those of the source tree, or of the installed package (not all of site-packages)."""
@@ -457,6 +541,7 @@ def copy_settings(root, profile):
 
 # ---------------------------------------------------------------- history: latest settings win
 
+
 def read_history(root):
     """history.json's entries (none yet when it is missing), rebuilt from the run folders when damaged."""
     if not (root / "history.json").exists():
@@ -470,9 +555,14 @@ def read_history(root):
 
 def _sound_entry(entry):
     """Whether a history entry has the fields clean-up relies on."""
-    return (isinstance(entry, dict) and isinstance(entry.get("digest"), str) and isinstance(entry.get("runs"), list)
-            and isinstance(entry.get("backends"), dict) and isinstance(entry.get("source"), str)
-            and all(isinstance(b, dict) and isinstance(b.get("artifacts"), list) for b in entry["backends"].values()))
+    return (
+        isinstance(entry, dict)
+        and isinstance(entry.get("digest"), str)
+        and isinstance(entry.get("runs"), list)
+        and isinstance(entry.get("backends"), dict)
+        and isinstance(entry.get("source"), str)
+        and all(isinstance(b, dict) and isinstance(b.get("artifacts"), list) for b in entry["backends"].values())
+    )
 
 
 def _rebuilt_history(root):
@@ -480,11 +570,20 @@ def _rebuilt_history(root):
     runs = [path for entry in _children(root / "runs") for path in _children(entry) if is_own_run(root, path)]
     if not runs:
         return []
-    artifacts = sorted({Path(str(reference)).name for run in runs
-                        for reference in read_json(run / "artifacts.json", {}).values()})
+    artifacts = sorted(
+        {Path(str(reference)).name for run in runs for reference in read_json(run / "artifacts.json", {}).values()}
+    )
     sources = sorted({str(read_json(run / "run.json", {}).get("source")) for run in runs})
-    return [{"digest": "rebuilt", "time": now_iso(), "runs": [str(run.relative_to(root)) for run in runs],
-             "source": sources[0], "sources": sources, "backends": {"rebuilt": {"artifacts": artifacts}}}]
+    return [
+        {
+            "digest": "rebuilt",
+            "time": now_iso(),
+            "runs": [str(run.relative_to(root)) for run in runs],
+            "source": sources[0],
+            "sources": sources,
+            "backends": {"rebuilt": {"artifacts": artifacts}},
+        }
+    ]
 
 
 def record_launch(root, entry_fields, backend, used_keys, replace):
@@ -499,11 +598,14 @@ def record_launch(root, entry_fields, backend, used_keys, replace):
     others = [entry for entry in entries if entry is not mine]
     backends = dict(mine["backends"]) if mine else {}
     known = set() if replace else set(backends.get(backend["digest"], {}).get("artifacts", []))
-    backends[backend["digest"]] = {"identity": backend["identity"], "time": now_iso(),
-                                   "artifacts": sorted(known | set(used_keys))}
+    backends[backend["digest"]] = {
+        "identity": backend["identity"],
+        "time": now_iso(),
+        "artifacts": sorted(known | set(used_keys)),
+    }
     runs = entry_fields["runs"] if replace or not mine else mine["runs"]
     entry = {**(mine or {}), **entry_fields, "runs": runs, "backends": backends, "time": now_iso()}
-    entries = [entry] + others[:HISTORY_SLOTS - 1]
+    entries = [entry] + others[: HISTORY_SLOTS - 1]
     write_json_atomic(root / "history.json", {"trainings": entries})
     return entries
 
@@ -527,20 +629,19 @@ def clean_up(root, store, runs, entries):
         rest = [path for path in _children(variant) if path.name != "plots"]
         if not rest and VARIANT.fullmatch(variant.name):
             if (variant / "plots").exists():
-                discard(variant / "plots")   # a configuration no longer trained, with its cohort figures
+                discard(variant / "plots")  # a configuration no longer trained, with its cohort figures
             variant.rmdir()
     store.prune(kept_artifacts(entries))
     sources = {source for entry in entries for source in entry.get("sources", [entry["source"]])}
     for path in _children(root / "source"):
         if SNAPSHOT.fullmatch(path.name) and f"source/{path.name}" not in sources:
-            path.unlink()                    # older snapshots
+            path.unlink()  # older snapshots
 
 
 def latest_training_digest(root):
     """The digest of the output root's latest training, or None."""
     entries = read_history(root)
     return entries[0]["digest"] if entries else None
-
 
 
 # ---------------------------------------------------------------- verify: the root's own records
@@ -577,8 +678,12 @@ def verify_records(root, store):
     store (pruned, or moved aside as damaged) is reported, and the next launch rebuilds it.
     """
     damaged = []
-    folders = [run for variant in _children(root / "runs") for run in _children(variant)
-               if run.name != "plots" and run.is_dir()]
+    folders = [
+        run
+        for variant in _children(root / "runs")
+        for run in _children(variant)
+        if run.name != "plots" and run.is_dir()
+    ]
     # metrics.json is judged by its analysis.json, so it goes first: a damaged analysis.json leaves with it.
     records = [root / "history.json"] + [run / name for run in folders for name in reversed(RUN_RECORDS)]
     for path in records:
@@ -589,6 +694,8 @@ def verify_records(root, store):
                 name = str(path.relative_to(root)).replace("/", "__")
                 store.move_aside(path, "records", problem, then="the next launch redoes that step", name=name)
     for run in folders:
-        damaged += [f"{run / 'artifacts.json'}: {missing} is missing (the next launch rebuilds it)"
-                    for missing in missing_references(store, run)]
+        damaged += [
+            f"{run / 'artifacts.json'}: {missing} is missing (the next launch rebuilds it)"
+            for missing in missing_references(store, run)
+        ]
     return damaged

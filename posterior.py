@@ -53,13 +53,24 @@ from inference_schema import check_inference_settings
 from sampler import PosteriorError
 from store import NnpdWarning
 
-__all__ = ["POSTERIOR_CANDIDATES", "Learned", "Posterior", "PosteriorError", "PosteriorWarning", "Support",
-           "draw_corner", "for_observation", "from_scores", "marginal_interval", "posterior_settings"]
+__all__ = [
+    "POSTERIOR_CANDIDATES",
+    "Learned",
+    "Posterior",
+    "PosteriorError",
+    "PosteriorWarning",
+    "Support",
+    "draw_corner",
+    "for_observation",
+    "from_scores",
+    "marginal_interval",
+    "posterior_settings",
+]
 
 # Network rows one posterior may score: candidate points × observations of the ensemble. At about 2.4 µs
 # a row for the kit's network on one CPU core, 10^8 is some four minutes; more is refused before any work.
 MAX_EVALUATIONS = 10**8
-MIN_ESS = 100            # effective candidates below which resampling them is refused: too few to draw from
+MIN_ESS = 100  # effective candidates below which resampling them is refused: too few to draw from
 # The design of a posterior for one observation when no analysis chose one: an analysis scores
 # many cases, one posterior can afford more points. On a 10-parameter linear Gaussian (exact
 # likelihood, posterior sd about half the prior's, box ±5 prior sds) the analysis' default
@@ -79,31 +90,39 @@ class PosteriorWarning(NnpdWarning):
 
 class Support(NamedTuple):
     """The candidates a posterior lives on: points θ (n, p), their log measure (n,) and log posterior scores (n,)."""
+
     points: torch.Tensor
     log_measure: torch.Tensor
     scores: torch.Tensor
-    enumerated: bool = False                    # every support point is a candidate: the masses are exact
-    box: adaptive.Box | None = None             # the prior's support; None: the candidates' hull
+    enumerated: bool = False  # every support point is a candidate: the masses are exact
+    box: adaptive.Box | None = None  # the prior's support; None: the candidates' hull
 
 
 class Learned(NamedTuple):
     """A trained member's network and what its posterior needs beside it."""
+
     problem: Any
     prior: Any
     model: torch.nn.Module
-    analysis_settings: Mapping[str, Any] | None     # those the run was analysed with; None: never analysed
-    seed: int                                       # the training settings' seed: the analysis' designs derive from it
+    analysis_settings: Mapping[str, Any] | None  # those the run was analysed with; None: never analysed
+    seed: int  # the training settings' seed: the analysis' designs derive from it
 
 
 class Posterior:
     """The normalised posterior on a refined candidate design (see the module's docstring)."""
 
-    def __init__(self, names: Sequence[str], score: Callable[[torch.Tensor], torch.Tensor], support: Support,
-                 summary: Mapping[str, Any], levels: Sequence[float]) -> None:
+    def __init__(
+        self,
+        names: Sequence[str],
+        score: Callable[[torch.Tensor], torch.Tensor],
+        support: Support,
+        summary: Mapping[str, Any],
+        levels: Sequence[float],
+    ) -> None:
         self.names = list(names)
         self.enumerated = support.enumerated
-        self._score = score                         # score(θ (n, p)) -> unnormalised log density (n,)
-        measured = torch.isfinite(support.log_measure)      # zero-measure probes only sharpen projected bounds
+        self._score = score  # score(θ (n, p)) -> unnormalised log density (n,)
+        measured = torch.isfinite(support.log_measure)  # zero-measure probes only sharpen projected bounds
         self.points, self.scores = support.points[measured], support.scores[measured]
         self.log_measure = support.log_measure[measured]
         self.log_weights = self.scores + self.log_measure
@@ -111,12 +130,14 @@ class Posterior:
         self.masses = torch.exp(self.log_weights - self.log_normalizer)
         self.ess = float(1.0 / (self.masses * self.masses).sum())
         self.levels = list(levels)
-        self._summary = summary                     # the analysis-style summary at `levels`, probes included
+        self._summary = summary  # the analysis-style summary at `levels`, probes included
         self.box = support.box
-        self.sampling: dict[str, Any] | None = None   # how the last sample() drew (see sample)
-        self.prior_sd: torch.Tensor | None = None                        # the prior's marginal sds (p,), for flatness(); set by for_observation
-        self.flat: dict[str, Any] | None = None     # flatness() as report_flatness warned it
-        self.warnings: list[str] = []               # every PosteriorWarning this posterior gave, in order
+        self.sampling: dict[str, Any] | None = None  # how the last sample() drew (see sample)
+        self.prior_sd: torch.Tensor | None = (
+            None  # the prior's marginal sds (p,), for flatness(); set by for_observation
+        )
+        self.flat: dict[str, Any] | None = None  # flatness() as report_flatness warned it
+        self.warnings: list[str] = []  # every PosteriorWarning this posterior gave, in order
 
     def log_prob(self, theta: Any) -> torch.Tensor:
         """log p(θ | x_o) at rows θ (n, p): −inf outside the prior's support."""
@@ -154,31 +175,49 @@ class Posterior:
             return self._sampled(self.points[index], {"method": "lattice"})
         if self.box is None or bool(self.box.lattice.any()):
             if self.ess < MIN_ESS:
-                raise PosteriorError(f"only {self.ess:.1f} effective candidates (at least {MIN_ESS} needed to "
-                                     "sample); raise inference.candidates.candidate_count")
+                raise PosteriorError(
+                    f"only {self.ess:.1f} effective candidates (at least {MIN_ESS} needed to "
+                    "sample); raise inference.candidates.candidate_count"
+                )
             index = torch.multinomial(self.masses, n, replacement=True, generator=generator)
             return self._sampled(self.points[index], {"method": "resampled"})
         with torch.no_grad():
-            samples, info = sampler.rejection_sample(self.log_prob, self.points, self.masses, self.box, n, generator,
-                                                     sampler.BUDGET if budget is None else budget)
+            samples, info = sampler.rejection_sample(
+                self.log_prob,
+                self.points,
+                self.masses,
+                self.box,
+                n,
+                generator,
+                sampler.BUDGET if budget is None else budget,
+            )
         return self._sampled(samples, info)
 
     def _sampled(self, samples, info):
         """The draws, with `self.sampling` filled in and the warning given when they repeat where they should not."""
         distinct = int(torch.unique(samples, dim=0).shape[0])
-        info = {"method": info["method"], "draws": int(samples.shape[0]),
-                "distinct_fraction": distinct / samples.shape[0], "acceptance": info.get("acceptance"),
-                "evaluations": int(info.get("evaluations", 0)), "components": info.get("components"),
-                "path": info.get("path"), "passes": info.get("passes"), "effective": info.get("effective"),
-                "warning": None}
+        info = {
+            "method": info["method"],
+            "draws": int(samples.shape[0]),
+            "distinct_fraction": distinct / samples.shape[0],
+            "acceptance": info.get("acceptance"),
+            "evaluations": int(info.get("evaluations", 0)),
+            "components": info.get("components"),
+            "path": info.get("path"),
+            "passes": info.get("passes"),
+            "effective": info.get("effective"),
+            "warning": None,
+        }
         # A lattice's draws repeat by nature; elsewhere a repeat is a draw that is not independent.
         repeated = distinct < samples.shape[0] and not (info["method"] == "resampled" and samples.shape[0] <= self.ess)
         resampled_few = info["method"] == "resampled-proposal" and distinct < DISTINCT_ENOUGH * samples.shape[0]
         if resampled_few or (info["method"] not in ("lattice", "resampled-proposal") and repeated):
-            info["warning"] = (f"posterior samples: {distinct} distinct of {samples.shape[0]} ({info['method']}"
-                               f"{self._acceptance_note(info)}): not independent draws; raise "
-                               "inference.candidates.candidate_count for a closer proposal, or sample()'s budget")
-            self._warn(info["warning"], 4)        # at the line that called sample()
+            info["warning"] = (
+                f"posterior samples: {distinct} distinct of {samples.shape[0]} ({info['method']}"
+                f"{self._acceptance_note(info)}): not independent draws; raise "
+                "inference.candidates.candidate_count for a closer proposal, or sample()'s budget"
+            )
+            self._warn(info["warning"], 4)  # at the line that called sample()
         self.sampling = info
         return samples
 
@@ -194,8 +233,9 @@ class Posterior:
 
         `validation_auc`, the model's, names the likely cause.
         """
-        return flatness.flatness_report(self.names, torch.sqrt(torch.diagonal(self.cov())), self.prior_sd,
-                                        validation_auc)
+        return flatness.flatness_report(
+            self.names, torch.sqrt(torch.diagonal(self.cov())), self.prior_sd, validation_auc
+        )
 
     def report_flatness(self, history: Mapping[str, Any] | None = None, stacklevel: int = 1) -> dict[str, Any]:
         """flatness() with the validation AUC of the training `history`'s kept epoch, warned when flat; kept as
@@ -219,12 +259,15 @@ class Posterior:
             i = self.levels.index(level)
             summary = self._summary
         else:
-            summary = hpd.hld_summaries(self.scores[None], self.log_measure, self.points, self.scores[:1],
-                                        [level])
+            summary = hpd.hld_summaries(self.scores[None], self.log_measure, self.points, self.scores[:1], [level])
             i = 0
-        return {"level": float(level), "threshold": float(summary["threshold"][0, i]),
-                "mass": float(summary["mass"][0, i]), "lower": summary["lower"][0, i].tolist(),
-                "upper": summary["upper"][0, i].tolist()}
+        return {
+            "level": float(level),
+            "threshold": float(summary["threshold"][0, i]),
+            "mass": float(summary["mass"][0, i]),
+            "lower": summary["lower"][0, i].tolist(),
+            "upper": summary["upper"][0, i].tolist(),
+        }
 
     def mode(self) -> torch.Tensor:
         """The densest point scored (p,): a candidate, or a probe of the bounds where one was denser."""
@@ -241,22 +284,35 @@ class Posterior:
 
     def summary(self, levels: Sequence[float] | None = None) -> dict[str, Any]:
         """A JSON-able summary: mode, mean, sd and HPD bounds per level, with the effective sample size."""
-        return {"parameters": self.names, "mode": self.mode().tolist(), "mean": self.mean().tolist(),
-                "sd": torch.sqrt(torch.diagonal(self.cov())).tolist(), "ess": self.ess,
-                "candidates": int(self.points.shape[0]),
-                "hpd": {analysis_metrics.level_key(level): self.hpd(level) for level in (levels or self.levels)}}
+        return {
+            "parameters": self.names,
+            "mode": self.mode().tolist(),
+            "mean": self.mean().tolist(),
+            "sd": torch.sqrt(torch.diagonal(self.cov())).tolist(),
+            "ess": self.ess,
+            "candidates": int(self.points.shape[0]),
+            "hpd": {analysis_metrics.level_key(level): self.hpd(level) for level in (levels or self.levels)},
+        }
 
-    def draw_corner(self, figure: Any, samples: Any, truth: Any = None, run: str | None = None,
-                    prior: str | None = None) -> None:
+    def draw_corner(
+        self, figure: Any, samples: Any, truth: Any = None, run: str | None = None, prior: str | None = None
+    ) -> None:
         """Marginals on the diagonal, pairwise sample densities below it, HPD intervals and the truth if given.
 
         `run` and `prior` name the run and its prior in the title (infer passes them).
         """
-        draw_corner(figure, self, np.asarray(samples), None if truth is None else np.asarray(truth, dtype=float),
-                    run=run, prior=prior)
+        draw_corner(
+            figure,
+            self,
+            np.asarray(samples),
+            None if truth is None else np.asarray(truth, dtype=float),
+            run=run,
+            prior=prior,
+        )
 
 
 # ---------------------------------------------------------------- one observation's posterior
+
 
 def observation_ensemble(observations, dimension):
     """An observation as an ensemble (m, d) float64, or a PosteriorError naming the expected shapes."""
@@ -265,30 +321,39 @@ def observation_ensemble(observations, dimension):
     if x.dim() == 1:
         x = x[None]
     if x.dim() != 2 or x.shape[1] != dimension or x.shape[0] == 0 or not bool(torch.isfinite(x).all()):
-        raise PosteriorError(f"observations of shape {given.shape}: expected finite numbers of "
-                             f"shape ({dimension},) for one observation or (m, {dimension}) for m of them")
+        raise PosteriorError(
+            f"observations of shape {given.shape}: expected finite numbers of "
+            f"shape ({dimension},) for one observation or (m, {dimension}) for m of them"
+        )
     if bool((x.abs() > torch.finfo(torch.float32).max).any()):
-        raise PosteriorError("observations hold values beyond float32's range (±3.4e38), which the network reads as "
-                             "infinite; give them in the units the model was trained on")
+        raise PosteriorError(
+            "observations hold values beyond float32's range (±3.4e38), which the network reads as "
+            "infinite; give them in the units the model was trained on"
+        )
     return x
 
 
 def real_array(observations):
     """The observations as a numpy array of real numbers, or a PosteriorError naming what they are."""
-    if isinstance(observations, np.ma.MaskedArray):     # np.asarray would drop the mask and keep the masked values
-        raise PosteriorError("observations: a masked array; fill or drop the masked values first (numpy.ma.filled, "
-                             ".compressed()) and pass a plain array")
+    if isinstance(observations, np.ma.MaskedArray):  # np.asarray would drop the mask and keep the masked values
+        raise PosteriorError(
+            "observations: a masked array; fill or drop the masked values first (numpy.ma.filled, "
+            ".compressed()) and pass a plain array"
+        )
     if isinstance(observations, torch.Tensor):
         observations = observations.detach().cpu()
         observations = observations if observations.is_complex() else observations.to(torch.float64)
     try:
         array = np.asarray(observations)
-    except (TypeError, ValueError) as error:            # a ragged list
-        raise PosteriorError(f"observations: not an array of numbers ({error}); pass a numpy array (d,) or "
-                             "(m, d)") from None
+    except (TypeError, ValueError) as error:  # a ragged list
+        raise PosteriorError(
+            f"observations: not an array of numbers ({error}); pass a numpy array (d,) or (m, d)"
+        ) from None
     if array.dtype.kind not in "biuf":
-        raise PosteriorError(f"observations: {type(observations).__name__} of {array.dtype}, not real numbers; pass "
-                             "a numpy array or tensor of floats, (d,) or (m, d)")
+        raise PosteriorError(
+            f"observations: {type(observations).__name__} of {array.dtype}, not real numbers; pass "
+            "a numpy array or tensor of floats, (d,) or (m, d)"
+        )
     return array
 
 
@@ -297,15 +362,23 @@ def check_ensemble_cost(problem, prior, settings, observations):
     observations, each observation's log ratio summed) exceed MAX_EVALUATIONS. `settings`: posterior_settings'."""
     p = len(problem.names)
     lattice = designs.candidate_lattice(prior.lattice_steps, p, settings["candidates"])
-    points = designs.points_per_case(p, lattice, designs.as_f64(problem.low), designs.as_f64(problem.high),
-                                     settings["candidates"], len(score_targets(settings)))
+    points = designs.points_per_case(
+        p,
+        lattice,
+        designs.as_f64(problem.low),
+        designs.as_f64(problem.high),
+        settings["candidates"],
+        len(score_targets(settings)),
+    )
     if points * observations <= MAX_EVALUATIONS:
         return points
-    raise PosteriorError(f"{observations:,} observations × {points:,} candidate points are "
-                         f"{points * observations:.1e} network evaluations, over the {MAX_EVALUATIONS:.0e} one "
-                         "posterior may take (minutes on one CPU core); pass fewer observations (each one's "
-                         "log ratio is summed, as for independent draws) or lower "
-                         "inference.candidates.candidate_count")
+    raise PosteriorError(
+        f"{observations:,} observations × {points:,} candidate points are "
+        f"{points * observations:.1e} network evaluations, over the {MAX_EVALUATIONS:.0e} one "
+        "posterior may take (minutes on one CPU core); pass fewer observations (each one's "
+        "log ratio is summed, as for independent draws) or lower "
+        "inference.candidates.candidate_count"
+    )
 
 
 class ScoredPoints:
@@ -314,7 +387,7 @@ class ScoredPoints:
 
     def __init__(self, score_fn, total):
         self.score_fn, self.total, self.done, self.building = score_fn, total, 0, True
-        study.report_progress("posterior", 0, total)          # the clock of its rate starts here
+        study.report_progress("posterior", 0, total)  # the clock of its rate starts here
 
     def __call__(self, points):
         """The scores of `points`, counted."""
@@ -332,6 +405,7 @@ class ScoredPoints:
 
 def host_scores(scoring):
     """The scores of a one-case Scoring as a function of points (n, p), returning host tensors."""
+
     def score_fn(points):
         scored = scoring.scores(torch.zeros(1, dtype=torch.long), points.to(scoring.device)[None])
         return {target: values[0].cpu() for target, values in scored.items()}
@@ -341,9 +415,11 @@ def host_scores(scoring):
 
 def one_case_scores(score_fn):
     """A one-case score function (points (n, p) -> {target: (n,)}) as a block's (B = 1), in float64."""
+
     def block_scores(points):
-        return {target: torch.as_tensor(values, dtype=torch.float64)[None]
-                for target, values in score_fn(points[0]).items()}
+        return {
+            target: torch.as_tensor(values, dtype=torch.float64)[None] for target, values in score_fn(points[0]).items()
+        }
 
     return block_scores
 
@@ -383,11 +459,19 @@ def for_observation(learned, observations, truth=None, device="cpu", case=0):
     settings = posterior_settings(problem, prior.lattice_steps, learned.analysis_settings)
     x = observation_ensemble(observations, problem.dimension)
     points = check_ensemble_cost(problem, prior, settings, len(x))
-    score_fn = host_scores(case_blocks.learned_scoring(learned.model, torch.device(device), prior, x[None],
-                                                       score_targets(settings), settings, case_scores.Evaluations()))
+    score_fn = host_scores(
+        case_blocks.learned_scoring(
+            learned.model,
+            torch.device(device),
+            prior,
+            x[None],
+            score_targets(settings),
+            settings,
+            case_scores.Evaluations(),
+        )
+    )
     counted = ScoredPoints(score_fn, points)
-    posterior = from_scores(problem, prior.lattice_steps, counted, learned.analysis_settings, learned.seed, truth,
-                            case)
+    posterior = from_scores(problem, prior.lattice_steps, counted, learned.analysis_settings, learned.seed, truth, case)
     counted.finish()
     posterior.prior_sd = flatness.prior_sds(prior, problem.parameter_count)
     return posterior
@@ -414,8 +498,10 @@ def from_scores(problem, lattice_steps, score_fn, analysis_settings, seed, truth
     points, log_measure = (result[key][0] if own else result[key] for key in ("points", "log_measure"))
     scores, summary = result["scores"]["posterior"][0, :-1], hpd.host_summary(result["summaries"]["posterior"])
     if not bool(torch.isfinite(scores).any()):
-        raise PosteriorError("the posterior is zero on every candidate: the observation is impossible under "
-                             "the prior and the trained model")
+        raise PosteriorError(
+            "the posterior is zero on every candidate: the observation is impossible under "
+            "the prior and the trained model"
+        )
     support = Support(points, log_measure, scores, enumerated=design.kind == "enumerate", box=design.refinement.box)
     return Posterior(problem.names, lambda theta: score_fn(theta)["posterior"], support, summary, settings["levels"])
 
@@ -435,7 +521,7 @@ def draw_corner(figure, posterior, samples, truth, run=None, prior=None):
         for j in range(p):
             axis = axes[i][j]
             if j > i:
-                axis.axis("off")        # empty, but the top right one holds the legend
+                axis.axis("off")  # empty, but the top right one holds the legend
                 continue
             if i == j:
                 draw_corner_marginal(axis, posterior, samples[:, i], i, levels)
@@ -454,8 +540,10 @@ def draw_corner(figure, posterior, samples, truth, run=None, prior=None):
         axes[0][-1].legend(*handles, fontsize="x-small", loc="upper right")
     else:
         axes[0][0].legend(*handles, fontsize="x-small", loc="upper center", bbox_to_anchor=(0.5, -0.15))
-    figure.suptitle(f"{corner_title(run, prior)}; {len(samples)} samples, {posterior.ess:.0f} effective candidates",
-                    fontsize="small")
+    figure.suptitle(
+        f"{corner_title(run, prior)}; {len(samples)} samples, {posterior.ess:.0f} effective candidates",
+        fontsize="small",
+    )
 
 
 def corner_title(run, prior):
@@ -468,12 +556,22 @@ def draw_corner_marginal(axis, posterior, values, i, levels):
     axis.hist(values, bins=40, density=True, color="tab:blue", alpha=0.6, label="samples")
     for level, style, shade in zip(levels, ("-", "--", ":"), (0.25, 0.12, 0.06)):
         low, high = marginal_interval(values, level)
-        axis.axvspan(low, high, color="tab:green", alpha=shade, linewidth=0,
-                     label=f"marginal {level:g} HPD interval (from the samples)")
+        axis.axvspan(
+            low,
+            high,
+            color="tab:green",
+            alpha=shade,
+            linewidth=0,
+            label=f"marginal {level:g} HPD interval (from the samples)",
+        )
         region = posterior.hpd(level)
         for k, bound in enumerate((region["lower"][i], region["upper"][i])):
-            axis.axvline(bound, color="tab:orange", linestyle=style,
-                         label=f"joint {level:g} HPD region, projected" if k == 0 else None)
+            axis.axvline(
+                bound,
+                color="tab:orange",
+                linestyle=style,
+                label=f"joint {level:g} HPD region, projected" if k == 0 else None,
+            )
     axis.set_title(posterior.names[i], fontsize="small")
     axis.set_ylabel("posterior density")
 
@@ -482,7 +580,7 @@ def marginal_interval(values, level):
     """The shortest interval holding at least `level` of one parameter's samples: its marginal HPD interval
     (a single interval, also where the marginal has several modes)."""
     ordered = np.sort(values)
-    inside = min(len(ordered), max(1, math.ceil(level * len(ordered) - 1e-9)))   # 0.07 · 100 is 7.000000000000001
-    widths = ordered[inside - 1:] - ordered[:len(ordered) - inside + 1]
+    inside = min(len(ordered), max(1, math.ceil(level * len(ordered) - 1e-9)))  # 0.07 · 100 is 7.000000000000001
+    widths = ordered[inside - 1 :] - ordered[: len(ordered) - inside + 1]
     start = int(np.argmin(widths))
     return float(ordered[start]), float(ordered[start + inside - 1])

@@ -7,6 +7,7 @@ to give single parameters another family. The hyper-parameters of each parameter
 the study's `problem.parameter(name)`. A study may also give its own prior object: anything
 with `sample(n, generator) -> (n, p)` and `log_prob(theta) -> (...)` (see `custom_prior`).
 """
+
 from __future__ import annotations
 
 import math
@@ -17,7 +18,7 @@ import torch
 import designs
 from settings import SettingsError, known_keys, one_of, require
 
-if TYPE_CHECKING:        # annotations only
+if TYPE_CHECKING:  # annotations only
     from study import Json, PriorContract, ProblemContract
 
 __all__ = ["FAMILIES", "PARAMETER_KEYS", "Prior", "make_prior", "CustomPrior", "quadrature_points"]
@@ -90,7 +91,7 @@ class _Coordinate:
 
     def log_prob(self, t):
         """Log density (continuous) or log mass (lattice) of values t; -inf off the support."""
-        inside = (t >= self.low) & (t <= self.high)     # NaN fails both; ±inf fail one (the bounds are finite)
+        inside = (t >= self.low) & (t <= self.high)  # NaN fails both; ±inf fail one (the bounds are finite)
         if self.family == "uniform":
             return torch.full_like(t, -math.inf).masked_fill_(inside, -math.log(self.width))
         if self.family == "normal":
@@ -104,8 +105,12 @@ class _Coordinate:
         else:
             k = (t - self.low) / self.step
             nearest = torch.round(k)
-            inside = (torch.isfinite(t) & (torch.abs(k - nearest) <= LATTICE_TOLERANCE)
-                      & (nearest >= 0) & (nearest <= self.count - 1))
+            inside = (
+                torch.isfinite(t)
+                & (torch.abs(k - nearest) <= LATTICE_TOLERANCE)
+                & (nearest >= 0)
+                & (nearest <= self.count - 1)
+            )
             lp = torch.full_like(t, -math.log(self.count))
         return torch.where(inside, lp, torch.full_like(lp, -math.inf))
 
@@ -151,6 +156,7 @@ class _Coordinate:
 
 # ---------------------------------------------------------------- the joint prior
 
+
 class Prior:
     """Independent prior over the inferred parameters, one family per coordinate."""
 
@@ -165,8 +171,10 @@ class Prior:
         """Lattice points of coordinate j (only for lattice coordinates)."""
         coordinate = self._coordinates[j]
         if coordinate.step is None:
-            raise ValueError(f"prior coordinate {j} ({self.problem.names[j]}) is {coordinate.family}, "
-                             f"not a lattice; it has no finite support")
+            raise ValueError(
+                f"prior coordinate {j} ({self.problem.names[j]}) is {coordinate.family}, "
+                f"not a lattice; it has no finite support"
+            )
         return coordinate.support()
 
     def coordinate_log_prob(self, j: int, values: Any) -> torch.Tensor:
@@ -190,7 +198,7 @@ class Prior:
             return torch.full(theta.shape[:-1], log_density, dtype=torch.float64, device=theta.device)
         total = self._coordinates[0].log_prob(theta[..., 0])
         for j, coordinate in enumerate(self._coordinates[1:], start=1):
-            total += coordinate.log_prob(theta[..., j])      # each coordinate's result is a fresh tensor
+            total += coordinate.log_prob(theta[..., j])  # each coordinate's result is a fresh tensor
         return total
 
     def _inside_uniform_box(self, theta):
@@ -222,13 +230,16 @@ def make_prior(problem: ProblemContract, prior_settings: Any, path: str = "prior
         raise SettingsError(f"{path}.by_parameter: expected a dict such as {{'std:0': 'uniform'}}")
     for name, value in by_parameter.items():
         if name not in problem.names:
-            raise SettingsError(f"{path}.by_parameter: {name!r} is not an inferred parameter "
-                                f"(inferred: {', '.join(problem.names)})")
+            raise SettingsError(
+                f"{path}.by_parameter: {name!r} is not an inferred parameter (inferred: {', '.join(problem.names)})"
+            )
         families[name] = _family(value, f"{path}.by_parameter.{name}")
     for name, family in families.items():
         if family == "grid" and problem.parameter(name)["grid_step"] is None:
-            raise SettingsError(f"{path}: the 'grid' family needs a lattice step for {name!r}; declare the "
-                                "parameter as (low, high, step), or choose another family")
+            raise SettingsError(
+                f"{path}: the 'grid' family needs a lattice step for {name!r}; declare the "
+                "parameter as (low, high, step), or choose another family"
+            )
     return Prior(problem, [families[name] for name in problem.names])
 
 
@@ -237,8 +248,8 @@ def _family(value, path):
     return one_of(value, FAMILIES, path)
 
 
-
 # ---------------------------------------------------------------- a study's own prior object
+
 
 class CustomPrior:
     """A study's own prior object, given what the analysis reads of a prior.
@@ -251,8 +262,10 @@ class CustomPrior:
         """Wrap `prior`, checking it has the two methods."""
         for method in ("sample", "log_prob"):
             if not callable(getattr(prior, method, None)):
-                raise SettingsError(f"priors: {type(prior).__name__} lacks {method}(); a prior object needs "
-                                    "sample(n, generator) and log_prob(theta)")
+                raise SettingsError(
+                    f"priors: {type(prior).__name__} lacks {method}(); a prior object needs "
+                    "sample(n, generator) and log_prob(theta)"
+                )
         self.prior = prior
         self.names = list(names)
         self.lattice_steps = list(getattr(prior, "lattice_steps", [None] * len(self.names)))
@@ -263,8 +276,7 @@ class CustomPrior:
 
     def log_prob(self, theta: Any) -> torch.Tensor:
         """The object's log density at theta (..., p)."""
-        return torch.as_tensor(self.prior.log_prob(torch.as_tensor(theta, dtype=torch.float64)),
-                               dtype=torch.float64)
+        return torch.as_tensor(self.prior.log_prob(torch.as_tensor(theta, dtype=torch.float64)), dtype=torch.float64)
 
     def describe(self) -> Json:
         """The object's own describe(), or its class and repr."""
@@ -272,7 +284,7 @@ class CustomPrior:
             return self.prior.describe()
         cls = type(self.prior)
         info = {"object": f"{cls.__module__}.{cls.__qualname__}"}
-        if cls.__repr__ is not object.__repr__:     # object's own repr holds an address: a new key every launch
+        if cls.__repr__ is not object.__repr__:  # object's own repr holds an address: a new key every launch
             info["repr"] = repr(self.prior)
         return info
 

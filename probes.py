@@ -31,6 +31,7 @@ snapshot() waits for them and reports their summed elapsed time as that name's "
 Without NNPD_PROBES_CUDA=1 the device is ignored: nothing is recorded on it and nothing
 waits for it. Names never timed on a device have no "device_s".
 """
+
 import collections
 import functools
 import os
@@ -40,8 +41,20 @@ from threading import get_ident
 from time import perf_counter_ns, thread_time_ns
 
 __all__ = [
-    "STEP_PHASES", "COMMUNICATE", "PythonProbes", "OffProbes", "decorate", "CudaEventTimer", "probes_mode", "MODE",
-    "DEVICE_TIMER", "PROBLEM", "phase", "count", "snapshot", "reset",
+    "STEP_PHASES",
+    "COMMUNICATE",
+    "PythonProbes",
+    "OffProbes",
+    "decorate",
+    "CudaEventTimer",
+    "probes_mode",
+    "MODE",
+    "DEVICE_TIMER",
+    "PROBLEM",
+    "phase",
+    "count",
+    "snapshot",
+    "reset",
 ]
 
 # The training's timed phases that timings.py reads back: one step's (timed in trainer.py) and DDP's
@@ -81,8 +94,18 @@ def _already_open(name):
 class PythonPhase:
     """One timed span of a PythonProbes: a single-use context manager, or a decorator."""
 
-    __slots__ = ("owner", "name", "device", "acc", "stack", "thread", "nested",
-                 "wall_start", "cpu_start", "device_stop")
+    __slots__ = (
+        "owner",
+        "name",
+        "device",
+        "acc",
+        "stack",
+        "thread",
+        "nested",
+        "wall_start",
+        "cpu_start",
+        "device_stop",
+    )
 
     def __init__(self, owner, name, device):
         self.owner, self.name, self.device = owner, name, device
@@ -104,7 +127,7 @@ class PythonPhase:
         stack.append(self)
         self.stack, self.thread = stack, get_ident()
         if self.device is not None and self.owner.device_timer is not None and not self.nested:
-            self.device_stop = self.owner.device_timer(self.name, self.device)   # nested: no time twice
+            self.device_stop = self.owner.device_timer(self.name, self.device)  # nested: no time twice
         if not self.nested:
             self.wall_start = perf_counter_ns()
             self.cpu_start = thread_time_ns()
@@ -183,12 +206,18 @@ class PythonProbes:
 def _record(acc):
     """The snapshot record of one Python accumulator (the C extension's keys and units)."""
     empty = acc[COUNT] == 0
-    return {"count": acc[COUNT], "nested": acc[NESTED], "total_s": acc[TOTAL] / 1e9,
-            "min_s": None if empty else acc[MINIMUM] / 1e9,
-            "max_s": None if empty else acc[MAXIMUM] / 1e9, "cpu_s": acc[CPU] / 1e9}
+    return {
+        "count": acc[COUNT],
+        "nested": acc[NESTED],
+        "total_s": acc[TOTAL] / 1e9,
+        "min_s": None if empty else acc[MINIMUM] / 1e9,
+        "max_s": None if empty else acc[MAXIMUM] / 1e9,
+        "cpu_s": acc[CPU] / 1e9,
+    }
 
 
 # ---- no-op probes -----------------------------------------------------------------------
+
 
 class NoPhase:
     """The phase of NNPD_PROBES=off: does nothing, and decorates by returning the function."""
@@ -225,6 +254,7 @@ class OffProbes:
 
 # ---- hooks shared by both implementations ---------------------------------------------
 
+
 def decorate(phase, function):
     """Wrap a function so that each call runs inside a new phase like `phase`."""
     make, name, device = phase.owner.phase, phase.name, phase.device
@@ -234,6 +264,7 @@ def decorate(phase, function):
         """The function, timed as one span."""
         with make(name, device):
             return function(*args, **kwargs)
+
     return timed
 
 
@@ -262,6 +293,7 @@ class CudaEventTimer:
             self.pending.append((name, start, end))
             if len(self.pending) > PENDING_EVENTS:
                 self.resolve(wait=False)
+
         return stop
 
     def resolve(self, wait=True):
@@ -285,6 +317,7 @@ class CudaEventTimer:
 
 # ---- the module's own probes, chosen by NNPD_PROBES ------------------------------------
 
+
 def probes_mode(environ=os.environ):
     """The implementation NNPD_PROBES asks for, with an unset variable meaning the best one built."""
     mode = environ.get("NNPD_PROBES", "").strip().lower()
@@ -292,8 +325,10 @@ def probes_mode(environ=os.environ):
         raise ProbesError(f"NNPD_PROBES={mode!r} is not valid; use native, python or off, or leave it unset")
     if mode in ("", "native") and _native_module() is None:
         if mode == "native":
-            raise ProbesError("NNPD_PROBES=native but the C extension _probes is not built; run `make setup` "
-                              "with a C compiler, or set NNPD_PROBES=python")
+            raise ProbesError(
+                "NNPD_PROBES=native but the C extension _probes is not built; run `make setup` "
+                "with a C compiler, or set NNPD_PROBES=python"
+            )
         return "python"
     return mode or "native"
 
@@ -348,7 +383,7 @@ PROBES = make_probes(MODE, DEVICE_TIMER)
 phase = PROBES.phase
 
 
-COUNTERS: dict[str, dict[str, float]] = {}   # phase -> {counter: amount} added by count() since the last reset
+COUNTERS: dict[str, dict[str, float]] = {}  # phase -> {counter: amount} added by count() since the last reset
 
 
 def count(name, **amounts):
@@ -366,7 +401,7 @@ def snapshot():
             if name in result:
                 result[name]["device_s"] = seconds
     for name, amounts in COUNTERS.items():
-        if name in result:      # a phase that was timed: its rates can be read off
+        if name in result:  # a phase that was timed: its rates can be read off
             result[name].update(amounts)
     return result
 

@@ -11,6 +11,7 @@ states, the metrics of its complete analysis (None otherwise) and its model's tr
 history (`report` says under its table how each training ended: trainer.training_outcome).
 `comparison_figure` draws what `report --plot` writes.
 """
+
 import csv
 import io
 import json
@@ -22,10 +23,15 @@ import store
 import trainer
 from settings import is_number
 
-
-
 __all__ = [
-    "read_runs", "lookup", "flatten", "write_csv", "report_text", "round_lines", "member_style", "comparison_figure",
+    "read_runs",
+    "lookup",
+    "flatten",
+    "write_csv",
+    "report_text",
+    "round_lines",
+    "member_style",
+    "comparison_figure",
     "comparison_png",
 ]
 
@@ -33,6 +39,7 @@ __all__ = [
 @dataclass
 class RunRecord:
     """One run folder of an output root."""
+
     run: str
     configuration: str
     knob: object
@@ -42,8 +49,8 @@ class RunRecord:
     status: str
     analysis: str
     metrics: dict | None
-    history: dict | None = None     # the trained model's history (history.json of its model artifact)
-    dropped: dict | None = None     # invalid simulations dropped per split (data.invalid = "drop"), from run.json
+    history: dict | None = None  # the trained model's history (history.json of its model artifact)
+    dropped: dict | None = None  # invalid simulations dropped per split (data.invalid = "drop"), from run.json
 
     @property
     def prior(self):
@@ -73,19 +80,30 @@ def _read(path):
 def read_runs(root, runs=None):
     """Records of the root's run folders (or of the given relative run paths), sorted by path."""
     root = Path(root)
-    folders = [root / run for run in runs] if runs is not None else sorted(p.parent for p in root.glob("runs/*/*/run.json"))
+    folders = (
+        [root / run for run in runs] if runs is not None else sorted(p.parent for p in root.glob("runs/*/*/run.json"))
+    )
     records = []
     for folder in folders:
         run = _read(folder / "run.json")
         if not run:
             continue
         analysis, metrics = analysis_and_metrics(root, folder)
-        records.append(RunRecord(
-            run=str(folder.relative_to(root)), configuration=run.get("configuration", folder.parent.name),
-            knob=run.get("knob"), value=run.get("value"), member=run.get("member") or {},
-            settings=run.get("settings") or {}, status=_read(folder / "status.json").get("state", "none"),
-            analysis=analysis, metrics=metrics, history=model_history(root, folder),
-            dropped=run.get("dropped_simulations") if isinstance(run.get("dropped_simulations"), dict) else None))
+        records.append(
+            RunRecord(
+                run=str(folder.relative_to(root)),
+                configuration=run.get("configuration", folder.parent.name),
+                knob=run.get("knob"),
+                value=run.get("value"),
+                member=run.get("member") or {},
+                settings=run.get("settings") or {},
+                status=_read(folder / "status.json").get("state", "none"),
+                analysis=analysis,
+                metrics=metrics,
+                history=model_history(root, folder),
+                dropped=run.get("dropped_simulations") if isinstance(run.get("dropped_simulations"), dict) else None,
+            )
+        )
     return records
 
 
@@ -101,8 +119,11 @@ def training_columns(history):
     history = history or {}
     validation = history.get("validation") or [{}]
     final = validation[-1].get("bce") if isinstance(validation[-1], dict) else None
-    return {"selected_epoch": history.get("selected_epoch"), "final_validation_loss": final,
-            "stopped_epoch": history.get("stopped_epoch")}
+    return {
+        "selected_epoch": history.get("selected_epoch"),
+        "final_validation_loss": final,
+        "stopped_epoch": history.get("stopped_epoch"),
+    }
 
 
 def analysis_and_metrics(root, folder):
@@ -117,8 +138,11 @@ def analysis_and_metrics(root, folder):
         return state, None
     metrics = _read(folder / "metrics.json")
     references = _read(folder / "artifacts.json").values()
-    if (analysis.get("checksum") != store.record_checksum(analysis) or store.digest(metrics) != analysis.get("metrics")
-            or not all((Path(root) / str(path) / store.MANIFEST).is_file() for path in references)):
+    if (
+        analysis.get("checksum") != store.record_checksum(analysis)
+        or store.digest(metrics) != analysis.get("metrics")
+        or not all((Path(root) / str(path) / store.MANIFEST).is_file() for path in references)
+    ):
         return "damaged", None
     return state, metrics
 
@@ -129,9 +153,9 @@ def lookup(mapping, path, default=None):
         return mapping
     if not isinstance(mapping, dict):
         return default
-    for key in sorted(mapping, key=len, reverse=True):      # the longest key that fits first
+    for key in sorted(mapping, key=len, reverse=True):  # the longest key that fits first
         if path == key or path.startswith(key + "."):
-            return lookup(mapping[key], path[len(key) + 1:], default)
+            return lookup(mapping[key], path[len(key) + 1 :], default)
     return default
 
 
@@ -169,14 +193,21 @@ def rows(records):
     knobs = swept_knobs(records)
     found = []
     for record in records:
-        found.append({"run": record.run, "configuration": record.configuration, "prior": record.prior,
-                      "member": record.member.get("name"), "replica": record.replica,
-                      "knob": record.knob or "baseline",
-                      "value": setting_text(record.value) if record.knob else "",
-                      **{knob: setting_text(swept_value(record, knob)) for knob in knobs},
-                      **training_columns(record.history),
-                      **{f"dropped_{split}": count for split, count in (record.dropped or {}).items()},
-                      **flatten(record.metrics)})
+        found.append(
+            {
+                "run": record.run,
+                "configuration": record.configuration,
+                "prior": record.prior,
+                "member": record.member.get("name"),
+                "replica": record.replica,
+                "knob": record.knob or "baseline",
+                "value": setting_text(record.value) if record.knob else "",
+                **{knob: setting_text(swept_value(record, knob)) for knob in knobs},
+                **training_columns(record.history),
+                **{f"dropped_{split}": count for split, count in (record.dropped or {}).items()},
+                **flatten(record.metrics),
+            }
+        )
     return found
 
 
@@ -201,7 +232,7 @@ def _cell(metrics, path):
     interval = lookup(metrics, path.rsplit(".", 1)[0] + ".interval")
     if path.endswith(".joint") and isinstance(interval, list) and len(interval) == 2:
         return f"{value:.3f} [{interval[0]:.2f}, {interval[1]:.2f}]"
-    return str(value) if isinstance(value, int) else f"{value:.3f}"      # counts as counts
+    return str(value) if isinstance(value, int) else f"{value:.3f}"  # counts as counts
 
 
 def table(records, columns=()):
@@ -214,8 +245,7 @@ def table(records, columns=()):
     analysed = [record.metrics for record in records if record.metrics is not None]
     if not analysed:
         return "no analysed runs yet"
-    columns = [(heading, path) for heading, path in columns
-               if any(_cell(metrics, path) != "-" for metrics in analysed)]
+    columns = [(heading, path) for heading, path in columns if any(_cell(metrics, path) != "-" for metrics in analysed)]
     lines = [["configuration", "prior", *(heading for heading, _ in columns)]]
     for record in records:
         if record.metrics is not None:
@@ -226,8 +256,15 @@ def table(records, columns=()):
 
 def report_text(records, columns=(), warning_paths=()):
     """The table, then one line per warning of the analysed runs: what `run` and `report` print."""
-    return "\n".join([table(records, columns), *training_lines(records), *warning_lines(records, warning_paths),
-                      *dropped_lines(records), *round_lines(records)])
+    return "\n".join(
+        [
+            table(records, columns),
+            *training_lines(records),
+            *warning_lines(records, warning_paths),
+            *dropped_lines(records),
+            *round_lines(records),
+        ]
+    )
 
 
 def training_lines(records):
@@ -244,19 +281,26 @@ def round_lines(records):
         for row in record.member.get("history") or ():
             edge = row.get("edge_mass")
             box = ", ".join(f"[{low:.4g}, {high:.4g}]" for low, high in zip(*row["box"]))
-            lines.append(f"round {row['round']}: {record.swept} {record.prior}: box {box}, "
-                         f"{100 * row['volume']:.3g}% of the prior's volume, {100 * row['prior_mass']:.3g}% of its "
-                         f"mass, {row['simulations']:,} simulations"
-                         + (f" ({row['reused']:,} of earlier rounds)" if row.get("reused") else "")
-                         + ("" if edge is None else ", mass near cut faces " + " ".join(f"{m:.2g}" for m in edge)))
+            lines.append(
+                f"round {row['round']}: {record.swept} {record.prior}: box {box}, "
+                f"{100 * row['volume']:.3g}% of the prior's volume, {100 * row['prior_mass']:.3g}% of its "
+                f"mass, {row['simulations']:,} simulations"
+                + (f" ({row['reused']:,} of earlier rounds)" if row.get("reused") else "")
+                + ("" if edge is None else ", mass near cut faces " + " ".join(f"{m:.2g}" for m in edge))
+            )
     return lines
 
 
 def warning_lines(records, paths=()):
     """One line per analysed run and warning found at a metric path (the analysis class's REPORT_WARNINGS)."""
-    return [f"{'note' if path.endswith('note') else 'warning'}: {record.swept} {record.prior}: "
-            f"{lookup(record.metrics, path)}" for record in records if record.metrics is not None for path in paths
-            if isinstance(lookup(record.metrics, path), str)]
+    return [
+        f"{'note' if path.endswith('note') else 'warning'}: {record.swept} {record.prior}: "
+        f"{lookup(record.metrics, path)}"
+        for record in records
+        if record.metrics is not None
+        for path in paths
+        if isinstance(lookup(record.metrics, path), str)
+    ]
 
 
 def dropped_lines(records):
@@ -266,8 +310,10 @@ def dropped_lines(records):
         counts = {split: count for split, count in (record.dropped or {}).items() if is_number(count) and count > 0}
         if record.metrics is not None and counts:
             splits = ", ".join(f"{split} {count:,}" for split, count in counts.items())
-            lines.append(f"note: {record.swept} {record.prior}: {sum(counts.values()):,} invalid simulations "
-                         f"dropped ({splits}; data.invalid = \"drop\")")
+            lines.append(
+                f"note: {record.swept} {record.prior}: {sum(counts.values()):,} invalid simulations "
+                f'dropped ({splits}; data.invalid = "drop")'
+            )
     return lines
 
 
@@ -349,8 +395,15 @@ def error_bars(point, interval):
 
 def wilson_entry(ax):
     """A legend entry saying what the error bars are."""
-    ax.errorbar([float("nan")], [float("nan")], yerr=[[0.0], [0.0]], color="grey", capsize=3, linestyle="none",
-                label="bars: 95% Wilson interval")
+    ax.errorbar(
+        [float("nan")],
+        [float("nan")],
+        yerr=[[0.0], [0.0]],
+        color="grey",
+        capsize=3,
+        linestyle="none",
+        label="bars: 95% Wilson interval",
+    )
 
 
 def draw_knob_panel(ax, records, knob, panel, priors):
@@ -361,7 +414,7 @@ def draw_knob_panel(ax, records, knob, panel, priors):
     spacing = min([b - a for a, b in zip(ticks, ticks[1:])] or [1.0])
     wilson = False
     for k, (name, (prior, replica, points)) in enumerate(found.items()):
-        shift = (k - (len(found) - 1) / 2) * 0.2 * spacing / len(found)     # members side by side at each value
+        shift = (k - (len(found) - 1) / 2) * 0.2 * spacing / len(found)  # members side by side at each value
         points = sorted(points, key=lambda point: position(point[0]))
         x = [position(point[0]) + shift for point in points]
         colour, marker, style = member_style(priors, prior, replica)
@@ -372,8 +425,13 @@ def draw_knob_panel(ax, records, knob, panel, priors):
                 wilson = True
     baseline = [knob_value(record.settings, knob) for record in records if record.knob is None]
     if baseline:
-        ax.axvline(position(baseline[0]), color="black", linestyle=(0, (1, 3)), linewidth=1,
-                   label=f"baseline: {knob} = {setting_text(baseline[0])}")
+        ax.axvline(
+            position(baseline[0]),
+            color="black",
+            linestyle=(0, (1, 3)),
+            linewidth=1,
+            label=f"baseline: {knob} = {setting_text(baseline[0])}",
+        )
     nominal_lines(ax, records, path)
     if len(ticks) <= 12:
         ax.set_xticks(ticks, labels)
@@ -394,9 +452,15 @@ def draw_prior_panel(ax, records, panel, priors):
                 continue
             value, interval, _ = point
             colour, marker, _ = member_style(priors, prior, record.replica)
-            ax.errorbar([i + (k - (len(members) - 1) / 2) * 0.5 / len(members)], [value],
-                        yerr=error_bars(value, interval),
-                        fmt=marker, color=colour, capsize=4, label=str(record.member.get("name", prior)))
+            ax.errorbar(
+                [i + (k - (len(members) - 1) / 2) * 0.5 / len(members)],
+                [value],
+                yerr=error_bars(value, interval),
+                fmt=marker,
+                color=colour,
+                capsize=4,
+                label=str(record.member.get("name", prior)),
+            )
             wilson |= interval is not None
     nominal_lines(ax, records, path)
     ax.set_xticks(range(len(priors)), priors)
@@ -418,8 +482,11 @@ def row_legend(row):
 
 def drawable_panels(records, panels):
     """The panels some analysed record has a value for."""
-    return [panel for panel in panels
-            if any(record.metrics is not None and panel_point(record.metrics, panel[1]) for record in records)]
+    return [
+        panel
+        for panel in panels
+        if any(record.metrics is not None and panel_point(record.metrics, panel[1]) for record in records)
+    ]
 
 
 def draw_comparison(records, figure, panels):
@@ -451,7 +518,8 @@ def comparison_figure(records, panels, title):
     count = len(drawable_panels(records, panels))
     if not count:
         return None
-    from matplotlib.figure import Figure   # optional extra, imported only when drawing
+    from matplotlib.figure import Figure  # optional extra, imported only when drawing
+
     rows = max(1, len(swept_knobs([record for record in records if record.metrics is not None])))
     figure = Figure(figsize=(4.2 * count + 2.2, 3.6 * rows + 0.6), layout="constrained")
     draw_comparison(records, figure, panels)

@@ -11,6 +11,7 @@ a round as any other training. The run folder records the last round's member: `
 `infer` and the analysis work on the last round inside the final box. docs/rounds.md says
 when rounds pay, what they cost and how the rule was chosen.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -30,22 +31,36 @@ from settings import SettingsError, integer, known_keys, number, require
 from store import NnpdError
 
 __all__ = [
-    "ROUND_KEYS", "RoundsError", "rounds_settings", "read_observation", "observation_digest", "base_member",
-    "round_recipe", "with_earlier", "BoxProblem", "CutPrior", "cut_prior", "snap_to_lattice", "posterior_box",
-    "edge_mass", "edge_warnings", "next_round", "outside_warning",
+    "ROUND_KEYS",
+    "RoundsError",
+    "rounds_settings",
+    "read_observation",
+    "observation_digest",
+    "base_member",
+    "round_recipe",
+    "with_earlier",
+    "BoxProblem",
+    "CutPrior",
+    "cut_prior",
+    "snap_to_lattice",
+    "posterior_box",
+    "edge_mass",
+    "edge_warnings",
+    "next_round",
+    "outside_warning",
 ]
 
 ROUND_KEYS = ("round", "box", "previous", "observation", "reuse", "history")
 SETTINGS_KEYS = ("count", "observation", "truncation", "reuse")
 WHERE = 'docs/rounds.md, "Settings"'
 MAX_ROUNDS = 20
-BOX_DRAWS = 20_000           # posterior draws the box's quantiles are taken from
-PADDING = 0.1                # the box is widened by this share of its width on each side
-MASS_DRAWS = 200_000         # prior draws that estimate a custom prior's mass in the box
-MIN_ACCEPTANCE = 1e-4        # a custom prior putting less of its mass in the box is refused
-SAMPLING_BUDGET = 100        # prior draws allowed per cut-prior draw asked, over the expected
-EDGE_BAND = 0.02             # a band along a cut face, as a share of the box's width: mass there is a lost tail
-SHARE_DRAWS = 20_000         # prior draws that estimate the share of the prior's mass in a round's box
+BOX_DRAWS = 20_000  # posterior draws the box's quantiles are taken from
+PADDING = 0.1  # the box is widened by this share of its width on each side
+MASS_DRAWS = 200_000  # prior draws that estimate a custom prior's mass in the box
+MIN_ACCEPTANCE = 1e-4  # a custom prior putting less of its mass in the box is refused
+SAMPLING_BUDGET = 100  # prior draws allowed per cut-prior draw asked, over the expected
+EDGE_BAND = 0.02  # a band along a cut face, as a share of the box's width: mass there is a lost tail
+SHARE_DRAWS = 20_000  # prior draws that estimate the share of the prior's mass in a round's box
 
 
 class RoundsError(NnpdError, ValueError):
@@ -53,6 +68,7 @@ class RoundsError(NnpdError, ValueError):
 
 
 # ---------------------------------------------------------------- settings and the observation
+
 
 def rounds_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
     """The checked `rounds` section with its defaults (truncation 1e-3), or None without one."""
@@ -64,12 +80,15 @@ def rounds_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
     epsilon = number(section.get("truncation", 1e-3), "rounds.truncation", 0.0, 0.5, low_open=True)
     path = require(section, "observation", "rounds")
     if not isinstance(path, str):
-        raise SettingsError(f"rounds.observation: expected the path of a .npy file saved with numpy.save, got "
-                            f"{path!r} ({WHERE})")
+        raise SettingsError(
+            f"rounds.observation: expected the path of a .npy file saved with numpy.save, got {path!r} ({WHERE})"
+        )
     reuse = section.get("reuse", True)
     if not isinstance(reuse, bool):
-        raise SettingsError(f"rounds.reuse: True (a round also trains on the earlier rounds' simulations inside its "
-                            f"box) or False, got {reuse!r} ({WHERE})")
+        raise SettingsError(
+            f"rounds.reuse: True (a round also trains on the earlier rounds' simulations inside its "
+            f"box) or False, got {reuse!r} ({WHERE})"
+        )
     return {"count": count, "observation": path, "truncation": epsilon, "reuse": reuse}
 
 
@@ -82,8 +101,10 @@ def read_observation(path: str, dimension: int) -> np.ndarray:
     x = np.ascontiguousarray(array, dtype=np.float64)
     x = x[None] if x.ndim == 1 else x
     if x.ndim != 2 or x.shape[1] != dimension or not len(x):
-        raise SettingsError(f"rounds.observation {path}: shape {array.shape}; expected ({dimension},) for one "
-                            f"observation or (m, {dimension}) for m of them ({WHERE})")
+        raise SettingsError(
+            f"rounds.observation {path}: shape {array.shape}; expected ({dimension},) for one "
+            f"observation or (m, {dimension}) for m of them ({WHERE})"
+        )
     return x
 
 
@@ -105,7 +126,7 @@ def round_recipe(member: dict[str, Any]) -> dict[str, Any]:
     if "box" not in member:
         return {}
     recipe = {key: member[key] for key in ("round", "box", "previous", "observation")}
-    if "reuse" in member:                # only then: the keys of rounds that reuse nothing stay as they were
+    if "reuse" in member:  # only then: the keys of rounds that reuse nothing stay as they were
         recipe["reuse"] = member["reuse"]
     return {"rounds": {**recipe, "source": fingerprint.source_fingerprint(BoxProblem, CutPrior, cut_prior)}}
 
@@ -122,8 +143,10 @@ def with_earlier(study: Any, member: dict[str, Any], arrays: dict[str, np.ndarra
         return arrays
     earlier = study.round_data.get(key)
     if earlier is None:
-        raise RoundsError(f"round {member['round']}: the previous round's simulations (data {key}) are not loaded; "
-                          "train the rounds from round 1 with `nnpd train`, which loads each round in turn")
+        raise RoundsError(
+            f"round {member['round']}: the previous round's simulations (data {key}) are not loaded; "
+            "train the rounds from round 1 with `nnpd train`, which loads each round in turn"
+        )
     low, high = (np.asarray(bound) for bound in member["box"])
     arrays = dict(arrays)
     for split in ("train", "validation", "test"):
@@ -136,6 +159,7 @@ def with_earlier(study: Any, member: dict[str, Any], arrays: dict[str, np.ndarra
 
 
 # ---------------------------------------------------------------- the box and the cut prior
+
 
 class BoxProblem:
     """A study's problem seen inside a round's box: `low`, `high` and each parameter's bounds are the box's;
@@ -174,8 +198,10 @@ class CutPrior:
         draws = prior.sample(MASS_DRAWS, runtime.seeded_generator(seed, "rounds", "box mass"))
         self.mass = float(inside(draws, self.low, self.high).double().mean())
         if self.mass < MIN_ACCEPTANCE:
-            raise RoundsError(f"the prior puts {self.mass:.2g} of its mass in the round's box, too little to draw "
-                              "from by rejection; lower rounds.truncation for a wider box (docs/rounds.md)")
+            raise RoundsError(
+                f"the prior puts {self.mass:.2g} of its mass in the round's box, too little to draw "
+                "from by rejection; lower rounds.truncation for a wider box (docs/rounds.md)"
+            )
 
     def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """n draws (n, p) of the prior inside the box, by rejection within a bounded budget."""
@@ -183,8 +209,10 @@ class CutPrior:
         found, drawn, budget = 0, 0, SAMPLING_BUDGET * n / self.mass + 1000
         while found < n:
             if drawn > budget:
-                raise RoundsError(f"{drawn:,} prior draws gave fewer than {n:,} inside the round's box; lower "
-                                  "rounds.truncation for a wider box (docs/rounds.md)")
+                raise RoundsError(
+                    f"{drawn:,} prior draws gave fewer than {n:,} inside the round's box; lower "
+                    "rounds.truncation for a wider box (docs/rounds.md)"
+                )
             batch = self.prior.sample(max(64, int(1.2 * (n - found) / self.mass)), generator)
             drawn += len(batch)
             kept.append(batch[inside(batch, self.low, self.high)])
@@ -195,8 +223,11 @@ class CutPrior:
         """The prior's log density renormalised to the box; −inf outside it."""
         theta = torch.as_tensor(theta, dtype=torch.float64)
         log_p = self.prior.log_prob(theta) - math.log(self.mass)
-        return torch.where(inside(theta, self.low.to(theta.device), self.high.to(theta.device)), log_p,
-                           torch.full_like(log_p, -math.inf))
+        return torch.where(
+            inside(theta, self.low.to(theta.device), self.high.to(theta.device)),
+            log_p,
+            torch.full_like(log_p, -math.inf),
+        )
 
     def describe(self) -> Any:
         """The prior's description, the box and its mass there."""
@@ -218,6 +249,7 @@ def cut_prior(study: Any, member: dict[str, Any]) -> Any:
 
 
 # ---------------------------------------------------------------- the rule: where the posterior keeps its mass
+
 
 def snap_to_lattice(problem: Any, low: torch.Tensor, high: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Bounds moved outward onto each lattice parameter's points, so a cut lattice keeps the prior's points."""
@@ -250,12 +282,13 @@ def posterior_draws(post: Any) -> tuple[torch.Tensor, torch.Tensor]:
             warnings.simplefilter("ignore")
             draws = post.sample(BOX_DRAWS, seed=0)
         return draws, torch.full((len(draws),), 1.0 / len(draws), dtype=torch.float64)
-    except posterior.PosteriorError:     # too few effective candidates to sample: their weights still place the mass
+    except posterior.PosteriorError:  # too few effective candidates to sample: their weights still place the mass
         return post.points, post.masses
 
 
-def posterior_box(study: Any, member: dict[str, Any], state: dict[str, Any], x: np.ndarray,
-                  epsilon: float) -> dict[str, Any]:
+def posterior_box(
+    study: Any, member: dict[str, Any], state: dict[str, Any], x: np.ndarray, epsilon: float
+) -> dict[str, Any]:
     """The next round's box from this round's posterior for x: per parameter the ε/(2p) and 1 − ε/(2p)
     quantiles (the box then keeps at least 1 − ε of the mass), padded by PADDING of their span, within
     the round's own box, on the lattice; with the mass this round's posterior puts near its own cut faces."""
@@ -287,8 +320,8 @@ def edge_mass(problem: Any, full: Any, points: torch.Tensor, masses: torch.Tenso
     return shares
 
 
-
 # ---------------------------------------------------------------- one round after another
+
 
 def next_round(study: Any, member: dict[str, Any], tools: Any) -> dict[str, Any] | None:
     """The member after `member`: the next round's, or the last round's again with its truncation check;
@@ -298,7 +331,7 @@ def next_round(study: Any, member: dict[str, Any], tools: Any) -> dict[str, Any]
     if section is None or section["count"] == 1:
         return None
     this, rows = member.get("round", 1), list(member.get("history") or [round_row(study, member)])
-    if "edge_mass" in rows[-1]:          # the last round, checked: the framework records it
+    if "edge_mass" in rows[-1]:  # the last round, checked: the framework records it
         return None
     if this == 1:
         tools.log(round_line(section, rows[0]))
@@ -313,25 +346,38 @@ def next_round(study: Any, member: dict[str, Any], tools: Any) -> dict[str, Any]
         tools.log(f"warning: {line}")
     if this >= section["count"]:
         return {**member, "history": rows}
-    following = {**base_member(member), "round": this + 1, "box": found["box"], "previous": found["model"],
-                 "observation": digest}
+    following = {
+        **base_member(member),
+        "round": this + 1,
+        "box": found["box"],
+        "previous": found["model"],
+        "observation": digest,
+    }
     if section["reuse"] and data is not None:
         following["reuse"] = data.key
-        splits = [name[:-len("_x")] for name in data.metadata["rows"] if name.endswith("_x")]
-        study.round_data[data.key] = {name: data.array(name) for split in splits
-                                      for name in (f"{split}_x", f"{split}_theta")}
+        splits = [name[: -len("_x")] for name in data.metadata["rows"] if name.endswith("_x")]
+        study.round_data[data.key] = {
+            name: data.array(name) for split in splits for name in (f"{split}_x", f"{split}_theta")
+        }
     following["history"] = rows + [round_row(study, following)]
     tools.log(round_line(section, following["history"][-1]))
     return following
 
 
-def shared_box(study: Any, member: dict[str, Any], model: Any, x: np.ndarray, digest: str, epsilon: float,
-               tools: Any) -> dict[str, Any]:
+def shared_box(
+    study: Any, member: dict[str, Any], model: Any, x: np.ndarray, digest: str, epsilon: float, tools: Any
+) -> dict[str, Any]:
     """The next box, cached in the store by the model, observation and ε (a rerun computes nothing); under
     ddp rank 0 computes it and every rank gets its copy (only rank 0 holds the model artifact)."""
+
     def compute() -> dict[str, Any]:
-        recipe = {"model": model.key, "observation": digest, "truncation": epsilon, "member": member,
-                  "source": fingerprint.source_fingerprint(posterior_box, posterior)}
+        recipe = {
+            "model": model.key,
+            "observation": digest,
+            "truncation": epsilon,
+            "member": member,
+            "source": fingerprint.source_fingerprint(posterior_box, posterior),
+        }
 
         def build(writer: Any) -> None:
             writer.json("box", posterior_box(study, member, model.state_dict(), x, epsilon))
@@ -350,12 +396,16 @@ def round_row(study: Any, member: dict[str, Any]) -> dict[str, Any]:
     simulations."""
     full, problem = study.problem(), study.problem(member)
     draws = study.prior(base_member(member)).sample(
-        SHARE_DRAWS, runtime.seeded_generator(study.settings["seed"], "rounds", "share"))
+        SHARE_DRAWS, runtime.seeded_generator(study.settings["seed"], "rounds", "share")
+    )
     data = study.settings["data"]
-    return {"round": member.get("round", 1), "box": [problem.low.tolist(), problem.high.tolist()],
-            "volume": float(torch.prod((problem.high - problem.low) / (full.high - full.low))),
-            "prior_mass": float(inside(draws, problem.low, problem.high).double().mean()),
-            "simulations": int(sum(data[split] for split in ("train", "validation", "test")))}
+    return {
+        "round": member.get("round", 1),
+        "box": [problem.low.tolist(), problem.high.tolist()],
+        "volume": float(torch.prod((problem.high - problem.low) / (full.high - full.low))),
+        "prior_mass": float(inside(draws, problem.low, problem.high).double().mean()),
+        "simulations": int(sum(data[split] for split in ("train", "validation", "test"))),
+    }
 
 
 def simulations_used(study: Any, data: Any) -> dict[str, int]:
@@ -367,22 +417,29 @@ def simulations_used(study: Any, data: Any) -> dict[str, int]:
 
 def round_line(section: dict[str, Any], row: dict[str, Any]) -> str:
     """The progress line that starts a round."""
-    return (f"round {row['round']} of {section['count']}: box {100 * row['volume']:.3g}% of the prior's volume, "
-            f"{100 * row['prior_mass']:.3g}% of its mass; {row['simulations']:,} simulations")
+    return (
+        f"round {row['round']} of {section['count']}: box {100 * row['volume']:.3g}% of the prior's volume, "
+        f"{100 * row['prior_mass']:.3g}% of its mass; {row['simulations']:,} simulations"
+    )
 
 
 def edge_warnings(names: list[str], row: dict[str, Any], epsilon: float) -> list[str]:
     """One line per parameter whose posterior mass near a cut face of the round's box is above ε."""
-    return [f"round {row['round']}: the posterior puts {mass:.2g} of its mass within {EDGE_BAND:.0%} of the box's "
-            f"width of a cut face of {name!r} (above rounds.truncation {epsilon:g}): the box may have cut its tail; "
-            "lower rounds.truncation for a wider box (docs/rounds.md)"
-            for name, mass in zip(names, row.get("edge_mass", ())) if mass > epsilon]
+    return [
+        f"round {row['round']}: the posterior puts {mass:.2g} of its mass within {EDGE_BAND:.0%} of the box's "
+        f"width of a cut face of {name!r} (above rounds.truncation {epsilon:g}): the box may have cut its tail; "
+        "lower rounds.truncation for a wider box (docs/rounds.md)"
+        for name, mass in zip(names, row.get("edge_mass", ()))
+        if mass > epsilon
+    ]
 
 
 def outside_warning(member: dict[str, Any], observations: Any) -> str | None:
     """One line when a posterior of the rounds' model is asked for an observation other than the rounds'."""
     if "observation" not in member or observation_digest(observations) == member["observation"]:
         return None
-    return ("this model was trained in rounds for another observation, inside a box around that one's "
-            "posterior: this observation's posterior may extend beyond the box, where it is cut to zero "
-            "(docs/rounds.md)")
+    return (
+        "this model was trained in rounds for another observation, inside a box around that one's "
+        "posterior: this observation's posterior may extend beyond the box, where it is cut to zero "
+        "(docs/rounds.md)"
+    )

@@ -26,11 +26,32 @@ from settings import DEVICE_FORMS, SettingsError, check_runtime
 from store import LaunchError, NnpdError
 
 __all__ = [
-    "PRECISIONS", "launch_environment", "resolve_device", "check_precision", "Interrupted", "Preempted",
-    "StopRequest", "STOP", "unless_stopped", "reported_stop", "request_stop", "exit_status", "Runtime",
-    "process_settings_kept", "set_determinism", "derived_seed", "seeded_generator",
-    "group_backend", "group_timeout", "start", "stop", "backend_identity", "barrier", "broadcast_object",
-    "all_reduce_sum", "all_gather_object",
+    "PRECISIONS",
+    "launch_environment",
+    "resolve_device",
+    "check_precision",
+    "Interrupted",
+    "Preempted",
+    "StopRequest",
+    "STOP",
+    "unless_stopped",
+    "reported_stop",
+    "request_stop",
+    "exit_status",
+    "Runtime",
+    "process_settings_kept",
+    "set_determinism",
+    "derived_seed",
+    "seeded_generator",
+    "group_backend",
+    "group_timeout",
+    "start",
+    "stop",
+    "backend_identity",
+    "barrier",
+    "broadcast_object",
+    "all_reduce_sum",
+    "all_gather_object",
 ]
 
 PRECISIONS = ("off", "float16", "bfloat16")
@@ -46,11 +67,14 @@ def launch_environment(environ=None) -> tuple[int, int, int]:
         try:
             values[name] = int(raw) if str(raw).strip() else default
         except ValueError:
-            raise SettingsError(f"environment variable {name}={raw!r} is not an integer; launch with torchrun") from None
+            raise SettingsError(
+                f"environment variable {name}={raw!r} is not an integer; launch with torchrun"
+            ) from None
     rank, world_size, local_rank = values["RANK"], values["WORLD_SIZE"], values["LOCAL_RANK"]
     if world_size < 1 or not 0 <= rank < world_size or local_rank < 0:
         raise SettingsError(
-            f"inconsistent launch environment RANK={rank} WORLD_SIZE={world_size} LOCAL_RANK={local_rank}; launch with torchrun"
+            f"inconsistent launch environment RANK={rank} WORLD_SIZE={world_size} LOCAL_RANK={local_rank}; "
+            "launch with torchrun"
         )
     return rank, world_size, local_rank
 
@@ -60,7 +84,7 @@ def _cuda_unavailable(spec: str) -> SettingsError:
     why = "built without CUDA" if torch.version.cuda is None else "no GPU visible"
     return SettingsError(
         f"runtime.device: {spec!r} requested but CUDA is not available "
-        f"(torch {torch.__version__}, {why}); use \"auto\" or \"cpu\""
+        f'(torch {torch.__version__}, {why}); use "auto" or "cpu"'
     )
 
 
@@ -98,14 +122,16 @@ def resolve_device(spec: str, local_rank: int = 0, world_size: int = 1) -> torch
     # An index would put every worker on the same GPU, so it is refused under a launch.
     if world_size > 1:
         raise SettingsError(
-            f"runtime.device: {spec!r} cannot be used with {world_size} workers; use \"cuda\" "
+            f'runtime.device: {spec!r} cannot be used with {world_size} workers; use "cuda" '
             "(the local rank selects the GPU) and choose GPUs with CUDA_VISIBLE_DEVICES"
         )
     if not torch.cuda.is_available():
         raise _cuda_unavailable(spec)
     index, count = int(match.group(1)), torch.cuda.device_count()
     if index >= count:
-        raise SettingsError(f"runtime.device: {spec!r} is out of range; {count} GPU(s) visible (cuda:0..cuda:{count - 1})")
+        raise SettingsError(
+            f"runtime.device: {spec!r} is out of range; {count} GPU(s) visible (cuda:0..cuda:{count - 1})"
+        )
     return torch.device("cuda", index)
 
 
@@ -117,8 +143,8 @@ def check_precision(precision: str, device) -> torch.dtype | None:
     device = torch.device(device)
     if precision == "float16" and device.type != "cuda":
         raise SettingsError(
-            f"training.precision: \"float16\" needs a CUDA device but runtime.device resolved to {device.type}; "
-            "use \"bfloat16\" or \"off\""
+            f'training.precision: "float16" needs a CUDA device but runtime.device resolved to {device.type}; '
+            'use "bfloat16" or "off"'
         )
     if precision == "bfloat16" and device.type == "cuda":
         # torch.cuda.is_bf16_supported() also accepts GPUs that only emulate bfloat16 (compute
@@ -126,9 +152,9 @@ def check_precision(precision: str, device) -> torch.dtype | None:
         major, minor = torch.cuda.get_device_capability(device)
         if major < 8:
             raise SettingsError(
-                f"training.precision: \"bfloat16\" needs a GPU of compute capability 8.0 or newer; "
+                f'training.precision: "bfloat16" needs a GPU of compute capability 8.0 or newer; '
                 f"{torch.cuda.get_device_name(device)} ({device}) has {major}.{minor} and only emulates it; "
-                "use \"float16\" or \"off\""
+                'use "float16" or "off"'
             )
     return {"off": None, "float16": torch.float16, "bfloat16": torch.bfloat16}[precision]
 
@@ -146,8 +172,11 @@ class Preempted(Interrupted):
 
     def __init__(self, epoch: int, batch: int, saved: bool):
         self.epoch, self.batch, self.saved = epoch, batch, saved
-        then = ("its state was saved: run the same command again to resume from there" if saved
-                else "no state was saved (saving is off): the same command starts it again")
+        then = (
+            "its state was saved: run the same command again to resume from there"
+            if saved
+            else "no state was saved (saving is off): the same command starts it again"
+        )
         super().__init__(f"training stopped on request in epoch {epoch} after batch {batch}; {then}")
 
     def __reduce__(self):
@@ -215,10 +244,10 @@ class StopRequest:
         """The signal handler."""
         name = signal.Signals(signum).name
         if self.requested is not None:
-            since = time.monotonic() - (self.requested_at or 0.0)     # set with `requested`
+            since = time.monotonic() - (self.requested_at or 0.0)  # set with `requested`
             repeated = self.polled or since < self.REPEAT_SECONDS
             if repeated and not (name == self.requested == "SIGINT"):
-                return                       # the same request delivered twice
+                return  # the same request delivered twice
             raise Interrupted(f"stopped by {name}")
         self.requested, self.requested_at = name, time.monotonic()
         if not self.polled:
@@ -249,6 +278,7 @@ def unless_stopped(build: Callable[[Any], Any]) -> Callable[[Any], Any]:
     training cut short), which must not be committed, or to fail for that reason, which must
     not be reported as the study's fault.
     """
+
     def guarded(writer):
         try:
             produced = build(writer)
@@ -259,6 +289,7 @@ def unless_stopped(build: Callable[[Any], Any]) -> Callable[[Any], Any]:
         if STOP.requested is not None:
             raise Interrupted(f"stopped by {STOP.requested}; what was being built is not committed")
         return produced
+
     return guarded
 
 
@@ -308,7 +339,7 @@ class Runtime:
     timeout_minutes: float = 60
     resume_seconds: float = 60
     owns_group: bool = False
-    previous_torch_state: tuple = ()   # what start changed (torch_state()), put back by stop
+    previous_torch_state: tuple = ()  # what start changed (torch_state()), put back by stop
 
     def __post_init__(self):
         """Give a CUDA device its index: barriers, DDP and NCCL need to know which GPU."""
@@ -355,12 +386,12 @@ def keep_freed_memory() -> None:
     mallopt = _mallopt()
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, 64 << 20)
-        mallopt(M_TRIM_THRESHOLD, 1 << 30)              # mallopt takes a C int: at most 2^31 - 1
+        mallopt(M_TRIM_THRESHOLD, 1 << 30)  # mallopt takes a C int: at most 2^31 - 1
         _ALLOCATOR["kept"] = True
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-_ALLOCATOR = {"kept": False}        # whether keep_freed_memory changed glibc's thresholds in this process
+_ALLOCATOR = {"kept": False}  # whether keep_freed_memory changed glibc's thresholds in this process
 
 
 def _mallopt():
@@ -381,7 +412,10 @@ def return_freed_memory() -> None:
     mallopt = _mallopt()
     if mallopt is None or not _ALLOCATOR["kept"]:
         return
-    for option, variable in ((M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_"), (M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_")):
+    for option, variable in (
+        (M_MMAP_THRESHOLD, "MALLOC_MMAP_THRESHOLD_"),
+        (M_TRIM_THRESHOLD, "MALLOC_TRIM_THRESHOLD_"),
+    ):
         value = os.environ.get(variable, "")
         mallopt(option, int(value) if value.isdigit() and int(value) < 2**31 else 128 << 10)
     _ALLOCATOR["kept"] = False
@@ -412,12 +446,12 @@ def set_deterministic_algorithms(flag: bool) -> None:
     torch.set_deterministic_debug_mode("error" if flag else "default")
     inductor_config = sys.modules.get("torch._inductor.config")
     if inductor_config is not None:
-        inductor_config.deterministic = flag     # type: ignore[attr-defined]  # found in sys.modules: untyped
+        inductor_config.deterministic = flag  # type: ignore[attr-defined]  # found in sys.modules: untyped
     else:
         os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1" if flag else "0"
 
 
-DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")   # the workspace settings cuBLAS documents as deterministic
+DETERMINISTIC_CUBLAS = (":4096:8", ":16:8")  # the workspace settings cuBLAS documents as deterministic
 
 
 def set_determinism(flag: bool) -> None:
@@ -427,9 +461,12 @@ def set_determinism(flag: bool) -> None:
         # Another value makes deterministic training fail at its first matrix product.
         found = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
         if found not in (None, *DETERMINISTIC_CUBLAS):
-            warnings.warn(f"CUBLAS_WORKSPACE_CONFIG={found!r} is not one of cuBLAS's deterministic settings "
-                          f"({', '.join(DETERMINISTIC_CUBLAS)}); runtime.deterministic is on, so this launch uses "
-                          f"{DETERMINISTIC_CUBLAS[0]}", stacklevel=2)
+            warnings.warn(
+                f"CUBLAS_WORKSPACE_CONFIG={found!r} is not one of cuBLAS's deterministic settings "
+                f"({', '.join(DETERMINISTIC_CUBLAS)}); runtime.deterministic is on, so this launch uses "
+                f"{DETERMINISTIC_CUBLAS[0]}",
+                stacklevel=2,
+            )
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = found if found in DETERMINISTIC_CUBLAS else DETERMINISTIC_CUBLAS[0]
     set_deterministic_algorithms(flag)
     torch.backends.cudnn.deterministic = flag
@@ -460,8 +497,15 @@ def _create_group(rt: Runtime, environ) -> None:
     # imported (DDP imports it, through torch._dynamo); imported once the group exists, they
     # would keep the group alive past destroy_process_group (see stop).
     from torch.distributed.nn import functional  # noqa: F401
-    dist.init_process_group(backend=backend, rank=rt.rank, world_size=rt.world_size, timeout=timeout,
-                            **device, **_rendezvous(environ, rt.world_size, timeout))
+
+    dist.init_process_group(
+        backend=backend,
+        rank=rt.rank,
+        world_size=rt.world_size,
+        timeout=timeout,
+        **device,
+        **_rendezvous(environ, rt.world_size, timeout),
+    )
     rt.owns_group = True
 
 
@@ -492,8 +536,9 @@ def _rendezvous(environ, world_size, timeout) -> dict:
     """
     if environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return {"init_method": "env://"}
-    client = dist.TCPStore(environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size, is_master=False,
-                           timeout=timeout)
+    client = dist.TCPStore(
+        environ["MASTER_ADDR"], int(environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
     restart = environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return {"store": dist.PrefixStore(f"nnpd/restart-{restart}", client)}
 
@@ -504,8 +549,10 @@ def start(runtime_settings: dict | None, environ=None) -> Runtime:
     environ = os.environ if environ is None else environ
     rank, world_size, local_rank = launch_environment(environ)
     if dist.is_available() and dist.is_initialized():
-        raise SettingsError("a launch cannot be started inside an active process group; "
-                            "start nnpd as its own launch (for a trained model, use store.restore)")
+        raise SettingsError(
+            "a launch cannot be started inside an active process group; "
+            "start nnpd as its own launch (for a trained model, use store.restore)"
+        )
     device = resolve_device(settings["device"], local_rank, world_size)
     rt = Runtime(
         device=device,
@@ -551,13 +598,18 @@ def stop(rt: Runtime) -> None:
         rt.previous_torch_state = ()
 
 
-SET_ENVIRONMENT = ("CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_DETERMINISTIC")   # what set_determinism may set
+SET_ENVIRONMENT = ("CUBLAS_WORKSPACE_CONFIG", "TORCHINDUCTOR_DETERMINISTIC")  # what set_determinism may set
 
 
 def torch_state() -> tuple:
     """What start changes: threads, the determinism flag, cuDNN's flags and the environment it sets."""
-    return (torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.deterministic,
-            torch.backends.cudnn.benchmark, {name: os.environ.get(name) for name in SET_ENVIRONMENT})
+    return (
+        torch.get_num_threads(),
+        torch.are_deterministic_algorithms_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        {name: os.environ.get(name) for name in SET_ENVIRONMENT},
+    )
 
 
 def put_back_torch_state(state: tuple) -> None:
@@ -609,8 +661,10 @@ def lost_worker(rt: Runtime, what: str, error: BaseException) -> str:
     who = f"worker {others[0]}" if len(others) == 1 else "another worker"
     # "[.../pair.cc:553] Connection closed by peer [addr]:port. This is typically ..." -> its first sentence
     text = re.sub(r"^\[[^\]]*\]\s*", "", " ".join(str(error).split())).split(". ")[0] or type(error).__name__
-    return (f"{who} stopped or cannot be reached (worker {rt.rank}: {what} failed: {text}); "
-            "the launch ends; the same command resumes")
+    return (
+        f"{who} stopped or cannot be reached (worker {rt.rank}: {what} failed: {text}); "
+        "the launch ends; the same command resumes"
+    )
 
 
 def barrier(rt: Runtime) -> None:

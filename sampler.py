@@ -37,38 +37,57 @@ import torch
 import study
 from store import NnpdError
 
-__all__ = ["ADAPT_ROUNDS", "BUDGET", "BUDGET_FLOOR", "CHUNK", "Adapted", "Candidates", "MIN_FIT_ESS", "Mixture",
-           "PILOT", "PMC_DRAWS", "PosteriorError", "defensive", "effective_size", "fit_mixture",
-           "population_monte_carlo", "propose", "proposal_draws", "refit", "rejection_sample", "select_mixture",
-           "tempered_particles"]
+__all__ = [
+    "ADAPT_ROUNDS",
+    "BUDGET",
+    "BUDGET_FLOOR",
+    "CHUNK",
+    "Adapted",
+    "Candidates",
+    "MIN_FIT_ESS",
+    "Mixture",
+    "PILOT",
+    "PMC_DRAWS",
+    "PosteriorError",
+    "defensive",
+    "effective_size",
+    "fit_mixture",
+    "population_monte_carlo",
+    "propose",
+    "proposal_draws",
+    "refit",
+    "rejection_sample",
+    "select_mixture",
+    "tempered_particles",
+]
 
-LogProb = Callable[[torch.Tensor], torch.Tensor]        # θ (n, p) -> log density (n,), −inf outside the support
+LogProb = Callable[[torch.Tensor], torch.Tensor]  # θ (n, p) -> log density (n,), −inf outside the support
 
 # Effective candidates below which the candidates place no proposal: the tempered search and population
 # Monte Carlo find the density instead. (At 10 parameters the default design's 50-60 effective candidates
 # placed one well: C2ST 0.50-0.51 against exact draws.)
 MIN_FIT_ESS = 10
-COMPONENT_CHOICES = (1, 2, 4, 8)   # mixture sizes tried on the weighted candidates
+COMPONENT_CHOICES = (1, 2, 4, 8)  # mixture sizes tried on the weighted candidates
 EM_ITERATIONS = 40
-EM_TOLERANCE = 1e-3      # nats per effective point: an EM step gaining less ends the fit
-WIDEN = 1.15             # the proposal's sd over a fitted component's: its tails must cover the posterior's
-WIDE = 2.0               # a wider copy, for the tails a fit from few effective points underestimates
-SHARES = (0.88, 0.1, 0.02)   # of the widened mixture, its wide copy and the uniform box (no region left out)
-ADAPT_ROUNDS = 2         # refits of the proposal on its own weighted draws
-PILOT = 4096             # draws per refit
-CHUNK = 8192             # proposal draws scored at once: bounds the sampler's memory
-BUDGET = 25              # proposal draws allowed per draw asked: an acceptance below 1/25 falls back
-BUDGET_FLOOR = 1024      # fewer draws asked are budgeted as this many
+EM_TOLERANCE = 1e-3  # nats per effective point: an EM step gaining less ends the fit
+WIDEN = 1.15  # the proposal's sd over a fitted component's: its tails must cover the posterior's
+WIDE = 2.0  # a wider copy, for the tails a fit from few effective points underestimates
+SHARES = (0.88, 0.1, 0.02)  # of the widened mixture, its wide copy and the uniform box (no region left out)
+ADAPT_ROUNDS = 2  # refits of the proposal on its own weighted draws
+PILOT = 4096  # draws per refit
+CHUNK = 8192  # proposal draws scored at once: bounds the sampler's memory
+BUDGET = 25  # proposal draws allowed per draw asked: an acceptance below 1/25 falls back
+BUDGET_FLOOR = 1024  # fewer draws asked are budgeted as this many
 
-SMC_PARTICLES = 2048     # particles of the tempered search that starts population Monte Carlo
-SMC_MOVES = 5            # Metropolis moves of every particle at each temperature
-SMC_KEEP = 0.5           # each temperature step keeps this share of the particles effective
-MIN_COMPONENT = 0.01     # a component of less than this share of the mass is dropped by a PMC refit
-PMC_DRAWS = 4096         # proposal draws per population Monte Carlo pass
-PMC_PASSES = 24          # passes at most
-TEMPERED_SHARE = 0.1     # a pass's fit keeps at least this share of its draws effective, tempering their weights
-SETTLED_SHARE = 0.5      # an untempered pass with this share of its draws effective ends the adaptation
-GAIN = 1.05              # ... as does one whose effective share grew less than this factor over the last
+SMC_PARTICLES = 2048  # particles of the tempered search that starts population Monte Carlo
+SMC_MOVES = 5  # Metropolis moves of every particle at each temperature
+SMC_KEEP = 0.5  # each temperature step keeps this share of the particles effective
+MIN_COMPONENT = 0.01  # a component of less than this share of the mass is dropped by a PMC refit
+PMC_DRAWS = 4096  # proposal draws per population Monte Carlo pass
+PMC_PASSES = 24  # passes at most
+TEMPERED_SHARE = 0.1  # a pass's fit keeps at least this share of its draws effective, tempering their weights
+SETTLED_SHARE = 0.5  # an untempered pass with this share of its draws effective ends the adaptation
+GAIN = 1.05  # ... as does one whose effective share grew less than this factor over the last
 # The candidates' proposal is adapted further when the draws it was fitted to hold fewer effective points
 # than this many times a full-covariance Gaussian's parameters (p + p(p + 1)/2: 260 at p = 10, 8 at p = 1).
 ESCALATE = 4
@@ -78,9 +97,9 @@ class PosteriorError(NnpdError, ValueError):
     """A posterior that cannot be computed or sampled as asked; the message says why and what to change."""
 
 
-
 class Mixture(NamedTuple):
     """Gaussian components: log shares (K,), means (K, p) and lower Cholesky factors of covariances (K, p, p)."""
+
     log_shares: torch.Tensor
     means: torch.Tensor
     factors: torch.Tensor
@@ -88,7 +107,7 @@ class Mixture(NamedTuple):
 
 def component_log_terms(mixture, x):
     """log π_k N(x; μ_k, L_k L_kᵀ) (K, n) of every component at rows x (n, p)."""
-    offsets = (x[None] - mixture.means[:, None]).transpose(1, 2)                  # (K, p, n)
+    offsets = (x[None] - mixture.means[:, None]).transpose(1, 2)  # (K, p, n)
     z = torch.linalg.solve_triangular(mixture.factors, offsets, upper=False)
     log_det = mixture.factors.diagonal(dim1=1, dim2=2).log().sum(dim=1)
     constant = mixture.log_shares - log_det - 0.5 * x.shape[1] * math.log(2 * math.pi)
@@ -118,8 +137,11 @@ def fit_mixture(x, q, components, generator):
     ridge = torch.diag(spread.clamp(min=1e-300) * 1e-6)
     means = _seed_means(x, q, components, generator)
     start = torch.linalg.cholesky(torch.diag(spread) / means.shape[0] ** (2 / p) + ridge)
-    mixture = Mixture(torch.full((means.shape[0],), -math.log(means.shape[0]), dtype=x.dtype), means,
-                      start.expand(means.shape[0], p, p).clone())
+    mixture = Mixture(
+        torch.full((means.shape[0],), -math.log(means.shape[0]), dtype=x.dtype),
+        means,
+        start.expand(means.shape[0], p, p).clone(),
+    )
     fit = -math.inf
     for _ in range(EM_ITERATIONS):
         terms = component_log_terms(mixture, x)
@@ -127,7 +149,7 @@ def fit_mixture(x, q, components, generator):
         previous, fit = fit, float(q @ density)
         if fit - previous < EM_TOLERANCE:
             break
-        r = torch.exp(terms - density) * q                                          # (K, n)
+        r = torch.exp(terms - density) * q  # (K, n)
         share = r.sum(dim=1)
         alive = share > 1e-9 * share.max()
         r, share = r[alive], share[alive]
@@ -147,13 +169,13 @@ def select_mixture(x, q, generator):
     for components in COMPONENT_CHOICES:
         parameters = components * (p + p * (p + 1) / 2 + 1) - 1
         if components > 1 and parameters > ess:
-            break       # fewer effective points than parameters: nothing to place these components by
+            break  # fewer effective points than parameters: nothing to place these components by
         mixture, fit = fit_mixture(x, q, components, generator)
         bic = -2 * ess * fit + parameters * math.log(ess)
         if best is not None and bic >= best[0]:
-            break       # more components stopped paying for themselves
+            break  # more components stopped paying for themselves
         best = (bic, mixture)
-    assert best is not None             # the first choice, one component, is always fitted
+    assert best is not None  # the first choice, one component, is always fitted
     return best[1]
 
 
@@ -161,9 +183,11 @@ def defensive(mixture, box):
     """The proposal: the mixture widened by WIDEN, a WIDE copy and the uniform box, by SHARES; the uniform's
     log density on the box last."""
     main, wide, uniform = SHARES
-    widened = Mixture(torch.cat([mixture.log_shares + math.log(main), mixture.log_shares + math.log(wide)]),
-                      torch.cat([mixture.means, mixture.means]),
-                      torch.cat([mixture.factors * WIDEN, mixture.factors * WIDE]))
+    widened = Mixture(
+        torch.cat([mixture.log_shares + math.log(main), mixture.log_shares + math.log(wide)]),
+        torch.cat([mixture.means, mixture.means]),
+        torch.cat([mixture.factors * WIDEN, mixture.factors * WIDE]),
+    )
     return widened, math.log(uniform) - float(torch.log(box.high - box.low).sum())
 
 
@@ -184,8 +208,9 @@ def proposal_draws(proposal, box, count, generator):
     drawn = mixture.means[component] + (mixture.factors[component] @ gaussian[:, :, None])[:, :, 0]
     drawn = torch.where((choice == mixture.means.shape[0])[:, None], box.low + (box.high - box.low) * uniform, drawn)
     drawn = drawn[((drawn >= box.low) & (drawn <= box.high)).all(dim=1)]
-    log_q = torch.logaddexp(torch.logsumexp(component_log_terms(mixture, drawn), dim=0),
-                            torch.tensor(log_uniform, dtype=torch.float64))
+    log_q = torch.logaddexp(
+        torch.logsumexp(component_log_terms(mixture, drawn), dim=0), torch.tensor(log_uniform, dtype=torch.float64)
+    )
     return drawn, log_q
 
 
@@ -210,6 +235,7 @@ def gaussian_parameters(p: int) -> int:
 
 class Candidates(NamedTuple):
     """A design's candidates as the sampler sees them: points (n, p) and their normalised masses (n,)."""
+
     points: torch.Tensor
     masses: torch.Tensor
 
@@ -241,9 +267,11 @@ def fit_proposal(log_prob, points, masses, box, generator):
 
 # ---------------------------------------------------------------- population Monte Carlo
 
+
 class Adapted(NamedTuple):
     """A mixture adapted by population Monte Carlo, with its passes, the last pass's untempered effective share
     of its draws, the last pass's tempering exponent β and the log_prob evaluations it cost."""
+
     mixture: Mixture
     passes: int
     effective_share: float
@@ -258,7 +286,7 @@ def tempered_weights(log_w: torch.Tensor, target: float) -> tuple[float, torch.T
     if effective_size(finite) >= target:
         return 1.0, torch.softmax(finite, 0)
     low, high = 0.0, 1.0
-    for _ in range(40):         # β to about 1e-12: ample, each step one softmax
+    for _ in range(40):  # β to about 1e-12: ample, each step one softmax
         middle = (low + high) / 2
         low, high = (middle, high) if effective_size(middle * finite) >= target else (low, middle)
     return low, torch.softmax(low * finite, 0)
@@ -278,7 +306,7 @@ def population_monte_carlo(log_prob: LogProb, start: Mixture, box: Any, generato
         drawn, log_w = weighted_draws(log_prob, defensive(mixture, box), box, PMC_DRAWS, generator)
         evaluations += drawn.shape[0]
         if not bool(torch.isfinite(log_w).any()):
-            return Adapted(mixture, done, 0.0, 0.0, evaluations)     # the defensive box share keeps looking
+            return Adapted(mixture, done, 0.0, 0.0, evaluations)  # the defensive box share keeps looking
         beta, q = tempered_weights(log_w, TEMPERED_SHARE * drawn.shape[0])
         share = effective_size(log_w) / drawn.shape[0]
         mixture = refit(mixture, drawn, q)
@@ -298,7 +326,7 @@ def _next_temperature(log_p: torch.Tensor, beta: float) -> float:
     for _ in range(40):
         middle = (low + high) / 2
         low, high = (middle, high) if effective_size((middle - beta) * log_p) >= target else (low, middle)
-    return max(low, beta + 1e-9)        # a step however small: the search always advances
+    return max(low, beta + 1e-9)  # a step however small: the search always advances
 
 
 def _metropolis_moves(log_prob, particles, log_p, beta, box, generator):
@@ -329,14 +357,14 @@ def tempered_particles(log_prob: LogProb, box: Any, generator: torch.Generator) 
     found. Their shares are only roughly right: population Monte Carlo weighs them after.
     """
     p = box.low.numel()
-    particles = box.low + (box.high - box.low) * torch.rand(SMC_PARTICLES, p, dtype=torch.float64,
-                                                             generator=generator)
+    particles = box.low + (box.high - box.low) * torch.rand(SMC_PARTICLES, p, dtype=torch.float64, generator=generator)
     log_p = torch.nan_to_num(log_prob(particles), nan=-math.inf)
     beta, evaluations = 0.0, SMC_PARTICLES
     while beta < 1.0 and bool(torch.isfinite(log_p).any()):
         step = _next_temperature(log_p, beta)
-        chosen = torch.multinomial(torch.softmax((step - beta) * log_p, dim=0), SMC_PARTICLES, replacement=True,
-                                   generator=generator)
+        chosen = torch.multinomial(
+            torch.softmax((step - beta) * log_p, dim=0), SMC_PARTICLES, replacement=True, generator=generator
+        )
         particles, log_p, beta = particles[chosen], log_p[chosen], step
         particles, log_p, moved = _metropolis_moves(log_prob, particles, log_p, beta, box, generator)
         evaluations += moved
@@ -355,7 +383,7 @@ def refit(mixture: Mixture, x: torch.Tensor, q: torch.Tensor) -> Mixture:
     """The mixture refitted by weighted EM to points x (n, p) with normalised weights q, started from itself:
     its components (the modes found) are kept, but those holding less than MIN_COMPONENT of the mass."""
     spread = ((x - q @ x) ** 2 * q[:, None]).sum(dim=0)
-    ridge = torch.diag(spread.clamp(min=1e-300) * 1e-6)      # as in fit_mixture
+    ridge = torch.diag(spread.clamp(min=1e-300) * 1e-6)  # as in fit_mixture
     fit = -math.inf
     for _ in range(EM_ITERATIONS):
         terms = component_log_terms(mixture, x)
@@ -383,17 +411,26 @@ def propose(log_prob: LogProb, candidates: Candidates, box: Any, generator: torc
     if fitted >= MIN_FIT_ESS:
         mixture, fitted, evaluations = fit_proposal(log_prob, candidates.points, masses, box, generator)
         if fitted >= ESCALATE * gaussian_parameters(p):
-            return defensive(mixture, box), {"path": "candidates", "components": int(mixture.means.shape[0]),
-                                             "evaluations": evaluations, "passes": 0, "fitted_effective": fitted}
+            return defensive(mixture, box), {
+                "path": "candidates",
+                "components": int(mixture.means.shape[0]),
+                "evaluations": evaluations,
+                "passes": 0,
+                "fitted_effective": fitted,
+            }
     start, searched = start_mixture(log_prob, box, generator)
     adapted = population_monte_carlo(log_prob, start, box, generator)
     return defensive(adapted.mixture, box), {
-        "path": "population Monte Carlo", "components": int(adapted.mixture.means.shape[0]),
-        "evaluations": evaluations + searched + adapted.evaluations, "passes": adapted.passes,
-        "fitted_effective": fitted}
+        "path": "population Monte Carlo",
+        "components": int(adapted.mixture.means.shape[0]),
+        "evaluations": evaluations + searched + adapted.evaluations,
+        "passes": adapted.passes,
+        "fitted_effective": fitted,
+    }
 
 
 # ---------------------------------------------------------------- rejection
+
 
 def _resample_into(slots, log_total, drawn, log_w, generator):
     """Streaming importance resampling: every slot takes a draw of this chunk, ∝ its weight, with the chunk's
@@ -405,14 +442,16 @@ def _resample_into(slots, log_total, drawn, log_w, generator):
     replace = torch.rand(slots.shape[0], dtype=torch.float64, generator=generator) < torch.exp(chunk - log_total)
     count = int(replace.sum())
     if count:
-        slots[replace] = drawn[torch.multinomial(torch.softmax(log_w, dim=0), count, replacement=True,
-                                                 generator=generator)]
+        slots[replace] = drawn[
+            torch.multinomial(torch.softmax(log_w, dim=0), count, replacement=True, generator=generator)
+        ]
     return log_total
 
 
 class Drawn(NamedTuple):
     """What the rejection loop made: the accepted draws, the streaming resample's slots, log Σw and log Σw² of
     every proposal draw's weight, the proposal draws made and the log_prob evaluations they cost."""
+
     kept: torch.Tensor
     slots: torch.Tensor
     log_total: torch.Tensor
@@ -436,10 +475,11 @@ def _rejection_loop(log_prob, proposal, box, n, generator, budget):
         log_squares = torch.logaddexp(log_squares, torch.logsumexp(2 * log_w, dim=0)) if drawn.shape[0] else log_squares
         log_bound = max(log_bound, float(log_w.max())) if drawn.shape[0] else log_bound
         if log_bound == -math.inf:
-            continue        # nothing of positive density seen yet
-        kept, kept_log_w, kept_log_u = (torch.cat(pair) for pair in ((kept, drawn), (kept_log_w, log_w),
-                                                                     (kept_log_u, log_u)))
-        inside = kept_log_u < kept_log_w - log_bound        # u < w / M, for the bound as it is now
+            continue  # nothing of positive density seen yet
+        kept, kept_log_w, kept_log_u = (
+            torch.cat(pair) for pair in ((kept, drawn), (kept_log_w, log_w), (kept_log_u, log_u))
+        )
+        inside = kept_log_u < kept_log_w - log_bound  # u < w / M, for the bound as it is now
         kept, kept_log_w, kept_log_u = kept[inside], kept_log_w[inside], kept_log_u[inside]
         study.report_progress("samples", min(kept.shape[0], n), n)
     return Drawn(kept, slots, log_total, log_squares, proposed, evaluations)
@@ -450,22 +490,29 @@ def rejection_sample(log_prob, points, masses, box, n, generator, budget=BUDGET)
 
     The proposal (propose: the candidates' mixture, or one found by the tempered search and
     adapted by population Monte Carlo) proposes fresh points; a point of weight w = p/q is
-    accepted when u < w / M, M the largest weight seen so far. When M grows, the points accepted under the old bound are thinned
-    by the same uniforms (u < w / M again), which keeps the kept set an exact rejection
+    accepted when u < w / M, M the largest weight seen so far. When M grows, the points accepted
+    under the old bound are thinned by the same uniforms (u < w / M again), which keeps the kept set an exact rejection
     sample for the final M: exact wherever p/q stays below the largest weight seen. When
     the budget of proposal draws (`budget` per draw asked) runs out first, the draws are an
     importance resample of every proposal draw made ("resampled-proposal"). The returned
     dict's `effective` is the effective size of all those proposal draws (Kish's).
     """
-    study.report_progress("samples", 0, n)             # fitting the proposal is part of the wait
+    study.report_progress("samples", 0, n)  # fitting the proposal is part of the wait
     proposal, info = propose(log_prob, Candidates(points, masses), box, generator)
     drawn = _rejection_loop(log_prob, proposal, box, n, generator, budget)
     effective = torch.exp(2 * drawn.log_total - drawn.log_squares) if bool(torch.isfinite(drawn.log_squares)) else 0
-    info = dict(info, method="rejection", evaluations=info["evaluations"] + drawn.evaluations,
-                acceptance=drawn.kept.shape[0] / max(drawn.proposed, 1), effective=float(effective))
+    info = dict(
+        info,
+        method="rejection",
+        evaluations=info["evaluations"] + drawn.evaluations,
+        acceptance=drawn.kept.shape[0] / max(drawn.proposed, 1),
+        effective=float(effective),
+    )
     if drawn.kept.shape[0] >= n:
         return drawn.kept[:n], info
     if not bool(torch.isfinite(drawn.log_total)):
-        raise PosteriorError(f"no proposal draw of {info['evaluations']} had positive density; raise "
-                             "inference.candidates.candidate_count")
+        raise PosteriorError(
+            f"no proposal draw of {info['evaluations']} had positive density; raise "
+            "inference.candidates.candidate_count"
+        )
     return drawn.slots, dict(info, method="resampled-proposal")

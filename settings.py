@@ -26,13 +26,41 @@ from pathlib import Path
 
 import store
 
-
 __all__ = [
-    "SettingsError", "is_integer", "is_number", "require", "known_keys", "number", "integer", "one_of", "safe_name",
-    "name_list", "TRAINING_SECTIONS", "ANALYSIS_SECTIONS", "LAUNCH_INVARIANT", "Choice", "Configuration", "Profile",
-    "canonical_json", "digest", "check_structure", "resolve", "to_jsonable", "identity", "expand", "check_training",
-    "check_analysis", "RUNTIME_DEFAULTS", "DEVICE_FORMS", "check_runtime", "check_framework",
-    "make_study_importable", "load_profile", "fill_training_defaults", "single_profile_name", "SEED_DEFAULT",
+    "SettingsError",
+    "is_integer",
+    "is_number",
+    "require",
+    "known_keys",
+    "number",
+    "integer",
+    "one_of",
+    "safe_name",
+    "name_list",
+    "TRAINING_SECTIONS",
+    "ANALYSIS_SECTIONS",
+    "LAUNCH_INVARIANT",
+    "Choice",
+    "Configuration",
+    "Profile",
+    "canonical_json",
+    "digest",
+    "check_structure",
+    "resolve",
+    "to_jsonable",
+    "identity",
+    "expand",
+    "check_training",
+    "check_analysis",
+    "RUNTIME_DEFAULTS",
+    "DEVICE_FORMS",
+    "check_runtime",
+    "check_framework",
+    "make_study_importable",
+    "load_profile",
+    "fill_training_defaults",
+    "single_profile_name",
+    "SEED_DEFAULT",
     "FORMAT_DOCS",
 ]
 
@@ -62,8 +90,7 @@ def require(mapping, key, path):
     if not isinstance(mapping, dict):
         raise SettingsError(f"{path}: expected a dict, got {type(mapping).__name__}")
     if key not in mapping:
-        raise SettingsError(f"{path}.{key} is missing; add it to the settings ({FORMAT_DOCS} says which a study "
-                            "needs)")
+        raise SettingsError(f"{path}.{key} is missing; add it to the settings ({FORMAT_DOCS} says which a study needs)")
     return mapping[key]
 
 
@@ -102,8 +129,10 @@ def one_of(value, options, path):
 def safe_name(value, path):
     """A name that may become a folder or file name: up to 64 letters, digits, '_', '-' or '.'."""
     if not isinstance(value, str) or not SAFE_NAME.fullmatch(value) or ".." in value:
-        raise SettingsError(f"{path}: {value!r} is not a safe name; use up to 64 letters, digits, '_', '-' "
-                            "or '.', starting with a letter or digit (no '/', '..' or spaces)")
+        raise SettingsError(
+            f"{path}: {value!r} is not a safe name; use up to 64 letters, digits, '_', '-' "
+            "or '.', starting with a letter or digit (no '/', '..' or spaces)"
+        )
     return value
 
 
@@ -122,7 +151,7 @@ def name_list(value, path, allow_empty=True):
 # The framework's own sections; a study's sections beside them are the study's to check
 # (study_loading.check_study_sections and the study's validate()).
 TRAINING_SECTIONS = ("experiment", "output", "seed", "runtime")
-TRAINING_REQUIRED = ("experiment",)     # the others default (fill_training_defaults)
+TRAINING_REQUIRED = ("experiment",)  # the others default (fill_training_defaults)
 SEED_DEFAULT = 0
 ANALYSIS_SECTIONS = ("analysis", "verification", "metrics", "plots", "cohort_plots", "plotting")
 LAUNCH_INVARIANT = ("experiment", "output", "runtime")
@@ -148,7 +177,8 @@ class Choice:
         if not isinstance(options, (list, tuple)):
             raise SettingsError(
                 f"Choice(options): options must be a list or tuple, got "
-                f"{type(options).__name__}; write Choice([a, b, ...])")
+                f"{type(options).__name__}; write Choice([a, b, ...])"
+            )
         self.options = list(options)
 
     def __repr__(self):
@@ -196,13 +226,15 @@ class Profile:
 
 # ---------------------------------------------------------------- identity
 
+
 def canonical_json(value):
     """Canonical JSON text of settings; what JSON cannot hold is a SettingsError."""
     try:
         return store.canonical_json(value)
     except (ValueError, TypeError) as error:
-        raise SettingsError(f"cannot serialise settings: {error}; use finite numbers and plain "
-                            "dict/list/str/int/float/bool/None only") from None
+        raise SettingsError(
+            f"cannot serialise settings: {error}; use finite numbers and plain dict/list/str/int/float/bool/None only"
+        ) from None
 
 
 def digest(value):
@@ -211,6 +243,7 @@ def digest(value):
 
 
 # ---------------------------------------------------------------- structure
+
 
 def _key_path(path, key):
     """Dotted path of a dict entry."""
@@ -241,8 +274,9 @@ MAX_DEPTH = 32
 def _check_node(value, path, where, allow_choice, depth=0):
     """Check one value and everything below it."""
     if depth > MAX_DEPTH:
-        _fail(where, path, f"settings nest deeper than {MAX_DEPTH} levels (a value that contains itself?); "
-                           "flatten them")
+        _fail(
+            where, path, f"settings nest deeper than {MAX_DEPTH} levels (a value that contains itself?); flatten them"
+        )
     if isinstance(value, Choice):
         _check_choice(value, path, where, allow_choice, depth)
     elif isinstance(value, dict):
@@ -255,22 +289,28 @@ def _check_node(value, path, where, allow_choice, depth=0):
             _check_node(item, f"{path}[{index}]", where, False, depth + 1)
     elif isinstance(value, float):
         if not math.isfinite(value):
-            _fail(where, path, f"{value!r} is not allowed; use a finite number "
-                               "(or None for 'no value')")
+            _fail(where, path, f"{value!r} is not allowed; use a finite number (or None for 'no value')")
     elif not isinstance(value, _SCALARS):
-        _fail(where, path, f"value of type {type(value).__name__} is not allowed; "
-                           "use dict, list, str, int, float, bool, None or Choice")
+        _fail(
+            where,
+            path,
+            f"value of type {type(value).__name__} is not allowed; "
+            "use dict, list, str, int, float, bool, None or Choice",
+        )
 
 
 def _check_choice(choice, path, where, allow_choice, depth):
     """Check one Choice: placed in a dict, non-empty, options free of Choices."""
     if not allow_choice:
-        _fail(where, path, "a Choice may not be nested inside a Choice option or a "
-                           "plain list; make the whole value a Choice of complete "
-                           "alternatives instead")
+        _fail(
+            where,
+            path,
+            "a Choice may not be nested inside a Choice option or a "
+            "plain list; make the whole value a Choice of complete "
+            "alternatives instead",
+        )
     if not choice.options:
-        _fail(where, path, "empty Choice; give at least one option (the first is "
-                           "the baseline)")
+        _fail(where, path, "empty Choice; give at least one option (the first is the baseline)")
     for index, option in enumerate(choice.options):
         _check_node(option, f"{path}[option {index}]", where, False, depth + 1)
 
@@ -284,11 +324,11 @@ def _check_key(key, path, where):
     if not key.isprintable() or len(key) > 64:
         _fail(where, path, f"key {key!r} is too long or has control characters; give the setting a plain name")
     if "." in key:
-        _fail(where, path, f"key {key!r} contains a dot; dots separate setting "
-                           "paths, use '_' instead")
+        _fail(where, path, f"key {key!r} contains a dot; dots separate setting paths, use '_' instead")
 
 
 # ---------------------------------------------------------------- resolution
+
 
 def resolve(value):
     """A plain copy with every Choice at its first option (tuples become lists)."""
@@ -343,8 +383,7 @@ def identity(settings):
 
 def _configuration(settings, knob, value, variant):
     """Build a Configuration with its digest."""
-    return Configuration(settings=settings, knob=knob, value=value,
-                         variant=variant, digest=identity(settings))
+    return Configuration(settings=settings, knob=knob, value=value, variant=variant, digest=identity(settings))
 
 
 def expand(settings):
@@ -357,8 +396,7 @@ def expand(settings):
         for option in choice.options[1:]:
             value = resolve(option)
             changed = _with_value(baseline, path, copy.deepcopy(value))
-            candidates.append(
-                _configuration(changed, knob, value, knob.replace(".", "_")))
+            candidates.append(_configuration(changed, knob, value, knob.replace(".", "_")))
     kept, seen = [], set()
     for candidate in candidates:
         if candidate.digest not in seen:
@@ -368,6 +406,7 @@ def expand(settings):
 
 
 # ---------------------------------------------------------------- profile checks
+
 
 def _first_choice_path(value, path=""):
     """Dotted path of the first Choice in value (depth first), or None."""
@@ -385,16 +424,16 @@ def check_sections(settings, required, where):
     """Every required framework section is present (the study checks its own sections)."""
     missing = [name for name in required if name not in settings]
     if missing:
-        raise SettingsError(f"{where}: missing sections: {', '.join(missing)}; add them beside the study's own "
-                            f"({FORMAT_DOCS})")
+        raise SettingsError(
+            f"{where}: missing sections: {', '.join(missing)}; add them beside the study's own ({FORMAT_DOCS})"
+        )
 
 
 def check_class_ref(settings, section, where):
     """A section naming a class must read 'module:Class'."""
     value = settings[section]
     if not isinstance(value, str) or not _CLASS_REF.match(value):
-        _fail(where, section, f"{value!r} is not of the form 'module:Class'; "
-                              "write e.g. 'my_study:MyExperiment'")
+        _fail(where, section, f"{value!r} is not of the form 'module:Class'; write e.g. 'my_study:MyExperiment'")
 
 
 def check_training(settings, where="settings_training.py"):
@@ -404,8 +443,11 @@ def check_training(settings, where="settings_training.py"):
     for section in LAUNCH_INVARIANT:
         path = _first_choice_path(settings[section], section)
         if path is not None:
-            _fail(where, path, f"'{section}' may not vary within a launch; remove "
-                               "the Choice and compare with separate launches")
+            _fail(
+                where,
+                path,
+                f"'{section}' may not vary within a launch; remove the Choice and compare with separate launches",
+            )
     check_class_ref(settings, "experiment", where)
 
 
@@ -436,8 +478,7 @@ def check_analysis(settings, where="settings_analysis.py"):
         settings.setdefault(section, copy.deepcopy(value))
     path = _first_choice_path(settings)
     if path is not None:
-        _fail(where, path, "analysis is not swept; remove the Choice, edit "
-                           "settings_analysis.py and re-run analyze")
+        _fail(where, path, "analysis is not swept; remove the Choice, edit settings_analysis.py and re-run analyze")
     check_class_ref(settings, "analysis", where)
 
 
@@ -482,15 +523,15 @@ def check_output_root(output):
     known_keys(output, ("root",), "output")
     root = require(output, "root", "output")
     if not isinstance(root, str) or not root.strip():
-        raise SettingsError(f"output.root: expected a non-empty path, e.g. \"outputs/<profile>\"; got {root!r}")
+        raise SettingsError(f'output.root: expected a non-empty path, e.g. "outputs/<profile>"; got {root!r}')
     if root != root.strip() or not root.isprintable() or len(root) > 1024:
-        raise SettingsError(f"output.root: {root!r} has surrounding spaces, control characters or is too long; "
-                            "write a plain path")
+        raise SettingsError(
+            f"output.root: {root!r} has surrounding spaces, control characters or is too long; write a plain path"
+        )
     # As a shell would: "~/x" is in the home folder, never a folder named "~" here.
     root = os.path.expanduser(root)
     if root.startswith("~"):
-        raise SettingsError(f"output.root: {root!r} starts with '~' but names no home folder here; "
-                            "write the full path")
+        raise SettingsError(f"output.root: {root!r} starts with '~' but names no home folder here; write the full path")
     if ".." in Path(root).parts:
         raise SettingsError(f"output.root: {root!r} climbs out with '..'; write the path without '..'")
     if any(len(part.encode("utf-8")) > 255 for part in Path(root).parts):
@@ -513,7 +554,7 @@ def check_analysis_framework(analysis):
     analysis["plotting"] = plotting = {**PLOTTING_DEFAULTS, **analysis["plotting"]}
     one_of(plotting["format"], PLOT_FORMATS, "plotting.format")
     integer(plotting["dpi"], "plotting.dpi", 1, 2400)
-    if "metrics" in analysis:       # else the analysis class chooses them (study_loading.load_study), and the figures
+    if "metrics" in analysis:  # else the analysis class chooses them (study_loading.load_study), and the figures
         name_list(analysis["metrics"], "metrics", allow_empty=False)
     for name in ("plots", "cohort_plots"):
         if name in analysis:
@@ -535,12 +576,15 @@ def check_framework(profile):
 
 # ---------------------------------------------------------------- loading
 
+
 def _load_module(path):
     """Execute a settings file as a fresh module, writing nothing to disk."""
     if not path.is_file():
-        raise SettingsError(f"{path}: settings file not found; create it or pass "
-                            "--settings-dir pointing at the folder holding "
-                            f"{TRAINING_FILE} and {ANALYSIS_FILE}")
+        raise SettingsError(
+            f"{path}: settings file not found; create it or pass "
+            "--settings-dir pointing at the folder holding "
+            f"{TRAINING_FILE} and {ANALYSIS_FILE}"
+        )
     # A unique name keeps two settings folders apart and leaves the real names free.
     name = f"_nnpd_settings_{path.stem}_{next(_load_counter)}"
     module = types.ModuleType(name)
@@ -646,13 +690,17 @@ def _attribute(module, path, attribute):
 def _profiles(module, path):
     """The profile names of a settings file (its PROFILES), or None for a single-profile file (its SETTINGS)."""
     if hasattr(module, SINGLE) and hasattr(module, "PROFILES"):
-        raise SettingsError(f"{path}: defines both {SINGLE} and PROFILES; keep {SINGLE} for one profile, or "
-                            f"PROFILES with make_settings for several ({FORMAT_DOCS})")
+        raise SettingsError(
+            f"{path}: defines both {SINGLE} and PROFILES; keep {SINGLE} for one profile, or "
+            f"PROFILES with make_settings for several ({FORMAT_DOCS})"
+        )
     if hasattr(module, SINGLE):
         return None
     if not hasattr(module, "PROFILES"):
-        raise SettingsError(f"{path}: defines neither {SINGLE} (a dict of sections: one profile) nor PROFILES "
-                            f"with make_settings (several); define one ({FORMAT_DOCS})")
+        raise SettingsError(
+            f"{path}: defines neither {SINGLE} (a dict of sections: one profile) nor PROFILES "
+            f"with make_settings (several); define one ({FORMAT_DOCS})"
+        )
     names = module.PROFILES
     if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
         raise SettingsError(f"{path}: PROFILES must be a tuple of profile names ({FORMAT_DOCS})")
@@ -671,8 +719,10 @@ def _profile_name(module, path, settings_dir, asked):
     if known is None:
         name = single_profile_name(settings_dir)
         if asked not in (None, name):
-            raise SettingsError(f"{path}: holds one profile, {name!r} ({SINGLE}, named after its folder), not "
-                                f"{asked!r}; leave out --profile ({FORMAT_DOCS})")
+            raise SettingsError(
+                f"{path}: holds one profile, {name!r} ({SINGLE}, named after its folder), not "
+                f"{asked!r}; leave out --profile ({FORMAT_DOCS})"
+            )
         return name
     profile = _attribute(module, path, "DEFAULT_PROFILE") if asked is None else asked
     if profile not in known:
@@ -685,12 +735,13 @@ def _make(module, path, profile):
     if hasattr(module, SINGLE):
         settings, where = getattr(module, SINGLE), f"{SINGLE} is a"
         if isinstance(settings, dict):
-            return copy.deepcopy(settings)      # deepcopy keeps Choice objects
+            return copy.deepcopy(settings)  # deepcopy keeps Choice objects
     else:
         settings, where = _called_make_settings(module, path, profile), "make_settings returned a"
     if not isinstance(settings, dict):
-        raise SettingsError(f"{path.name} [{profile}]: {where} {type(settings).__name__}; it must be a dict of "
-                            f"sections ({FORMAT_DOCS})")
+        raise SettingsError(
+            f"{path.name} [{profile}]: {where} {type(settings).__name__}; it must be a dict of sections ({FORMAT_DOCS})"
+        )
     return settings
 
 
@@ -729,14 +780,21 @@ def load_profile(settings_dir, profile=None, training_dir=None):
     training_module = _load_module(training_path)
     analysis_module = _load_module(analysis_path)
     profile = _profile_name(training_module, training_path, settings_dir, profile)
-    if profile not in (_profiles(analysis_module, analysis_path) or [profile]):    # a SETTINGS file serves any
-        raise SettingsError(f"{analysis_path}: profile {profile!r} is missing from PROFILES; add it so both files "
-                            f"define the same profiles, or give the analysis one {SINGLE} dict ({FORMAT_DOCS})")
+    if profile not in (_profiles(analysis_module, analysis_path) or [profile]):  # a SETTINGS file serves any
+        raise SettingsError(
+            f"{analysis_path}: profile {profile!r} is missing from PROFILES; add it so both files "
+            f"define the same profiles, or give the analysis one {SINGLE} dict ({FORMAT_DOCS})"
+        )
     training = fill_training_defaults(_make(training_module, training_path, profile), profile)
     analysis = _make(analysis_module, analysis_path, profile)
     check_training(training, f"{TRAINING_FILE} [{profile}]")
     check_analysis(analysis, f"{ANALYSIS_FILE} [{profile}]")
-    return Profile(name=profile, settings_dir=settings_dir,
-                   training_path=training_path, analysis_path=analysis_path,
-                   training=training, analysis=analysis,
-                   configurations=expand(training))
+    return Profile(
+        name=profile,
+        settings_dir=settings_dir,
+        training_path=training_path,
+        analysis_path=analysis_path,
+        training=training,
+        analysis=analysis,
+        configurations=expand(training),
+    )

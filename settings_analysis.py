@@ -8,8 +8,19 @@ __all__ = ["PROFILES", "make_settings"]
 
 PROFILES = ("smoke", "default", "paper")
 
-METRICS = ["classification", "bias", "coverage", "width", "resolution", "posterior",
-           "exact_reference", "expected_coverage", "pairwise", "reweighting", "normalization"]
+METRICS = [
+    "classification",
+    "bias",
+    "coverage",
+    "width",
+    "resolution",
+    "posterior",
+    "exact_reference",
+    "expected_coverage",
+    "pairwise",
+    "reweighting",
+    "normalization",
+]
 
 
 def base_settings():
@@ -28,18 +39,18 @@ def base_settings():
             },
             "observations": 15,
             "candidates": {
-                "kind": "sobol",            # sobol or grid: one fixed design; adaptive: refined per case
-                "candidate_count": 1024,    # sobol: the design's size; adaptive: points per case, all passes
+                "kind": "sobol",  # sobol or grid: one fixed design; adaptive: refined per case
+                "candidate_count": 1024,  # sobol: the design's size; adaptive: points per case, all passes
                 "candidate_points_per_axis": 64,
                 "native_grid_prior": True,
                 "max_enumerated": 200_000,
-                "coarse_count": 64,         # adaptive: the shared first pass, and each intermediate pass
-                "refinement_stages": 3,     # adaptive: refined passes per case and target
+                "coarse_count": 64,  # adaptive: the shared first pass, and each intermediate pass
+                "refinement_stages": 3,  # adaptive: refined passes per case and target
             },
             "targets": ["ratio", "posterior", "exact"],
             "levels": [0.68, 0.95],
-            "chunk_rows": 1 << 24,      # at most this many rows per network call (see docs/devices.md)
-            "precision": "float32",     # the analysis' network arithmetic on CUDA: float32, tf32 or bfloat16
+            "chunk_rows": 1 << 24,  # at most this many rows per network call (see docs/devices.md)
+            "precision": "float32",  # the analysis' network arithmetic on CUDA: float32, tf32 or bfloat16
             "retain": "diagnostic",
             "diagnostic_cases": 4,
         },
@@ -49,8 +60,8 @@ def base_settings():
             "max_candidate_points": 2e6,
         },
         "metrics": list(METRICS),
-        "plots": [],            # per run: "diagnostic_cases", "expected_coverage", "rounds" (need matplotlib)
-        "cohort_plots": [],     # per configuration: "priors", "training", "estimates", "bias_width"
+        "plots": [],  # per run: "diagnostic_cases", "expected_coverage", "rounds" (need matplotlib)
+        "cohort_plots": [],  # per configuration: "priors", "training", "estimates", "bias_width"
         "plotting": {"format": "png", "dpi": 120},
     }
 
@@ -65,8 +76,9 @@ def make_settings(profile):
         inference["truths"]["kind"] = "sobol"
         inference["candidates"].update(kind="adaptive", candidate_count=10_240, coarse_count=1024)
     elif profile == "paper":
-        inference["truths"].update(kind="size_adaptive", truth_points_per_axis=25,
-                                   truth_margin_fraction=0.0, align_truths_to_grid=False)
+        inference["truths"].update(
+            kind="size_adaptive", truth_points_per_axis=25, truth_margin_fraction=0.0, align_truths_to_grid=False
+        )
         inference["candidates"].update(candidate_count=16_384, native_grid_prior=False)
         inference["targets"] = ["ratio", "exact"]  # the posterior metric reports it is off
     return settings

@@ -4,6 +4,7 @@ Edit the dictionaries below. `Choice([...])` marks alternatives of one setting; 
 launch trains the baseline (every Choice at its first option) and then one
 configuration per further option with only that knob changed.
 """
+
 from settings import Choice
 
 __all__ = ["DEFAULT_PROFILE", "PROFILES", "base_settings", "make_settings"]
@@ -25,10 +26,22 @@ def base_settings(profile):
             "fixed_std": 2.0,
             "fixed": {},
             "parameters": {
-                "mean": {"low": 0.0, "high": 10.0, "normal_mean": 5.0, "normal_std": 4.0,
-                         "exponential_rate": 0.1, "grid_step": 0.2},
-                "std": {"low": 0.2, "high": 4.0, "normal_mean": 2.0, "normal_std": 0.7,
-                        "exponential_rate": 0.1, "grid_step": 0.2},
+                "mean": {
+                    "low": 0.0,
+                    "high": 10.0,
+                    "normal_mean": 5.0,
+                    "normal_std": 4.0,
+                    "exponential_rate": 0.1,
+                    "grid_step": 0.2,
+                },
+                "std": {
+                    "low": 0.2,
+                    "high": 4.0,
+                    "normal_mean": 2.0,
+                    "normal_std": 0.7,
+                    "exponential_rate": 0.1,
+                    "grid_step": 0.2,
+                },
             },
             "overrides": {},
         },

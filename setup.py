@@ -3,14 +3,16 @@
 Without a working C compiler the set-up still succeeds: probes.py then uses its
 pure-Python fallback, and one line says so.
 """
+
 import sys
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, ExecError, PlatformError
 
-FALLBACK_NOTICE = ("nnpd: C extension _probes not built (no working C compiler: {why}); "
-                   "probes use the pure-Python fallback")
+FALLBACK_NOTICE = (
+    "nnpd: C extension _probes not built (no working C compiler: {why}); probes use the pure-Python fallback"
+)
 BUILD_ERRORS = (CCompilerError, ExecError, PlatformError, OSError)
 
 

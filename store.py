@@ -10,6 +10,7 @@ Layout under an output root::
 A build writes into a temporary sibling directory, fsyncs every file, writes the
 manifest last and commits with one atomic rename. Readers take no lock.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,20 +34,44 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 import numpy as np
 
-if TYPE_CHECKING:       # for annotations only: the store imports torch where it loads a model
+if TYPE_CHECKING:  # for annotations only: the store imports torch where it loads a model
     import torch
 
 __all__ = [
-    "MANIFEST", "NnpdError", "NnpdWarning", "DamagedArtifact", "MissingArtifact", "LaunchError", "RestoreError",
-    "disk_problem", "refuse_link", "own_folder", "MAX_NUMBERS", "irregular_file", "read_npy", "canonical_json",
-    "sha256_text", "digest", "record_checksum", "write_json_atomic", "ATOMIC_LEFTOVER", "write_bytes_atomic",
-    "now_iso", "Writer", "Artifact", "Store", "EXPERIMENT_METHODS", "ROOT_MARKER", "import_class", "restore",
+    "MANIFEST",
+    "NnpdError",
+    "NnpdWarning",
+    "DamagedArtifact",
+    "MissingArtifact",
+    "LaunchError",
+    "RestoreError",
+    "disk_problem",
+    "refuse_link",
+    "own_folder",
+    "MAX_NUMBERS",
+    "irregular_file",
+    "read_npy",
+    "canonical_json",
+    "sha256_text",
+    "digest",
+    "record_checksum",
+    "write_json_atomic",
+    "ATOMIC_LEFTOVER",
+    "write_bytes_atomic",
+    "now_iso",
+    "Writer",
+    "Artifact",
+    "Store",
+    "EXPERIMENT_METHODS",
+    "ROOT_MARKER",
+    "import_class",
+    "restore",
 ]
 
 SCHEMA = 1
 MANIFEST = "artifact.json"
 TMP_PREFIX = ".tmp-"
-SCRATCH_MAGIC = b"nnpd training state 1\n"   # heads a saved state: then a JSON line with key and checksum
+SCRATCH_MAGIC = b"nnpd training state 1\n"  # heads a saved state: then a JSON line with key and checksum
 _CHUNK = 4 << 20  # large reads keep deep verification near raw hashlib speed
 
 
@@ -107,8 +132,10 @@ def _disk_full(error, where):
 def refuse_link(path):
     """Refuse a symbolic link where nnpd reads, writes or deletes inside its output root."""
     if os.path.islink(path):
-        raise LaunchError(f"{path} is a symbolic link; nnpd never follows links inside its output root "
-                          f"(they could lead outside it); remove the link")
+        raise LaunchError(
+            f"{path} is a symbolic link; nnpd never follows links inside its output root "
+            f"(they could lead outside it); remove the link"
+        )
     return path
 
 
@@ -116,8 +143,9 @@ def own_folder(path):
     """One of nnpd's folders: refused when it is a link, or a file where the folder belongs."""
     refuse_link(path)
     if os.path.lexists(path) and not os.path.isdir(path):
-        raise LaunchError(f"{path} is a file where nnpd keeps a folder of its own; move the file elsewhere "
-                          f"or delete it")
+        raise LaunchError(
+            f"{path} is a file where nnpd keeps a folder of its own; move the file elsewhere or delete it"
+        )
     return path
 
 
@@ -167,6 +195,7 @@ def read_npy(stream, cap=MAX_NUMBERS):
 
 
 # ---------------------------------------------------------------- JSON helpers
+
 
 def canonical_json(value):
     """Return the canonical JSON text of value (sorted keys, compact, no NaN)."""
@@ -239,7 +268,7 @@ ATOMIC_LEFTOVER = re.compile(r"\..+\.tmp-[0-9]+-[0-9a-f]{8}")
 
 
 def write_bytes_atomic(path, data):
-    """Write bytes to path via a synced, uniquely named temp file and an atomic replace; a full disk is a LaunchError."""
+    """Write bytes to path via a synced, uniquely named temp file and an atomic replace (a full disk: LaunchError)."""
     path = Path(path)
     try:
         _replace_atomically(path, data)
@@ -266,12 +295,15 @@ def _replace_atomically(path, data):
 
 # ---------------------------------------------------------------- names, hashing
 
+
 def check_name(name, what="name"):
     """Raise ValueError unless name is a safe single path component."""
     if not isinstance(name, str) or not name:
         raise ValueError(f"{what} must be a non-empty string, got {name!r}")
     if "/" in name or "\\" in name or "\0" in name or name.startswith(".") or ".." in name:
-        raise ValueError(f"{what} {name!r} is unsafe: use letters, digits, '-', '_' (no path separators, '..' or leading dot)")
+        raise ValueError(
+            f"{what} {name!r} is unsafe: use letters, digits, '-', '_' (no path separators, '..' or leading dot)"
+        )
     return name
 
 
@@ -362,6 +394,7 @@ def _stamp_of(entry):
 
 
 # ---------------------------------------------------------------- writer
+
 
 class Writer:
     """Collects the files of one artifact inside its temporary build directory."""
@@ -468,6 +501,7 @@ def _check_dtype(dtype, name):
 
 # ---------------------------------------------------------------- artifact
 
+
 class Artifact:
     """A committed, read-only artifact directory and its manifest."""
 
@@ -515,7 +549,7 @@ class Artifact:
 # Files this process has hashed and found equal to their manifest, with what stat said of them
 # then. A launch opens the same artifact many times; one hash is enough unless the file has
 # changed since, and any write changes its ctime, whatever a tool does to keep the rest.
-_HASHED: dict[Path, tuple[int, int, int, int, str]] = {}      # path -> (inode, size, mtime, ctime, sha256)
+_HASHED: dict[Path, tuple[int, int, int, int, str]] = {}  # path -> (inode, size, mtime, ctime, sha256)
 # File times tick coarsely (a few milliseconds): a file changed within the same tick as the
 # stat that vouched for it would keep its ctime, so only files settled for longer are remembered.
 _SETTLED_NS = 2_000_000_000
@@ -599,11 +633,14 @@ def _open(path, deep="once"):
 
 def _damaged_error(path, reason):
     """Build the DamagedArtifact for path with the standard fix."""
-    return DamagedArtifact(f"artifact {path} is damaged ({reason}); re-run the step that builds it "
-                           f"(the entry is moved to damaged/ and rebuilt) or delete the directory")
+    return DamagedArtifact(
+        f"artifact {path} is damaged ({reason}); re-run the step that builds it "
+        f"(the entry is moved to damaged/ and rebuilt) or delete the directory"
+    )
 
 
 # ---------------------------------------------------------------- store
+
 
 def untimed(name):
     """The default timing of a Store: none (a context manager that does nothing)."""
@@ -667,8 +704,9 @@ class Store:
 
     def save_scratch(self, name, key, payload):
         """Keep an unfinished build's state (bytes) under scratch/, headed by its key and checksum."""
-        header = canonical_json({"name": name, "key": key, "size": len(payload),
-                                 "sha256": hashlib.sha256(payload).hexdigest()})
+        header = canonical_json(
+            {"name": name, "key": key, "size": len(payload), "sha256": hashlib.sha256(payload).hexdigest()}
+        )
         write_bytes_atomic(self.scratch_file(name, key), SCRATCH_MAGIC + header.encode() + b"\n" + payload)
 
     def load_scratch(self, name, key):
@@ -678,11 +716,11 @@ class Store:
             kind = os.lstat(path).st_mode
         except FileNotFoundError:
             return None
-        if not stat.S_ISREG(kind):      # a FIFO would block the read for ever, a folder fail every save
+        if not stat.S_ISREG(kind):  # a FIFO would block the read for ever, a folder fail every save
             moved = self._clear_scratch(path)
             raise DamagedArtifact(f"{path}: not a regular file; {moved}, and the build starts afresh")
         data = path.read_bytes()
-        header, _, payload = data[len(SCRATCH_MAGIC):].partition(b"\n")
+        header, _, payload = data[len(SCRATCH_MAGIC) :].partition(b"\n")
         try:
             header = json.loads(header) if data.startswith(SCRATCH_MAGIC) else None
         except ValueError:
@@ -729,7 +767,9 @@ class Store:
         if reason:
             raise _damaged_error(path, reason)
         if art is None:
-            raise MissingArtifact(f"no artifact at {path}; the output root may have been moved without its cache/ or pruned")
+            raise MissingArtifact(
+                f"no artifact at {path}; the output root may have been moved without its cache/ or pruned"
+            )
         return art
 
     def get(self, name, recipe, build=None, metadata=None):
@@ -743,7 +783,9 @@ class Store:
         if build is None:
             if reason:
                 raise _damaged_error(path, reason)
-            raise MissingArtifact(f"artifact {name!r} with key {key} is not built yet ({path}); run the step that builds it")
+            raise MissingArtifact(
+                f"artifact {name!r} with key {key} is not built yet ({path}); run the step that builds it"
+            )
         with self.lock(f"{name}-{key}"):
             art, reason = _open(path)  # another process may have committed meanwhile
             if art is not None:
@@ -790,7 +832,9 @@ class Store:
             writer = Writer(tmp)
             produced = build(writer)
             if produced is not None and not isinstance(produced, dict):
-                raise TypeError(f"build for artifact {name!r} must return a metadata dict or None, got {type(produced).__name__}")
+                raise TypeError(
+                    f"build for artifact {name!r} must return a metadata dict or None, got {type(produced).__name__}"
+                )
             meta = {**(metadata or {}), **(produced or {})}
             with self.phase("store.commit"):
                 final, manifest = self._commit(name, key, recipe, writer, meta, tmp)
@@ -804,8 +848,15 @@ class Store:
 
     def _commit(self, name, key, recipe, writer, meta, tmp):
         """Checksum and sync the built files, write the manifest last, rename into place; (path, manifest)."""
-        manifest = {"schema": SCHEMA, "name": name, "key": key, "created": now_iso(),
-                    "metadata": meta, "recipe": recipe, "files": writer.finish()}
+        manifest = {
+            "schema": SCHEMA,
+            "name": name,
+            "key": key,
+            "created": now_iso(),
+            "metadata": meta,
+            "recipe": recipe,
+            "files": writer.finish(),
+        }
         manifest["checksum"] = record_checksum(manifest)
         _write_synced(tmp / MANIFEST, _pretty_json(manifest, f"manifest of {name!r}").encode("utf-8"))
         _fsync_dir(tmp)
@@ -843,7 +894,7 @@ class Store:
         return moved
 
     def verify(self, repair=False):
-        """Deep-check every committed artifact; return (checked, damaged paths), moving damaged ones aside when repairing.
+        """Deep-check every committed artifact: (checked, damaged paths), moving damaged ones aside when repairing.
 
         A file standing where an entry's folder belongs is damage too.
         """
@@ -883,11 +934,11 @@ class Store:
                         shutil.rmtree(self.cache / name / entry, ignore_errors=True)
         self.move_misplaced(then="the launch that needs it rebuilds it")
         for entry in _listdir(self.locks):
-            if entry.endswith(".lock") and entry[:-len(".lock")] not in keep_locks:
+            if entry.endswith(".lock") and entry[: -len(".lock")] not in keep_locks:
                 with contextlib.suppress(FileNotFoundError, IsADirectoryError):
                     os.unlink(self.locks / entry)
         for group in _listdir(self.damaged):
-            for entry in sorted(_listdir(self.damaged / group), key=_stamp_of)[:-keep_damaged or None]:
+            for entry in sorted(_listdir(self.damaged / group), key=_stamp_of)[: -keep_damaged or None]:
                 _remove_path(self.damaged / group / entry)
 
     def prune(self, keep_keys):
@@ -916,17 +967,25 @@ class Store:
 class Restored:
     """A finished run reopened: settings, member, history, model and artifacts."""
 
-    def __init__(self, run_dir: Path, run: dict[str, Any], model: torch.nn.Module, history: Any,
-                 artifacts: dict[str, Artifact], missing: Iterable[str] = (), experiment: Any = None) -> None:
+    def __init__(
+        self,
+        run_dir: Path,
+        run: dict[str, Any],
+        model: torch.nn.Module,
+        history: Any,
+        artifacts: dict[str, Artifact],
+        missing: Iterable[str] = (),
+        experiment: Any = None,
+    ) -> None:
         self.run_dir = run_dir
-        self.experiment = experiment     # the study's experiment, constructed with the run's settings
+        self.experiment = experiment  # the study's experiment, constructed with the run's settings
         self.run = run
         self.settings = run["settings"]
         self.member = run["member"]
         self.model = model
         self.history = history
         self.artifacts = artifacts
-        self.missing = list(missing)     # artifacts the run refers to that the store lacks or found damaged
+        self.missing = list(missing)  # artifacts the run refers to that the store lacks or found damaged
 
     def posterior(self, observations: Any, truth: Any = None, device: str | torch.device | None = None) -> Any:
         """The posterior of the run's model for an observation (d,) or ensemble (m, d), as its analysis computed.
@@ -937,9 +996,10 @@ class Restored:
         if not callable(getattr(self.experiment, "posterior", None)):
             raise RestoreError(f"{type(self.experiment).__name__} gives no posterior (studies on the study kit do)")
         device = device or next(self.model.parameters()).device
-        posterior = self.experiment.posterior(self.member, self.model, self.analysis_settings(), observations,
-                                              truth=truth, device=device)
-        if callable(getattr(posterior, "report_flatness", None)):   # a kit posterior: warn as `infer` prints
+        posterior = self.experiment.posterior(
+            self.member, self.model, self.analysis_settings(), observations, truth=truth, device=device
+        )
+        if callable(getattr(posterior, "report_flatness", None)):  # a kit posterior: warn as `infer` prints
             posterior.report_flatness(self.history, stacklevel=2)
         return posterior
 
@@ -949,8 +1009,10 @@ class Restored:
         if analysis is None:
             return {}
         if not isinstance(analysis.get("settings"), dict) or analysis.get("checksum") != record_checksum(analysis):
-            raise DamagedArtifact(f"{self.run_dir}: analysis.json is damaged (its settings are unreadable); run "
-                                  "`python nnpd.py analyze` again, or delete analysis.json to use the default settings")
+            raise DamagedArtifact(
+                f"{self.run_dir}: analysis.json is damaged (its settings are unreadable); run "
+                "`python nnpd.py analyze` again, or delete analysis.json to use the default settings"
+            )
         return analysis["settings"]
 
     def array(self, artifact: str, name: str, mmap: bool = False) -> np.ndarray:
@@ -966,14 +1028,31 @@ class Restored:
     def metrics(self) -> dict[str, Any] | None:
         """The run's metrics, or None unless its analysis is complete and intact."""
         analysis, metrics = self.json("analysis") or {}, self.json("metrics")
-        complete = (analysis.get("state") == "complete" and analysis.get("checksum") == record_checksum(analysis)
-                    and metrics is not None and digest(metrics) == analysis.get("metrics") and not self.missing)
+        complete = (
+            analysis.get("state") == "complete"
+            and analysis.get("checksum") == record_checksum(analysis)
+            and metrics is not None
+            and digest(metrics) == analysis.get("metrics")
+            and not self.missing
+        )
         return metrics if complete else None
 
 
 # What restore needs of an experiment class: it instantiates only classes that have all of these.
-EXPERIMENT_METHODS = ("members", "problem", "prior", "data_recipe", "sample_data", "model_recipe",
-                      "build_model", "train", "validate", "workload", "describe", "input_size")
+EXPERIMENT_METHODS = (
+    "members",
+    "problem",
+    "prior",
+    "data_recipe",
+    "sample_data",
+    "model_recipe",
+    "build_model",
+    "train",
+    "validate",
+    "workload",
+    "describe",
+    "input_size",
+)
 ROOT_MARKER = ".nnpd-root"
 
 
@@ -983,7 +1062,7 @@ def _module_source(module_name):
 
     spec, path = None, list(sys.path)
     for depth in range(len(module_name.split("."))):
-        spec = PathFinder.find_spec(".".join(module_name.split(".")[:depth + 1]), path)
+        spec = PathFinder.find_spec(".".join(module_name.split(".")[: depth + 1]), path)
         if spec is None:
             return None
         path = list(spec.submodule_search_locations or ())
@@ -1000,7 +1079,7 @@ def check_defines_class(spec):
 
     module_name, _, class_name = spec.partition(":") if isinstance(spec, str) else ("", "", "")
     if not module_name or module_name in sys.modules:
-        return          # a malformed name is import_class's to refuse; an imported module runs nothing again
+        return  # a malformed name is import_class's to refuse; an imported module runs nothing again
     origin = _module_source(module_name)
     if origin is None:
         raise ImportError(f"no Python source for module {module_name!r} on the import path")
@@ -1036,9 +1115,11 @@ def find_root(run_dir):
         if (parent / ROOT_MARKER).is_file():
             return parent
     if len(run_dir.parents) > 2 and (run_dir.parents[2] / "cache").is_dir():
-        return run_dir.parents[2]        # an output root written before roots carried the marker
-    raise RestoreError(f"{run_dir}: no output root above it (no {ROOT_MARKER} marker and no cache/); "
-                       f"a run folder cannot be moved without its output root")
+        return run_dir.parents[2]  # an output root written before roots carried the marker
+    raise RestoreError(
+        f"{run_dir}: no output root above it (no {ROOT_MARKER} marker and no cache/); "
+        f"a run folder cannot be moved without its output root"
+    )
 
 
 def _read_run_record(run_dir):
@@ -1058,22 +1139,28 @@ def _read_run_record(run_dir):
 def _read_references(run_dir):
     """artifacts.json: artifact name -> path relative to the output root, the model's among them."""
     path = run_dir / "artifacts.json"
-    if not path.is_file():          # missing, or not a regular file (a FIFO would block the read)
-        raise RestoreError(f"{run_dir}: no artifacts.json (the record of its trained model); run train to "
-                           "make it again")
+    if not path.is_file():  # missing, or not a regular file (a FIFO would block the read)
+        raise RestoreError(
+            f"{run_dir}: no artifacts.json (the record of its trained model); run train to make it again"
+        )
     try:
         references = json.loads(path.read_text())
     except ValueError:
         references = None
-    if not (isinstance(references, dict) and "model" in references
-            and all(isinstance(key, str) and isinstance(value, str) for key, value in references.items())):
-        raise DamagedArtifact(f"{path}: damaged (not a record of the run's artifacts with its model); run train to make "
-                              "it again")
+    if not (
+        isinstance(references, dict)
+        and "model" in references
+        and all(isinstance(key, str) and isinstance(value, str) for key, value in references.items())
+    ):
+        raise DamagedArtifact(
+            f"{path}: damaged (not a record of the run's artifacts with its model); run train to make it again"
+        )
     return references
 
 
-def restore(run_dir: str | os.PathLike[str], device: str | torch.device = "cpu",
-            experiment: type | None = None) -> Restored:
+def restore(
+    run_dir: str | os.PathLike[str], device: str | torch.device = "cpu", experiment: type | None = None
+) -> Restored:
     """Reopen a finished run with its trained model on `device` (CPU by default) in eval mode.
 
     Trust: unless `experiment` is given, restore imports the module run.json names and runs
@@ -1096,15 +1183,20 @@ def restore(run_dir: str | os.PathLike[str], device: str | torch.device = "cpu",
         try:
             if root.resolve() not in path.parents:
                 raise MissingArtifact(f"{relative} lies outside the output root")
-            artifacts[name] = store.artifact_at(path)        # every file checked against its checksum
+            artifacts[name] = store.artifact_at(path)  # every file checked against its checksum
         except (MissingArtifact, DamagedArtifact) as error:
             if name in ("model", "training-data"):
-                raise RestoreError(f"{run_dir}: artifact {relative} is missing from the output root {root} "
-                                   f"or damaged ({error}); re-run the training to rebuild it") from None
+                raise RestoreError(
+                    f"{run_dir}: artifact {relative} is missing from the output root {root} "
+                    f"or damaged ({error}); re-run the training to rebuild it"
+                ) from None
             missing.append(name)
     if missing:
-        warnings.warn(f"{run_dir}: its analysis products {', '.join(missing)} are missing or damaged, so its "
-                      "metrics are not available; the next `run` or `analyze` rebuilds them", stacklevel=2)
+        warnings.warn(
+            f"{run_dir}: its analysis products {', '.join(missing)} are missing or damaged, so its "
+            "metrics are not available; the next `run` or `analyze` rebuilds them",
+            stacklevel=2,
+        )
     experiment = _run_experiment(run_dir, run) if experiment is None else experiment
     instance = experiment(run["settings"])
     model = instance.build_model(run["member"])
@@ -1123,8 +1215,9 @@ def _run_experiment(run_dir, run):
             check_defines_class(spec)
             return import_class(spec, EXPERIMENT_METHODS)
     except (ImportError, ValueError, SyntaxError, TypeError, AttributeError) as error:
-        raise RestoreError(f"{run_dir}: cannot restore its experiment: {error}; pass restore(..., "
-                           "experiment=Class)") from None
+        raise RestoreError(
+            f"{run_dir}: cannot restore its experiment: {error}; pass restore(..., experiment=Class)"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -1132,7 +1225,7 @@ def importable_from(folder):
     """Within the block, modules in `folder` (None: none) import as if it ended sys.path; sys.path is put back after."""
     saved = list(sys.path)
     if folder is not None and folder not in sys.path:
-        sys.path.append(folder)     # last, as the launch found the study: beside its settings files
+        sys.path.append(folder)  # last, as the launch found the study: beside its settings files
     try:
         yield
     finally:

@@ -13,6 +13,7 @@ trainer's settings when it trains with it, the product graph, and that its netwo
 one logit per row. The study kit (nre_study.py) is one such study, written once for any
 simulator.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,28 +37,47 @@ from settings import require
 from store import Artifact, Store, Writer
 
 __all__ = [
-    "Product", "Metric", "Figure", "Context", "ProblemContract", "PROBLEM_OPTIONAL", "PriorContract",
-    "PRIOR_OPTIONAL", "ExperimentContract", "AnalysisContract", "Experiment", "Analysis", "optional",
-    "progress_to", "report_progress", "Progress", "ANALYSIS_MEMBERS", "EXPERIMENT_SOURCES", "Member", "Json",
+    "Product",
+    "Metric",
+    "Figure",
+    "Context",
+    "ProblemContract",
+    "PROBLEM_OPTIONAL",
+    "PriorContract",
+    "PRIOR_OPTIONAL",
+    "ExperimentContract",
+    "AnalysisContract",
+    "Experiment",
+    "Analysis",
+    "optional",
+    "progress_to",
+    "report_progress",
+    "Progress",
+    "ANALYSIS_MEMBERS",
+    "EXPERIMENT_SOURCES",
+    "Member",
+    "Json",
     "Reporter",
 ]
 
-Member = dict[str, Any]          # one cohort member: a JSON dict with a unique, safe "name"
-Json = Any                       # a value JSON can hold (dicts, lists, strings, numbers, None)
+Member = dict[str, Any]  # one cohort member: a JSON dict with a unique, safe "name"
+Json = Any  # a value JSON can hold (dicts, lists, strings, numbers, None)
 
 
 @dataclass(frozen=True)
 class Product:
     """An analysis product: what it needs, what its key depends on, how it is built."""
-    build: Callable[[Context, Writer], Json]      # writes the product's files, returns JSON metadata
-    recipe: Callable[[Context], Json]             # the settings the product depends on
-    needs: tuple[str, ...] = ()                   # names of the products it is built from
-    uses_model: bool = False                      # whether the trained model enters its key
+
+    build: Callable[[Context, Writer], Json]  # writes the product's files, returns JSON metadata
+    recipe: Callable[[Context], Json]  # the settings the product depends on
+    needs: tuple[str, ...] = ()  # names of the products it is built from
+    uses_model: bool = False  # whether the trained model enters its key
 
 
 @dataclass(frozen=True)
 class Metric:
     """A metric: the products it reads and how it turns them into small JSON values."""
+
     compute: Callable[[Context], Json]
     needs: tuple[str, ...] = ()
 
@@ -65,6 +85,7 @@ class Metric:
 @dataclass(frozen=True)
 class Figure:
     """A figure drawn into a matplotlib Figure the framework creates, saves and closes."""
+
     # draw(target, figure): target is a run's Context, or a list of the Contexts of a
     # configuration's cohort; figure is matplotlib's (Any: matplotlib is optional).
     draw: Callable[[Any, Any], None]
@@ -78,12 +99,13 @@ class ProblemContract(Protocol):
     members where a problem has them (PROBLEM_OPTIONAL): `log_evidence(x, points, log_weights)`,
     an analytic evidence, and `posterior_sds(observations)`, rough posterior sds per parameter.
     """
-    names: list[str]                              # the inferred parameters, p of them
-    parameter_count: int                          # p, len(names)
-    low: torch.Tensor                             # float64 (p,): the parameter box
+
+    names: list[str]  # the inferred parameters, p of them
+    parameter_count: int  # p, len(names)
+    low: torch.Tensor  # float64 (p,): the parameter box
     high: torch.Tensor
-    grid_step: torch.Tensor | None                # (p,) lattice steps, None unless every parameter has one
-    dimension: int                                # the numbers in one observation, d
+    grid_step: torch.Tensor | None  # (p,) lattice steps, None unless every parameter has one
+    dimension: int  # the numbers in one observation, d
     # simulate(theta (n, p), generator) -> x (n, d), every random number from `generator`;
     # None for a study trained on a bank alone.
     simulate: Callable[[torch.Tensor, torch.Generator], torch.Tensor] | None
@@ -99,7 +121,7 @@ class ProblemContract(Protocol):
         ...
 
 
-PROBLEM_OPTIONAL = ("log_evidence", "posterior_sds")     # read with getattr, where a problem has them
+PROBLEM_OPTIONAL = ("log_evidence", "posterior_sds")  # read with getattr, where a problem has them
 PRIOR_OPTIONAL = ("support", "coordinate_log_prob", "problem")
 
 
@@ -110,7 +132,8 @@ class PriorContract(Protocol):
     prior has them: `support(j)`, a lattice axis' points, `coordinate_log_prob(j, values)`, one
     coordinate's density for the figures, and `problem`, the problem it was made for.
     """
-    lattice_steps: list[float | None]             # per parameter: its lattice step, or None when continuous
+
+    lattice_steps: list[float | None]  # per parameter: its lattice step, or None when continuous
 
     def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
         """n parameter rows, float64 (n, p), drawn from `generator`."""
@@ -132,6 +155,7 @@ class ExperimentContract(Protocol):
     OPTIONAL_SECTIONS, plan_warnings(). restore's `r.posterior` calls `posterior(...)`
     where the experiment gives one (store.Restored: the store imports nothing of this module).
     """
+
     # Read-only (properties here): a class attribute of any sequence type, or a property, gives them.
     @property
     def DATA_SOURCES(self) -> Sequence[object]:
@@ -152,8 +176,9 @@ class ExperimentContract(Protocol):
     def sample_data(self, member: Member) -> dict[str, np.ndarray]: ...
     def model_recipe(self, member: Member) -> Json: ...
     def build_model(self, member: Member) -> torch.nn.Module: ...
-    def train(self, member: Member, model: torch.nn.Module, data: Any, rt: runtime.Runtime,
-              hooks: Any = None) -> tuple[dict[str, torch.Tensor], Any]: ...
+    def train(
+        self, member: Member, model: torch.nn.Module, data: Any, rt: runtime.Runtime, hooks: Any = None
+    ) -> tuple[dict[str, torch.Tensor], Any]: ...
     def workload(self, member: Member) -> dict[str, int]: ...
     def describe(self, member: Member) -> Json: ...
 
@@ -165,6 +190,7 @@ class AnalysisContract(Protocol):
     OPTIONAL_SECTIONS, REPORT_COLUMNS, REPORT_WARNINGS, FIGURE_METRICS, WORKLOAD_ADVICE,
     plan_errors(), plan_warnings(); `settings` defaults to those nnpd constructed it with.
     """
+
     settings: dict[str, Any]
 
     # Read-only (properties here): class attributes give them, as the kit's analysis does.
@@ -207,9 +233,9 @@ class Experiment:
     configuration's resolved training settings. docs/extending.md describes each member.
     """
 
-    DATA_SOURCES: Sequence[object] = ()           # code besides the study's own module that shapes its training data
-    MODEL_SOURCES: Sequence[object] = ()          # ... and its models
-    SECTIONS: Sequence[str] | None = None         # the study's own training-settings sections (None: any are allowed)
+    DATA_SOURCES: Sequence[object] = ()  # code besides the study's own module that shapes its training data
+    MODEL_SOURCES: Sequence[object] = ()  # ... and its models
+    SECTIONS: Sequence[str] | None = None  # the study's own training-settings sections (None: any are allowed)
     OPTIONAL_SECTIONS: Sequence[str] = ()
 
     def __init__(self, settings: dict[str, Any]) -> None:
@@ -230,8 +256,9 @@ class Experiment:
         """The `training` settings the bundled trainer reads (a study may fill in defaults of its own)."""
         return require(self.settings, "training", "settings_training.py")
 
-    def train(self, member: Member, model: torch.nn.Module, data: Any, rt: runtime.Runtime,
-              hooks: Any = None) -> tuple[dict[str, torch.Tensor], Any]:
+    def train(
+        self, member: Member, model: torch.nn.Module, data: Any, rt: runtime.Runtime, hooks: Any = None
+    ) -> tuple[dict[str, torch.Tensor], Any]:
         """Train with the bundled trainer on the `training` settings; returns (CPU state dict, history)."""
         seed = runtime.derived_seed(self.settings["seed"], "train", member["name"])
         return trainer.train(model, data, self.training_settings(), rt, seed, hooks)
@@ -257,16 +284,16 @@ class Analysis:
     describes each member; `products` and `metrics` are what a study must give.
     """
 
-    SOURCES: Sequence[object] = ()                # code whose source enters every product's key
-    SECTIONS: Sequence[str] | None = None         # the study's own analysis-settings sections (None: any are allowed)
+    SOURCES: Sequence[object] = ()  # code whose source enters every product's key
+    SECTIONS: Sequence[str] | None = None  # the study's own analysis-settings sections (None: any are allowed)
     OPTIONAL_SECTIONS: Sequence[str] = ()
     plots: dict[str, Figure] = {}
     cohort_plots: dict[str, Figure] = {}
-    REPORT_COLUMNS: Sequence[tuple[str, str]] = ()    # (heading, metric path) pairs `nnpd.py report` tabulates
+    REPORT_COLUMNS: Sequence[tuple[str, str]] = ()  # (heading, metric path) pairs `nnpd.py report` tabulates
     # metric paths of one-line warnings (or notes, paths ending in "note") printed under the table
     REPORT_WARNINGS: Sequence[str] = ()
-    FIGURE_METRICS: Sequence[tuple[str, str]] = ()    # (title, metric path) panels of `report --plot`
-    WORKLOAD_ADVICE = "reduce the analysis"   # what to change when a limit is exceeded
+    FIGURE_METRICS: Sequence[tuple[str, str]] = ()  # (title, metric path) panels of `report --plot`
+    WORKLOAD_ADVICE = "reduce the analysis"  # what to change when a limit is exceeded
 
     def __init__(self, settings: dict[str, Any], experiment: ExperimentContract) -> None:
         self.settings = settings
@@ -305,7 +332,7 @@ def optional(part: object, name: str, contract: type) -> Any:
     return types.MethodType(default, part) if inspect.isfunction(default) and not isinstance(part, type) else default
 
 
-Reporter = Callable[[str, int, int], None]      # reporter(what, done, total)
+Reporter = Callable[[str, int, int], None]  # reporter(what, done, total)
 _PROGRESS: contextvars.ContextVar[Reporter | None] = contextvars.ContextVar("nnpd_progress", default=None)
 
 
@@ -349,9 +376,11 @@ class Progress:
         now = time.monotonic()
         started = self.started.setdefault(what, now)
         quarter = 4 * done // max(total, 1)
-        if (now - started < self.QUIET_SECONDS and what not in self.shown) \
-                or (self.tty and now - self.last < 0.5 and done < total) \
-                or (not self.tty and quarter <= self.shown.get(what, -1)):
+        if (
+            (now - started < self.QUIET_SECONDS and what not in self.shown)
+            or (self.tty and now - self.last < 0.5 and done < total)
+            or (not self.tty and quarter <= self.shown.get(what, -1))
+        ):
             return
         self.shown[what], self.last = quarter, now
         rate = done / (now - started) if now > started and done else 0.0
@@ -367,7 +396,8 @@ class Progress:
 @dataclass
 class Context:
     """What a product, metric or plot hook gets for one trained model."""
-    settings: dict[str, Any]      # resolved training settings of the configuration
+
+    settings: dict[str, Any]  # resolved training settings of the configuration
     analysis_settings: dict[str, Any]
     member: Member
     experiment: ExperimentContract
@@ -375,10 +405,10 @@ class Context:
     runtime: runtime.Runtime
     run_dir: Path
     store: Store
-    data: Artifact                # the training-data artifact
+    data: Artifact  # the training-data artifact
     model_artifact: Artifact
-    used: dict[str, Artifact] = field(default_factory=dict)   # name -> Artifact this run used
-    progress: Reporter | None = None           # progress(what, done, total) prints how far a product is
+    used: dict[str, Artifact] = field(default_factory=dict)  # name -> Artifact this run used
+    progress: Reporter | None = None  # progress(what, done, total) prints how far a product is
     _model: torch.nn.Module | None = None
     _problem: ProblemContract | None = None
     _prior: PriorContract | None = None

@@ -19,12 +19,37 @@ import fingerprint
 import trainer
 from settings import ANALYSIS_SECTIONS, FORMAT_DOCS, TRAINING_SECTIONS, SettingsError, require
 from store import EXPERIMENT_METHODS, LaunchError, import_class
-from study import (ANALYSIS_MEMBERS, EXPERIMENT_SOURCES, Analysis, AnalysisContract, Experiment, ExperimentContract,
-                   Json, Member, Metric, Product, optional)
+from study import (
+    ANALYSIS_MEMBERS,
+    EXPERIMENT_SOURCES,
+    Analysis,
+    AnalysisContract,
+    Experiment,
+    ExperimentContract,
+    Json,
+    Member,
+    Metric,
+    Product,
+    optional,
+)
 
-__all__ = ["load_class", "check_members", "check_study_sections", "plan_notes", "uses_bundled_trainer",
-           "check_logit_shape", "load_study", "report_layout", "report_warnings", "experiment_sources",
-           "metric_value", "module_folder", "json_value", "check_selection", "check_graph"]
+__all__ = [
+    "load_class",
+    "check_members",
+    "check_study_sections",
+    "plan_notes",
+    "uses_bundled_trainer",
+    "check_logit_shape",
+    "load_study",
+    "report_layout",
+    "report_warnings",
+    "experiment_sources",
+    "metric_value",
+    "module_folder",
+    "json_value",
+    "check_selection",
+    "check_graph",
+]
 
 
 def load_class(spec: str, setting: str) -> type:
@@ -35,9 +60,11 @@ def load_class(spec: str, setting: str) -> type:
         module = spec.partition(":")[0]
         # The folders a user put there (the settings folder among them), not the interpreter's own.
         folders = [path for path in sys.path if path and "site-packages" not in path and "/lib/python" not in path]
-        raise SettingsError(f"{setting}: cannot import module {module!r} ({error}); nnpd looked in "
-                            f"{', '.join(folders)} and the installed packages: put {module}.py beside the "
-                            "settings files or add its folder to PYTHONPATH") from None
+        raise SettingsError(
+            f"{setting}: cannot import module {module!r} ({error}); nnpd looked in "
+            f"{', '.join(folders)} and the installed packages: put {module}.py beside the "
+            "settings files or add its folder to PYTHONPATH"
+        ) from None
     except ValueError as error:
         raise SettingsError(f"{setting}: {error}") from None
 
@@ -48,12 +75,15 @@ def check_members(instance: object, spec: str, setting: str) -> None:
     missing = [name for name in members if not hasattr(instance, name)]
     if missing:
         base = "study.Experiment" if setting == "experiment" else "study.Analysis"
-        raise SettingsError(f"{setting}: {spec!r} is not an nnpd {setting} class: it lacks {', '.join(missing)} "
-                            f"(subclass {base} for defaults; see docs/extending.md, \"The full contract\")")
+        raise SettingsError(
+            f"{setting}: {spec!r} is not an nnpd {setting} class: it lacks {', '.join(missing)} "
+            f'(subclass {base} for defaults; see docs/extending.md, "The full contract")'
+        )
 
 
-def check_study_sections(settings: dict[str, Any], framework: Sequence[str], study_class: type, contract: type,
-                         where: str) -> None:
+def check_study_sections(
+    settings: dict[str, Any], framework: Sequence[str], study_class: type, contract: type, where: str
+) -> None:
     """The settings' sections are the framework's plus exactly the study's own, when the study names them."""
     own = optional(study_class, "SECTIONS", contract)
     if own is None:
@@ -62,8 +92,9 @@ def check_study_sections(settings: dict[str, Any], framework: Sequence[str], stu
     missing = [name for name in (*framework, *own) if name not in settings]
     unknown = [str(name) for name in settings if name not in (*framework, *own, *own_optional)]
     if missing or unknown:
-        found = ([f"missing sections: {', '.join(missing)}"] if missing else []) + \
-            ([f"unknown sections: {', '.join(unknown)}"] if unknown else [])
+        found = ([f"missing sections: {', '.join(missing)}"] if missing else []) + (
+            [f"unknown sections: {', '.join(unknown)}"] if unknown else []
+        )
         allowed = ", ".join((*framework, *own)) + (f" (optional: {', '.join(own_optional)})" if own_optional else "")
         raise SettingsError(f"{where}: {'; '.join(found)}; {study_class.__name__} reads: {allowed} ({FORMAT_DOCS})")
 
@@ -83,8 +114,9 @@ def uses_bundled_trainer(experiment: ExperimentContract) -> bool:
         return True
     if not inspect.isfunction(train):
         return False
-    return any(train.__globals__.get(name) in (trainer, trainer.train)
-               for name in fingerprint.referenced_names(train.__code__))
+    return any(
+        train.__globals__.get(name) in (trainer, trainer.train) for name in fingerprint.referenced_names(train.__code__)
+    )
 
 
 def check_logit_shape(experiment: ExperimentContract, member: Member, spec: str) -> None:
@@ -94,12 +126,15 @@ def check_logit_shape(experiment: ExperimentContract, member: Member, spec: str)
         logits = model(torch.zeros(2, int(experiment.input_size())))
     if not isinstance(logits, torch.Tensor) or tuple(logits.shape) not in ((2,), (2, 1)):
         shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
-        raise SettingsError(f"model: {spec}'s network returns {shape} for 2 input rows; a ratio estimator returns "
-                            "one logit per row, shape (N,) or (N, 1)")
+        raise SettingsError(
+            f"model: {spec}'s network returns {shape} for 2 input rows; a ratio estimator returns "
+            "one logit per row, shape (N,) or (N, 1)"
+        )
 
 
-def load_study(training_settings: dict[str, Any],
-               analysis_settings: dict[str, Any]) -> tuple[ExperimentContract, AnalysisContract]:
+def load_study(
+    training_settings: dict[str, Any], analysis_settings: dict[str, Any]
+) -> tuple[ExperimentContract, AnalysisContract]:
     """The experiment and analysis of one configuration, constructed and checked before any compute."""
     spec = training_settings["experiment"]
     experiment_class = load_class(spec, "experiment")
@@ -107,15 +142,23 @@ def load_study(training_settings: dict[str, Any],
     experiment = experiment_class(training_settings)
     check_members(experiment, spec, "experiment")
     if uses_bundled_trainer(experiment):
-        trainer.check_training_settings(experiment.training_settings() if isinstance(experiment, Experiment)
-                                        else require(training_settings, "training", "settings_training.py"))
+        trainer.check_training_settings(
+            experiment.training_settings()
+            if isinstance(experiment, Experiment)
+            else require(training_settings, "training", "settings_training.py")
+        )
     experiment.validate()
     analysis_spec = analysis_settings["analysis"]
     analysis_class = load_class(analysis_spec, "analysis")
     # `metrics` and the figures may be left to the analysis class: every metric it defines unless it fills
     # its own default, and the figures it fills (none unless it does).
-    check_study_sections({"metrics": None, "plots": None, "cohort_plots": None, **analysis_settings},
-                         ANALYSIS_SECTIONS, analysis_class, Analysis, "settings_analysis.py")
+    check_study_sections(
+        {"metrics": None, "plots": None, "cohort_plots": None, **analysis_settings},
+        ANALYSIS_SECTIONS,
+        analysis_class,
+        Analysis,
+        "settings_analysis.py",
+    )
     analysis = analysis_class(analysis_settings, experiment)
     check_members(analysis, analysis_spec, "analysis")
     if optional(analysis, "settings", Analysis) is None:
@@ -123,7 +166,7 @@ def load_study(training_settings: dict[str, Any],
         analysis.settings = analysis_settings
     chosen = analysis.settings
     chosen.setdefault("metrics", list(analysis.metrics))
-    for figures in ("plots", "cohort_plots"):       # the analysis class may choose default figures; else none
+    for figures in ("plots", "cohort_plots"):  # the analysis class may choose default figures; else none
         chosen.setdefault(figures, [])
     check_graph(analysis.products, analysis.metrics, list(chosen["metrics"]))
     analysis.validate()
@@ -133,8 +176,10 @@ def load_study(training_settings: dict[str, Any],
 def report_layout(analysis_settings: dict[str, Any]) -> tuple[tuple[tuple[str, str], ...], tuple[tuple[str, str], ...]]:
     """The analysis class's report columns and comparison panels (`nnpd.py report`)."""
     analysis = load_class(analysis_settings["analysis"], "analysis")
-    return (tuple(optional(analysis, "REPORT_COLUMNS", Analysis)),
-            tuple(optional(analysis, "FIGURE_METRICS", Analysis)))
+    return (
+        tuple(optional(analysis, "REPORT_COLUMNS", Analysis)),
+        tuple(optional(analysis, "FIGURE_METRICS", Analysis)),
+    )
 
 
 def report_warnings(analysis_settings: dict[str, Any]) -> tuple[str, ...]:
@@ -180,8 +225,10 @@ def json_value(value: Any, where: str) -> Json:
         return value.item()
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    raise ValueError(f"{where} is a {type(value).__name__}, which JSON cannot hold; return numbers, strings, "
-                     "lists and dicts (a tensor: .tolist())")
+    raise ValueError(
+        f"{where} is a {type(value).__name__}, which JSON cannot hold; return numbers, strings, "
+        "lists and dicts (a tensor: .tolist())"
+    )
 
 
 def check_selection(section: str, selected: list[str], known: Sequence[str] | Mapping[str, Any]) -> None:
@@ -200,8 +247,9 @@ def check_graph(products: Mapping[str, Product], metrics: Mapping[str, Metric], 
     Returns the products in an order that builds every dependency before its dependents.
     """
     check_selection("metrics", selected, metrics)
-    for owner, needs in [(f"metric {m!r}", metrics[m].needs) for m in selected] + \
-                        [(f"product {p!r}", spec.needs) for p, spec in products.items()]:
+    for owner, needs in [(f"metric {m!r}", metrics[m].needs) for m in selected] + [
+        (f"product {p!r}", spec.needs) for p, spec in products.items()
+    ]:
         for need in needs:
             if need not in products:
                 raise SettingsError(f"{owner} needs unknown product {need!r}")

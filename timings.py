@@ -19,28 +19,36 @@ estimates it from the workload when there is none.
 Phases may nest: DDP's communication lies within the backward pass, a product built
 lazily within the metric that first needs it, a store commit within its product.
 """
+
 import contextlib
 import time
 from pathlib import Path
 
-import probes
 import output_root
+import probes
 import runtime
-from store import now_iso, write_json_atomic
 from probes import COMMUNICATE, STEP_PHASES
+from store import now_iso, write_json_atomic
 
 __all__ = [
-    "add_phases", "LaunchTimer", "run_sections", "job_record", "communication_share", "busy_share", "advise",
+    "add_phases",
+    "LaunchTimer",
+    "run_sections",
+    "job_record",
+    "communication_share",
+    "busy_share",
+    "advise",
     "plan_advice",
 ]
 
 FILE = "timings.json"
 STAGES = ("training", "analysis")
 TABLE_ROWS = 12
-BUSY_ENOUGH = 0.8   # jobs mode is kept while it keeps the workers at least this busy
+BUSY_ENOUGH = 0.8  # jobs mode is kept while it keeps the workers at least this busy
 
 
 # ---------------------------------------------------------------- phases
+
 
 def add_phases(total, phases):
     """Add one snapshot's phases to a running total (counts and times add, extremes combine); returns it."""
@@ -64,21 +72,28 @@ def phase_seconds(phases, name, clock):
 def step_summary(phases, device_type):
     """Seconds in training steps and in DDP's gradient communication, on the clock that measures them."""
     clock = "device" if any("device_s" in phases.get(name, {}) for name in STEP_PHASES) else "host"
-    return {"step_s": sum(phase_seconds(phases, name, clock) for name in STEP_PHASES),
-            "communicate_s": phase_seconds(phases, COMMUNICATE, clock), "clock": clock,
-            "device_type": device_type}
+    return {
+        "step_s": sum(phase_seconds(phases, name, clock) for name in STEP_PHASES),
+        "communicate_s": phase_seconds(phases, COMMUNICATE, clock),
+        "clock": clock,
+        "device_type": device_type,
+    }
 
 
 def add_steps(total, summary):
     """Add one run's step summary to a running total."""
     if total is None:
         return dict(summary)
-    return {**total, "step_s": total["step_s"] + summary["step_s"],
-            "communicate_s": total["communicate_s"] + summary["communicate_s"],
-            "clock": summary["clock"] if summary["clock"] == total["clock"] else "host"}
+    return {
+        **total,
+        "step_s": total["step_s"] + summary["step_s"],
+        "communicate_s": total["communicate_s"] + summary["communicate_s"],
+        "clock": summary["clock"] if summary["clock"] == total["clock"] else "host",
+    }
 
 
 # ---------------------------------------------------------------- one worker's timer
+
 
 class LaunchTimer:
     """One worker's timings of one launch: its phases, and the sections of the job it is doing."""
@@ -86,10 +101,10 @@ class LaunchTimer:
     def __init__(self, rt):
         self.rt = rt
         self.began = time.perf_counter()
-        self.phases = {}        # everything this worker's probes recorded in this launch
-        self.sections = {}      # stage -> {"wall_s", "phases"} of the job in progress
-        self.redone = set()     # stages of the job in progress that did their work
-        self.jobs = {}          # run -> {"size_s", "steps"} of the jobs this worker finished
+        self.phases = {}  # everything this worker's probes recorded in this launch
+        self.sections = {}  # stage -> {"wall_s", "phases"} of the job in progress
+        self.redone = set()  # stages of the job in progress that did their work
+        self.jobs = {}  # run -> {"size_s", "steps"} of the jobs this worker finished
         probes.reset()
 
     def collect(self):
@@ -119,8 +134,11 @@ class LaunchTimer:
         self.sections, self.redone = {}, set()
         yield
         self.collect()
-        parts = runtime.all_gather_object(self.rt, (self.sections, self.redone)) if self.rt.ddp \
+        parts = (
+            runtime.all_gather_object(self.rt, (self.sections, self.redone))
+            if self.rt.ddp
             else [(self.sections, self.redone)]
+        )
         ranks = range(len(parts)) if self.rt.ddp else [self.rt.rank]
         sections = run_sections(old, dict(zip(ranks, parts)), self.info(launch))
         # A reusing launch rewrites nothing (unless the file went, with an analysis that failed).
@@ -132,15 +150,26 @@ class LaunchTimer:
     def info(self, launch):
         """What every timings record says about the launch that made it."""
         rt = self.rt
-        return {"launch": launch.id, "stage": launch.stage, "time": now_iso(), "probes": probes.MODE,
-                "cuda_events": probes.DEVICE_TIMER is not None, "device": str(rt.device),
-                "parallel": rt.parallel, "world_size": rt.world_size}
+        return {
+            "launch": launch.id,
+            "stage": launch.stage,
+            "time": now_iso(),
+            "probes": probes.MODE,
+            "cuda_events": probes.DEVICE_TIMER is not None,
+            "device": str(rt.device),
+            "parallel": rt.parallel,
+            "world_size": rt.world_size,
+        }
 
     def worker_record(self):
         """This worker's whole launch so far: wall time, phases and finished jobs (what rank 0 gathers)."""
         self.collect()
-        return {"rank": self.rt.rank, "wall_s": time.perf_counter() - self.began, "phases": self.phases,
-                "jobs": self.jobs}
+        return {
+            "rank": self.rt.rank,
+            "wall_s": time.perf_counter() - self.began,
+            "phases": self.phases,
+            "jobs": self.jobs,
+        }
 
     def report(self, launch, gathered):
         """Rank 0 at the end: write <root>/timings.json, print the table and the advice; returns the record."""
@@ -170,22 +199,27 @@ def sound_section(section):
     workers = section.get("workers") if isinstance(section, dict) else None
     return isinstance(workers, dict) and all(
         isinstance(part, dict) and isinstance(part.get("wall_s"), (int, float)) and sound_phases(part.get("phases"))
-        for part in workers.values())
+        for part in workers.values()
+    )
 
 
 def sound_phases(phases):
     """Whether phases read back map names to records of numbers, as probes.snapshot() makes them."""
     return isinstance(phases, dict) and all(
-        isinstance(record, dict) and isinstance(record.get("count"), int)
+        isinstance(record, dict)
+        and isinstance(record.get("count"), int)
         and isinstance(record.get("total_s"), (int, float))
         and all(value is None or isinstance(value, (int, float)) for value in record.values())
-        for record in phases.values())
+        for record in phases.values()
+    )
 
 
 def job_record(sections, device_type):
     """A job's size (the walls of the stages' work, slowest worker) and its training steps."""
-    size = sum(max((part.get("wall_s", 0.0) for part in section.get("workers", {}).values()), default=0.0)
-               for section in sections.values())
+    size = sum(
+        max((part.get("wall_s", 0.0) for part in section.get("workers", {}).values()), default=0.0)
+        for section in sections.values()
+    )
     steps = None
     for part in sections.get("training", {}).get("workers", {}).values():
         steps = add_steps(steps, step_summary(part.get("phases", {}), device_type))
@@ -194,6 +228,7 @@ def job_record(sections, device_type):
 
 # ---------------------------------------------------------------- the launch
 
+
 def launch_record(info, profile, workers, device_type):
     """The launch's timings.json: every worker's phases, the jobs' sizes, the step shares and the advice."""
     jobs = {run: job for worker in workers for run, job in worker["jobs"].items()}
@@ -201,16 +236,23 @@ def launch_record(info, profile, workers, device_type):
     for job in jobs.values():
         if job["steps"] is not None:
             steps = add_steps(steps, job["steps"])
-    record = {**info, "profile": profile, "wall_s": max(worker["wall_s"] for worker in workers),
-              "workers": {str(worker["rank"]): {"wall_s": worker["wall_s"], "phases": worker["phases"]}
-                          for worker in workers},
-              "jobs": jobs, "steps": steps}
+    record = {
+        **info,
+        "profile": profile,
+        "wall_s": max(worker["wall_s"] for worker in workers),
+        "workers": {
+            str(worker["rank"]): {"wall_s": worker["wall_s"], "phases": worker["phases"]} for worker in workers
+        },
+        "jobs": jobs,
+        "steps": steps,
+    }
     summed: dict[str, dict] = {}
     for worker in workers:
         add_phases(summed, worker["phases"])
     record["throughput"] = throughput(summed)
-    record["advice"] = advise(info["parallel"], info["world_size"], [job["size_s"] for job in jobs.values()],
-                              communication_share(steps))
+    record["advice"] = advise(
+        info["parallel"], info["world_size"], [job["size_s"] for job in jobs.values()], communication_share(steps)
+    )
     return record
 
 
@@ -234,8 +276,10 @@ def table_lines(record, where):
     for worker in record["workers"].values():
         add_phases(phases, worker["phases"])
     wall = sum(worker["wall_s"] for worker in record["workers"].values()) or 1.0
-    head = (f"timings: {len(record['workers'])} worker(s), {record['wall_s']:.1f} s wall, probes "
-            f"{record['probes']}; every phase in {where}")
+    head = (
+        f"timings: {len(record['workers'])} worker(s), {record['wall_s']:.1f} s wall, probes "
+        f"{record['probes']}; every phase in {where}"
+    )
     if not phases:
         why = "probes were off (NNPD_PROBES=off)" if record["probes"] == "off" else "no phase was timed"
         return [head, f"  {why}: only the jobs' wall times were measured"]
@@ -249,7 +293,7 @@ def table_lines(record, where):
     rest = ranked[TABLE_ROWS:]
     if rest:
         lines.append(f"  ... {len(rest)} more phases, {sum(p['total_s'] for _, p in rest) / wall:.1%} together")
-    for name, rate in record["throughput"].items():     # launch_record summed the same phases
+    for name, rate in record["throughput"].items():  # launch_record summed the same phases
         per_call = f", {rate['rows_per_call']:,} rows per network call" if "rows_per_call" in rate else ""
         lines.append(f"  {name}: {rate['evaluations_per_s']:.3g} evaluations/s{per_call}")
     lines.append("  (phases nest: communication within backward, products within metrics, commits within products)")
@@ -258,10 +302,12 @@ def table_lines(record, where):
 
 # ---------------------------------------------------------------- advice
 
+
 def communication_share(steps):
     """DDP communication's share of the training steps, or why it is unknown (a str)."""
-    numbers = isinstance(steps, dict) and all(isinstance(steps.get(key), (int, float))
-                                              for key in ("step_s", "communicate_s"))
+    numbers = isinstance(steps, dict) and all(
+        isinstance(steps.get(key), (int, float)) for key in ("step_s", "communicate_s")
+    )
     if not numbers or not steps["step_s"] > 0:
         return "no training step was timed (models reused, or NNPD_PROBES=off)"
     if steps.get("device_type") == "cuda" and steps.get("clock") != "device":
@@ -297,26 +343,38 @@ def advise(parallel, world, sizes, communication):
     measured = isinstance(communication, float)
     if world <= 1:
         if len(sizes) == 1:
-            return ("one job on one worker: only runtime.parallel=\"ddp\" under torchrun --nproc_per_node=W "
-                    "can share it between workers")
-        return (f"one worker takes the jobs in turn ({jobs}): runtime.parallel=\"jobs\" under torchrun "
-                f"--nproc_per_node=W (W up to {len(sizes)}) runs them side by side, keeping 2 workers about "
-                f"{busy:.0%} busy")
+            return (
+                'one job on one worker: only runtime.parallel="ddp" under torchrun --nproc_per_node=W '
+                "can share it between workers"
+            )
+        return (
+            f'one worker takes the jobs in turn ({jobs}): runtime.parallel="jobs" under torchrun '
+            f"--nproc_per_node=W (W up to {len(sizes)}) runs them side by side, keeping 2 workers about "
+            f"{busy:.0%} busy"
+        )
     if parallel == "ddp" and not measured:
-        return (f"DDP's communication share is unknown ({communication}); runtime.parallel=\"jobs\" would keep "
-                f"the {world} workers about {busy:.0%} busy with {jobs}")
+        return (
+            f'DDP\'s communication share is unknown ({communication}); runtime.parallel="jobs" would keep '
+            f"the {world} workers about {busy:.0%} busy with {jobs}"
+        )
     if parallel == "ddp" and busy > 1 - communication:
-        return (f"DDP's gradient communication took {communication:.0%} of each training step; "
-                f"runtime.parallel=\"jobs\" would keep the {world} workers about {busy:.0%} busy with {jobs}, "
-                "so it should be faster")
+        return (
+            f"DDP's gradient communication took {communication:.0%} of each training step; "
+            f'runtime.parallel="jobs" would keep the {world} workers about {busy:.0%} busy with {jobs}, '
+            "so it should be faster"
+        )
     if parallel == "ddp":
-        return (f"keep runtime.parallel=\"ddp\": gradient communication took only {communication:.0%} of each "
-                f"training step, while \"jobs\" would keep the {world} workers about {busy:.0%} busy with {jobs}")
+        return (
+            f'keep runtime.parallel="ddp": gradient communication took only {communication:.0%} of each '
+            f'training step, while "jobs" would keep the {world} workers about {busy:.0%} busy with {jobs}'
+        )
     if busy >= BUSY_ENOUGH:
-        return f"keep runtime.parallel=\"jobs\": it keeps the {world} workers about {busy:.0%} busy with {jobs}"
-    return (f"runtime.parallel=\"jobs\" keeps the {world} workers only about {busy:.0%} busy with {jobs}; "
-            "\"ddp\" trains each model on all workers, worth it while gradient communication stays a small "
-            "share of each step")
+        return f'keep runtime.parallel="jobs": it keeps the {world} workers about {busy:.0%} busy with {jobs}'
+    return (
+        f'runtime.parallel="jobs" keeps the {world} workers only about {busy:.0%} busy with {jobs}; '
+        '"ddp" trains each model on all workers, worth it while gradient communication stays a small '
+        "share of each step"
+    )
 
 
 def plan_advice(root, costs, runtime_settings):

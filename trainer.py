@@ -25,24 +25,41 @@ import probes
 import runtime
 import training_hooks
 import training_state
-from ddp import epoch_batches, loss_scale, shard_slice
 from analysis_metrics import classification_metrics
-from settings import SettingsError, integer, is_number, known_keys, number, one_of
-from training_hooks import HookRunner
-from training_state import TrainingState, cpu_copy, state_identity
 
 # Re-exported: studies, the tests, benchmarks and docs reach these as trainer.X.
-from ddp import shard_sizes, timed_allreduce  # noqa: F401
-from training_hooks import TrainingHooks  # noqa: F401
+from ddp import epoch_batches, loss_scale, shard_sizes, shard_slice, timed_allreduce  # noqa: F401
 from probes import COMMUNICATE, STEP_PHASES  # noqa: F401
+from settings import SettingsError, integer, is_number, known_keys, number, one_of
+from training_hooks import (
+    HookRunner,
+    TrainingHooks,  # noqa: F401
+)
+from training_state import TrainingState, cpu_copy, state_identity
 
 __all__ = [
-    "Preempted", "PARTS", "TRAINING_DEFAULTS", "VALIDATION_CHUNK", "FLAG_EXCHANGE_SECONDS",
-    "TrainingSettings", "Objective", "objective_of", "check_training_settings", "FunctionalAdam", "make_optimizer", "training_tensors", "batch_loss",
-    "kept_validation", "LOSS_NAMES", "objective_name", "watched_loss", "training_outcome", "train",
+    "Preempted",
+    "PARTS",
+    "TRAINING_DEFAULTS",
+    "VALIDATION_CHUNK",
+    "FLAG_EXCHANGE_SECONDS",
+    "TrainingSettings",
+    "Objective",
+    "objective_of",
+    "check_training_settings",
+    "FunctionalAdam",
+    "make_optimizer",
+    "training_tensors",
+    "batch_loss",
+    "kept_validation",
+    "LOSS_NAMES",
+    "objective_name",
+    "watched_loss",
+    "training_outcome",
+    "train",
 ]
 
-Preempted = runtime.Preempted      # the one class; trainer.Preempted is the name callers of train() know
+Preempted = runtime.Preempted  # the one class; trainer.Preempted is the name callers of train() know
 # The modules split from this one: their code shapes every model it trains, so they enter a
 # model's key beside trainer.py (study_loading.experiment_sources).
 PARTS = (ddp, training_state, training_hooks)
@@ -70,6 +87,7 @@ TRAINING_DEFAULTS = {
 class TrainingSettings(TypedDict):
     """The `training` section, every default filled in and checked (check_training_settings): mypy names a
     key misspelt where it is read."""
+
     epochs: int
     batch_size: int
     optimizer: str
@@ -90,10 +108,11 @@ class TrainingSettings(TypedDict):
 
 class Objective(NamedTuple):
     """What a training loss reads of the settings: the trained objective and its two hyper-parameters."""
-    kind: str                 # "bce", "balanced" or "contrastive" (training.objective)
-    classes: int              # atoms per joint pair: training.classes for "contrastive", else one re-paired row
-    gamma: float              # the contrastive loss' γ
-    balance_weight: float     # the balanced loss' λ
+
+    kind: str  # "bce", "balanced" or "contrastive" (training.objective)
+    classes: int  # atoms per joint pair: training.classes for "contrastive", else one re-paired row
+    gamma: float  # the contrastive loss' γ
+    balance_weight: float  # the balanced loss' λ
 
 
 def objective_of(settings: TrainingSettings) -> Objective:
@@ -136,8 +155,10 @@ def check_training_settings(training_settings: dict) -> TrainingSettings:
     one_of(s["objective"], OBJECTIVES, "training.objective")
     number(s["balance_weight"], "training.balance_weight", 0, 1e6)
     if not isinstance(s["selection"], str) or s["selection"] not in SELECTIONS:
-        raise SettingsError(f"training.selection: {s['selection']!r} is not valid; use \"bce\" (keep the epoch of "
-                            "the lowest validation BCE) or \"objective\" (of the lowest validation objective)")
+        raise SettingsError(
+            f'training.selection: {s["selection"]!r} is not valid; use "bce" (keep the epoch of '
+            'the lowest validation BCE) or "objective" (of the lowest validation objective)'
+        )
     integer(s["classes"], "training.classes", 2, 1000)
     number(s["gamma"], "training.gamma", 0, 1e6, low_open=True)
     if s["patience"] is not None:
@@ -170,18 +191,28 @@ class FunctionalAdam:
         self.params = list(params)
         self.update = adam_update if settings["optimizer"] == "adam" else adamw_update
         beta1, beta2 = settings["betas"]
-        self.hyper: dict[str, Any] = {"lr": settings["learning_rate"], "beta1": beta1, "beta2": beta2, "eps": settings["epsilon"],
-                      "weight_decay": settings["weight_decay"], "amsgrad": False, "maximize": False}
+        self.hyper: dict[str, Any] = {
+            "lr": settings["learning_rate"],
+            "beta1": beta1,
+            "beta2": beta2,
+            "eps": settings["epsilon"],
+            "weight_decay": settings["weight_decay"],
+            "amsgrad": False,
+            "maximize": False,
+        }
         self.flags = _fast_flag(device)
-        self.param_groups = [{"params": self.params}]   # what clipping and the state checks read
+        self.param_groups = [{"params": self.params}]  # what clipping and the state checks read
         self.state = [self._fresh_state(p) for p in self.params]
 
     def _fresh_state(self, p) -> dict:
         """Zero moments; as in torch.optim, the fused kernels keep the step count on the device."""
         fused = self.flags.get("fused", False)
         step = torch.zeros((), dtype=torch.float32, device=p.device) if fused else torch.tensor(0.0)
-        return {"step": step, "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
+        return {
+            "step": step,
+            "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+            "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+        }
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Drop the gradients (always to None)."""
@@ -192,15 +223,26 @@ class FunctionalAdam:
     def step(self) -> None:
         """One Adam step over the parameters that have a gradient."""
         live = [(p, s) for p, s in zip(self.params, self.state) if p.grad is not None]
-        self.update([p for p, _ in live], [p.grad for p, _ in live], [s["exp_avg"] for _, s in live],
-                    [s["exp_avg_sq"] for _, s in live], [], [s["step"] for _, s in live],
-                    **self.flags, **self.hyper)
+        self.update(
+            [p for p, _ in live],
+            [p.grad for p, _ in live],
+            [s["exp_avg"] for _, s in live],
+            [s["exp_avg_sq"] for _, s in live],
+            [],
+            [s["step"] for _, s in live],
+            **self.flags,
+            **self.hyper,
+        )
 
     def state_dict(self) -> dict:
         """torch.optim's layout: each parameter's state by index, and one parameter group."""
         hyper = {name: value for name, value in self.hyper.items() if name not in ("beta1", "beta2")}
-        group = {**hyper, "betas": (self.hyper["beta1"], self.hyper["beta2"]), **self.flags,
-                 "params": list(range(len(self.params)))}
+        group = {
+            **hyper,
+            "betas": (self.hyper["beta1"], self.hyper["beta2"]),
+            **self.flags,
+            "params": list(range(len(self.params))),
+        }
         return {"state": {i: dict(s) for i, s in enumerate(self.state)}, "param_groups": [group]}
 
     def load_state_dict(self, state: dict) -> None:
@@ -212,7 +254,7 @@ class FunctionalAdam:
 
 def make_optimizer(params, settings: TrainingSettings, device: torch.device, scaled: bool = False):
     """Adam or AdamW with the settings' hyper-parameters (torch.optim's only under a gradient scaler)."""
-    if not scaled:      # float16's GradScaler drives torch.optim's fused step itself
+    if not scaled:  # float16's GradScaler drives torch.optim's fused step itself
         return FunctionalAdam(params, settings, device)
     cls = torch.optim.Adam if settings["optimizer"] == "adam" else torch.optim.AdamW
     return cls(
@@ -245,13 +287,17 @@ JOINT_ARRAYS = ("train_x", "train_theta", "validation_x", "validation_theta")
 def training_tensors(data) -> dict:
     """The training arrays as tensors, from a dict of arrays or tensors, or the data artifact `train` receives."""
     names = TRAINING_ARRAYS + JOINT_ARRAYS
-    if callable(getattr(data, "array", None)):      # a store artifact: its arrays, checked as they are read
+    if callable(getattr(data, "array", None)):  # a store artifact: its arrays, checked as they are read
         data = {name: data.array(name) for name in names if f"{name}.npy" in data.files}
     if not isinstance(data, dict):
-        raise TypeError(f"training data must be a dict of arrays or the data artifact train() receives, "
-                        f"not {type(data).__name__}")
-    return {name: value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
-            for name, value in data.items() if name in names}
+        raise TypeError(
+            f"training data must be a dict of arrays or the data artifact train() receives, not {type(data).__name__}"
+        )
+    return {
+        name: value if isinstance(value, torch.Tensor) else torch.from_numpy(np.asarray(value))
+        for name, value in data.items()
+        if name in names
+    }
 
 
 def _check_data(data: dict) -> bool:
@@ -297,7 +343,9 @@ def balance_defect(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return (probability[joint].mean() + probability[~joint].mean() - 1).item()
 
 
-def validation_objective(bce: float, balance: float, settings: TrainingSettings, contrastive: float | None = None) -> float:
+def validation_objective(
+    bce: float, balance: float, settings: TrainingSettings, contrastive: float | None = None
+) -> float:
     """The trained objective on the validation set: its BCE, plus for "balanced" λ times the squared defect,
     or for "contrastive" the mean NRE-C loss of the validation rows and their fixed atoms.
 
@@ -337,8 +385,11 @@ def _validate(model, validation: tuple, device, settings: TrainingSettings) -> d
             contrastive = contrast.contrastive_losses(grid, settings["gamma"]).mean().item()
         logits, labels = grid[:, :2].reshape(-1), contrast.binary_labels(grid.shape[0], "cpu")
     labels = labels.to("cpu", torch.float64)
-    return {**classification_metrics(logits, labels), "balance": balance_defect(logits, labels),
-            "contrastive": contrastive}
+    return {
+        **classification_metrics(logits, labels),
+        "balance": balance_defect(logits, labels),
+        "contrastive": contrastive,
+    }
 
 
 def _shared_validation(model, validation, settings, rt) -> dict:
@@ -393,8 +444,9 @@ def _balance_terms(logits: torch.Tensor, labels: torch.Tensor, weight: float, rt
     return surrogate, weight * gap**2
 
 
-def batch_loss(logits: torch.Tensor, labels: torch.Tensor | None, batch_len: int, objective: Objective,
-               rt: runtime.Runtime) -> tuple[torch.Tensor, torch.Tensor]:
+def batch_loss(
+    logits: torch.Tensor, labels: torch.Tensor | None, batch_len: int, objective: Objective, rt: runtime.Runtime
+) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's loss to back-propagate for its shard of a global batch, and the shard's record.
 
     The record sums to the global batch's objective times its rows over ranks: the shard's
@@ -417,7 +469,7 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor | None, batch_len: int
     if objective.kind == "balanced":
         surrogate, penalty = _balance_terms(logits, labels, objective.balance_weight, rt)
         loss = loss + surrogate
-        if rt.leads_training:   # the penalty is counted once, not once per DDP rank
+        if rt.leads_training:  # the penalty is counted once, not once per DDP rank
             record = record + batch_len * penalty.detach()
     return loss, record
 
@@ -425,6 +477,7 @@ def batch_loss(logits: torch.Tensor, labels: torch.Tensor | None, batch_len: int
 class Fit(NamedTuple):
     """What every step of one training reads: its state, the network to call (DDP's wrapper under DDP),
     the checked `training` settings and the runtime."""
+
     state: TrainingState
     net: torch.nn.Module
     settings: TrainingSettings
@@ -445,7 +498,7 @@ def _step(fit: Fit, params: list, shard: tuple, batch_len: int, index: int) -> N
     with probes.phase("train.loss", device=device):
         loss, record = batch_loss(logits.float(), yb, batch_len, objective_of(settings), rt)
     scaled, clip = state.scaler.is_enabled(), settings["gradient_clip"]
-    norms, batch_losses = state.norms, state.batch_losses     # made with the epoch (norms when clipping)
+    norms, batch_losses = state.norms, state.batch_losses  # made with the epoch (norms when clipping)
     assert batch_losses is not None, "an epoch's buffers are made before its first step"
     with probes.phase("train.backward", device=device):
         state.optimizer.zero_grad(set_to_none=True)
@@ -556,8 +609,10 @@ def training_outcome(history: dict) -> str | None:
     watched = watched_loss(history)
     kept_text = f"kept epoch {kept} ({watched} {scores[kept - 1]:.4f})"
     if isinstance(stopped, int):
-        return (f"stopped early at epoch {stopped} of {epochs} (patience {history.get('patience')}: the {watched} "
-                f"had not improved for {history.get('patience')} epochs), {kept_text}")
+        return (
+            f"stopped early at epoch {stopped} of {epochs} (patience {history.get('patience')}: the {watched} "
+            f"had not improved for {history.get('patience')} epochs), {kept_text}"
+        )
     return f"ran all {epochs} epochs, {kept_text}"
 
 
@@ -566,7 +621,7 @@ def patience_exhausted(history: dict, settings: TrainingSettings) -> bool:
     scores = selection_scores(history)
     if settings["patience"] is None or not scores:
         return False
-    best = min(range(len(scores)), key=scores.__getitem__)      # the first epoch of the lowest loss
+    best = min(range(len(scores)), key=scores.__getitem__)  # the first epoch of the lowest loss
     return len(scores) - 1 - best >= settings["patience"]
 
 
@@ -596,9 +651,7 @@ def _close_epoch(fit: Fit, batch_losses, norms, validation: tuple) -> dict:
     if converged:
         history["stopped_epoch"] = state.epoch + 1
     last = state.epoch + 1 == settings["epochs"] or converged
-    if (settings["checkpoint"] == "best" and score < state.best_loss) or (
-        settings["checkpoint"] == "last" and last
-    ):
+    if (settings["checkpoint"] == "best" and score < state.best_loss) or (settings["checkpoint"] == "last" and last):
         state.best_loss = score
         state.best_weights = cpu_copy(state.model.state_dict())
         history["selected_epoch"] = state.epoch + 1
@@ -621,8 +674,12 @@ def _train_epochs(fit: Fit, tensors: tuple, validation: tuple, runner: HookRunne
         batch_losses, norms = _run_epoch(fit, x, y, runner, joint)
         stop = runner.drain()
         metrics = _close_epoch(fit, batch_losses, norms, validation)
-        record = {**metrics, "seconds": time.monotonic() - began, "epochs": settings["epochs"],
-                  "objective_name": LOSS_NAMES[settings["objective"]]}
+        record = {
+            **metrics,
+            "seconds": time.monotonic() - began,
+            "epochs": settings["epochs"],
+            "objective_name": LOSS_NAMES[settings["objective"]],
+        }
         runner.epoch_done(state, stop, record)
 
 
@@ -636,7 +693,7 @@ def _new_history(settings: TrainingSettings, rows: int, rt: runtime.Runtime) -> 
         "validation_objective": [],
         "validation_balance": [],
         "selection": settings["selection"],
-        "objective": settings["objective"],     # names the losses (objective_name); absent in earlier histories
+        "objective": settings["objective"],  # names the losses (objective_name); absent in earlier histories
         # Loss terms per epoch (train_loss is their mean): the rows of fixed pairs, twice the
         # joint pairs (each and its re-paired row) under "bce"/"balanced", the pairs under "contrastive".
         "rows_per_epoch": rows,
@@ -645,7 +702,7 @@ def _new_history(settings: TrainingSettings, rows: int, rt: runtime.Runtime) -> 
         "selected_epoch": None,
         "epochs": settings["epochs"],
         "patience": settings["patience"],
-        "stopped_epoch": None,      # the epoch after which `patience` ended training, if it did
+        "stopped_epoch": None,  # the epoch after which `patience` ended training, if it did
     }
 
 
@@ -654,8 +711,12 @@ def _new_state(model, settings: TrainingSettings, rt: runtime.Runtime, seed: int
     device = rt.device
     return TrainingState(
         model=model,
-        optimizer=make_optimizer([p for p in model.parameters() if p.requires_grad], settings, device,
-                                 scaled=settings["precision"] == "float16"),
+        optimizer=make_optimizer(
+            [p for p in model.parameters() if p.requires_grad],
+            settings,
+            device,
+            scaled=settings["precision"] == "float16",
+        ),
         scaler=torch.amp.GradScaler(device.type, enabled=settings["precision"] == "float16"),
         generator=runtime.seeded_generator(seed, "permutation"),
         device=device,
@@ -664,8 +725,14 @@ def _new_state(model, settings: TrainingSettings, rt: runtime.Runtime, seed: int
     )
 
 
-def train(model: torch.nn.Module, data, training_settings: dict, rt: runtime.Runtime, seed: int,
-          hooks: TrainingHooks | None = None):
+def train(
+    model: torch.nn.Module,
+    data,
+    training_settings: dict,
+    rt: runtime.Runtime,
+    seed: int,
+    hooks: TrainingHooks | None = None,
+):
     """Train a logit-returning classifier; returns (CPU state dict, history).
 
     `data` is the data artifact an experiment's `train` receives, or a dict of the arrays
@@ -692,8 +759,10 @@ def _train(model, data: dict, training_settings: dict, rt: runtime.Runtime, seed
     data = training_tensors(data)
     joint = _check_data(data)
     if settings["objective"] == "contrastive" and not joint:
-        raise ValueError('training.objective "contrastive" needs joint pairs (train_x, train_theta, validation_x, '
-                         'validation_theta), not fixed pairs with labels')
+        raise ValueError(
+            'training.objective "contrastive" needs joint pairs (train_x, train_theta, validation_x, '
+            "validation_theta), not fixed pairs with labels"
+        )
     with probes.phase("train.setup"):
         given = tuple(data[name] for name in (JOINT_ARRAYS if joint else TRAINING_ARRAYS))
         tensors = tuple(tensor.to(device=device, dtype=torch.float32) for tensor in given)
@@ -702,7 +771,7 @@ def _train(model, data: dict, training_settings: dict, rt: runtime.Runtime, seed
         model.train()
         net = ddp.wrapped(model, rt)
         rows = int(tensors[0].shape[0])
-        binary_pairs = joint and settings["objective"] != "contrastive"    # each joint row and its re-paired row
+        binary_pairs = joint and settings["objective"] != "contrastive"  # each joint row and its re-paired row
         state = _new_state(model, settings, rt, seed, 2 * rows if binary_pairs else rows)
         keeps_state = hooks is not None and (hooks.load_state is not None or hooks.saving)
         # Hashed as given (on the host, as the store loads it), not copied back from the GPU.

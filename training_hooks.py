@@ -20,7 +20,6 @@ from ddp import FlagExchange
 from settings import is_number
 from training_state import TrainingState
 
-
 __all__ = ["TrainingHooks", "HookRunner"]
 
 
@@ -59,7 +58,9 @@ class TrainingHooks:
     def check(self) -> None:
         """Refuse an interval that is not a number >= 0, or one without a place to save."""
         if not is_number(self.save_seconds) or not self.save_seconds >= 0:
-            raise ValueError(f"TrainingHooks.save_seconds: expected a number >= 0 (0 = never save); got {self.save_seconds!r}")
+            raise ValueError(
+                f"TrainingHooks.save_seconds: expected a number >= 0 (0 = never save); got {self.save_seconds!r}"
+            )
         if self.save_seconds > 0 and self.save_state is None:
             raise ValueError("TrainingHooks.save_seconds > 0 needs a save_state callable")
 
@@ -80,8 +81,14 @@ class HookRunner:
     alone decides when a save is due), and every epoch end agrees on stopping.
     """
 
-    def __init__(self, hooks: TrainingHooks | None, rt: runtime.Runtime, identity: dict | None, n_batches: int,
-                 exchange_seconds: float):
+    def __init__(
+        self,
+        hooks: TrainingHooks | None,
+        rt: runtime.Runtime,
+        identity: dict | None,
+        n_batches: int,
+        exchange_seconds: float,
+    ):
         # No hooks are hooks with nothing set: every call below then finds its callable None.
         self.hooks = hooks if hooks is not None else TrainingHooks()
         self.rt, self.identity, self.n_batches = rt, identity or {}, n_batches
@@ -152,7 +159,7 @@ class HookRunner:
                 problem = training_state.state_problem(saved, state, self.identity, self.n_batches)
                 if problem is None:
                     training_state.apply_saved_state(saved, state, self.rt)
-        except KeyboardInterrupt:   # a stop (runtime.Interrupted is also an Exception) is never swallowed
+        except KeyboardInterrupt:  # a stop (runtime.Interrupted is also an Exception) is never swallowed
             raise
         except Exception as error:  # a damaged state must never stop a training that can start afresh
             problem = training_state.one_line(error)
@@ -176,5 +183,6 @@ class HookRunner:
         state.load_state_dict(fresh[0])
         training_state.set_global_rng(fresh[1], self.rt.device)
         if self.rt.leads_training:
-            warnings.warn(f"ignoring the saved training state ({problem}); training starts from the beginning",
-                          stacklevel=3)
+            warnings.warn(
+                f"ignoring the saved training state ({problem}); training starts from the beginning", stacklevel=3
+            )

@@ -21,8 +21,17 @@ import runtime
 from settings import is_integer
 
 __all__ = [
-    "Optimizer", "cpu_copy", "TrainingState", "state_identity", "global_rng", "set_global_rng", "saved_state", "state_problem",
-    "apply_saved_state", "first_problem", "one_line",
+    "Optimizer",
+    "cpu_copy",
+    "TrainingState",
+    "state_identity",
+    "global_rng",
+    "set_global_rng",
+    "saved_state",
+    "state_problem",
+    "apply_saved_state",
+    "first_problem",
+    "one_line",
 ]
 
 # Written into every saved state; a state of another format is ignored, never misread.
@@ -45,6 +54,7 @@ def cpu_copy(value):
 
 class Optimizer(Protocol):
     """What a training state holds of its optimizer: trainer.FunctionalAdam, or torch.optim's Adam/AdamW."""
+
     param_groups: list[dict[str, Any]]
 
     def zero_grad(self, set_to_none: bool = True) -> None: ...
@@ -58,7 +68,7 @@ class TrainingState:
     """All mutable training state of one rank in one place: saved and resumed as a whole."""
 
     model: torch.nn.Module
-    optimizer: Optimizer   # a FunctionalAdam, or torch.optim's Adam/AdamW under float16's gradient scaler
+    optimizer: Optimizer  # a FunctionalAdam, or torch.optim's Adam/AdamW under float16's gradient scaler
     scaler: torch.amp.GradScaler
     generator: torch.Generator
     epoch: int = 0
@@ -79,20 +89,22 @@ class TrainingState:
 
     def state_dict(self) -> dict:
         """Everything needed to continue training exactly where it stopped, as CPU copies."""
-        return cpu_copy({
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "generator": self.generator.get_state(),
-            "epoch_rng": self.epoch_rng,
-            "epoch": self.epoch,
-            "position": self.position,
-            "batch_losses": self.batch_losses,
-            "norms": self.norms,
-            "history": self.history,
-            "best_bce": self.best_loss,
-            "best_weights": self.best_weights,
-        })
+        return cpu_copy(
+            {
+                "model": self.model.state_dict(),
+                "optimizer": self.optimizer.state_dict(),
+                "scaler": self.scaler.state_dict(),
+                "generator": self.generator.get_state(),
+                "epoch_rng": self.epoch_rng,
+                "epoch": self.epoch,
+                "position": self.position,
+                "batch_losses": self.batch_losses,
+                "norms": self.norms,
+                "history": self.history,
+                "best_bce": self.best_loss,
+                "best_weights": self.best_weights,
+            }
+        )
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what `state_dict` saved (copying, so `state` can be reused)."""
@@ -103,8 +115,9 @@ class TrainingState:
         self.epoch_rng = state["epoch_rng"]
         self.epoch = int(state["epoch"])
         self.position = int(state["position"])
-        self.batch_losses, self.norms = (None if t is None else t.to(self.device, copy=True)
-                                         for t in (state["batch_losses"], state["norms"]))
+        self.batch_losses, self.norms = (
+            None if t is None else t.to(self.device, copy=True) for t in (state["batch_losses"], state["norms"])
+        )
         self.history = cpu_copy(state["history"])
         self.best_loss = float(state["best_bce"])
         self.best_weights = cpu_copy(state["best_weights"])
@@ -122,11 +135,25 @@ class TrainingState:
 
 
 _FILE_KEYS = {"format", "save_id", "identity", "state", "ranks"}
-_SHARED_KEYS = {"model", "optimizer", "scaler", "generator", "epoch_rng", "epoch", "position", "norms",
-                "history", "best_bce", "best_weights"}
-_IDENTITY_PHRASES = {"world_size": "it was saved by a launch with another number of training ranks",
-                     "settings": "its training settings differ", "seed": "its training seed differs",
-                     "data": "its training or validation data differ"}
+_SHARED_KEYS = {
+    "model",
+    "optimizer",
+    "scaler",
+    "generator",
+    "epoch_rng",
+    "epoch",
+    "position",
+    "norms",
+    "history",
+    "best_bce",
+    "best_weights",
+}
+_IDENTITY_PHRASES = {
+    "world_size": "it was saved by a launch with another number of training ranks",
+    "settings": "its training settings differ",
+    "seed": "its training seed differs",
+    "data": "its training or validation data differ",
+}
 
 
 def state_identity(settings: Mapping[str, Any], seed: int, rt: runtime.Runtime, tensors) -> dict:
@@ -140,8 +167,7 @@ def state_identity(settings: Mapping[str, Any], seed: int, rt: runtime.Runtime, 
 
 def global_rng(device: torch.device) -> dict:
     """This process's global torch streams: dropout draws from them."""
-    return {"cpu": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
+    return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None}
 
 
 def set_global_rng(streams: dict, device: torch.device) -> None:
@@ -163,8 +189,7 @@ def saved_state(state: TrainingState, rt: runtime.Runtime, identity: dict) -> di
         return None
     shared = state.state_dict()
     del shared["batch_losses"]
-    return {"format": STATE_FORMAT, "save_id": uuid.uuid4().hex, "identity": identity, "state": shared,
-            "ranks": ranks}
+    return {"format": STATE_FORMAT, "save_id": uuid.uuid4().hex, "identity": identity, "state": shared, "ranks": ranks}
 
 
 def _shapes(tensors: dict) -> dict:
@@ -194,12 +219,17 @@ def _progress_problem(saved: dict, epochs: int, n_batches: int, world_size: int)
     """Why the saved progress, history or per-rank parts are inconsistent (None when they are not)."""
     shared = saved["state"]
     epoch, position = shared["epoch"], shared["position"]
-    if not (is_integer(epoch) and is_integer(position) and 0 <= epoch <= epochs and 0 <= position <= n_batches) \
-            or (epoch == epochs and position):
-        return f"its progress (epoch index {epoch}, batch {position}) does not fit {epochs} epochs of {n_batches} batches"
+    if not (is_integer(epoch) and is_integer(position) and 0 <= epoch <= epochs and 0 <= position <= n_batches) or (
+        epoch == epochs and position
+    ):
+        return (
+            f"its progress (epoch index {epoch}, batch {position}) does not fit {epochs} epochs of {n_batches} batches"
+        )
     history = shared["history"]
-    if any(len(history.get(name, ())) != epoch for name in ("train_loss", "validation", "validation_objective",
-                                                            "validation_balance")):
+    if any(
+        len(history.get(name, ())) != epoch
+        for name in ("train_loss", "validation", "validation_objective", "validation_balance")
+    ):
         return "its history does not match its progress"
     ranks, ongoing = saved["ranks"], position > 0
     if len(ranks) != world_size:
@@ -223,8 +253,9 @@ def state_problem(saved, state: TrainingState, identity: dict, n_batches: int) -
         if saved["identity"].get(key) != value:
             return _IDENTITY_PHRASES[key]
     epochs = identity["settings"]["epochs"]
-    return _tensors_problem(saved["state"], state) or _progress_problem(saved, epochs, n_batches,
-                                                                        identity["world_size"])
+    return _tensors_problem(saved["state"], state) or _progress_problem(
+        saved, epochs, n_batches, identity["world_size"]
+    )
 
 
 def apply_saved_state(saved: dict, state: TrainingState, rt: runtime.Runtime) -> None:

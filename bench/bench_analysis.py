@@ -20,6 +20,7 @@ measures the ratio a second way, immune to the shared machine's speed drifting f
 run to the next: the learned product again, with a plain forward call on pre-built rows,
 timed on its own, before each of its network calls.
 """
+
 import argparse
 import itertools
 import sys
@@ -29,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import adaptive  # noqa: E402
 import case_blocks  # noqa: E402
@@ -78,15 +79,19 @@ class Job:
     """One profile's analysis of `cases` cases with a model on a device, as the study runs it."""
 
     def __init__(self, device, profile, dimension, cases, precision):
-        self.problem, self.prior, training, self.settings, self.truths, self.observations = \
-            profile_inputs(profile, dimension, cases)
+        self.problem, self.prior, training, self.settings, self.truths, self.observations = profile_inputs(
+            profile, dimension, cases
+        )
         self.settings["precision"] = precision
         self.device = device
         self.input_size = self.problem.dimension + self.problem.parameter_count
         torch.manual_seed(0)
         # The bundled study's own network (it does not standardise its inputs).
-        self.model = networks.build_network(training["model"], self.input_size,
-                                            gaussian_study.GaussianExperiment.standardize).to(device).eval()
+        self.model = (
+            networks.build_network(training["model"], self.input_size, gaussian_study.GaussianExperiment.standardize)
+            .to(device)
+            .eval()
+        )
         self.targets = [t for t in ("ratio", "posterior") if t in self.settings["targets"]]
         candidates, p = self.settings["candidates"], self.problem.parameter_count
         lattice = designs.candidate_lattice(self.prior.lattice_steps, p, candidates)
@@ -94,29 +99,40 @@ class Job:
         self.adaptive = candidates["kind"] == "adaptive"
         self.box, self.lattice = adaptive.support_box(self.problem.low, self.problem.high, lattice), lattice
         # Model rows the learned product evaluates: every case's points and its truth, each observation.
-        self.rows = self.truths.shape[0] * self.observations.shape[1] * (designs.points_per_case(
-            p, lattice, self.problem.low, self.problem.high, candidates, len(self.targets)) + 1)
+        self.rows = (
+            self.truths.shape[0]
+            * self.observations.shape[1]
+            * (
+                designs.points_per_case(p, lattice, self.problem.low, self.problem.high, candidates, len(self.targets))
+                + 1
+            )
+        )
         self.rows_per_call = case_scores.call_policy(
-            device.type, self.settings["chunk_rows"],
-            case_scores.network_row_bytes(self.model, self.input_size)).rows_per_call
+            device.type, self.settings["chunk_rows"], case_scores.network_row_bytes(self.model, self.input_size)
+        ).rows_per_call
 
     def summarise(self, targets, scoring):
         """Every case through the study's driver for `targets`."""
         sizes = None
         if self.adaptive:
             sizes = designs.adaptive_sizes(self.problem.parameter_count, self.settings["candidates"], len(targets))
-        design = case_blocks.Design(self.settings["candidates"]["kind"], self.lattice,
-                                    adaptive.Refinement(self.box, self.settings["levels"], sizes, 4))
+        design = case_blocks.Design(
+            self.settings["candidates"]["kind"],
+            self.lattice,
+            adaptive.Refinement(self.box, self.settings["levels"], sizes, 4),
+        )
         # Keep nothing: the bench times the work, not the store.
-        work = nre_analysis.Cases(targets, self.truths, case_blocks.Candidates(*self.design),
-                                  {"mode": "diagnostic", "cases": 0})
+        work = nre_analysis.Cases(
+            targets, self.truths, case_blocks.Candidates(*self.design), {"mode": "diagnostic", "cases": 0}
+        )
         nre_analysis.summarise_cases(MemoryWriter(), scoring, design, work, lambda case: None)
 
     def learned(self):
         """The learned product; returns the model rows evaluated and the rows per call."""
         counted = case_scores.Evaluations()
-        scoring = case_blocks.learned_scoring(self.model, self.device, self.prior, self.observations, self.targets,
-                                               self.settings, counted)
+        scoring = case_blocks.learned_scoring(
+            self.model, self.device, self.prior, self.observations, self.targets, self.settings, counted
+        )
         self.summarise(self.targets, scoring)
         synchronize(self.device)
         return counted.rows, counted.call_rows // max(counted.calls, 1)
@@ -124,8 +140,12 @@ class Job:
     def exact(self):
         """The exact product; returns the likelihood terms evaluated."""
         counted = case_scores.Evaluations()
-        self.summarise(["exact"], case_blocks.exact_scoring(self.problem.log_likelihood, self.observations,
-                                                             self.device, self.settings["chunk_rows"], counted))
+        self.summarise(
+            ["exact"],
+            case_blocks.exact_scoring(
+                self.problem.log_likelihood, self.observations, self.device, self.settings["chunk_rows"], counted
+            ),
+        )
         synchronize(self.device)
         return counted.rows, None
 
@@ -145,7 +165,7 @@ def plain_forward(model, rows, rows_per_call):
     total = torch.zeros((), device=rows.device)
     for chunk in rows.split(rows_per_call):
         total += model(chunk).sum()
-    total.item()     # waits for the device
+    total.item()  # waits for the device
     return rows.shape[0], rows_per_call
 
 
@@ -163,7 +183,7 @@ def peak_fp32(device, size=8192, repeats=5):
         synchronize(device)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    return 2 * size ** 3 * repeats / (time.perf_counter() - started)
+    return 2 * size**3 * repeats / (time.perf_counter() - started)
 
 
 def clock(device):
@@ -172,13 +192,16 @@ def clock(device):
 
 
 def measure(runs, repeats, now):
-    """Alternate the runs `repeats` times after one untimed warm-up each; ({name: seconds}, {name: (rows, per call)})."""
+    """Alternate the runs `repeats` times after one untimed warm-up each.
+
+    Returns ({name: seconds}, {name: (rows, per call)}).
+    """
     with torch.no_grad():
         counts = {name: run() for name, run in runs.items()}
         seconds = {name: [] for name in runs}
         for repeat in range(repeats):
             # Alternate which goes first, so a drift of the machine's speed favours none.
-            for name in (list(runs) if repeat % 2 == 0 else list(runs)[::-1]):
+            for name in list(runs) if repeat % 2 == 0 else list(runs)[::-1]:
                 started = now()
                 counts[name] = runs[name]()
                 seconds[name].append(now() - started)
@@ -227,10 +250,13 @@ def report(job, seconds, counts, repeats, peak):
     for name, rate in rates.items():
         per_call = f", {counts[name][1]:,} rows per call" if counts[name][1] else ""
         what = "likelihood terms" if name == "exact" else "model evaluations"
-        print(f"{name:14s} {rate / 1e6:9.3f} M {what}/{unit}  ({counts[name][0]:,} per run{per_call}, "
-              f"best of {repeats})")
-    paired = sorted((counts["learned"][0] / a) / (counts["plain forward"][0] / f)
-                    for a, f in zip(seconds["learned"], seconds["plain forward"]))
+        print(
+            f"{name:14s} {rate / 1e6:9.3f} M {what}/{unit}  ({counts[name][0]:,} per run{per_call}, best of {repeats})"
+        )
+    paired = sorted(
+        (counts["learned"][0] / a) / (counts["plain forward"][0] / f)
+        for a, f in zip(seconds["learned"], seconds["plain forward"])
+    )
     ratio = rates["learned"] / rates["plain forward"]
     print(f"ratio learned / plain forward: best-of {ratio:.3f}, median of pairs {paired[len(paired) // 2]:.3f}")
     share = ""
@@ -239,8 +265,10 @@ def report(job, seconds, counts, repeats, peak):
         share = f", {achieved / peak:.1%} of the measured FP32 peak ({peak / 1e12:.1f} TFLOP/s)"
         print(f"learned product: {achieved / 1e12:.2f} TFLOP/s{share}")
     # One line for bench/gpu_checks.sh's summary table.
-    print(f"figure: plain forward {rates['plain forward'] / 1e6:.3g} M/s, learned {rates['learned'] / 1e6:.3g} M/s, "
-          f"ratio {ratio:.3f}, {counts['learned'][1]:,} rows per call{share}")
+    print(
+        f"figure: plain forward {rates['plain forward'] / 1e6:.3g} M/s, learned {rates['learned'] / 1e6:.3g} M/s, "
+        f"ratio {ratio:.3f}, {counts['learned'][1]:,} rows per call{share}"
+    )
     return rates
 
 
@@ -248,8 +276,12 @@ def main(argv=None):
     """Build the network and the profile's cases, then time and print the rates."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cpu", help="cpu or cuda (as runtime.device)")
-    parser.add_argument("--profile", default="default", choices=["default", "paper"],
-                        help="default: adaptive candidates; paper: a fixed Sobol design")
+    parser.add_argument(
+        "--profile",
+        default="default",
+        choices=["default", "paper"],
+        help="default: adaptive candidates; paper: a fixed Sobol design",
+    )
     parser.add_argument("--dimension", type=int, default=6, help="problem dimension (6: input width 12)")
     parser.add_argument("--cases", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -261,20 +293,27 @@ def main(argv=None):
     try:
         job = Job(rt.device, arguments.profile, arguments.dimension, arguments.cases, arguments.precision)
         with torch.no_grad():
-            built = torch.randn(job.rows, job.input_size, device=rt.device)   # as many rows as the learned product
-        print(f"device {rt.device}, profile {arguments.profile}, dimension {arguments.dimension}, "
-              f"{job.truths.shape[0]} cases, {job.observations.shape[1]} observations, precision "
-              f"{arguments.precision}, {job.flops_per_evaluation():,} FLOP per model evaluation")
-        runs = {"plain forward": lambda: plain_forward(job.model, built, job.rows_per_call),
-                "learned": job.learned, "exact": job.exact}
+            built = torch.randn(job.rows, job.input_size, device=rt.device)  # as many rows as the learned product
+        print(
+            f"device {rt.device}, profile {arguments.profile}, dimension {arguments.dimension}, "
+            f"{job.truths.shape[0]} cases, {job.observations.shape[1]} observations, precision "
+            f"{arguments.precision}, {job.flops_per_evaluation():,} FLOP per model evaluation"
+        )
+        runs = {
+            "plain forward": lambda: plain_forward(job.model, built, job.rows_per_call),
+            "learned": job.learned,
+            "exact": job.exact,
+        }
         seconds, counts = measure(runs, arguments.repeats, clock(rt.device))
         peak = peak_fp32(rt.device) if rt.device.type == "cuda" else None
         rates = report(job, seconds, counts, arguments.repeats, peak)
         if rt.device.type == "cpu":
             with torch.no_grad():
                 ratios = interleaved_ratios(job, built, arguments.repeats, clock(rt.device))
-            print(f"ratio learned / plain forward, a plain call before each of its calls: median "
-                  f"{ratios[len(ratios) // 2]:.3f}, all {' '.join(f'{r:.3f}' for r in ratios)}")
+            print(
+                f"ratio learned / plain forward, a plain call before each of its calls: median "
+                f"{ratios[len(ratios) // 2]:.3f}, all {' '.join(f'{r:.3f}' for r in ratios)}"
+            )
         return rates
     finally:
         runtime.stop(rt)

@@ -11,6 +11,7 @@ doubled in radius (2^d·E), the quantity plan's coarse-pass warning checks
     python bench/bench_coarse.py                          # d = 6: coarse_count 64 to 1024, then d = 1, 3 at 64
     python bench/bench_coarse.py --rows 4:32 4:64 --cases 256 --observations 60
 """
+
 import argparse
 import sys
 import tempfile
@@ -19,11 +20,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import analysis_metrics  # noqa: E402
 import bench_resolution  # noqa: E402
+
+import analysis_metrics  # noqa: E402
 import designs  # noqa: E402
 import nre_analysis  # noqa: E402
 
@@ -35,13 +37,18 @@ def row(p, coarse, candidate_count, stages, cases, observations):
     problem = bench_resolution.study_problem(p)
     truths = bench_resolution.bench_truths(problem, cases)
     observed = designs.make_observations(problem.simulate, truths, observations, 2)
-    candidates = {"kind": "adaptive", "candidate_count": candidate_count, "coarse_count": coarse,
-                  "refinement_stages": stages}
+    candidates = {
+        "kind": "adaptive",
+        "candidate_count": candidate_count,
+        "coarse_count": coarse,
+        "refinement_stages": stages,
+    }
 
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as folder:
-        arrays, per_case = bench_resolution.summarise(problem, truths, observed, candidates, ["exact"],
-                                                      bench_resolution.exact_scoring(problem, observed), folder)
+        arrays, per_case = bench_resolution.summarise(
+            problem, truths, observed, candidates, ["exact"], bench_resolution.exact_scoring(problem, observed), folder
+        )
     summary = {f: arrays[f"exact_{f}"] for f in nre_analysis.SUMMARY_FIELDS}
     levels = bench_resolution.LEVELS
     coverage = analysis_metrics.coverage_metrics(summary, truths.numpy(), levels, problem.names)["0.68"]
@@ -50,9 +57,11 @@ def row(p, coarse, candidate_count, stages, cases, observations):
     inside = coarse * nre_analysis.posterior_share(problem, [None] * p, observations)
     doubled = coarse * nre_analysis.posterior_share(problem, [None] * p, observations, nre_analysis.COARSE_REACH)
     flagged = resolution["flagged"]["any"]
-    return (f"| {p} | {coarse} | {candidate_count} | {truths.shape[0]} | {inside:.3g} | {doubled:.3g} | "
-            f"{coverage['mean']:.3f} | {width:.2f} | {flagged} ({flagged / truths.shape[0]:.1%}) | "
-            f"{'yes' if resolution['warning'] else 'none'} | {time.perf_counter() - started:.0f} s |")
+    return (
+        f"| {p} | {coarse} | {candidate_count} | {truths.shape[0]} | {inside:.3g} | {doubled:.3g} | "
+        f"{coverage['mean']:.3f} | {width:.2f} | {flagged} ({flagged / truths.shape[0]:.1%}) | "
+        f"{'yes' if resolution['warning'] else 'none'} | {time.perf_counter() - started:.0f} s |"
+    )
 
 
 def main():
@@ -65,13 +74,17 @@ def main():
     parser.add_argument("--observations", type=int, default=15)
     arguments = parser.parse_args()
     torch.set_num_threads(1)
-    print("| d | coarse_count | candidate_count | cases | E: coarse points in 0.95 region | 2^d·E | "
-          "projected 68% | width 68% | under-resolved | resolution warning | time |")
+    print(
+        "| d | coarse_count | candidate_count | cases | E: coarse points in 0.95 region | 2^d·E | "
+        "projected 68% | width 68% | under-resolved | resolution warning | time |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for spec in arguments.rows:
         p, coarse = map(int, spec.split(":"))
-        print(row(p, coarse, arguments.candidate_count, arguments.stages, arguments.cases, arguments.observations),
-              flush=True)
+        print(
+            row(p, coarse, arguments.candidate_count, arguments.stages, arguments.cases, arguments.observations),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

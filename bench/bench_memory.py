@@ -4,6 +4,7 @@ Writes settings that take the default profile and pin the dimension to 1 and the
 cohort to the uniform prior, runs the study in a child process and reports the
 child's peak resident set size (target: under 2 GiB).
 """
+
 import resource
 import shutil
 import subprocess
@@ -34,9 +35,10 @@ def main():
         started = time.perf_counter()
         subprocess.run([sys.executable, str(REPO / "nnpd.py"), "run", "--profile", "default"], cwd=work, check=True)
         elapsed = time.perf_counter() - started
-    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2 ** 20   # KiB -> GiB
-    print(f"run --profile default (dimension 1, uniform prior): {elapsed:.0f} s, peak RSS {peak:.2f} GiB "
-          f"(target < 2 GiB)")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20  # KiB -> GiB
+    print(
+        f"run --profile default (dimension 1, uniform prior): {elapsed:.0f} s, peak RSS {peak:.2f} GiB (target < 2 GiB)"
+    )
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ on repeats. Parts:
 
 Run: python bench/bench_parallel.py [--parts abc] [--repeats 1] [--train-rows 20000] ...
 """
+
 import argparse
 import os
 import shutil
@@ -61,12 +62,15 @@ def timed_launch(workers, stage, settings_dir, extra_env=None, timeout=1800):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES + ("NNPD_ASSIGNMENT",)}
     env.update(OMP_NUM_THREADS="1", **(extra_env or {}))
     started = time.perf_counter()
-    done = subprocess.run(command(workers, stage, settings_dir), cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout)
+    done = subprocess.run(
+        command(workers, stage, settings_dir), cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
+    )
     elapsed = time.perf_counter() - started
     if done.returncode != 0:
-        raise SystemExit(f"launch failed ({workers} worker(s), {stage}, rc {done.returncode}):\n"
-                         f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+        raise SystemExit(
+            f"launch failed ({workers} worker(s), {stage}, rc {done.returncode}):\n"
+            f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
     return elapsed
 
 
@@ -127,20 +131,31 @@ def analysis_patch(arguments):
 
 def part_a(arguments):
     """Jobs mode: 2 workers against 1 worker on the 4-prior study."""
-    print(f"(a) jobs mode, 4 priors, {arguments.train_rows} rows x {arguments.epochs} epochs, hidden "
-          f"[{arguments.hidden}], {arguments.candidates} candidates, {arguments.grid_truths} truths", flush=True)
+    print(
+        f"(a) jobs mode, 4 priors, {arguments.train_rows} rows x {arguments.epochs} epochs, hidden "
+        f"[{arguments.hidden}], {arguments.candidates} candidates, {arguments.grid_truths} truths",
+        flush=True,
+    )
     training, analysis = training_patch(arguments), analysis_patch(arguments)
-    results = side_by_side([("1 worker ", lambda: fresh_launch(training, analysis, 1)[0]),
-                            ("2 workers", lambda: fresh_launch(training, analysis, 2)[0])], arguments.repeats)
+    results = side_by_side(
+        [
+            ("1 worker ", lambda: fresh_launch(training, analysis, 1)[0]),
+            ("2 workers", lambda: fresh_launch(training, analysis, 2)[0]),
+        ],
+        arguments.repeats,
+    )
     one, two = best(results["1 worker "]), best(results["2 workers"])
     print(f"  (a) 1 worker {one:.1f} s, 2 workers {two:.1f} s, speedup {one / two:.2f}x (target >= 1.6)")
 
 
 def part_b(arguments):
     """Load balance: claiming against round-robin on 16 jobs of unequal cost."""
-    print(f"(b) load balance, dimension Choice([1, 2, 3, 4]) x {arguments.balance_priors} priors, sobol truths "
-          f"{arguments.sobol_truths}*2^(p-1), {arguments.balance_candidates} candidates, grid prior "
-          f"enumerated up to {arguments.max_enumerated} points", flush=True)
+    print(
+        f"(b) load balance, dimension Choice([1, 2, 3, 4]) x {arguments.balance_priors} priors, sobol truths "
+        f"{arguments.sobol_truths}*2^(p-1), {arguments.balance_candidates} candidates, grid prior "
+        f"enumerated up to {arguments.max_enumerated} points",
+        flush=True,
+    )
     training = code(f"""
         settings["problem"]["dimension"] = Choice([1, 2, 3, 4])
         settings["cohort"]["priors"] = settings["cohort"]["priors"][:{arguments.balance_priors}]
@@ -154,12 +169,17 @@ def part_b(arguments):
         settings["inference"]["candidates"]["max_enumerated"] = {arguments.max_enumerated}
     """)
     results = side_by_side(
-        [("claiming   ", lambda: fresh_launch(training, analysis, 2)[0]),
-         ("round-robin", lambda: fresh_launch(training, analysis, 2, extra_env={"NNPD_ASSIGNMENT": "round-robin"})[0])],
-        arguments.repeats)
+        [
+            ("claiming   ", lambda: fresh_launch(training, analysis, 2)[0]),
+            (
+                "round-robin",
+                lambda: fresh_launch(training, analysis, 2, extra_env={"NNPD_ASSIGNMENT": "round-robin"})[0],
+            ),
+        ],
+        arguments.repeats,
+    )
     claiming, robin = best(results["claiming   "]), best(results["round-robin"])
-    print(f"  (b) claiming {claiming:.1f} s, round-robin {robin:.1f} s, "
-          f"round-robin / claiming {robin / claiming:.2f}")
+    print(f"  (b) claiming {claiming:.1f} s, round-robin {robin:.1f} s, round-robin / claiming {robin / claiming:.2f}")
 
 
 def part_c(arguments):
@@ -169,14 +189,22 @@ def part_c(arguments):
     analysis = analysis_patch(arguments)
     ddp = training + 'settings["runtime"]["parallel"] = "ddp"\n'
     results = side_by_side(
-        [("1 process   ", lambda: fresh_launch(training, analysis, 1, ("train", "analyze"))),
-         ("2 ddp ranks ", lambda: fresh_launch(ddp, analysis, 2, ("train", "analyze")))], arguments.repeats)
+        [
+            ("1 process   ", lambda: fresh_launch(training, analysis, 1, ("train", "analyze"))),
+            ("2 ddp ranks ", lambda: fresh_launch(ddp, analysis, 2, ("train", "analyze"))),
+        ],
+        arguments.repeats,
+    )
     one = min(results["1 process   "], key=sum)
     two = min(results["2 ddp ranks "], key=sum)
-    print(f"  (c) 1 process: train {one[0]:.1f} s + analyze {one[1]:.1f} s = {sum(one):.1f} s; "
-          f"2 ddp ranks: train {two[0]:.1f} s + analyze {two[1]:.1f} s = {sum(two):.1f} s")
-    print(f"  (c) speedup ddp vs 1 process: total {sum(one) / sum(two):.2f}x, train {one[0] / two[0]:.2f}x, "
-          f"analyze {one[1] / two[1]:.2f}x")
+    print(
+        f"  (c) 1 process: train {one[0]:.1f} s + analyze {one[1]:.1f} s = {sum(one):.1f} s; "
+        f"2 ddp ranks: train {two[0]:.1f} s + analyze {two[1]:.1f} s = {sum(two):.1f} s"
+    )
+    print(
+        f"  (c) speedup ddp vs 1 process: total {sum(one) / sum(two):.2f}x, train {one[0] / two[0]:.2f}x, "
+        f"analyze {one[1] / two[1]:.2f}x"
+    )
 
 
 def main():

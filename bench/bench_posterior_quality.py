@@ -53,6 +53,7 @@ that exchanges .npy files with this one, so nnpd's environment never imports sbi
     nice -n 10 python bench/bench_posterior_quality.py          # the full bench (hours on one CPU)
     python bench/bench_posterior_quality.py --problems ring slcp --observations 4 --json out.json
 """
+
 import argparse
 import json
 import math
@@ -69,14 +70,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-sys.path.insert(0, str(REPO))        # run as a script from anywhere
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
 sys.path.insert(0, str(BENCH))
 
 import numpy as np  # noqa: E402
+import posterior_problems  # noqa: E402
 import torch  # noqa: E402
 
 import posterior  # noqa: E402
-import posterior_problems  # noqa: E402
 import runtime  # noqa: E402
 from c2st import c2st  # noqa: E402
 from store import restore  # noqa: E402
@@ -90,34 +91,55 @@ SPEEDUP_TARGET = 5.0
 # The bench's C2ST trains each fold's classifier longer than `infer --reference` does (closer
 # to training to convergence, as sbibm does): it tells close posteriors apart better.
 C2ST_EPOCHS, C2ST_BATCH = 100, 256
-TEST_SIMULATIONS = 2        # the kit's data.test: held out for the classification metric, not trained on
+TEST_SIMULATIONS = 2  # the kit's data.test: held out for the classification metric, not trained on
 
 
 def parse_args(argv=None):
     """Command line: problems, sizes, quick mode, output."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--problems", nargs="+", choices=list(posterior_problems.PROBLEMS),
-                        default=list(posterior_problems.PROBLEMS))
-    parser.add_argument("--methods", nargs="+", choices=list(METHODS), default=list(METHODS),
-                        help="a subset while developing (the targets need nnpd and an sbi method)")
-    parser.add_argument("--quick", action="store_true",
-                        help="a fast check: 2 observations, 2,000 simulations, 2,000 samples and reference draws")
+    parser.add_argument(
+        "--problems", nargs="+", choices=list(posterior_problems.PROBLEMS), default=list(posterior_problems.PROBLEMS)
+    )
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        choices=list(METHODS),
+        default=list(METHODS),
+        help="a subset while developing (the targets need nnpd and an sbi method)",
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="a fast check: 2 observations, 2,000 simulations, 2,000 samples and reference draws",
+    )
     parser.add_argument("--observations", type=int, help="observations per problem (default 10; quick 2)")
     parser.add_argument("--simulations", type=int, help="simulator calls per method (default 10,000; quick 2,000)")
     parser.add_argument("--samples", type=int, help="posterior and reference draws (default 10,000; quick 2,000)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, default=BENCH / "out" / "posterior_quality.json")
     parser.add_argument("--keep", type=Path, help="work in this folder and keep it (settings, runs, .npy files)")
-    parser.add_argument("--check-references", action="store_true",
-                        help="check the first observation's reference: exact-likelihood Metropolis chains from it keep its "
-                             "moments, and in 2-D its marginal CDFs against a fine grid's")
+    parser.add_argument(
+        "--check-references",
+        action="store_true",
+        help="check the first observation's reference: exact-likelihood Metropolis chains from it keep its "
+        "moments, and in 2-D its marginal CDFs against a fine grid's",
+    )
     parser.add_argument("--sbi-setup", action="store_true", help="only create bench/.venv-sbi and exit")
-    parser.add_argument("--nnpd-training", type=json.loads, metavar="JSON", default=None,
-                        help='a `training` section for nnpd instead of its defaults, to compare recipes: '
-                             '\'{"objective": "bce"}\' (the keys it names replace the kit recipe\'s)')
-    parser.add_argument("--reuse-sbi", type=Path, metavar="DIR",
-                        help="take sbi's samples and timings from the --keep folder of an earlier run of the same "
-                             "seed and sizes (they depend on nothing else), scoring them anew beside nnpd's")
+    parser.add_argument(
+        "--nnpd-training",
+        type=json.loads,
+        metavar="JSON",
+        default=None,
+        help="a `training` section for nnpd instead of its defaults, to compare recipes: "
+        '\'{"objective": "bce"}\' (the keys it names replace the kit recipe\'s)',
+    )
+    parser.add_argument(
+        "--reuse-sbi",
+        type=Path,
+        metavar="DIR",
+        help="take sbi's samples and timings from the --keep folder of an earlier run of the same "
+        "seed and sizes (they depend on nothing else), scoring them anew beside nnpd's",
+    )
     args = parser.parse_args(argv)
     quick = args.quick
     args.observations = args.observations or (2 if quick else 10)
@@ -131,21 +153,36 @@ def parse_args(argv=None):
 
 def ensure_sbi_venv():
     """Create bench/.venv-sbi once: nnpd's torch reused and pinned, sbi installed beside it."""
-    if SBI_PYTHON.exists() and subprocess.run([str(SBI_PYTHON), "-c", "import sbi"], capture_output=True).returncode == 0:
+    if (
+        SBI_PYTHON.exists()
+        and subprocess.run([str(SBI_PYTHON), "-c", "import sbi"], capture_output=True).returncode == 0
+    ):
         return
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(SBI_VENV)], check=True)
     # --system-site-packages reaches the base interpreter's packages, not those of nnpd's
     # .venv, where torch may live: a .pth file adds nnpd's site-packages behind sbi's own.
-    here = subprocess.run([sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          capture_output=True, text=True, check=True).stdout.strip()
-    there = subprocess.run([str(SBI_PYTHON), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                           capture_output=True, text=True, check=True).stdout.strip()
+    here = subprocess.run(
+        [sys.executable, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    there = subprocess.run(
+        [str(SBI_PYTHON), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     Path(there, "nnpd-venv.pth").write_text(here + "\n")
     constraints = SBI_VENV / "constraints.txt"
-    constraints.write_text(f"torch=={torch.__version__}\n")     # never a second torch
+    constraints.write_text(f"torch=={torch.__version__}\n")  # never a second torch
     subprocess.run([str(SBI_PYTHON), "-m", "pip", "install", "-c", str(constraints), SBI_REQUIREMENT], check=True)
-    version = subprocess.run([str(SBI_PYTHON), "-c", "import torch; print(torch.__version__, torch.__file__)"],
-                             capture_output=True, text=True, check=True).stdout.split()
+    version = subprocess.run(
+        [str(SBI_PYTHON), "-c", "import torch; print(torch.__version__, torch.__file__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     if version[0] != torch.__version__ or not version[1].startswith(here):
         raise RuntimeError(f"{SBI_VENV} sees torch {version} instead of nnpd's {torch.__version__} in {here}")
 
@@ -153,13 +190,22 @@ def ensure_sbi_venv():
 def run_sbi(method, folder):
     """One sbi method on the simulations in `folder`, in its own venv's python; its samples and timings."""
     # In `folder`: sbi writes its training logs (sbi-logs/) under the working directory.
-    completed = subprocess.run([str(SBI_PYTHON), str(BENCH / "sbi_runner.py"), str(folder), method],
-                               env=single_thread_env(), capture_output=True, text=True, cwd=folder)
+    completed = subprocess.run(
+        [str(SBI_PYTHON), str(BENCH / "sbi_runner.py"), str(folder), method],
+        env=single_thread_env(),
+        capture_output=True,
+        text=True,
+        cwd=folder,
+    )
     if completed.returncode:
         raise RuntimeError(f"{method} failed:\n{completed.stderr[-2000:]}")
     timings = json.loads((folder / f"{method}.json").read_text())
-    return {"samples": np.load(folder / f"{method}-samples.npy"), "train_cpu_seconds": timings["train_cpu_seconds"],
-            "sample_cpu_seconds": timings["sample_cpu_seconds"], "epochs": timings.get("epochs")}
+    return {
+        "samples": np.load(folder / f"{method}-samples.npy"),
+        "train_cpu_seconds": timings["train_cpu_seconds"],
+        "sample_cpu_seconds": timings["sample_cpu_seconds"],
+        "epochs": timings.get("epochs"),
+    }
 
 
 def single_thread_env():
@@ -191,24 +237,35 @@ def settings_files(name, study, folder, args, bank):
         "seed": args.seed,
         "cohort": {"priors": [prior], "replicas": 1},
         "priors": priors,
-        "data": {"train": args.simulations - validation, "validation": validation, "test": TEST_SIMULATIONS,
-                 "bank": str(folder / "bank.npz")},
+        "data": {
+            "train": args.simulations - validation,
+            "validation": validation,
+            "test": TEST_SIMULATIONS,
+            "bank": str(folder / "bank.npz"),
+        },
         "runtime": {"device": "cpu", "parallel": "jobs", "cpu_threads": 1},
         **({"training": args.nnpd_training} if args.nnpd_training else {}),
     }
     analysis = {"analysis": "nre_analysis:NREAnalysis"}
     for file, settings in (("settings_training.py", training), ("settings_analysis.py", analysis)):
-        (folder / file).write_text(f'"""Bench settings for {name} (written by bench_posterior_quality.py)."""\n'
-                                   f'DEFAULT_PROFILE = "bench"\nPROFILES = ("bench",)\nBENCH = {settings!r}\n\n\n'
-                                   'def make_settings(profile):\n    """The one profile."""\n'
-                                   '    import copy\n    return copy.deepcopy(BENCH)\n')
+        (folder / file).write_text(
+            f'"""Bench settings for {name} (written by bench_posterior_quality.py)."""\n'
+            f'DEFAULT_PROFILE = "bench"\nPROFILES = ("bench",)\nBENCH = {settings!r}\n\n\n'
+            'def make_settings(profile):\n    """The one profile."""\n'
+            "    import copy\n    return copy.deepcopy(BENCH)\n"
+        )
 
 
 def nnpd_command(stage, folder):
     """Run one nnpd stage on the settings in `folder`; returns (completed process, child CPU seconds)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    completed = subprocess.run([sys.executable, str(REPO / "nnpd.py"), stage, "--settings-dir", str(folder)],
-                               env=single_thread_env(), capture_output=True, text=True, cwd=folder)
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "nnpd.py"), stage, "--settings-dir", str(folder)],
+        env=single_thread_env(),
+        capture_output=True,
+        text=True,
+        cwd=folder,
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return completed, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
@@ -228,15 +285,22 @@ def train_nnpd(name, study, bank, observations, folder, args):
             post = restored.posterior(x_o)
             drawn = post.sample(args.samples, seed=args.seed + i).numpy()
             methods.append(post.sampling["method"])
-            paths.append(post.sampling.get("path"))       # what placed the proposal (sampler.py)
-        except posterior.PosteriorError as error:      # too few effective candidates: no samples
+            paths.append(post.sampling.get("path"))  # what placed the proposal (sampler.py)
+        except posterior.PosteriorError as error:  # too few effective candidates: no samples
             drawn, refused[i] = None, str(error)
         sample_seconds.append(time.process_time() - start)
         samples.append(drawn)
     history = restored.history
-    return {"samples": samples, "train_cpu_seconds": train_seconds, "sample_cpu_seconds": sample_seconds,
-            "refused": refused, "sampling": methods, "paths": paths, "epochs": len(history["train_loss"]),
-            "selected_epoch": history["selected_epoch"]}
+    return {
+        "samples": samples,
+        "train_cpu_seconds": train_seconds,
+        "sample_cpu_seconds": sample_seconds,
+        "refused": refused,
+        "sampling": methods,
+        "paths": paths,
+        "epochs": len(history["train_loss"]),
+        "selected_epoch": history["selected_epoch"],
+    }
 
 
 def reused_sbi(method, folder, args):
@@ -247,8 +311,13 @@ def reused_sbi(method, folder, args):
     for name in (f"{method}-samples.npy", f"{method}.json"):
         shutil.copy(kept / name, folder / name)
     timings = json.loads((folder / f"{method}.json").read_text())
-    return {"samples": np.load(folder / f"{method}-samples.npy"), "train_cpu_seconds": timings["train_cpu_seconds"],
-            "sample_cpu_seconds": timings["sample_cpu_seconds"], "epochs": timings.get("epochs"), "reused": str(kept)}
+    return {
+        "samples": np.load(folder / f"{method}-samples.npy"),
+        "train_cpu_seconds": timings["train_cpu_seconds"],
+        "sample_cpu_seconds": timings["sample_cpu_seconds"],
+        "epochs": timings.get("epochs"),
+        "reused": str(kept),
+    }
 
 
 # ---------------------------------------------------------------- C2ST
@@ -270,7 +339,7 @@ def check_reference(study, x_o, reference, generator, steps=300):
 
     def log_target(theta):
         """Unnormalised log posterior: likelihood times prior, −inf outside the box."""
-        value = study.log_likelihood(x_o, theta) - (0.5 * (theta ** 2).sum(-1) if normal else 0.0)
+        value = study.log_likelihood(x_o, theta) - (0.5 * (theta**2).sum(-1) if normal else 0.0)
         value = value + correlated.log_prob(theta) if correlated else value
         inside = ((theta >= low) & (theta <= high)).all(-1)
         return torch.where(inside, value, torch.full_like(value, -math.inf))
@@ -284,8 +353,10 @@ def check_reference(study, x_o, reference, generator, steps=300):
         accept = torch.rand(len(current), dtype=torch.float64, generator=generator).log() < log_proposal - log_current
         current[accept], log_current[accept] = proposal[accept], log_proposal[accept]
     # |θ| too: the modes of ring and slcp are mirror images, so the means alone say little.
-    check = {what: [values.mean(0).tolist(), values.abs().mean(0).tolist(), values.std(0).tolist()]
-             for what, values in (("reference", reference), ("after_chains", current))}
+    check = {
+        what: [values.mean(0).tolist(), values.abs().mean(0).tolist(), values.std(0).tolist()]
+        for what, values in (("reference", reference), ("after_chains", current))
+    }
     if len(low) == 2:
         check["grid_ks"] = grid_ks(log_target, reference, low, high)
     return check
@@ -300,7 +371,9 @@ def grid_ks(log_target, reference, low, high, points=1000):
     gaps = []
     for axis, marginal in enumerate((mass.sum(1), mass.sum(0))):
         edges = axes[axis][1:]
-        empirical = torch.searchsorted(reference[:, axis].sort().values.contiguous(), edges, right=True) / len(reference)
+        empirical = torch.searchsorted(reference[:, axis].sort().values.contiguous(), edges, right=True) / len(
+            reference
+        )
         gaps.append(float((empirical - marginal.cumsum(0)).abs().max()))
     return gaps
 
@@ -321,10 +394,16 @@ def bench_problem(name, args, workdir):
     truths = posterior_problems.prior_draws(study, args.observations, seeded(args, name, "truths"))
     observations = study.simulate(truths, seeded(args, name, "observations"))
     start = time.process_time()
-    references = [study.reference(x_o, args.samples, seeded(args, name, "reference", i))
-                  for i, x_o in enumerate(observations)]
-    result = {"parameters": len(study.parameters), "reference_cpu_seconds": time.process_time() - start,
-              "truths": truths.tolist(), "observations": observations.tolist(), "methods": {}}
+    references = [
+        study.reference(x_o, args.samples, seeded(args, name, "reference", i)) for i, x_o in enumerate(observations)
+    ]
+    result = {
+        "parameters": len(study.parameters),
+        "reference_cpu_seconds": time.process_time() - start,
+        "truths": truths.tolist(),
+        "observations": observations.tolist(),
+        "methods": {},
+    }
     if args.check_references:
         result["reference_check"] = check_reference(study, observations[0], references[0], seeded(args, name, "check"))
         print(f"{name}: reference check {json.dumps(result['reference_check'])}", flush=True)
@@ -333,8 +412,9 @@ def bench_problem(name, args, workdir):
     np.save(folder / "theta.npy", theta.numpy())
     np.save(folder / "x.npy", x.numpy())
     np.save(folder / "observations.npy", observations.numpy())
-    (folder / "job.json").write_text(json.dumps({"prior": posterior_problems.sbi_prior(study),
-                                                 "samples": args.samples, "seed": args.seed}))
+    (folder / "job.json").write_text(
+        json.dumps({"prior": posterior_problems.sbi_prior(study), "samples": args.samples, "seed": args.seed})
+    )
     for method in args.methods:
         print(f"{name}: {method} ...", flush=True)
         try:
@@ -344,13 +424,15 @@ def bench_problem(name, args, workdir):
                 outcome = train_nnpd(name, study, bank, observations, folder / "nnpd", args)
             else:
                 outcome = (args.reuse_sbi and reused_sbi(method, folder, args)) or run_sbi(method, folder)
-        except Exception as error:         # one method failing still leaves the others' rows
+        except Exception as error:  # one method failing still leaves the others' rows
             print(f"{name}: {method} failed: {error}", flush=True)
             result["methods"][method] = {"error": str(error)}
             continue
         # An observation without samples (nnpd refusing to resample) scores 1.0, a disjoint posterior.
-        scores = [1.0 if samples is None else score(samples, reference, args.seed)
-                  for samples, reference in zip(outcome.pop("samples"), references)]
+        scores = [
+            1.0 if samples is None else score(samples, reference, args.seed)
+            for samples, reference in zip(outcome.pop("samples"), references)
+        ]
         result["methods"][method] = {**outcome, "c2st": scores}
         print(f"{name}: {method} C2ST {np.mean(scores):.3f}", flush=True)
     result["verdict"] = verdict(result["methods"])
@@ -367,8 +449,12 @@ def verdict(methods):
     fastest = min(np.mean(m["sample_cpu_seconds"]) for name, m in ran.items() if name != "nnpd")
     speedup = fastest / max(np.mean(nnpd["sample_cpu_seconds"]), 1e-9)
     quality = float(np.mean(nnpd["c2st"])) <= best
-    return {"pass": bool(quality and speedup >= SPEEDUP_TARGET), "quality": bool(quality),
-            "best_sbi_c2st": float(best), "speedup": float(speedup)}
+    return {
+        "pass": bool(quality and speedup >= SPEEDUP_TARGET),
+        "quality": bool(quality),
+        "best_sbi_c2st": float(best),
+        "speedup": float(speedup),
+    }
 
 
 # ---------------------------------------------------------------- report
@@ -376,23 +462,31 @@ def verdict(methods):
 
 def table(results):
     """The markdown table of every problem and method, then PASS/FAIL lines."""
-    lines = ["| problem | p | method | C2ST mean ± sd | train CPU s | sample CPU s / obs |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| problem | p | method | C2ST mean ± sd | train CPU s | sample CPU s / obs |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, result in results.items():
         for method in METHODS:
             m = result["methods"].get(method)
             if m is None or "c2st" not in m:
-                lines.append(f"| {name} | {result['parameters']} | {method} | {'not run' if m is None else 'failed'} | | |")
+                lines.append(
+                    f"| {name} | {result['parameters']} | {method} | {'not run' if m is None else 'failed'} | | |"
+                )
                 continue
             refused = f" ({len(m['refused'])} refused: 1.0)" if m.get("refused") else ""
-            lines.append(f"| {name} | {result['parameters']} | {method} | {np.mean(m['c2st']):.3f} ± "
-                         f"{np.std(m['c2st']):.3f}{refused} | {m['train_cpu_seconds']:.1f} | "
-                         f"{np.mean(m['sample_cpu_seconds']):.2f} |")
+            lines.append(
+                f"| {name} | {result['parameters']} | {method} | {np.mean(m['c2st']):.3f} ± "
+                f"{np.std(m['c2st']):.3f}{refused} | {m['train_cpu_seconds']:.1f} | "
+                f"{np.mean(m['sample_cpu_seconds']):.2f} |"
+            )
     lines.append("")
     for name, result in results.items():
         v = result["verdict"]
-        detail = v.get("why") or (f"C2ST {'≤' if v['quality'] else '>'} best sbi {v['best_sbi_c2st']:.3f}; "
-                                  f"sampling {v['speedup']:.1f}× faster (target {SPEEDUP_TARGET:g}×)")
+        detail = v.get("why") or (
+            f"C2ST {'≤' if v['quality'] else '>'} best sbi {v['best_sbi_c2st']:.3f}; "
+            f"sampling {v['speedup']:.1f}× faster (target {SPEEDUP_TARGET:g}×)"
+        )
         lines.append(f"{name}: {'PASS' if v['pass'] else 'FAIL'} ({detail})")
     return "\n".join(lines)
 
@@ -405,14 +499,17 @@ def main(argv=None):
         ensure_sbi_venv()
     if args.sbi_setup:
         return 0
-    print(f"c2st: c2st.py, {C2ST_EPOCHS} epochs; {args.simulations} simulations, {args.observations} observations, "
-          f"{args.samples} draws", flush=True)
+    print(
+        f"c2st: c2st.py, {C2ST_EPOCHS} epochs; {args.simulations} simulations, {args.observations} observations, "
+        f"{args.samples} draws",
+        flush=True,
+    )
     results = {}
     with tempfile.TemporaryDirectory(prefix="nnpd-posterior-quality-") as scratch:
         workdir = (args.keep or Path(scratch)).resolve()
         for name in args.problems:
             results[name] = bench_problem(name, args, workdir)
-            write_json(args, results)       # after every problem: a long run keeps what it finished
+            write_json(args, results)  # after every problem: a long run keeps what it finished
     print(table(results))
     return 0 if all(r["verdict"]["pass"] for r in results.values()) else 1
 
@@ -421,8 +518,9 @@ def write_json(args, results):
     """The results so far, with the run's sizes."""
     args.json.parent.mkdir(parents=True, exist_ok=True)
     sizes = {k: v for k, v in vars(args).items() if k in ("quick", "observations", "simulations", "samples", "seed")}
-    args.json.write_text(json.dumps({"sizes": sizes, "c2st": f"c2st.py, {C2ST_EPOCHS} epochs", "problems": results},
-                                    indent=1))
+    args.json.write_text(
+        json.dumps({"sizes": sizes, "c2st": f"c2st.py, {C2ST_EPOCHS} epochs", "problems": results}, indent=1)
+    )
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ alternated. Target: at most 2% more with probes on. The difference of walls is w
 this machine's noise, so it also prints the spans the launch closed times the cost of a
 pair measured above: the probes' own cost.
 """
+
 import argparse
 import json
 import os
@@ -43,9 +44,11 @@ def pair_costs(number, rounds):
     makers = {"python": probes.PythonProbes, "off": probes.OffProbes}
     if probes.probes_mode({}) == "native":  # built, whatever NNPD_PROBES says
         import _probes
+
         makers = {"C": _probes.Probes, **makers}
-    phases = {name: (make(decorate=probes.decorate) if name != "off" else make()).phase
-              for name, make in makers.items()}
+    phases = {
+        name: (make(decorate=probes.decorate) if name != "off" else make()).phase for name, make in makers.items()
+    }
     clock = {"clock": time.thread_time_ns}
     best = {name: float("inf") for name in [*phases, "clock"]}
     for _ in range(rounds):
@@ -60,16 +63,20 @@ def report_pair_costs(number, rounds):
     best = pair_costs(number, rounds)
     print(f"enter/exit pair, best of {rounds} alternating rounds of {number:,}:")
     for name in best:
-        label = {"clock": "two thread-CPU-clock reads alone (time.thread_time_ns)",
-                 "off": "NNPD_PROBES=off (no-op)"}.get(name, name)
+        label = {
+            "clock": "two thread-CPU-clock reads alone (time.thread_time_ns)",
+            "off": "NNPD_PROBES=off (no-op)",
+        }.get(name, name)
         print(f"  {label:55s} {best[name]:7.0f} ns")
     if "C" not in best:
         print("C extension _probes not built (run `make setup` with a C compiler): no C/Python ratio")
         return best
     ratio = best["C"] / best["python"]
     print(f"C / Python: {ratio:.2f} (target <= 0.5) {'OK' if ratio <= 0.5 else 'ABOVE TARGET'}")
-    print(f"without the two CPU-clock reads: C {best['C'] - best['clock']:.0f} ns, "
-          f"Python {best['python'] - best['clock']:.0f} ns")
+    print(
+        f"without the two CPU-clock reads: C {best['C'] - best['clock']:.0f} ns, "
+        f"Python {best['python'] - best['clock']:.0f} ns"
+    )
     return best
 
 
@@ -78,13 +85,15 @@ def one_model_settings(directory, output_root):
     directory.mkdir(parents=True)
     shutil.copy(REPO / "settings_analysis.py", directory)
     source = (REPO / "settings_training.py").read_text()
-    source += ("\n\n_repository_make_settings = make_settings\n\n\n"
-               "def make_settings(profile):\n"
-               "    settings = _repository_make_settings(profile)\n"
-               "    settings['problem']['dimension'] = 1\n"
-               "    settings['cohort']['priors'] = ['uniform']\n"
-               f"    settings['output']['root'] = {str(output_root)!r}\n"
-               "    return settings\n")
+    source += (
+        "\n\n_repository_make_settings = make_settings\n\n\n"
+        "def make_settings(profile):\n"
+        "    settings = _repository_make_settings(profile)\n"
+        "    settings['problem']['dimension'] = 1\n"
+        "    settings['cohort']['priors'] = ['uniform']\n"
+        f"    settings['output']['root'] = {str(output_root)!r}\n"
+        "    return settings\n"
+    )
     (directory / "settings_training.py").write_text(source)
     return directory
 
@@ -95,16 +104,22 @@ def timed_train(work, label, probes_mode):
     settings = one_model_settings(work / f"settings-{label}", root)
     environment = {**os.environ, "NNPD_PROBES": probes_mode}
     began = time.perf_counter()
-    subprocess.run([sys.executable, str(REPO / "nnpd.py"), "train", "--profile", "default",
-                    "--settings-dir", str(settings)], cwd=work, env=environment, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(REPO / "nnpd.py"), "train", "--profile", "default", "--settings-dir", str(settings)],
+        cwd=work,
+        env=environment,
+        check=True,
+        capture_output=True,
+    )
     return time.perf_counter() - began, root
 
 
 def spans_of(root):
     """How many spans the launch's probes closed (nested ones included), from its timings.json."""
     record = json.loads((root / "timings.json").read_text())
-    return sum(phase["count"] + phase["nested"] for worker in record["workers"].values()
-               for phase in worker["phases"].values())
+    return sum(
+        phase["count"] + phase["nested"] for worker in record["workers"].values() for phase in worker["phases"].values()
+    )
 
 
 def train_wall_with_probes_on_and_off(repeats, pair_ns):
@@ -120,15 +135,21 @@ def train_wall_with_probes_on_and_off(repeats, pair_ns):
                 spans = spans_of(root) if mode != "off" else spans
     print(f"one-model default-size train, whole process, {repeats} alternating rounds:")
     for mode, label in ((on_mode, f"probes on ({on_mode})"), ("off", "NNPD_PROBES=off")):
-        print(f"  {label:20s} best {min(times[mode]):.2f} s  median {statistics.median(times[mode]):.2f} s  "
-              f"{[round(t, 2) for t in times[mode]]}")
+        print(
+            f"  {label:20s} best {min(times[mode]):.2f} s  median {statistics.median(times[mode]):.2f} s  "
+            f"{[round(t, 2) for t in times[mode]]}"
+        )
     on, off = statistics.median(times[on_mode]), statistics.median(times["off"])
-    print(f"  on / off: best {min(times[on_mode]) / min(times['off']):.3f}  median {on / off:.3f} "
-          f"(target <= 1.02) {'OK' if on / off <= 1.02 else 'ABOVE TARGET (or noise: rerun)'}")
+    print(
+        f"  on / off: best {min(times[on_mode]) / min(times['off']):.3f}  median {on / off:.3f} "
+        f"(target <= 1.02) {'OK' if on / off <= 1.02 else 'ABOVE TARGET (or noise: rerun)'}"
+    )
     if pair_ns is not None:
         cost = spans * pair_ns / 1e9
-        print(f"  {spans:,} spans x {pair_ns:.0f} ns per pair = {cost:.3f} s, {cost / off:.2%} of the off wall "
-              "(the probes' own cost, less noisy than the difference of walls)")
+        print(
+            f"  {spans:,} spans x {pair_ns:.0f} ns per pair = {cost:.3f} s, {cost / off:.2%} of the off wall "
+            "(the probes' own cost, less noisy than the difference of walls)"
+        )
 
 
 def main():

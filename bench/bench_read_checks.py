@@ -9,6 +9,7 @@ Run: python bench/bench_read_checks.py [--no-job]
    then every artifact it used read once more with a cold memory of what was hashed: that
    hashing, as a share of the job's wall time. Target: under 2 %.
 """
+
 import argparse
 import json
 import shutil
@@ -56,14 +57,16 @@ def bench_cache_hit(root, repeats=500):
     for label, values in (("small (800 B)", np.arange(100.0)), ("16 MiB", np.arange(float(2 << 20)))):
         recipe = {"label": label}
         artifact = s.get("hit", recipe, lambda w, v=values: w.array("x", v) and None)
-        time.sleep(store._SETTLED_NS / 1e9 + 0.1)        # committed long enough ago to be remembered once hashed
+        time.sleep(store._SETTLED_NS / 1e9 + 0.1)  # committed long enough ago to be remembered once hashed
         path = str(artifact.path)
         count = repeats if values.size < 1000 else 20
         size_only = median_us(lambda: store._open(path, deep=False), count)
         remembered = median_us(lambda: s.get("hit", recipe), count)
         cold = median_us(lambda: (store._HASHED.clear(), s.get("hit", recipe)), count)
-        print(f"cache hit, {label:13s}: size only {size_only:8.1f} us | checked, already hashed {remembered:8.1f} us "
-              f"({remembered / size_only:.2f}x) | checked, first read {cold:8.1f} us ({cold / size_only:.2f}x)")
+        print(
+            f"cache hit, {label:13s}: size only {size_only:8.1f} us | checked, already hashed {remembered:8.1f} us "
+            f"({remembered / size_only:.2f}x) | checked, first read {cold:8.1f} us ({cold / size_only:.2f}x)"
+        )
 
 
 def bench_job(work):
@@ -73,11 +76,17 @@ def bench_job(work):
     shutil.copy(REPO / "settings_analysis.py", settings)
     (settings / "settings_training.py").write_text((REPO / "settings_training.py").read_text() + ONE_JOB)
     started = time.perf_counter()
-    subprocess.run([sys.executable, str(REPO / "nnpd.py"), "run", "--profile", "default", "--settings-dir",
-                    str(settings)], cwd=work, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(REPO / "nnpd.py"), "run", "--profile", "default", "--settings-dir", str(settings)],
+        cwd=work,
+        check=True,
+        capture_output=True,
+    )
     wall = time.perf_counter() - started
     root = Path(work) / "out"
-    used = [root / path for run in root.glob("runs/*/*/artifacts.json") for path in json.loads(run.read_text()).values()]
+    used = [
+        root / path for run in root.glob("runs/*/*/artifacts.json") for path in json.loads(run.read_text()).values()
+    ]
     size = sum(f.stat().st_size for path in used for f in path.iterdir())
     time.sleep(store._SETTLED_NS / 1e9)
     hashing = []
@@ -89,8 +98,10 @@ def bench_job(work):
     sizes = [median_us(lambda: [store._open(str(path), deep=False) for path in used], 5) / 1e6]
     extra = min(hashing) - sizes[0]
     print(f"default job (d=1, uniform): {wall:.1f} s wall; it read {len(used)} artifacts, {size / 1e6:.1f} MB")
-    print(f"  hashing them all once: {min(hashing) * 1e3:.1f} ms (size checks alone {sizes[0] * 1e3:.2f} ms): "
-          f"{100 * extra / wall:.3f} % of the job (target < 2 %)")
+    print(
+        f"  hashing them all once: {min(hashing) * 1e3:.1f} ms (size checks alone {sizes[0] * 1e3:.2f} ms): "
+        f"{100 * extra / wall:.3f} % of the job (target < 2 %)"
+    )
     print(f"  hash rate {size / min(hashing) / 1e6:.0f} MB/s")
 
 

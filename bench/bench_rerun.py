@@ -5,6 +5,7 @@ cached re-run and the bare torch import are timed alternately in the same run, a
 processes. Target: the re-run at most 1.2x the import (what is left beyond importing
 torch is nnpd's fixed cost per launch).
 """
+
 import json
 import shutil
 import statistics

@@ -11,6 +11,7 @@ dimension-6 learned analysis per case, fixed against adaptive, side by side; `--
 sums the default profile's planned model evaluations for both designs. Timings on a
 shared machine are noisy.
 """
+
 import argparse
 import copy
 import math
@@ -22,11 +23,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 import adaptive  # noqa: E402
-import case_blocks  # noqa: E402
 import analysis_metrics  # noqa: E402
+import case_blocks  # noqa: E402
 import case_scores  # noqa: E402
 import designs  # noqa: E402
 import gaussian  # noqa: E402
@@ -62,15 +63,15 @@ def summarise(problem, truths, observations, candidates, targets, scoring, folde
     box = adaptive.support_box(problem.low, problem.high, [None] * p)
     sizes = designs.adaptive_sizes(p, candidates, len(targets)) if candidates["kind"] == "adaptive" else None
     design = case_blocks.Design(candidates["kind"], [None] * p, adaptive.Refinement(box, LEVELS, sizes, 5))
-    work = nre_analysis.Cases(targets, truths, case_blocks.Candidates(points, log_measure),
-                              {"mode": "diagnostic", "cases": 0})
+    work = nre_analysis.Cases(
+        targets, truths, case_blocks.Candidates(points, log_measure), {"mode": "diagnostic", "cases": 0}
+    )
     meta = nre_analysis.summarise_cases(Writer(folder), scoring, design, work, lambda case: None)
-    arrays = {f"{t}_{f}": np.load(Path(folder) / f"{t}_{f}.npy")
-              for t in targets for f in nre_analysis.SUMMARY_FIELDS}
+    arrays = {f"{t}_{f}": np.load(Path(folder) / f"{t}_{f}.npy") for t in targets for f in nre_analysis.SUMMARY_FIELDS}
     return arrays, meta["candidates"]
 
 
-SIGMA, OBSERVATIONS = 2.0, 15      # the study's known σ and the default profile's observations per case
+SIGMA, OBSERVATIONS = 2.0, 15  # the study's known σ and the default profile's observations per case
 
 
 def analytic(p, level):
@@ -79,7 +80,7 @@ def analytic(p, level):
     return math.erf(radius / math.sqrt(2)), 2 * radius * SIGMA / math.sqrt(OBSERVATIONS)
 
 
-TRUNCATION_REACH = 5.0    # a box edge farther than this many s from x̄ moves r² by less than 1e-5
+TRUNCATION_REACH = 5.0  # a box edge farther than this many s from x̄ moves r² by less than 1e-5
 
 
 def _truncated_normal_quantiles(u, a, b):
@@ -109,7 +110,7 @@ def truncated_radius2(a, b, level, inner, generator):
         z = torch.special.ndtri(u)
         sub, axes = torch.nonzero(near[rows], as_tuple=True)
         z[sub, axes] = _truncated_normal_quantiles(u[sub, axes], a[rows[sub], axes, None], b[rows[sub], axes, None])
-        r2[rows] = torch.kthvalue((z ** 2).sum(1), math.ceil(level * inner), dim=1).values
+        r2[rows] = torch.kthvalue((z**2).sum(1), math.ceil(level * inner), dim=1).values
     return r2
 
 
@@ -131,7 +132,7 @@ def truncated_analytic(problem, truths, level, draws=16, inner=2048, seed=0, chu
     xbar = target + s * torch.randn(target.shape, generator=generator, dtype=torch.float64)
     widths, covered = [], []
     for start in range(0, xbar.shape[0], chunk):
-        centre, truth = xbar[start:start + chunk], target[start:start + chunk]
+        centre, truth = xbar[start : start + chunk], target[start : start + chunk]
         a, b = (low - centre) / s, (high - centre) / s
         r2 = truncated_radius2(a, b, level, inner, generator)
         distance = torch.clamp(torch.maximum(a, -b), min=0.0) ** 2
@@ -146,8 +147,9 @@ def bench_truths(problem, cases):
     """The table's truths: the default profile's, `cases` Sobol points whatever the dimension."""
     settings = default_inference()["truths"]
     p = problem.parameter_count
-    return designs.make_truths(problem.low, problem.high, problem.grid_step,
-                               dict(settings, sobol_truths=max(1, cases >> (p - 1))), 1)
+    return designs.make_truths(
+        problem.low, problem.high, problem.grid_step, dict(settings, sobol_truths=max(1, cases >> (p - 1))), 1
+    )
 
 
 def references(p, cases, level=0.68):
@@ -169,27 +171,33 @@ def exact_row(p, design, candidates, cases, folder, reference):
     truths = bench_truths(problem, cases)
     observations = designs.make_observations(problem.simulate, truths, settings["observations"], 2)
 
-    arrays, per_case = summarise(problem, truths, observations, candidates, ["exact"],
-                                 exact_scoring(problem, observations), folder)
+    arrays, per_case = summarise(
+        problem, truths, observations, candidates, ["exact"], exact_scoring(problem, observations), folder
+    )
     summary = {f: arrays[f"exact_{f}"] for f in nre_analysis.SUMMARY_FIELDS}
     coverage = analysis_metrics.coverage_metrics(summary, truths.numpy(), LEVELS, problem.names)
     width = analysis_metrics.width_metrics(summary, LEVELS, problem.names)["0.68"]["mean"]
     warning = analysis_metrics.resolution_metrics(summary, per_case, LEVELS, candidates["kind"])["warning"]
     (projected, _), (truncated_width, _) = reference["truncated"]
     plain_projected, plain_width = reference["untruncated"]
-    joint = " / ".join("{:.3f} [{:.3f}, {:.3f}]".format(coverage[k]["joint"], *coverage[k]["interval"])
-                       for k in ("0.68", "0.95"))
+    joint = " / ".join(
+        "{:.3f} [{:.3f}, {:.3f}]".format(coverage[k]["joint"], *coverage[k]["interval"]) for k in ("0.68", "0.95")
+    )
     evaluations = truths.shape[0] * (per_case + 1) * settings["observations"]
-    return (f"| {p} | {design} | {truths.shape[0]} | {per_case} | {evaluations:.3g} | {joint} | "
-            f"{coverage['0.68']['mean']:.3f} ({projected:.3f} / {plain_projected:.3f}) | "
-            f"{width:.2f} ({truncated_width:.2f} / {plain_width:.2f}) | {'yes' if warning else 'none'} |")
+    return (
+        f"| {p} | {design} | {truths.shape[0]} | {per_case} | {evaluations:.3g} | {joint} | "
+        f"{coverage['0.68']['mean']:.3f} ({projected:.3f} / {plain_projected:.3f}) | "
+        f"{width:.2f} ({truncated_width:.2f} / {plain_width:.2f}) | {'yes' if warning else 'none'} |"
+    )
 
 
 def resolution_table(cases):
     """Print the markdown table for dimensions 1 to 6."""
-    print("| d | design | cases | points/case | evaluations | joint 68% / 95% [95% interval] | "
-          "projected 68% (analytic: truncated / untruncated) | width 68% (analytic: truncated / untruncated) | "
-          "resolution warning |")
+    print(
+        "| d | design | cases | points/case | evaluations | joint 68% / 95% [95% interval] | "
+        "projected 68% (analytic: truncated / untruncated) | width 68% (analytic: truncated / untruncated) | "
+        "resolution warning |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for p in range(1, 7):
         reference = references(p, cases)
@@ -200,15 +208,20 @@ def resolution_table(cases):
 
 def analytic_table(cases):
     """Print the analytic references alone for dimensions 1 to 6 (a minute or two), with their Monte Carlo errors."""
-    print("| d | cases | projected 68%: truncated ± MC error / untruncated | "
-          "width 68%: truncated ± MC error / untruncated | width truncated / untruncated |")
+    print(
+        "| d | cases | projected 68%: truncated ± MC error / untruncated | "
+        "width 68%: truncated ± MC error / untruncated | width truncated / untruncated |"
+    )
     print("|---|---|---|---|---|")
     for p in range(1, 7):
         reference = references(p, cases)
         (coverage, coverage_error), (width, width_error) = reference["truncated"]
         plain_coverage, plain_width = reference["untruncated"]
-        print(f"| {p} | {cases} | {coverage:.4f} ± {coverage_error:.4f} / {plain_coverage:.4f} | "
-              f"{width:.4f} ± {width_error:.4f} / {plain_width:.4f} | {width / plain_width:.4f} |", flush=True)
+        print(
+            f"| {p} | {cases} | {coverage:.4f} ± {coverage_error:.4f} / {plain_coverage:.4f} | "
+            f"{width:.4f} ± {width_error:.4f} / {plain_width:.4f} | {width / plain_width:.4f} |",
+            flush=True,
+        )
 
 
 def learned_timer(cases, candidates):
@@ -216,8 +229,11 @@ def learned_timer(cases, candidates):
     problem = study_problem(6)
     prior = priors.make_prior(problem, {"family": "uniform"})
     torch.manual_seed(0)
-    model = networks.build_network({"kind": "mlp", "hidden": [64] * 4, "activation": "relu", "dropout": 0.0}, 12,
-                                   gaussian_study.GaussianExperiment.standardize)
+    model = networks.build_network(
+        {"kind": "mlp", "hidden": [64] * 4, "activation": "relu", "dropout": 0.0},
+        12,
+        gaussian_study.GaussianExperiment.standardize,
+    )
     model.eval()
     truths = designs.make_truths(problem.low, problem.high, problem.grid_step, default_inference()["truths"], 1)
     truths = truths[:cases]
@@ -226,8 +242,9 @@ def learned_timer(cases, candidates):
 
     def timed():
         counted = case_scores.Evaluations()
-        scoring = case_blocks.learned_scoring(model, torch.device("cpu"), prior, observations, targets,
-                                               default_inference(), counted)
+        scoring = case_blocks.learned_scoring(
+            model, torch.device("cpu"), prior, observations, targets, default_inference(), counted
+        )
         started = time.perf_counter()
         with tempfile.TemporaryDirectory() as folder, torch.no_grad():
             summarise(problem, truths, observations, candidates, targets, scoring, folder)
@@ -238,19 +255,24 @@ def learned_timer(cases, candidates):
 
 def speed(cases, repeats):
     """Print ms per case of the fixed and the adaptive design, alternating which goes first."""
-    runtime.start({"device": "cpu", "cpu_threads": 1, "deterministic": False})   # as nnpd runs analyses
-    timers = {"fixed sobol": learned_timer(cases, FIXED),
-              "adaptive": learned_timer(cases, default_inference()["candidates"])}
+    runtime.start({"device": "cpu", "cpu_threads": 1, "deterministic": False})  # as nnpd runs analyses
+    timers = {
+        "fixed sobol": learned_timer(cases, FIXED),
+        "adaptive": learned_timer(cases, default_inference()["candidates"]),
+    }
     seconds = {name: [] for name in timers}
     for repeat in range(repeats):
-        for name in (list(timers) if repeat % 2 == 0 else list(timers)[::-1]):
+        for name in list(timers) if repeat % 2 == 0 else list(timers)[::-1]:
             elapsed, evaluations = timers[name]()
             seconds[name].append(elapsed)
-            print(f"{name:12s} {elapsed * 1e3:7.1f} ms per case, {evaluations:.0f} model evaluations per case",
-                  flush=True)
+            print(
+                f"{name:12s} {elapsed * 1e3:7.1f} ms per case, {evaluations:.0f} model evaluations per case", flush=True
+            )
     paired = sorted(a / f for a, f in zip(seconds["adaptive"], seconds["fixed sobol"]))
-    print(f"adaptive / fixed time per case: best-of {min(seconds['adaptive']) / min(seconds['fixed sobol']):.2f}, "
-          f"median of pairs {paired[len(paired) // 2]:.2f} (target <= 1)")
+    print(
+        f"adaptive / fixed time per case: best-of {min(seconds['adaptive']) / min(seconds['fixed sobol']):.2f}, "
+        f"median of pairs {paired[len(paired) // 2]:.2f} (target <= 1)"
+    )
 
 
 def budget():
@@ -263,8 +285,10 @@ def budget():
         settings = copy.deepcopy(job.analysis.settings)
         settings["inference"]["candidates"].update(FIXED)
         fixed += gaussian_study.GaussianAnalysis(settings, job.experiment).workload(job.member)["model_evaluations"]
-    print(f"default profile, planned model evaluations: adaptive {adaptive:.4g}, "
-          f"fixed 16,384-point sobol {fixed:.4g} (ratio {adaptive / fixed:.2f})")
+    print(
+        f"default profile, planned model evaluations: adaptive {adaptive:.4g}, "
+        f"fixed 16,384-point sobol {fixed:.4g} (ratio {adaptive / fixed:.2f})"
+    )
 
 
 def main():
@@ -275,8 +299,11 @@ def main():
     parser.add_argument("--speed-cases", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--budget", action="store_true", help="sum the default profile's planned evaluations instead")
-    parser.add_argument("--analytic", action="store_true",
-                        help="print the analytic references (truncated to the prior box and not) only")
+    parser.add_argument(
+        "--analytic",
+        action="store_true",
+        help="print the analytic references (truncated to the prior box and not) only",
+    )
     arguments = parser.parse_args()
     torch.set_num_threads(1)
     if arguments.speed:

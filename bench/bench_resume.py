@@ -23,11 +23,11 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from bench_trainer import make_data, make_model  # noqa: E402
 
 import runtime  # noqa: E402
 import trainer  # noqa: E402
 from store import write_bytes_atomic  # noqa: E402
-from bench_trainer import make_data, make_model  # noqa: E402
 
 HIDDEN = [64, 64, 64, 64]
 
@@ -89,8 +89,10 @@ def saving_cost(args, data, rt, folder) -> None:
         print(line)
     # Short CPU epochs leave few periodic saves to time, so also scale one save's cost to each interval.
     each = min(saver.seconds / saver.count for saver in savers.values() if saver)
-    print(f"    one save (gather, copy, torch.save, fsync, rename) takes {1000 * each:.1f} ms: "
-          f"{100 * each / 60:.3f} % of a 60 s interval, {100 * each:.2f} % of a 1 s interval")
+    print(
+        f"    one save (gather, copy, torch.save, fsync, rename) takes {1000 * each:.1f} ms: "
+        f"{100 * each / 60:.3f} % of a 60 s interval, {100 * each:.2f} % of a 1 s interval"
+    )
 
 
 class FirstStep:
@@ -147,18 +149,35 @@ def resume_time(args, data, rt, folder) -> None:
             firsts[name].append(probe.at - began)
             totals[name].append(time.perf_counter() - began)
     for name in firsts:
-        print(f"    {name:11s} first step after {1000 * min(firsts[name]):7.1f} ms, "
-              f"training finished after {min(totals[name]):6.2f} s (best of {args.repeats})")
+        print(
+            f"    {name:11s} first step after {1000 * min(firsts[name]):7.1f} ms, "
+            f"training finished after {min(totals[name]):6.2f} s (best of {args.repeats})"
+        )
     print(f"    torch.load of the state file: {1000 * min(loads):.1f} ms")
 
 
 def ddp_overhead(args) -> None:
     """(c) Launch 2 Gloo ranks running this script's DDP worker and print its result."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               os.path.abspath(__file__), "--ddp-worker", "--epochs", "1", "--repeats", str(args.repeats),
-               "--train-rows", str(args.train_rows), "--validation-rows", str(args.validation_rows),
-               "--batch-size", str(args.batch_size)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.abspath(__file__),
+        "--ddp-worker",
+        "--epochs",
+        "1",
+        "--repeats",
+        str(args.repeats),
+        "--train-rows",
+        str(args.train_rows),
+        "--validation-rows",
+        str(args.validation_rows),
+        "--batch-size",
+        str(args.batch_size),
+    ]
     done = subprocess.run(command, env=env, capture_output=True, text=True)
     print(done.stdout.rstrip() or done.stderr[-3000:])
 
@@ -172,8 +191,12 @@ def ddp_cases() -> dict:
         "no hooks": (None, adaptive),
         "stop polled, exchange every step": (trainer.TrainingHooks(stop_requested=never), 0.0),
         f"stop polled, exchange every {adaptive:g} s": (trainer.TrainingHooks(stop_requested=never), adaptive),
-        "the same + saving every 60 s": (trainer.TrainingHooks(
-            stop_requested=never, save_seconds=60.0, save_state=lambda state: save_atomically(state, path)), adaptive),
+        "the same + saving every 60 s": (
+            trainer.TrainingHooks(
+                stop_requested=never, save_seconds=60.0, save_state=lambda state: save_atomically(state, path)
+            ),
+            adaptive,
+        ),
     }
 
 
@@ -195,8 +218,10 @@ def ddp_worker(args) -> None:
             steps = -(-args.train_rows // args.batch_size)
             print(f"(c) DDP, 2 Gloo ranks, 1 epoch of {steps} steps, best of {args.repeats} alternated rounds")
             for name, wall in walls.items():
-                print(f"    {name:34s} {min(wall):6.2f} s  {100 * (min(wall) / base - 1):+6.2f} %  "
-                      f"({1e6 * (min(wall) - base) / steps:+.0f} us per step)")
+                print(
+                    f"    {name:34s} {min(wall):6.2f} s  {100 * (min(wall) / base - 1):+6.2f} %  "
+                    f"({1e6 * (min(wall) - base) / steps:+.0f} us per step)"
+                )
     finally:
         runtime.stop(rt)
 

@@ -20,6 +20,7 @@ and writes a JSON with `--json`.
     python bench/bench_rounds.py                          # about 10 minutes on one CPU core
     python bench/bench_rounds.py --problems narrow ring --observations 3 --simulations 10000
 """
+
 import argparse
 import json
 import os
@@ -34,20 +35,20 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
-sys.path.insert(0, str(REPO))        # run as a script from anywhere
+sys.path.insert(0, str(REPO))  # run as a script from anywhere
 sys.path.insert(0, str(BENCH))
 
 import numpy as np  # noqa: E402
+import posterior_problems  # noqa: E402
 import torch  # noqa: E402
 
 import posterior  # noqa: E402
-import posterior_problems  # noqa: E402
 from c2st import c2st  # noqa: E402
 from store import restore  # noqa: E402
 
 NARROW_SD = 0.005
 BENCH_C2ST_EPOCHS = 50
-TEST_SIMULATIONS = 20       # the kit's data.test per training: held out, trains nothing
+TEST_SIMULATIONS = 20  # the kit's data.test per training: held out, trains nothing
 NARROW_MODULE = f'''"""The narrow problem of bench_rounds.py: x = θ + noise, θ uniform on [0, 1]^3."""
 import math
 
@@ -84,12 +85,23 @@ def narrow_reference(x_o, n, generator):
 def problem(name):
     """(module source or None, experiment spec, kit prior, truth sampler, reference sampler, simulate)."""
     if name == "narrow":
-        return (NARROW_MODULE, "narrow_problem:Narrow", {"family": "uniform"},
-                lambda n, g: torch.rand(n, 3, generator=g, dtype=torch.float64), narrow_reference,
-                lambda theta, g: theta + NARROW_SD * torch.randn(theta.shape, generator=g, dtype=torch.float64))
+        return (
+            NARROW_MODULE,
+            "narrow_problem:Narrow",
+            {"family": "uniform"},
+            lambda n, g: torch.rand(n, 3, generator=g, dtype=torch.float64),
+            narrow_reference,
+            lambda theta, g: theta + NARROW_SD * torch.randn(theta.shape, generator=g, dtype=torch.float64),
+        )
     study = posterior_problems.Ring({})
-    return (None, "posterior_problems:Ring", posterior_problems.kit_prior(study),
-            lambda n, g: posterior_problems.prior_draws(study, n, g), study.reference, study.simulate)
+    return (
+        None,
+        "posterior_problems:Ring",
+        posterior_problems.kit_prior(study),
+        lambda n, g: posterior_problems.prior_draws(study, n, g),
+        study.reference,
+        study.simulate,
+    )
 
 
 def write_settings(folder, source, spec, prior, data, rounds):
@@ -99,13 +111,21 @@ def write_settings(folder, source, spec, prior, data, rounds):
         (folder / "posterior_problems.py").write_text((BENCH / "posterior_problems.py").read_text())
     else:
         (folder / "narrow_problem.py").write_text(source)
-    training = {"experiment": spec, "output": {"root": str(folder / "outputs")}, "seed": 7,
-                "cohort": {"priors": ["prior"], "replicas": 1}, "priors": {"prior": prior}, "data": data,
-                "runtime": {"device": "cpu", "parallel": "jobs", "cpu_threads": 1}}
+    training = {
+        "experiment": spec,
+        "output": {"root": str(folder / "outputs")},
+        "seed": 7,
+        "cohort": {"priors": ["prior"], "replicas": 1},
+        "priors": {"prior": prior},
+        "data": data,
+        "runtime": {"device": "cpu", "parallel": "jobs", "cpu_threads": 1},
+    }
     if rounds:
         training["rounds"] = rounds
-    for file, settings in (("settings_training.py", training),
-                           ("settings_analysis.py", {"analysis": "nre_analysis:NREAnalysis"})):
+    for file, settings in (
+        ("settings_training.py", training),
+        ("settings_analysis.py", {"analysis": "nre_analysis:NREAnalysis"}),
+    ):
         (folder / file).write_text(f'"""Bench settings (written by bench_rounds.py)."""\nSETTINGS = {settings!r}\n')
 
 
@@ -118,8 +138,13 @@ def split(simulations):
 def train(folder):
     """`nnpd train` on the folder's settings, one thread; (restored run, CPU seconds)."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run([sys.executable, str(REPO / "nnpd.py"), "train", "--settings-dir", str(folder)],
-                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, cwd=folder)
+    done = subprocess.run(
+        [sys.executable, str(REPO / "nnpd.py"), "train", "--settings-dir", str(folder)],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        cwd=folder,
+    )
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if done.returncode:
         raise RuntimeError(f"nnpd train failed:\n{done.stdout[-1500:]}{done.stderr[-1500:]}")
@@ -131,7 +156,7 @@ def score(restored, x_o, reference, seed):
     """C2ST of the run's posterior samples for x_o against the exact draws (1.0 when it cannot sample)."""
     try:
         samples = restored.posterior(x_o).sample(len(reference), seed=seed).numpy()
-    except posterior.PosteriorError as error:      # a refused posterior scores as a disjoint one
+    except posterior.PosteriorError as error:  # a refused posterior scores as a disjoint one
         print(f"  refused: {error}", flush=True)
         return 1.0
     return c2st(samples, reference.numpy(), seed=seed, epochs=BENCH_C2ST_EPOCHS)
@@ -150,28 +175,38 @@ def bench_problem(name, args, workdir):
         exact = reference(x_o, args.samples, generator)
         folder = workdir / name / f"rounds-{i}"
         np.save(workdir / name / f"x_o-{i}.npy", x_o)
-        rounds = {"count": args.rounds, "observation": str(workdir / name / f"x_o-{i}.npy"),
-                  "reuse": not args.no_reuse}
+        rounds = {"count": args.rounds, "observation": str(workdir / name / f"x_o-{i}.npy"), "reuse": not args.no_reuse}
         write_settings(folder, source, spec, prior, split(args.simulations // args.rounds), rounds)
         targeted, seconds = train(folder)
-        rows.append({"observation": i, "amortized": score(amortized, x_o, exact, i),
-                     "rounds": score(targeted, x_o, exact, i), "rounds_cpu_seconds": seconds,
-                     "volumes": [row["volume"] for row in targeted.member["history"]],
-                     "reused": [row.get("reused") for row in targeted.member["history"]],
-                     "final_volume": targeted.member["history"][-1]["volume"]})
+        rows.append(
+            {
+                "observation": i,
+                "amortized": score(amortized, x_o, exact, i),
+                "rounds": score(targeted, x_o, exact, i),
+                "rounds_cpu_seconds": seconds,
+                "volumes": [row["volume"] for row in targeted.member["history"]],
+                "reused": [row.get("reused") for row in targeted.member["history"]],
+                "final_volume": targeted.member["history"][-1]["volume"],
+            }
+        )
         print(f"{name} observation {i}: {rows[-1]}", flush=True)
     return {"amortized_cpu_seconds": amortized_seconds, "observations": rows}
 
 
 def table(results, args):
     """A markdown table: mean C2ST per method, the final box's share and training CPU seconds."""
-    lines = [f"| problem | amortized C2ST | rounds ({args.rounds}) C2ST | final box (share of the prior's volume) | "
-             "train CPU s: amortized (once) / rounds (per observation) |", "|---|---|---|---|---|"]
+    lines = [
+        f"| problem | amortized C2ST | rounds ({args.rounds}) C2ST | final box (share of the prior's volume) | "
+        "train CPU s: amortized (once) / rounds (per observation) |",
+        "|---|---|---|---|---|",
+    ]
     for name, result in results.items():
         rows = result["observations"]
-        mean = lambda key: np.mean([row[key] for row in rows])      # noqa: E731
-        lines.append(f"| {name} | {mean('amortized'):.3f} | {mean('rounds'):.3f} | {mean('final_volume'):.2g} | "
-                     f"{result['amortized_cpu_seconds']:.0f} / {mean('rounds_cpu_seconds'):.0f} |")
+        mean = lambda key: np.mean([row[key] for row in rows])  # noqa: E731
+        lines.append(
+            f"| {name} | {mean('amortized'):.3f} | {mean('rounds'):.3f} | {mean('final_volume'):.2g} | "
+            f"{result['amortized_cpu_seconds']:.0f} / {mean('rounds_cpu_seconds'):.0f} |"
+        )
     return "\n".join(lines)
 
 

@@ -12,6 +12,7 @@ network's cost with the exact posterior's shape. One thread throughout. About th
     python bench/bench_sampler.py
     python bench/bench_sampler.py --draws 4000 --dimensions 1 6
 """
+
 import argparse
 import sys
 import time
@@ -20,17 +21,18 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import test_sampler  # noqa: E402
+from test_posterior import OBSERVATIONS, ExactLogit  # noqa: E402
+from test_resolution import study_problem  # noqa: E402
 
 import networks  # noqa: E402
 import posterior as post  # noqa: E402
 import priors  # noqa: E402
 import settings_analysis  # noqa: E402
-import test_sampler  # noqa: E402
 from c2st import c2st  # noqa: E402
-from test_posterior import ExactLogit, OBSERVATIONS  # noqa: E402
-from test_resolution import study_problem  # noqa: E402
 
 
 class CostlyExactLogit(ExactLogit):
@@ -47,24 +49,33 @@ class CostlyExactLogit(ExactLogit):
 
 def c2st_rows(draws):
     """One row per problem and sampler: C2ST to exact draws, distinct draws and the sampler's CPU seconds."""
-    problems = {"linear Gaussian, p = 10": (test_sampler.gaussian_posterior, test_sampler.gaussian_reference),
-                "four modes, p = 5": (test_sampler.four_mode_posterior, test_sampler.four_mode_reference)}
+    problems = {
+        "linear Gaussian, p = 10": (test_sampler.gaussian_posterior, test_sampler.gaussian_reference),
+        "four modes, p = 5": (test_sampler.four_mode_posterior, test_sampler.four_mode_reference),
+    }
     print(f"C2ST to {draws} exact draws (0.5: indistinguishable)")
     print(f"{'problem':<26}{'sampler':<22}{'C2ST':>7}{'distinct':>10}{'CPU s':>8}{'C2ST s':>8}")
     for name, (build, reference) in problems.items():
         posterior, exact = build(), reference(draws, seed=5)
-        for label, sample in (("Posterior.sample", lambda: posterior.sample(draws, seed=0)),
-                              ("old resampling", lambda: test_sampler.old_resampling(posterior, draws)),
-                              ("exact (noise level)", lambda: reference(draws, seed=6))):
+        for label, sample in (
+            ("Posterior.sample", lambda: posterior.sample(draws, seed=0)),
+            ("old resampling", lambda: test_sampler.old_resampling(posterior, draws)),
+            ("exact (noise level)", lambda: reference(draws, seed=6)),
+        ):
             started = time.process_time()
             drawn = sample()
             cost = time.process_time() - started
             started = time.process_time()
             score = c2st(drawn, exact)
-            print(f"{name:<26}{label:<22}{score:>7.3f}{torch.unique(drawn, dim=0).shape[0]:>10}{cost:>8.2f}"
-                  f"{time.process_time() - started:>8.2f}")
-        print(f"{'':<26}(candidates' ESS {posterior.ess:.0f}; sampler: {posterior.sampling['method']}, acceptance {posterior.sampling['acceptance']:.3f}, "
-              f"{posterior.sampling['evaluations']} evaluations, mixture of {posterior.sampling['components']})")
+            print(
+                f"{name:<26}{label:<22}{score:>7.3f}{torch.unique(drawn, dim=0).shape[0]:>10}{cost:>8.2f}"
+                f"{time.process_time() - started:>8.2f}"
+            )
+        print(
+            f"{'':<26}(candidates' ESS {posterior.ess:.0f}; sampler: {posterior.sampling['method']}, "
+            f"acceptance {posterior.sampling['acceptance']:.3f}, "
+            f"{posterior.sampling['evaluations']} evaluations, mixture of {posterior.sampling['components']})"
+        )
 
 
 def timing_rows(dimensions, draws):
@@ -85,11 +96,13 @@ def timing_rows(dimensions, draws):
         old = time.process_time() - started
         started = time.process_time()
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")     # the sampling dict says what a warning would
+            warnings.simplefilter("ignore")  # the sampling dict says what a warning would
             posterior.sample(draws, seed=0)
         info = posterior.sampling
-        print(f"{d:>2}{built:>11.2f}{old:>8.3f}{time.process_time() - started:>9.2f}{info['acceptance']:>12.3f}"
-              f"{info['evaluations']:>13}{posterior.ess:>8.0f}  {info['method']}")
+        print(
+            f"{d:>2}{built:>11.2f}{old:>8.3f}{time.process_time() - started:>9.2f}{info['acceptance']:>12.3f}"
+            f"{info['evaluations']:>13}{posterior.ess:>8.0f}  {info['method']}"
+        )
 
 
 def main():

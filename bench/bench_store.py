@@ -25,12 +25,14 @@ def fill_store(s, count, mib):
 
     def build(i):
         """Return a build filling one float64 array with distinct data."""
+
         def run(writer):
             mm = writer.allocate("data", (n,), np.float64)
             step = 1 << 20
             for start in range(0, n, step):
                 stop = min(start + step, n)
                 mm[start:stop] = np.arange(start, stop, dtype=np.float64) + i
+
         return run
 
     return [s.get("bulk", {"i": i, "mib": mib}, build(i)) for i in range(count)]

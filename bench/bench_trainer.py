@@ -95,23 +95,32 @@ def timed_process(command, cwd) -> float:
 
 def whole_processes(repeats: int) -> None:
     """Print the wall of `nnpd.py train` (one default-size model) against the plain loop's process."""
-    from bench_probes import one_model_settings   # the same one-model settings as the probes' cost
+    from bench_probes import one_model_settings  # the same one-model settings as the probes' cost
 
     plain = [sys.executable, os.path.abspath(__file__), "--plain-process"]
     times = {"nnpd train": [], "plain loop": []}
     with tempfile.TemporaryDirectory() as work:
-        for index in range(repeats + 1):           # round 0 is an untimed warm-up of both
+        for index in range(repeats + 1):  # round 0 is an untimed warm-up of both
             settings = one_model_settings(Path(work, f"s{index}"), Path(work, f"out{index}"))
-            nnpd = [sys.executable, str(REPO / "nnpd.py"), "train", "--profile", "default",
-                    "--settings-dir", str(settings)]
+            nnpd = [
+                sys.executable,
+                str(REPO / "nnpd.py"),
+                "train",
+                "--profile",
+                "default",
+                "--settings-dir",
+                str(settings),
+            ]
             walls = {"nnpd train": timed_process(nnpd, work), "plain loop": timed_process(plain, work)}
             for name, wall in walls.items():
                 if index:
                     times[name].append(wall)
     print(f"whole processes, {repeats} alternating rounds (one default-size model, 1 thread):")
     for name, walls in times.items():
-        print(f"  {name:12s} best {min(walls):.2f} s  median {statistics.median(walls):.2f} s  "
-              f"{[round(t, 2) for t in walls]}")
+        print(
+            f"  {name:12s} best {min(walls):.2f} s  median {statistics.median(walls):.2f} s  "
+            f"{[round(t, 2) for t in walls]}"
+        )
     ratio = statistics.median(times["nnpd train"]) / statistics.median(times["plain loop"])
     print(f"nnpd / plain (medians): {ratio:.2f} (target <= 0.8) {'OK' if ratio <= 0.8 else 'ABOVE TARGET'}")
 

@@ -11,16 +11,17 @@ n exact posterior draws for one observation.
   Narrow    10 parameters: x = B θ + small noise under a correlated normal prior cut at ±5 prior sds,
             so a narrow (sds 2.5-5% of the box), correlated posterior (issue 36, point 0).
 """
+
 import math
 
 import torch
 
 import nre_study
 
-RING_SD, BAND_SD = 0.05, 0.5        # noise of |θ|² (thin ring) and of θ1 + θ2 (wide band)
-SLCP_DRAWS, SLCP_BOX = 4, 3.0       # Gaussian draws per observation; the prior box [-3, 3]^5
-LINEAR_DIM, LINEAR_SD, LINEAR_BOX = 10, 0.5, 5.0    # parameters, noise sd, box in prior sds
-NARROW_SD, NARROW_RHO = 0.3, 0.8    # Narrow's noise sd and its prior's correlation ρ^|i − j| (unit sds)
+RING_SD, BAND_SD = 0.05, 0.5  # noise of |θ|² (thin ring) and of θ1 + θ2 (wide band)
+SLCP_DRAWS, SLCP_BOX = 4, 3.0  # Gaussian draws per observation; the prior box [-3, 3]^5
+LINEAR_DIM, LINEAR_SD, LINEAR_BOX = 10, 0.5, 5.0  # parameters, noise sd, box in prior sds
+NARROW_SD, NARROW_RHO = 0.3, 0.8  # Narrow's noise sd and its prior's correlation ρ^|i − j| (unit sds)
 
 
 def uniform_box(low, high, n, generator):
@@ -42,15 +43,16 @@ class Ring(nre_study.Study):
     def simulate(self, theta, generator):
         """x = (|θ|² + noise, θ1 + θ2 + noise)."""
         noise = torch.randn(len(theta), 2, dtype=torch.float64, generator=generator)
-        radius2 = (theta ** 2).sum(-1, keepdim=True)
+        radius2 = (theta**2).sum(-1, keepdim=True)
         total = theta.sum(-1, keepdim=True)
         return torch.cat([radius2 + RING_SD * noise[:, :1], total + BAND_SD * noise[:, 1:]], -1)
 
     def log_likelihood(self, x, theta):
         """Exact log p(x | θ), broadcasting x (..., 2) against θ (..., 2)."""
-        radius2 = (theta ** 2).sum(-1)
-        return (gaussian_log_density(x[..., 0] - radius2, RING_SD)
-                + gaussian_log_density(x[..., 1] - theta.sum(-1), BAND_SD))
+        radius2 = (theta**2).sum(-1)
+        return gaussian_log_density(x[..., 0] - radius2, RING_SD) + gaussian_log_density(
+            x[..., 1] - theta.sum(-1), BAND_SD
+        )
 
     def reference(self, x_o, n, generator):
         """n exact draws by rejection from the uniform prior: accept with p(x_o | θ) / its Gaussian peak."""
@@ -60,8 +62,10 @@ class Ring(nre_study.Study):
         kept, count = [], 0
         while count < n:
             theta = uniform_box(low, high, 1 << 20, generator)
-            accept = torch.rand(len(theta), dtype=torch.float64, generator=generator).log() \
+            accept = (
+                torch.rand(len(theta), dtype=torch.float64, generator=generator).log()
                 < self.log_likelihood(x_o, theta) - log_peak
+            )
             kept.append(theta[accept])
             count += int(accept.sum())
         return torch.cat(kept)[:n]
@@ -82,7 +86,7 @@ class Slcp(nre_study.Study):
         s1, s2, rho = slcp_scales(theta[:, None])
         z1, z2 = torch.randn(2, len(theta), SLCP_DRAWS, dtype=torch.float64, generator=generator)
         first = theta[:, None, 0] + s1 * z1
-        second = theta[:, None, 1] + s2 * (rho * z1 + (1 - rho ** 2).sqrt() * z2)
+        second = theta[:, None, 1] + s2 * (rho * z1 + (1 - rho**2).sqrt() * z2)
         return torch.stack([first, second], -1).reshape(len(theta), -1)
 
     def log_likelihood(self, x, theta):
@@ -91,9 +95,14 @@ class Slcp(nre_study.Study):
         s1, s2, rho = slcp_scales(theta[..., None, :])
         u = (draws[..., 0] - theta[..., None, 0]) / s1
         v = (draws[..., 1] - theta[..., None, 1]) / s2
-        one_minus = 1 - rho ** 2
-        terms = (-math.log(2 * math.pi) - s1.log() - s2.log() - 0.5 * one_minus.log()
-                 - (u * u - 2 * rho * u * v + v * v) / (2 * one_minus))
+        one_minus = 1 - rho**2
+        terms = (
+            -math.log(2 * math.pi)
+            - s1.log()
+            - s2.log()
+            - 0.5 * one_minus.log()
+            - (u * u - 2 * rho * u * v + v * v) / (2 * one_minus)
+        )
         return terms.sum(-1)
 
     def reference(self, x_o, n, generator):
@@ -124,10 +133,18 @@ def slcp_reference(x_o, n, generator):
         rho = (cov[:, 0, 1] / (s1 * s2)).clamp(-1 + 1e-15, 1 - 1e-15)
         signs = torch.randint(0, 2, (batch, 2), generator=generator, dtype=torch.float64) * 2 - 1
         theta = torch.stack([s1.sqrt() * signs[:, 0], s2.sqrt() * signs[:, 1], torch.atanh(rho)], -1)
-        mu = mean + (torch.linalg.cholesky(cov / SLCP_DRAWS) @
-                     torch.randn(batch, 2, 1, dtype=torch.float64, generator=generator))[..., 0]
-        accept = ((theta.abs() <= SLCP_BOX).all(-1) & (mu.abs() <= SLCP_BOX).all(-1)
-                  & (torch.rand(batch, dtype=torch.float64, generator=generator) < (1 - rho ** 2) ** 0.25))
+        mu = (
+            mean
+            + (
+                torch.linalg.cholesky(cov / SLCP_DRAWS)
+                @ torch.randn(batch, 2, 1, dtype=torch.float64, generator=generator)
+            )[..., 0]
+        )
+        accept = (
+            (theta.abs() <= SLCP_BOX).all(-1)
+            & (mu.abs() <= SLCP_BOX).all(-1)
+            & (torch.rand(batch, dtype=torch.float64, generator=generator) < (1 - rho**2) ** 0.25)
+        )
         kept.append(torch.cat([mu, theta], -1)[accept])
         count += int(accept.sum())
     return torch.cat(kept)[:n]
@@ -137,7 +154,7 @@ def inverse_wishart(scale, dof, n, generator):
     """n draws (n, 2, 2) of IW(scale, dof) as inverses of Wishart(scale⁻¹, dof) by Bartlett's decomposition."""
     lower = torch.linalg.cholesky(torch.linalg.inv(scale))
     chi2 = torch.distributions.Gamma(torch.tensor([dof / 2, (dof - 1) / 2], dtype=torch.float64), 0.5)
-    with torch.random.fork_rng(devices=[]):    # Gamma draws from the global stream: seed it from ours
+    with torch.random.fork_rng(devices=[]):  # Gamma draws from the global stream: seed it from ours
         torch.manual_seed(int(torch.randint(0, 2**62, (), generator=generator)))
         diagonal = chi2.sample((n,)).sqrt()
     bartlett = torch.zeros(n, 2, 2, dtype=torch.float64)
@@ -151,14 +168,17 @@ def linear_matrix():
     """The fixed mixing matrix A: identity plus a seeded perturbation, so the posterior is correlated."""
     generator = torch.Generator().manual_seed(2024)
     return torch.eye(LINEAR_DIM, dtype=torch.float64) + 0.5 * torch.randn(
-        LINEAR_DIM, LINEAR_DIM, dtype=torch.float64, generator=generator) / math.sqrt(LINEAR_DIM)
+        LINEAR_DIM, LINEAR_DIM, dtype=torch.float64, generator=generator
+    ) / math.sqrt(LINEAR_DIM)
 
 
 class Linear(nre_study.Study):
     """x = A θ + N(0, LINEAR_SD²) noise; prior N(0, 1) per parameter, truncated at ±LINEAR_BOX."""
 
-    parameters = {f"t{i + 1}": {"low": -LINEAR_BOX, "high": LINEAR_BOX, "normal_mean": 0.0, "normal_std": 1.0}
-                  for i in range(LINEAR_DIM)}
+    parameters = {
+        f"t{i + 1}": {"low": -LINEAR_BOX, "high": LINEAR_BOX, "normal_mean": 0.0, "normal_std": 1.0}
+        for i in range(LINEAR_DIM)
+    }
 
     def simulate(self, theta, generator):
         """One noisy linear image of θ per row."""
@@ -173,9 +193,9 @@ class Linear(nre_study.Study):
     def reference(self, x_o, n, generator):
         """n exact draws: the conjugate Gaussian posterior, rejecting the (negligible) draws outside the box."""
         matrix = linear_matrix()
-        precision = torch.eye(LINEAR_DIM, dtype=torch.float64) + matrix.T @ matrix / LINEAR_SD ** 2
+        precision = torch.eye(LINEAR_DIM, dtype=torch.float64) + matrix.T @ matrix / LINEAR_SD**2
         cov = torch.linalg.inv(precision)
-        mean = cov @ matrix.T @ torch.as_tensor(x_o, dtype=torch.float64) / LINEAR_SD ** 2
+        mean = cov @ matrix.T @ torch.as_tensor(x_o, dtype=torch.float64) / LINEAR_SD**2
         chol = torch.linalg.cholesky(cov)
         kept, count = [], 0
         while count < n:
@@ -244,16 +264,18 @@ class Narrow(nre_study.Study):
         """n exact draws: the uncut prior's conjugate Gaussian posterior, cut to the box by rejection (exact:
         the cut prior's posterior is the uncut one's, cut)."""
         covariance, matrix = narrow_model()
-        posterior_cov = torch.linalg.inv(torch.linalg.inv(covariance) + matrix.T @ matrix / NARROW_SD ** 2)
-        mean = posterior_cov @ matrix.T @ torch.as_tensor(x_o, dtype=torch.float64) / NARROW_SD ** 2
+        posterior_cov = torch.linalg.inv(torch.linalg.inv(covariance) + matrix.T @ matrix / NARROW_SD**2)
+        mean = posterior_cov @ matrix.T @ torch.as_tensor(x_o, dtype=torch.float64) / NARROW_SD**2
         return cut_gaussian_draws(mean, posterior_cov, n, generator)
 
 
 def bounds(study):
     """The box (low, high) of a study's parameters, float64 (p,)."""
     values = [v if isinstance(v, dict) else dict(zip(("low", "high"), v)) for v in study.parameters.values()]
-    return (torch.tensor([v["low"] for v in values], dtype=torch.float64),
-            torch.tensor([v["high"] for v in values], dtype=torch.float64))
+    return (
+        torch.tensor([v["low"] for v in values], dtype=torch.float64),
+        torch.tensor([v["high"] for v in values], dtype=torch.float64),
+    )
 
 
 def prior_draws(study, n, generator):
@@ -264,7 +286,7 @@ def prior_draws(study, n, generator):
     if not isinstance(study, Linear):
         return uniform_box(low, high, n, generator)
     kept, count = [], 0
-    while count < n:        # a draw outside ±5 sd is rare (about 6e-6 of the 10-D rows)
+    while count < n:  # a draw outside ±5 sd is rare (about 6e-6 of the 10-D rows)
         theta = torch.randn(n, LINEAR_DIM, dtype=torch.float64, generator=generator)
         theta = theta[(theta.abs() <= LINEAR_BOX).all(-1)]
         kept.append(theta)

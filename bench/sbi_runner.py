@@ -10,6 +10,7 @@ defaults: `train()` as is, `build_posterior()` as is (its default MCMC sampler).
 METHOD-samples.npy (m, n, p) and METHOD.json with the CPU seconds of training and of
 each observation's sampling.
 """
+
 import json
 import os
 import sys
@@ -29,7 +30,9 @@ METHODS = {"NRE_A": NRE_A, "NRE_C": NRE_C}
 def make_prior(spec):
     """The prior the bench describes: a box, or a centred normal (standard unless a covariance is given)."""
     if spec["kind"] == "box":
-        return BoxUniform(torch.tensor(spec["low"], dtype=torch.float32), torch.tensor(spec["high"], dtype=torch.float32))
+        return BoxUniform(
+            torch.tensor(spec["low"], dtype=torch.float32), torch.tensor(spec["high"], dtype=torch.float32)
+        )
     dimension = spec["dimension"]
     covariance = torch.tensor(spec["covariance"]) if "covariance" in spec else torch.eye(dimension)
     return torch.distributions.MultivariateNormal(torch.zeros(dimension), covariance)
@@ -56,9 +59,17 @@ def main(folder, method):
         sample_seconds.append(time.process_time() - start)
         samples.append(drawn.double().numpy())
     np.save(folder / f"{method}-samples.npy", np.stack(samples))
-    (folder / f"{method}.json").write_text(json.dumps({
-        "train_cpu_seconds": train_seconds, "sample_cpu_seconds": sample_seconds,
-        "epochs": int(inference.summary["epochs_trained"][-1]) if inference.summary.get("epochs_trained") else None}))
+    (folder / f"{method}.json").write_text(
+        json.dumps(
+            {
+                "train_cpu_seconds": train_seconds,
+                "sample_cpu_seconds": sample_seconds,
+                "epochs": int(inference.summary["epochs_trained"][-1])
+                if inference.summary.get("epochs_trained")
+                else None,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

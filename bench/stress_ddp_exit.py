@@ -16,6 +16,7 @@ all bt`, shows the thread that aborted.
 Run: python bench/stress_ddp_exit.py [--runs 30] [--kind worker|pytest] [--load 2] [--parallel 1]
 It is not part of `make test` or `make bench`: 30 pytest runs take about an hour on 2 cores.
 """
+
 import argparse
 import os
 import re
@@ -27,9 +28,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TESTS = ["tests/test_timings.py::test_the_timed_allreduce_trains_bitwise_like_ddps_own",
-         "tests/test_ddp.py::test_two_gloo_ranks_reproduce_single_process_training",
-         "tests/test_ddp.py::test_a_rank_failing_mid_training_ends_the_launch_quickly"]
+TESTS = [
+    "tests/test_timings.py::test_the_timed_allreduce_trains_bitwise_like_ddps_own",
+    "tests/test_ddp.py::test_two_gloo_ranks_reproduce_single_process_training",
+    "tests/test_ddp.py::test_a_rank_failing_mid_training_ends_the_launch_quickly",
+]
 ABORT = re.compile(r"terminate called|exitcode\s*:\s*-6|Signal 6 \(SIGABRT\)|SIGABRT")
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -47,16 +50,35 @@ def environment(probes: str | None = None) -> dict:
 def worker_command(index: int, scratch: Path) -> tuple[list, dict]:
     """Run `index`'s torchrun launch of the DDP test worker, and its environment."""
     ranks, probes = (3, 2)[index % 2], ("python", "off")[index // 2 % 2]
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-               str(REPO / "tests" / "ddp_train_worker.py"), str(scratch / "result.pt"), "train", "41", "40", "2",
-               "cpu"]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={ranks}",
+        str(REPO / "tests" / "ddp_train_worker.py"),
+        str(scratch / "result.pt"),
+        "train",
+        "41",
+        "40",
+        "2",
+        "cpu",
+    ]
     return command, environment(probes)
 
 
 def pytest_command(scratch: Path, tests: list) -> tuple[list, dict]:
     """A pytest process over `tests` (node ids relative to the repository), and its environment."""
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--basetemp={scratch / 'tmp'}",
-               *(str(REPO / test) for test in tests)]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        f"--basetemp={scratch / 'tmp'}",
+        *(str(REPO / test) for test in tests),
+    ]
     return command, environment()
 
 
@@ -70,9 +92,14 @@ def one_run(index: int, args) -> dict:
         # The tests' launches run in the repository, so only worker runs may write core files.
         limits = "ulimit -c unlimited; " if args.cores and args.kind == "worker" else ""
         began = time.monotonic()
-        done = subprocess.run(["bash", "-c", limits + 'exec "$@"', "run", *command], env=env,
-                              cwd=scratch if args.kind == "worker" else REPO, capture_output=True, text=True,
-                              timeout=args.timeout)
+        done = subprocess.run(
+            ["bash", "-c", limits + 'exec "$@"', "run", *command],
+            env=env,
+            cwd=scratch if args.kind == "worker" else REPO,
+            capture_output=True,
+            text=True,
+            timeout=args.timeout,
+        )
         seconds = time.monotonic() - began
         output = done.stdout + done.stderr
         outcome = {"index": index, "rc": done.returncode, "seconds": seconds, "aborted": bool(ABORT.search(output))}
@@ -119,14 +146,19 @@ def main() -> None:
         with ThreadPoolExecutor(args.parallel) as pool:
             for outcome in pool.map(lambda index: one_run(index, args), range(args.runs)):
                 outcomes.append(outcome)
-                print(f"run {outcome['index']:3d}: rc {outcome['rc']:4d}  {outcome['seconds']:6.1f} s"
-                      f"{'  ABORT' if outcome['aborted'] else ''}", flush=True)
+                print(
+                    f"run {outcome['index']:3d}: rc {outcome['rc']:4d}  {outcome['seconds']:6.1f} s"
+                    f"{'  ABORT' if outcome['aborted'] else ''}",
+                    flush=True,
+                )
     finally:
         stop_all(loops)
     aborted = sum(outcome["aborted"] for outcome in outcomes)
     failed = sum(outcome["rc"] != 0 for outcome in outcomes)
-    print(f"{args.kind}: {len(outcomes)} runs, {aborted} aborted, {failed} failed, load {args.load} busy loops, "
-          f"{args.parallel} at a time, {time.monotonic() - began:.0f} s; logs in {args.logs}")
+    print(
+        f"{args.kind}: {len(outcomes)} runs, {aborted} aborted, {failed} failed, load {args.load} busy loops, "
+        f"{args.parallel} at a time, {time.monotonic() - began:.0f} s; logs in {args.logs}"
+    )
     sys.exit(1 if aborted or failed else 0)
 
 

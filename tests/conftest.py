@@ -2,6 +2,7 @@
 
 The helpers the test modules share are in tests/helpers.py.
 """
+
 import pytest
 import torch
 

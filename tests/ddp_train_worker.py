@@ -12,8 +12,8 @@ Usage: ddp_train_worker.py OUTPUT_FILE MODE ROWS BATCH EPOCHS DEVICE [ARGUMENT..
 """
 
 import os
-import time
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -24,8 +24,14 @@ import trainer  # noqa: E402
 
 SEED = 7
 BALANCED_BATCH = 5  # with 41 rows: shards of 3 and 2, then a last batch of one row (rank 1 empty)
-RESUMABLE = {"batch_size": 5, "learning_rate": 0.05, "gradient_clip": 1.0, "objective": "balanced",
-             "balance_weight": 2.0, "checkpoint": "best"}
+RESUMABLE = {
+    "batch_size": 5,
+    "learning_rate": 0.05,
+    "gradient_clip": 1.0,
+    "objective": "balanced",
+    "balance_weight": 2.0,
+    "checkpoint": "best",
+}
 
 
 def make_data(rows: int, seed: int = SEED) -> dict:
@@ -45,16 +51,23 @@ def make_model(seed: int = SEED, dropout: float = 0.0) -> torch.nn.Module:
     """A small MLP returning one logit per row, initialised from `seed`."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(
-        torch.nn.Linear(3, 16), torch.nn.Tanh(), torch.nn.Dropout(dropout), torch.nn.Linear(16, 16), torch.nn.Tanh(),
-        torch.nn.Linear(16, 1), torch.nn.Flatten(0),
+        torch.nn.Linear(3, 16),
+        torch.nn.Tanh(),
+        torch.nn.Dropout(dropout),
+        torch.nn.Linear(16, 16),
+        torch.nn.Tanh(),
+        torch.nn.Linear(16, 1),
+        torch.nn.Flatten(0),
     )
 
 
 def objective_settings(batch: int, epochs: int) -> dict:
     """The two recipes the `train` mode compares with one process: BCE and balanced."""
     common = {"epochs": epochs, "learning_rate": 0.05, "checkpoint": "last"}
-    return {"bce": {**common, "batch_size": batch},
-            "balanced": {**common, "batch_size": BALANCED_BATCH, "objective": "balanced", "balance_weight": 3.0}}
+    return {
+        "bce": {**common, "batch_size": batch},
+        "balanced": {**common, "batch_size": BALANCED_BATCH, "objective": "balanced", "balance_weight": 3.0},
+    }
 
 
 def make_joint_data(rows: int, seed: int = SEED) -> dict:
@@ -62,16 +75,21 @@ def make_joint_data(rows: int, seed: int = SEED) -> dict:
     g = torch.Generator().manual_seed(seed)
     theta = torch.rand(rows + 40, 1, generator=g) * 4 - 2
     x = torch.cat([theta, -theta], 1) + 0.5 * torch.randn(rows + 40, 2, generator=g)
-    return {"train_x": x[:rows], "train_theta": theta[:rows], "validation_x": x[rows:],
-            "validation_theta": theta[rows:]}
+    return {
+        "train_x": x[:rows],
+        "train_theta": theta[:rows],
+        "validation_x": x[rows:],
+        "validation_theta": theta[rows:],
+    }
 
 
 def joint_settings(batch: int, epochs: int) -> dict:
     """The recipes of the `joint` mode: BCE on re-paired batches, and contrastive NRE with three atoms."""
     common = {"epochs": epochs, "learning_rate": 0.02, "checkpoint": "last"}
-    return {"bce": {**common, "batch_size": batch},
-            "contrastive": {**common, "batch_size": BALANCED_BATCH, "objective": "contrastive", "classes": 3,
-                            "gamma": 2.0}}
+    return {
+        "bce": {**common, "batch_size": batch},
+        "contrastive": {**common, "batch_size": BALANCED_BATCH, "objective": "contrastive", "classes": 3, "gamma": 2.0},
+    }
 
 
 def save_atomically(state: dict, path: str) -> None:
@@ -116,6 +134,7 @@ def stop_request_on_rank_one(rt, after: int):
         """Count the poll; rank 1 answers True once enough steps ran."""
         polls[0] += 1
         return rt.rank == 1 and polls[0] >= after
+
     return requested
 
 
@@ -131,9 +150,11 @@ def preempt(rt, rows, epochs, directory, steps) -> dict:
     for step in steps:
         path = os.path.join(directory, f"stop-{step}.pt")
         trainer.FLAG_EXCHANGE_SECONDS = adaptive if step.startswith("~") else 0.0
-        hooks = trainer.TrainingHooks(save_state=lambda state, path=path: save_atomically(state, path),
-                                      save_seconds=1e-9,
-                                      stop_requested=stop_request_on_rank_one(rt, int(step.lstrip("~"))))
+        hooks = trainer.TrainingHooks(
+            save_state=lambda state, path=path: save_atomically(state, path),
+            save_seconds=1e-9,
+            stop_requested=stop_request_on_rank_one(rt, int(step.lstrip("~"))),
+        )
         try:
             trainer.train(make_model(dropout=0.2), make_data(rows), settings, rt, seed=SEED, hooks=hooks)
             stopped = None
@@ -150,10 +171,13 @@ def resume(rt, rows, epochs, files) -> dict:
         path = name.removeprefix("rank0:")
         offered = rt.is_main or path == name
         resumed = []
-        hooks = trainer.TrainingHooks(load_state=lambda: torch.load(path, weights_only=True) if offered else None,
-                                      on_resume=lambda epoch, batch: resumed.append((epoch, batch)))
-        weights, history = trainer.train(make_model(dropout=0.2), make_data(rows),
-                                         {**RESUMABLE, "epochs": epochs}, rt, seed=SEED, hooks=hooks)
+        hooks = trainer.TrainingHooks(
+            load_state=lambda: torch.load(path, weights_only=True) if offered else None,
+            on_resume=lambda epoch, batch: resumed.append((epoch, batch)),
+        )
+        weights, history = trainer.train(
+            make_model(dropout=0.2), make_data(rows), {**RESUMABLE, "epochs": epochs}, rt, seed=SEED, hooks=hooks
+        )
         results[name] = {"weights": weights, "history": history, "resumed": resumed}
     return results
 
@@ -193,7 +217,7 @@ def gloo_threads() -> list:
         try:
             with open(f"/proc/self/task/{task}/comm") as handle:
                 names.append(handle.read().strip())
-        except OSError:   # the thread ended meanwhile
+        except OSError:  # the thread ended meanwhile
             continue
     return sorted(name for name in names if "gloo" in name)
 
@@ -205,7 +229,7 @@ def check_group_ended(rt) -> None:
     ("terminate called without an active exception"), which happens only now and then;
     threads left running are seen every time.
     """
-    deadline = time.monotonic() + 5      # a thread of a destroyed group may take a moment to end
+    deadline = time.monotonic() + 5  # a thread of a destroyed group may take a moment to end
     while (left := gloo_threads()) and time.monotonic() < deadline:
         time.sleep(0.05)
     if left:

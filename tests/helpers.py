@@ -3,6 +3,7 @@
 Test modules import these from here and never from one another, so each module can be read,
 moved or deleted alone.
 """
+
 import concurrent.futures
 import contextlib
 import functools
@@ -36,7 +37,7 @@ import trainer
 from store import Writer, write_bytes_atomic
 
 REPO = Path(__file__).resolve().parents[1]
-EXAMPLE = REPO / "examples" / "decay"        # the decay-rate example of docs/extending.md
+EXAMPLE = REPO / "examples" / "decay"  # the decay-rate example of docs/extending.md
 
 TINY_TRAINING = """
     settings["data"] = {"train": 256, "validation": 64, "test": 64}
@@ -55,7 +56,8 @@ TINY_ANALYSIS = """
 @contextlib.contextmanager
 def recorded_figures():
     """Within the block every matplotlib Figure made (nnpd's own included) is appended to the list yielded."""
-    import matplotlib.figure              # only the figure tests, which skip without matplotlib, call this
+    import matplotlib.figure  # only the figure tests, which skip without matplotlib, call this
+
     figures = []
 
     class Recording(matplotlib.figure.Figure):
@@ -81,8 +83,10 @@ def write_settings(directory, root, training="", analysis="", tiny=True):
     """
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    for name, patch, tiny_patch in (("settings_training.py", training, TINY_TRAINING),
-                                    ("settings_analysis.py", analysis, TINY_ANALYSIS)):
+    for name, patch, tiny_patch in (
+        ("settings_training.py", training, TINY_TRAINING),
+        ("settings_analysis.py", analysis, TINY_ANALYSIS),
+    ):
         body = textwrap.dedent(tiny_patch if tiny else "")
         if name == "settings_training.py":
             body += f'settings["output"]["root"] = {str(root)!r}\n'
@@ -100,8 +104,14 @@ def run_cli(*args, cwd=None, env=None, timeout=600):
     environment = {**os.environ, **(env or {})}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         environment.pop(name, None)
-    return subprocess.run([sys.executable, str(REPO / "nnpd.py"), *args], cwd=cwd or REPO, env=environment,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(REPO / "nnpd.py"), *args],
+        cwd=cwd or REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def main_in_process(*args, cwd=None, env=None):
@@ -117,17 +127,17 @@ def main_in_process(*args, cwd=None, env=None):
 
     stdout, stderr = io.StringIO(), io.StringIO()
     with _launch_state(cwd, env), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        warnings.resetwarnings()                        # a fresh interpreter's filters and display
+        warnings.resetwarnings()  # a fresh interpreter's filters and display
         for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
             warnings.simplefilter("ignore", category)
-        warnings.showwarning = _show_on_stderr         # not into pytest's record of the test's warnings
+        warnings.showwarning = _show_on_stderr  # not into pytest's record of the test's warnings
         try:
             status = nnpd.main(list(args))
-        except SystemExit as stop:                      # argparse's usage errors
+        except SystemExit as stop:  # argparse's usage errors
             status = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
             if not isinstance(stop.code, (int, type(None))):
                 print(stop.code, file=sys.stderr)
-        except Exception:                               # what would end a launch with a traceback
+        except Exception:  # what would end a launch with a traceback
             traceback.print_exc()
             status = 1
     return subprocess.CompletedProcess(["nnpd", *args], status, stdout.getvalue(), stderr.getvalue())
@@ -146,7 +156,7 @@ def _launch_state(cwd, env):
             os.chdir(cwd or REPO)
             yield
     finally:
-        warnings.formatwarning = saved_format           # nnpd.main sets its own
+        warnings.formatwarning = saved_format  # nnpd.main sets its own
         sys.path[:] = saved_path
         os.chdir(saved_cwd)
         _set_environment(saved_environment)
@@ -167,6 +177,7 @@ def _show_on_stderr(message, category, filename, lineno, file=None, line=None):
 
 
 # ---------------------------------------------------------------- launches side by side
+
 
 def side_by_side(calls, limit=4):
     """{key: call()} of independent zero-argument calls, made at the same time (at most `limit` at once).
@@ -216,7 +227,7 @@ def _outcome(case, folder, params):
     """(True, what case returned) or (False, the exception it raised)."""
     try:
         return True, case(folder, **params)
-    except Exception as error:          # handed to the case's own test
+    except Exception as error:  # handed to the case's own test
         return False, error
 
 
@@ -249,7 +260,7 @@ def assert_same_but_rounding(actual, expected, what=""):
         np.testing.assert_array_equal(actual, expected, err_msg=what)
 
 
-TIMEOUT = 600           # seconds a launch may take before a test gives up on it
+TIMEOUT = 600  # seconds a launch may take before a test gives up on it
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONPATH")
 
@@ -263,8 +274,11 @@ def free_port():
 
 def clean_environment(extra=None):
     """The test's environment without torchrun variables from an outer launch."""
-    environment = {k: v for k, v in os.environ.items()
-                   if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     environment["OMP_NUM_THREADS"] = "1"
     environment["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests"), str(REPO)])
     return {**environment, **(extra or {})}
@@ -272,16 +286,31 @@ def clean_environment(extra=None):
 
 def torchrun(*args, nproc=2, extra_env=None, timeout=300):
     """Launch `nnpd.py` under torchrun on this machine and wait for it."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(REPO / "nnpd.py"), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=clean_environment(extra_env),
-                          cwd=REPO)
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(REPO / "nnpd.py"),
+        *args,
+    ]
+    return subprocess.run(
+        command, capture_output=True, text=True, timeout=timeout, env=clean_environment(extra_env), cwd=REPO
+    )
 
 
 def start(arguments):
     """Start a launch in a session of its own (so its whole process group can be killed)."""
-    return subprocess.Popen(arguments, env=clean_environment(), cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return subprocess.Popen(
+        arguments,
+        env=clean_environment(),
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def wait_for(condition, what, seconds=300, process=None):
@@ -337,11 +366,13 @@ def finish_agent(agent, seconds=TIMEOUT):
 
 
 # Tiny settings (one prior) that train long enough to be interrupted.
-INTERRUPTIBLE_TRAINING = ('settings["data"]["train"] = 12_000\n'
-                          'settings["training"]["epochs"] = 3\n'
-                          'settings["training"]["batch_size"] = 64\n'
-                          'settings["cohort"]["priors"] = ["uniform"]\n'
-                          'settings["runtime"]["resume_seconds"] = 0.2\n')
+INTERRUPTIBLE_TRAINING = (
+    'settings["data"]["train"] = 12_000\n'
+    'settings["training"]["epochs"] = 3\n'
+    'settings["training"]["batch_size"] = 64\n'
+    'settings["cohort"]["priors"] = ["uniform"]\n'
+    'settings["runtime"]["resume_seconds"] = 0.2\n'
+)
 
 
 def settings_for(folder, extra=""):
@@ -353,9 +384,19 @@ def command(settings, action="train", workers=1, restarts=0):
     """The nnpd command line, under torchrun when several workers are asked for."""
     if workers == 1:
         return [sys.executable, str(REPO / "nnpd.py"), action, "--settings-dir", str(settings)]
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={workers}", "--rdzv-backend=c10d",
-            f"--rdzv-endpoint=127.0.0.1:{free_port()}", f"--max-restarts={restarts}",
-            str(REPO / "nnpd.py"), action, "--settings-dir", str(settings)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={workers}",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        f"--max-restarts={restarts}",
+        str(REPO / "nnpd.py"),
+        action,
+        "--settings-dir",
+        str(settings),
+    ]
 
 
 def finish_launch(arguments):
@@ -365,7 +406,9 @@ def finish_launch(arguments):
 
 def weights(root):
     """{model key: state dict} of every committed model."""
-    return {path.parent.name: torch.load(path, weights_only=True) for path in Path(root).glob("cache/model/*/weights.pt")}
+    return {
+        path.parent.name: torch.load(path, weights_only=True) for path in Path(root).glob("cache/model/*/weights.pt")
+    }
 
 
 def train_command(*launcher, settings):
@@ -375,9 +418,11 @@ def train_command(*launcher, settings):
 
 def limit_file_size(size):
     """For a child process: files may not grow past `size` bytes (EFBIG instead of SIGXFSZ)."""
+
     def apply():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (size, size))
+
     return apply
 
 
@@ -391,8 +436,9 @@ def one_error_line(result):
 # ---------------------------------------------------------------- copies of the repository and of studies' settings
 
 # What a copy of the repository leaves out: what .gitignore ignores, and the git folder.
-LEFT_OUT = shutil.ignore_patterns(".git", ".venv", "outputs", "__pycache__", "*.pyc", "*.egg-info", "build",
-                                  ".pytest_cache", ".hypothesis", "*.so")
+LEFT_OUT = shutil.ignore_patterns(
+    ".git", ".venv", "outputs", "__pycache__", "*.pyc", "*.egg-info", "build", ".pytest_cache", ".hypothesis", "*.so"
+)
 
 
 def repository_copy(target):
@@ -473,8 +519,9 @@ def module_name(tmp_path):
 def kit_study(tmp_path, extra="", training="", analysis="", noise=0.3):
     """A settings folder holding a kit study module; returns (folder, module name, output root)."""
     module = module_name(tmp_path)
-    folder = write_settings(tmp_path / "settings", tmp_path / "out",
-                            KIT_TRAINING.format(module=module) + training, KIT_ANALYSIS + analysis)
+    folder = write_settings(
+        tmp_path / "settings", tmp_path / "out", KIT_TRAINING.format(module=module) + training, KIT_ANALYSIS + analysis
+    )
     (folder / f"{module}.py").write_text(LINE_STUDY.format(noise=noise) + textwrap.dedent(extra))
     return folder, module, tmp_path / "out"
 
@@ -489,8 +536,14 @@ def run_without_pythonpath(*args):
     environment = without_pythonpath()
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         environment.pop(name, None)
-    return subprocess.run([sys.executable, str(REPO / "nnpd.py"), *args], cwd=REPO, env=environment,
-                          capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(REPO / "nnpd.py"), *args],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 # ---------------------------------------------------------------- a small training problem with resumable state
@@ -503,8 +556,15 @@ SEED = 11
 # 300 rows in batches of 32: 10 batches per epoch (the last has 12 rows), 30 steps in all.
 ROWS, BATCHES, EPOCHS = 300, 10, 3
 
-SETTINGS = {"epochs": EPOCHS, "batch_size": 32, "learning_rate": 0.02, "gradient_clip": 1.0,
-            "objective": "balanced", "balance_weight": 2.0, "checkpoint": "best"}
+SETTINGS = {
+    "epochs": EPOCHS,
+    "batch_size": 32,
+    "learning_rate": 0.02,
+    "gradient_clip": 1.0,
+    "objective": "balanced",
+    "balance_weight": 2.0,
+    "checkpoint": "best",
+}
 
 
 def make_data(rows=ROWS, validation=100, seed=0):
@@ -512,15 +572,24 @@ def make_data(rows=ROWS, validation=100, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows + validation, 2, generator=g)
     y = (x[:, 0] + 0.5 * x[:, 1] + 0.3 * torch.randn(rows + validation, generator=g) > 0).float()
-    return {"train_inputs": x[:rows], "train_labels": y[:rows],
-            "validation_inputs": x[rows:], "validation_labels": y[rows:]}
+    return {
+        "train_inputs": x[:rows],
+        "train_labels": y[:rows],
+        "validation_inputs": x[rows:],
+        "validation_labels": y[rows:],
+    }
 
 
 def make_model(seed=0, hidden=16):
     """A small MLP with dropout, so the global random stream matters."""
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(2, hidden), torch.nn.ReLU(), torch.nn.Dropout(0.3),
-                               torch.nn.Linear(hidden, 1), torch.nn.Flatten(0))
+    return torch.nn.Sequential(
+        torch.nn.Linear(2, hidden),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.3),
+        torch.nn.Linear(hidden, 1),
+        torch.nn.Flatten(0),
+    )
 
 
 def save_atomically(state, path):
@@ -556,9 +625,12 @@ class Recorder:
         """The TrainingHooks wired to this recorder."""
         return trainer.TrainingHooks(
             load_state=(lambda: load_if_present(self.path)) if load else None,
-            save_state=self.save, save_seconds=self.save_seconds, stop_requested=self.stop,
+            save_state=self.save,
+            save_seconds=self.save_seconds,
+            stop_requested=self.stop,
             on_epoch=lambda epoch, record: self.epochs.append((epoch, record)),
-            on_resume=lambda epoch, batch: self.resumed.append((epoch, batch)))
+            on_resume=lambda epoch, batch: self.resumed.append((epoch, batch)),
+        )
 
 
 # ---------------------------------------------------------------- the bundled study's exact target
@@ -590,15 +662,16 @@ def exact_summaries(tmp_path, problem, truths, observations, candidates, name):
     box = adaptive.support_box(problem.low, problem.high, [None] * p)
     sizes = designs.adaptive_sizes(p, candidates, 1) if candidates["kind"] == "adaptive" else None
     design = case_blocks.Design(candidates["kind"], [None] * p, adaptive.Refinement(box, LEVELS, sizes, seed))
-    work = nre_analysis.Cases(["exact"], truths, case_blocks.Candidates(points, log_measure),
-                              {"mode": "diagnostic", "cases": 0})
+    work = nre_analysis.Cases(
+        ["exact"], truths, case_blocks.Candidates(points, log_measure), {"mode": "diagnostic", "cases": 0}
+    )
     nre_analysis.summarise_cases(writer, scoring, design, work, lambda case: None)
     return {field: np.load(tmp_path / name / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}
 
 
 # ---------------------------------------------------------------- test layers
 
-LAYERS = ("unit", "property", "launch")      # what each means: pyproject.toml's pytest markers
+LAYERS = ("unit", "property", "launch")  # what each means: pyproject.toml's pytest markers
 
 
 def layer_problems(items):
@@ -608,8 +681,9 @@ def layer_problems(items):
     for item in items:
         layers = [name for name in LAYERS if item.get_closest_marker(name) is not None]
         if len(layers) != 1:
-            problems.append(f"{item.nodeid}: {' and '.join(layers) or 'no layer'} (give it exactly one of "
-                            f"{', '.join(LAYERS)})")
+            problems.append(
+                f"{item.nodeid}: {' and '.join(layers) or 'no layer'} (give it exactly one of {', '.join(LAYERS)})"
+            )
         elif layers == ["property"] and not getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
             problems.append(f"{item.nodeid}: property, but not a Hypothesis test (@given)")
     return problems
@@ -619,9 +693,11 @@ class LayerCheck:
     """A pytest plugin: collection fails, naming each test, when a test has no layer marker or several, so
     that every new test chooses whether `make test-fast` runs it."""
 
-    @pytest.hookimpl(tryfirst=True)         # every collected test, before -m or -k deselects any
+    @pytest.hookimpl(tryfirst=True)  # every collected test, before -m or -k deselects any
     def pytest_collection_modifyitems(self, items):
         problems = layer_problems(items)
         if problems:
-            raise pytest.UsageError('each test needs exactly one layer marker (README.md, "Tests and benchmarks"):\n  '
-                                    + "\n  ".join(problems))
+            raise pytest.UsageError(
+                'each test needs exactly one layer marker (README.md, "Tests and benchmarks"):\n  '
+                + "\n  ".join(problems)
+            )

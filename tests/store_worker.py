@@ -23,6 +23,7 @@ RECIPE = {"n": 1000, "seed": 7}
 
 def race(root, counter, go):
     """Wait for the start signal, then get() an artifact whose build is slow and counted."""
+
     def build(writer):
         fd = os.open(counter, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.write(fd, f"{os.getpid()}\n".encode())
@@ -40,6 +41,7 @@ def race(root, counter, go):
 
 def hang(root):
     """Write part of an artifact, announce it, and wait to be SIGKILLed."""
+
     def build(writer):
         writer.array("a", np.ones(100))
         print("half", flush=True)

@@ -19,8 +19,9 @@ CHI2 = {(1, 0.68): 0.98895, (1, 0.95): 3.84146, (3, 0.68): 3.50588, (3, 0.95): 7
 
 def box_of(p, high=10.0, steps=None):
     """The Box [0, high]^p, lattice axes where steps name a step."""
-    return adaptive.support_box(torch.zeros(p, dtype=torch.float64), torch.full((p,), high, dtype=torch.float64),
-                                steps or [None] * p)
+    return adaptive.support_box(
+        torch.zeros(p, dtype=torch.float64), torch.full((p,), high, dtype=torch.float64), steps or [None] * p
+    )
 
 
 def adaptive_settings(total, coarse, stages=3):
@@ -30,8 +31,10 @@ def adaptive_settings(total, coarse, stages=3):
 
 def gaussian_score(centre, sd, target="exact"):
     """A score function of an isotropic Gaussian density: {target: −|θ − centre|² / (2 sd²)}."""
+
     def score(points):
         return {target: -0.5 * (((points - centre) / sd) ** 2).sum(dim=1)}
+
     return score
 
 
@@ -39,15 +42,19 @@ def refine_case(score_fn, coarse, truth, refinement, case=0):
     """One case refined on its own: refine_block on a block of one, with
     `score_fn(points (n, p)) -> {target: scores (n,)}`; results without the block axis,
     summaries as numpy arrays of one case."""
+
     def block_scores(points):
         return {target: values[None] for target, values in score_fn(points[0]).items()}
 
     block = adaptive.refine_block(block_scores, coarse, truth[None], [case], refinement)
-    return {"points": block["points"][0], "log_measure": block["log_measure"][0],
-            "scores": {t: s[0] for t, s in block["scores"].items()},
-            "summaries": {t: hpd.host_summary(s) for t, s in block["summaries"].items()},
-            "proposals": {t: c.mapped(lambda field: field[0]) for t, c in block["proposals"].items()},
-            "evaluated": block["evaluated"]}
+    return {
+        "points": block["points"][0],
+        "log_measure": block["log_measure"][0],
+        "scores": {t: s[0] for t, s in block["scores"].items()},
+        "summaries": {t: hpd.host_summary(s) for t, s in block["summaries"].items()},
+        "proposals": {t: c.mapped(lambda field: field[0]) for t, c in block["proposals"].items()},
+        "evaluated": block["evaluated"],
+    }
 
 
 def refine(score, box, settings_, truth, seed=1, case=0, targets=1):
@@ -68,19 +75,19 @@ def measured(result):
 @pytest.mark.parametrize("p", [1, 3])
 @pytest.mark.unit
 def test_adaptive_candidates_reproduce_analytic_hld_bounds(p):
-    sd = 2.0 / math.sqrt(15)                 # σ = 2, 15 observations: the study's posterior sd
+    sd = 2.0 / math.sqrt(15)  # σ = 2, 15 observations: the study's posterior sd
     centre = torch.tensor([4.37, 6.12, 5.05][:p], dtype=torch.float64)
     truth = centre + 0.3
     result = refine(gaussian_score(centre, sd), box_of(p), adaptive_settings(4096, 256), truth)
     summary = result["summaries"]["exact"]
     assert result["evaluated"] == 4096
-    np.testing.assert_allclose(summary["mode"][0], centre.numpy(), atol=0.25 * sd)   # the best point found
+    np.testing.assert_allclose(summary["mode"][0], centre.numpy(), atol=0.25 * sd)  # the best point found
     for i, level in enumerate(LEVELS):
-        half = math.sqrt(CHI2[p, level]) * sd   # projected half-width of the HLD ball
+        half = math.sqrt(CHI2[p, level]) * sd  # projected half-width of the HLD ball
         np.testing.assert_allclose(summary["lower"][0, i], (centre - half).numpy(), atol=0.03 * half)
         np.testing.assert_allclose(summary["upper"][0, i], (centre + half).numpy(), atol=0.03 * half)
         assert abs(summary["mass"][0, i] - level) < 0.01
-        inside_ball = float(((truth - centre) ** 2).sum()) / sd ** 2 <= CHI2[p, level]
+        inside_ball = float(((truth - centre) ** 2).sum()) / sd**2 <= CHI2[p, level]
         assert bool(summary["covered"][0, i]) == inside_ball
     assert summary["region_ess"][0] > 500
     assert summary["edge_mass"][0] < 1e-3 and summary["disagreement"][0] < 1
@@ -96,8 +103,7 @@ def test_weights_integrate_the_prior_box_exactly_and_the_density_accurately():
     assert float(log_measure.exp().sum()) == pytest.approx(64.0, rel=1e-12)
     assert bool(((points >= 0) & (points <= 8)).all())
     # The importance weights also integrate the density: ∫ exp(score) dθ = 2π sd² (far from the edges).
-    assert result["summaries"]["exact"]["log_normalizer"][0] == pytest.approx(math.log(2 * math.pi * sd ** 2),
-                                                                              abs=0.02)
+    assert result["summaries"]["exact"]["log_normalizer"][0] == pytest.approx(math.log(2 * math.pi * sd**2), abs=0.02)
 
 
 @pytest.mark.unit
@@ -108,8 +114,8 @@ def test_lattice_axes_keep_counting_measure():
     result = refine(gaussian_score(centre, sd), box, adaptive_settings(2048, 128), centre)
     points, log_measure = measured(result)
     lattice = designs.lattice_support(0.0, 10.0, step)
-    assert torch.isin(result["points"][:, 0], lattice).all()          # probes too: only lattice values
-    assert len({tuple(row) for row in points.tolist()}) == points.shape[0]   # repeats merged
+    assert torch.isin(result["points"][:, 0], lattice).all()  # probes too: only lattice values
+    assert len({tuple(row) for row in points.tolist()}) == points.shape[0]  # repeats merged
     assert float(log_measure.exp().sum()) == pytest.approx(51 * 10.0, rel=1e-12)
     # Σ_k exp(−(θ_k − c)²/2sd²) · ∫ exp(−(θ − c)²/2sd²) dθ: counting measure times Lebesgue.
     exact = float(torch.exp(-0.5 * ((lattice - centre[0]) / sd) ** 2).sum()) * math.sqrt(2 * math.pi) * sd
@@ -125,7 +131,7 @@ def test_all_lattice_box_too_large_to_enumerate_is_refined_on_the_lattice():
     result = refine(gaussian_score(centre, 0.5), box, settings_, centre)
     points, log_measure = measured(result)
     assert torch.isin(points, designs.lattice_support(0.0, 10.0, 0.2)).all()
-    assert float(log_measure.exp().sum()) == pytest.approx(51.0 ** 3, rel=1e-12)
+    assert float(log_measure.exp().sum()) == pytest.approx(51.0**3, rel=1e-12)
     np.testing.assert_allclose(result["summaries"]["exact"]["mode"][0], centre.numpy(), atol=1e-9)
 
 
@@ -145,13 +151,17 @@ def test_results_do_not_depend_on_chunk_rows():
     def run(chunk_rows):
         def score(points):
             with torch.no_grad():
-                ratio = case_scores.ensemble_scores(lambda rows: net(rows).squeeze(-1), observations, points, chunk_rows)
+                ratio = case_scores.ensemble_scores(
+                    lambda rows: net(rows).squeeze(-1), observations, points, chunk_rows
+                )
             return {"ratio": ratio, "posterior": ratio - 0.1 * points[:, 0]}
-        return refine(score, box, adaptive_settings(1536, 128), torch.tensor([5.0, 5.0], dtype=torch.float64),
-                      targets=2)
+
+        return refine(
+            score, box, adaptive_settings(1536, 128), torch.tensor([5.0, 5.0], dtype=torch.float64), targets=2
+        )
 
     reference = run(case_scores.EVAL_BLOCK_ROWS)
-    for chunk_rows in (20_000, 10 ** 7):
+    for chunk_rows in (20_000, 10**7):
         other = run(chunk_rows)
         assert torch.equal(other["points"], reference["points"])
         for target in ("ratio", "posterior"):
@@ -170,10 +180,11 @@ def test_exact_scores_refine_identically_whatever_the_chunk():
     def run(chunk_rows):
         def score(points):
             return {"exact": case_scores.exact_scores(log_likelihood, observations, points, chunk_rows)}
+
         return refine(score, box_of(2), adaptive_settings(1536, 128), centre)["summaries"]["exact"]
 
     reference = run(case_scores.EVAL_BLOCK_ROWS)
-    for chunk_rows in (15, 1000, 10 ** 6):
+    for chunk_rows in (15, 1000, 10**6):
         for name, value in run(chunk_rows).items():
             np.testing.assert_array_equal(value, reference[name])
 
@@ -202,10 +213,16 @@ def test_too_small_a_candidate_count_is_refused_clearly():
 def test_proposal_density_matches_a_direct_formula():
     box = box_of(3, steps=[None, 0.5, None])
     generator = torch.Generator().manual_seed(0)
-    proposals = [adaptive.Proposal(torch.rand(3, generator=generator, dtype=torch.float64) * 10,
-                                   torch.rand(3, generator=generator, dtype=torch.float64) + 0.5,
-                                   torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64),
-                                   torch.tensor([9.0, 8.5, 9.5], dtype=torch.float64), 10) for _ in range(3)]
+    proposals = [
+        adaptive.Proposal(
+            torch.rand(3, generator=generator, dtype=torch.float64) * 10,
+            torch.rand(3, generator=generator, dtype=torch.float64) + 0.5,
+            torch.tensor([1.0, 1.0, 2.0], dtype=torch.float64),
+            torch.tensor([9.0, 8.5, 9.5], dtype=torch.float64),
+            10,
+        )
+        for _ in range(3)
+    ]
     points = box.snap(torch.rand(40, 3, generator=generator, dtype=torch.float64) * 10)
     # A block of one case: the proposals' fields and the points gain a leading case axis.
     block = [adaptive.Proposal(*(field[None] for field in proposal[:4]), proposal.count) for proposal in proposals]
@@ -219,7 +236,7 @@ def test_proposal_density_matches_a_direct_formula():
             total = 0.0
             for j, value in enumerate(x):
                 mean, sd = float(proposal.mean[j]), float(proposal.sd[j])
-                half = 0.25 if j == 1 else 0.0       # a lattice point owns the cell ± half a step
+                half = 0.25 if j == 1 else 0.0  # a lattice point owns the cell ± half a step
                 a, b = float(proposal.low[j]) - half, float(proposal.high[j]) + half
                 norm = cdf((b - mean) / sd) - cdf((a - mean) / sd)
                 if j == 1:
@@ -235,9 +252,14 @@ def test_proposal_density_matches_a_direct_formula():
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(p=st.integers(1, 3), lattice=st.lists(st.booleans(), min_size=3, max_size=3),
-       centre=st.lists(st.floats(-5.0, 15.0), min_size=3, max_size=3), log_sd=st.floats(-3.0, 2.0),
-       second=st.floats(0.0, 1.0), seed=st.integers(0, 1000))
+@given(
+    p=st.integers(1, 3),
+    lattice=st.lists(st.booleans(), min_size=3, max_size=3),
+    centre=st.lists(st.floats(-5.0, 15.0), min_size=3, max_size=3),
+    log_sd=st.floats(-3.0, 2.0),
+    second=st.floats(0.0, 1.0),
+    seed=st.integers(0, 1000),
+)
 @pytest.mark.property
 def test_refined_boxes_always_contain_the_coarse_mode(p, lattice, centre, log_sd, second, seed):
     steps = [0.5 if flag else None for flag in lattice[:p]]
@@ -245,7 +267,7 @@ def test_refined_boxes_always_contain_the_coarse_mode(p, lattice, centre, log_sd
     centre = torch.tensor(centre[:p], dtype=torch.float64)
     sd = math.exp(log_sd)
 
-    def score(points):   # one or two bumps, centres possibly outside the box
+    def score(points):  # one or two bumps, centres possibly outside the box
         first = -0.5 * (((points - centre) / sd) ** 2).sum(dim=1)
         other = -0.5 * (((points - (10 - centre)) / (2 * sd)) ** 2).sum(dim=1) + math.log(second + 1e-12)
         return {"ratio": torch.logaddexp(first, other), "posterior": first}
@@ -253,8 +275,9 @@ def test_refined_boxes_always_contain_the_coarse_mode(p, lattice, centre, log_sd
     settings_ = dict(adaptive_settings(768, 32), max_enumerated=10)
     coarse, coarse_log_measure = designs.make_candidates(box.low, box.high, steps, settings_, seed=seed)
     sizes = designs.adaptive_sizes(p, settings_, 2)
-    result = refine_case(score, (coarse, coarse_log_measure), centre.clamp(0, 10),
-                                  adaptive.Refinement(box, LEVELS, sizes, seed))
+    result = refine_case(
+        score, (coarse, coarse_log_measure), centre.clamp(0, 10), adaptive.Refinement(box, LEVELS, sizes, seed)
+    )
     coarse_scores = score(coarse)
     for target, proposal in result["proposals"].items():
         mode = coarse[int(torch.argmax(coarse_scores[target]))]
@@ -267,15 +290,21 @@ def test_refined_boxes_always_contain_the_coarse_mode(p, lattice, centre, log_sd
 
 
 @settings(max_examples=60, deadline=None)
-@given(cases=st.integers(1, 4), components=st.integers(1, 3), p=st.integers(1, 3), n=st.integers(1, 30),
-       spread=st.floats(0.0, 3.0), seed=st.integers(0, 10 ** 6))
+@given(
+    cases=st.integers(1, 4),
+    components=st.integers(1, 3),
+    p=st.integers(1, 3),
+    n=st.integers(1, 30),
+    spread=st.floats(0.0, 3.0),
+    seed=st.integers(0, 10**6),
+)
 @pytest.mark.property
 def test_points_in_boxes_compare_only_the_sides_a_point_may_cross(cases, components, p, n, spread, seed):
     generator = torch.Generator().manual_seed(seed)
     columns = torch.rand(cases, p, n, generator=generator, dtype=torch.float64) * 10
     centre = torch.rand(cases, components, p, generator=generator, dtype=torch.float64) * 10
-    low, high = centre - spread * 4, centre + spread * 4           # from boxes that hold nothing to all of it
-    low[..., 0] = torch.minimum(low[..., 0], columns[:, None, 0].amin(dim=2))     # one side never crossed
+    low, high = centre - spread * 4, centre + spread * 4  # from boxes that hold nothing to all of it
+    low[..., 0] = torch.minimum(low[..., 0], columns[:, None, 0].amin(dim=2))  # one side never crossed
     brute = ((columns[:, None] >= low[..., None]) & (columns[:, None] <= high[..., None])).all(dim=2)
     inside = adaptive._inside_boxes(columns, low, high)
     if inside is None:
@@ -283,7 +312,7 @@ def test_points_in_boxes_compare_only_the_sides_a_point_may_cross(cases, compone
     else:
         assert torch.equal(inside, brute)
     nan = columns.clone()
-    nan[0, 0, 0] = math.nan                                          # a NaN point lies in no box
+    nan[0, 0, 0] = math.nan  # a NaN point lies in no box
     assert not bool(adaptive._inside_boxes(nan, low.clamp(max=0), high.clamp(min=10))[0, :, 0].any())
 
 
@@ -293,6 +322,10 @@ def test_every_case_s_draws_are_its_own_sobol_engine_s(p):
     seeds = [adaptive.case_seed(4, case) for case in range(5)]
     for count in (1, 2, 3, 1023, 1025, 8448):
         drawn = adaptive._case_draws(seeds, count, p, torch.device("cpu"))
-        engines = torch.stack([torch.quasirandom.SobolEngine(p, scramble=True, seed=seed).draw(count, dtype=torch.float64)
-                               for seed in seeds])
+        engines = torch.stack(
+            [
+                torch.quasirandom.SobolEngine(p, scramble=True, seed=seed).draw(count, dtype=torch.float64)
+                for seed in seeds
+            ]
+        )
         assert torch.equal(drawn, engines)

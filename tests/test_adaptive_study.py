@@ -10,8 +10,8 @@ import jobs
 import nnpd
 import settings_analysis
 import settings_training
-from helpers import write_settings
 from gaussian_study import GaussianAnalysis, GaussianExperiment
+from helpers import write_settings
 from nre_analysis import chi_square_quantile
 from settings import SettingsError
 from store import Store
@@ -45,13 +45,16 @@ def test_plan_warns_when_a_fixed_design_under_resolves_before_any_compute():
     assert line.startswith("inference.candidates:") and "\n" not in line
     assert "fixed sobol design of 16384 points" in line and "kind to 'adaptive'" in line
     # (π³/6)·12.59³·(2/√15)⁶ over 10⁶: about 3.2 of the 16384 points inside a 0.95 region.
-    expected = math.pi ** 3 / 6 * chi_square_quantile(0.95, 6) ** 3 * (2 / math.sqrt(15)) ** 6 / 1e6 * 16384
+    expected = math.pi**3 / 6 * chi_square_quantile(0.95, 6) ** 3 * (2 / math.sqrt(15)) ** 6 / 1e6 * 16384
     assert f"about {expected:.3g} inside" in line
     assert analysis_for(6, {"kind": "adaptive", "candidate_count": 10240, "coarse_count": 1024}).plan_warnings() == []
     assert analysis_for(1, {"kind": "sobol", "candidate_count": 16384}).plan_warnings() == []
     grid = analysis_for(4, {"kind": "grid", "candidate_points_per_axis": 8}).plan_warnings()
-    assert len(grid) == 1 and "fixed grid design of 4096 points" in grid[0] and grid[0].endswith(
-        "raise candidate_points_per_axis")
+    assert (
+        len(grid) == 1
+        and "fixed grid design of 4096 points" in grid[0]
+        and grid[0].endswith("raise candidate_points_per_axis")
+    )
     # An enumerated lattice is exact: nothing to warn about.
     assert analysis_for(2, {"kind": "sobol", "candidate_count": 16}, priors=("grid",)).plan_warnings() == []
 
@@ -59,12 +62,16 @@ def test_plan_warns_when_a_fixed_design_under_resolves_before_any_compute():
 @pytest.mark.unit
 def test_adaptive_settings_are_checked_with_one_clear_line():
     analysis = analysis_for(3, {"kind": "adaptive", "candidate_count": 600, "coarse_count": 128})
-    with pytest.raises(SettingsError, match=r"inference.candidates: candidate_count=600 is too small.*"
-                                            r"raise candidate_count or lower coarse_count"):
+    with pytest.raises(
+        SettingsError,
+        match=r"inference.candidates: candidate_count=600 is too small.*"
+        r"raise candidate_count or lower coarse_count",
+    ):
         analysis.validate()
     analysis_for(3, {"kind": "adaptive", "candidate_count": 2048, "coarse_count": 128}).validate()
-    with pytest.raises(SettingsError, match="inference.candidates.kind: 'halton' is not valid; use one of 'sobol', 'grid', "
-                                            "'adaptive'"):
+    with pytest.raises(
+        SettingsError, match="inference.candidates.kind: 'halton' is not valid; use one of 'sobol', 'grid', 'adaptive'"
+    ):
         analysis_for(1, {"kind": "halton"}).validate()
     with pytest.raises(SettingsError, match="inference.candidates.refinement_stages: must be at least 1"):
         analysis_for(1, {"kind": "adaptive", "refinement_stages": 0}).validate()
@@ -91,9 +98,12 @@ settings["plots"] = ["diagnostic_cases"]
 @pytest.mark.launch
 def test_an_adaptive_run_reports_intervals_and_resolution_and_evaluates_what_the_plan_said(tmp_path):
     root = tmp_path / "out"
-    settings = write_settings(tmp_path / "s", root, analysis=ADAPTIVE,
-                              training='settings["problem"]["dimension"] = 2\n'
-                                       'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
+    settings = write_settings(
+        tmp_path / "s",
+        root,
+        analysis=ADAPTIVE,
+        training='settings["problem"]["dimension"] = 2\nsettings["cohort"]["priors"] = ["uniform", "grid"]\n',
+    )
     nnpd.execute("run", "smoke", settings)
     planned = {job["member"]: job for c in nnpd.plan("smoke", settings)["configurations"] for job in c["jobs"]}
     store = Store(root)
@@ -109,7 +119,11 @@ def test_an_adaptive_run_reports_intervals_and_resolution_and_evaluates_what_the
                 assert all(a <= entry["per_axis"][name] <= b for name, (a, b) in entry["per_axis_interval"].items())
         assert metrics["resolution"]["design"] == "adaptive" and metrics["resolution"]["candidate_count"] == 1024
         assert set(metrics["exact_reference"]["resolution"]["flagged"]) == {
-            "few_effective_points", "edge_mass", "disagreement", "any"}
+            "few_effective_points",
+            "edge_mass",
+            "disagreement",
+            "any",
+        }
         member = run.name.rsplit("-", 1)[0]
         artifacts = json.loads((run / "artifacts.json").read_text())
         learned = store.artifact_at(root / artifacts["learned"])
@@ -117,9 +131,9 @@ def test_an_adaptive_run_reports_intervals_and_resolution_and_evaluates_what_the
         assert learned.metadata["model_evaluations"] == workload["model_evaluations"] == 16 * 1025 * 5
         assert learned.metadata["candidates"] == workload["candidate_points"]
         assert learned.array("design_points").shape == (2, 1024, 2)
-        if not jobs.matplotlib_missing():   # the figure draws each retained case on its own points
+        if not jobs.matplotlib_missing():  # the figure draws each retained case on its own points
             assert (run / "plots" / "diagnostic_cases.png").read_bytes().startswith(b"\x89PNG")
-        if member.startswith("grid"):   # the lattice prior is refined on its lattice
+        if member.startswith("grid"):  # the lattice prior is refined on its lattice
             points = learned.array("design_points")[0]
             steps = points[~(points != points).any(axis=1)] / 0.2
             assert abs(steps - steps.round()).max() < 1e-9

@@ -20,16 +20,20 @@ LEVELS = (0.68, 0.95)
 
 def gaussian_log_likelihood(sigma):
     """Reference log p(x|θ) for x ~ N(θ, σ²) per coordinate, summed over coordinates."""
+
     def log_likelihood(x, theta):
         z = (x - theta) / sigma
         return (-0.5 * z * z - math.log(sigma) - 0.5 * math.log(2 * math.pi)).sum(dim=-1)
+
     return log_likelihood
 
 
 def gaussian_simulator(sigma):
     """x ~ N(θ, σ²) per coordinate, drawn with the given generator."""
+
     def simulate(theta, generator):
         return theta + sigma * torch.randn(theta.shape, generator=generator, dtype=torch.float64)
+
     return simulate
 
 
@@ -42,8 +46,9 @@ def exact_case_scores(truths, observations, points, log_measure, sigma):
     """Scores (N, K) and truth scores (N,) with the exact likelihood, one case at a time."""
     ll = gaussian_log_likelihood(sigma)
     scores = torch.stack([case_scores.exact_scores(ll, obs, points, chunk_rows=4096) for obs in observations])
-    truth = torch.stack([case_scores.exact_scores(ll, obs, t[None], chunk_rows=64)[0]
-                         for obs, t in zip(observations, truths)])
+    truth = torch.stack(
+        [case_scores.exact_scores(ll, obs, t[None], chunk_rows=64)[0] for obs, t in zip(observations, truths)]
+    )
     return scores, truth
 
 
@@ -51,11 +56,14 @@ def exact_case_scores(truths, observations, points, log_measure, sigma):
 # HLD against the analytic Gaussian
 # ---------------------------------------------------------------------------
 
+
 @pytest.mark.unit
 def test_hld_matches_analytic_gaussian_interval():
     sigma, m = 1.0, 15
     low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
-    points, log_measure = designs.make_candidates(low, high, [None], {"kind": "grid", "candidate_points_per_axis": 4001}, 0)
+    points, log_measure = designs.make_candidates(
+        low, high, [None], {"kind": "grid", "candidate_points_per_axis": 4001}, 0
+    )
     assert points.shape == (4001, 1)
     truths = torch.tensor([[4.3]], dtype=torch.float64)
     obs = designs.make_observations(gaussian_simulator(sigma), truths, m, seed=3)
@@ -74,8 +82,9 @@ def test_hld_matches_analytic_gaussian_interval():
     assert abs(s["ess"][0] / expected_ess - 1) < 0.02
     # Normaliser: ∫ Π N(x_k; θ, σ²) dθ = Π N(x_k; x̄, σ²) · sqrt(2π σ²/m).
     x = obs[0, :, 0]
-    exact = (float(gaussian_log_likelihood(sigma)(x[:, None], torch.tensor([xbar])).sum())
-             + 0.5 * math.log(2 * math.pi * sigma ** 2 / m))
+    exact = float(gaussian_log_likelihood(sigma)(x[:, None], torch.tensor([xbar])).sum()) + 0.5 * math.log(
+        2 * math.pi * sigma**2 / m
+    )
     assert abs(s["log_normalizer"][0] - exact) < 1e-4
 
 
@@ -83,12 +92,18 @@ def test_hld_matches_analytic_gaussian_interval():
 def test_coverage_is_nominal_in_one_dimension():
     sigma, m = 1.0, 5
     low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
-    truths = designs.make_truths(low, high, torch.tensor([0.2]), {"kind": "sobol", "sobol_truths": 1024,
-                                                                  "truth_margin_fraction": 0.2,
-                                                                  "align_truths_to_grid": False}, seed=1)
+    truths = designs.make_truths(
+        low,
+        high,
+        torch.tensor([0.2]),
+        {"kind": "sobol", "sobol_truths": 1024, "truth_margin_fraction": 0.2, "align_truths_to_grid": False},
+        seed=1,
+    )
     assert truths.shape == (1024, 1)
     obs = designs.make_observations(gaussian_simulator(sigma), truths, m, seed=2)
-    points, log_measure = designs.make_candidates(low, high, [None], {"kind": "grid", "candidate_points_per_axis": 801}, 0)
+    points, log_measure = designs.make_candidates(
+        low, high, [None], {"kind": "grid", "candidate_points_per_axis": 801}, 0
+    )
     scores, truth_scores = exact_case_scores(truths, obs, points, log_measure, sigma)
     s = hpd.hld_summaries(scores, log_measure, points, truth_scores, LEVELS)
     cov = analysis_metrics.coverage_metrics(s, truths.numpy(), LEVELS, ["mean:0"])
@@ -104,12 +119,18 @@ def test_coverage_is_nominal_in_two_dimensions():
     sigma, m = 2.0, 4
     low = torch.tensor([0.0, 0.0], dtype=torch.float64)
     high = torch.tensor([10.0, 10.0], dtype=torch.float64)
-    truths = designs.make_truths(low, high, None, {"kind": "sobol", "sobol_truths": 512, "truth_margin_fraction": 0.3,
-                                                   "align_truths_to_grid": False}, seed=5)
+    truths = designs.make_truths(
+        low,
+        high,
+        None,
+        {"kind": "sobol", "sobol_truths": 512, "truth_margin_fraction": 0.3, "align_truths_to_grid": False},
+        seed=5,
+    )
     assert truths.shape == (1024, 2)
     obs = designs.make_observations(gaussian_simulator(sigma), truths, m, seed=6)
-    points, log_measure = designs.make_candidates(low, high, [None, None],
-                                                  {"kind": "grid", "candidate_points_per_axis": 41}, 0)
+    points, log_measure = designs.make_candidates(
+        low, high, [None, None], {"kind": "grid", "candidate_points_per_axis": 41}, 0
+    )
     scores, truth_scores = exact_case_scores(truths, obs, points, log_measure, sigma)
     s = hpd.hld_summaries(scores, log_measure, points, truth_scores, LEVELS)
     cov = analysis_metrics.coverage_metrics(s, truths.numpy(), LEVELS, ["mean:0", "mean:1"])
@@ -123,6 +144,7 @@ def test_coverage_is_nominal_in_two_dimensions():
 # ---------------------------------------------------------------------------
 # HLD rules: ties, density ranking, errors, stability
 # ---------------------------------------------------------------------------
+
 
 @pytest.mark.unit
 def test_ties_at_the_cutoff_are_all_included():
@@ -143,14 +165,14 @@ def test_ranking_follows_density_not_mass():
     # Candidate 0 has the highest density but a tiny weight; ranked by mass, 1 would come first.
     log_measure = torch.tensor([math.log(0.01), 0.0, 0.0], dtype=torch.float64)
     s = hpd.hld_summaries(scores, log_measure, points, torch.tensor([1.0]), [0.01, 0.5])
-    q = np.array([0.01 * math.e ** 2, math.e, 1.0])
+    q = np.array([0.01 * math.e**2, math.e, 1.0])
     q /= q.sum()
     assert s["mode"][0, 0] == 0.0
     assert s["lower"][0, 0, 0] == 0.0 and s["upper"][0, 0, 0] == 0.0
     assert s["mass"][0, 0] == pytest.approx(q[0])
     assert s["lower"][0, 1, 0] == 0.0 and s["upper"][0, 1, 0] == 1.0
     assert s["threshold"][0, 1] == 1.0 and s["covered"][0, 1] and not s["covered"][0, 0]
-    assert s["ess"][0] == pytest.approx(1 / (q ** 2).sum())
+    assert s["ess"][0] == pytest.approx(1 / (q**2).sum())
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
@@ -193,15 +215,19 @@ def test_huge_score_offsets_are_stable():
 
 
 @hsettings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**31 - 1), count=st.integers(1, 60), tied=st.booleans(),
-       levels=st.lists(st.sampled_from([0.1, 0.5, 0.68, 0.95, 1.0]), min_size=1, max_size=4))
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    count=st.integers(1, 60),
+    tied=st.booleans(),
+    levels=st.lists(st.sampled_from([0.1, 0.5, 0.68, 0.95, 1.0]), min_size=1, max_size=4),
+)
 @pytest.mark.property
 def test_summary_bounds_are_those_of_each_region(seed, count, tied, levels):
     """Every level's bounds are the extremes of its region {score >= threshold}, ties and repeated
     or unordered levels included."""
     gen = torch.Generator().manual_seed(seed)
     scores = torch.randn(3, count, generator=gen, dtype=torch.float64)
-    if tied:    # few distinct densities, some points of none
+    if tied:  # few distinct densities, some points of none
         scores = torch.floor(scores * 2).masked_fill(scores > 1.5, -math.inf)
         scores[:, 0] = 0.0
     points = torch.rand(count, 2, generator=gen, dtype=torch.float64)
@@ -228,7 +254,7 @@ def test_region_bounds_with_any_thresholds(seed, count, levels, non_finite):
     threshold = torch.floor(torch.randn(2, levels, generator=gen, dtype=torch.float64) * 3)
     columns = torch.rand(2, 3, count, generator=gen, dtype=torch.float64)
     lower, upper = hpd.region_bounds(columns, scores, threshold)
-    inside = (scores[:, None, :] >= threshold[:, :, None])[:, :, None, :]      # (B, L, 1, K)
+    inside = (scores[:, None, :] >= threshold[:, :, None])[:, :, None, :]  # (B, L, 1, K)
     expected_lower = torch.where(inside, columns[:, None], math.inf).amin(dim=3)
     expected_upper = torch.where(inside, columns[:, None], -math.inf).amax(dim=3)
     assert torch.equal(lower, expected_lower) and torch.equal(upper, expected_upper)
@@ -243,7 +269,7 @@ def test_summaries_are_vectorised_consistently():
     truth = torch.randn(6, generator=gen, dtype=torch.float64)
     together = hpd.hld_summaries(scores, log_measure, points, truth, LEVELS)
     for i in range(6):
-        alone = hpd.hld_summaries(scores[i:i + 1], log_measure, points, truth[i:i + 1], LEVELS)
+        alone = hpd.hld_summaries(scores[i : i + 1], log_measure, points, truth[i : i + 1], LEVELS)
         for key in together:
             np.testing.assert_array_equal(together[key][i], alone[key][0])
     assert together["lower"].shape == (6, 2, 2) and together["covered"].dtype == bool
@@ -253,11 +279,13 @@ def test_summaries_are_vectorised_consistently():
 # Scores
 # ---------------------------------------------------------------------------
 
+
 def small_network(d, p):
     """A tiny real MLP logit network."""
     torch.manual_seed(11)
-    return torch.nn.Sequential(torch.nn.Linear(d + p, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32),
-                               torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    return torch.nn.Sequential(
+        torch.nn.Linear(d + p, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)
+    )
 
 
 @pytest.mark.unit
@@ -274,22 +302,23 @@ def test_ensemble_scores_do_not_depend_on_chunk_rows():
     gen = torch.Generator().manual_seed(1)
     obs = torch.randn(m, d, generator=gen)
     points = torch.rand(K, p, generator=gen, dtype=torch.float64) * 10
-    reference = case_scores.ensemble_scores(logit_fn, obs, points, 10 ** 7)
+    reference = case_scores.ensemble_scores(logit_fn, obs, points, 10**7)
     assert reference.dtype == torch.float64 and reference.shape == (K,)
     with torch.no_grad():
         rows = torch.cat([obs.repeat(K, 1), points.float().repeat_interleave(m, 0)], dim=1)
         direct = net(rows).reshape(K, m).double().sum(1)
     torch.testing.assert_close(reference, direct, rtol=1e-5, atol=1e-5)
     by_policy = case_scores.ensemble_scores(logit_fn, obs, points, case_scores.EVAL_BLOCK_ROWS)
-    for chunk in (case_scores.EVAL_BLOCK_ROWS, 20000, 10 ** 6):
+    for chunk in (case_scores.EVAL_BLOCK_ROWS, 20000, 10**6):
         # On the CPU every chunk_rows from EVAL_BLOCK_ROWS up gives calls of that many rows: bitwise the same.
         rows_per_call = case_scores.call_policy("cpu", chunk).rows_per_call
         assert torch.equal(case_scores.ensemble_scores(logit_fn, obs, points, rows_per_call), by_policy)
         # Calls of other sizes: the same to float32 rounding.
-        torch.testing.assert_close(case_scores.ensemble_scores(logit_fn, obs, points, chunk), reference,
-                                   **GROUPING_ROUNDING)
+        torch.testing.assert_close(
+            case_scores.ensemble_scores(logit_fn, obs, points, chunk), reference, **GROUPING_ROUNDING
+        )
     few = points[:50]  # small chunks mean many calls: keep them cheap
-    few_reference = case_scores.ensemble_scores(logit_fn, obs, few, 10 ** 7)
+    few_reference = case_scores.ensemble_scores(logit_fn, obs, few, 10**7)
     # Fewer candidates make calls of other shapes, whose BLAS kernels may round otherwise.
     torch.testing.assert_close(few_reference, reference[:50], **GROUPING_ROUNDING)
     for chunk in (1, 7, 15, 16, 100, 301, 4099):
@@ -313,7 +342,9 @@ def test_ensemble_scores_do_not_depend_on_how_many_calls_are_built_together(monk
     obs = torch.randn(cases, m, d, generator=gen)
     points = torch.rand(cases, n, p, generator=gen, dtype=torch.float64) * 10
     counted = case_scores.Evaluations()
-    reference = case_scores.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs, points, case_scores.EVAL_BLOCK_ROWS, counted)
+    reference = case_scores.ensemble_scores(
+        lambda rows: net(rows).squeeze(-1), obs, points, case_scores.EVAL_BLOCK_ROWS, counted
+    )
     assert counted.calls == 12 and counted.rows == cases * n * m and counted.call_rows == 12 * 6016
     with torch.no_grad():
         rows = torch.cat([obs[:, None].expand(-1, n, -1, -1), points.float()[:, :, None].expand(-1, -1, m, -1)], 3)
@@ -323,15 +354,17 @@ def test_ensemble_scores_do_not_depend_on_how_many_calls_are_built_together(monk
     for group_bytes in (1, 3 * width, 4 * width, 7 * width, 1 << 30):
         monkeypatch.setattr(case_scores, "CALL_GROUP_BYTES", group_bytes)
         for column_rows in (True, False):
-            scores = case_scores.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs, points, case_scores.EVAL_BLOCK_ROWS,
-                                                 column_rows=column_rows)
+            scores = case_scores.ensemble_scores(
+                lambda rows: net(rows).squeeze(-1), obs, points, case_scores.EVAL_BLOCK_ROWS, column_rows=column_rows
+            )
             if column_rows:
                 assert torch.equal(scores, reference)
             else:
                 torch.testing.assert_close(scores, reference, **GROUPING_ROUNDING)
         for case in range(cases):
-            alone = case_scores.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs[case], points[case],
-                                                case_scores.EVAL_BLOCK_ROWS)
+            alone = case_scores.ensemble_scores(
+                lambda rows: net(rows).squeeze(-1), obs[case], points[case], case_scores.EVAL_BLOCK_ROWS
+            )
             assert torch.equal(alone, reference[case])
 
 
@@ -344,15 +377,15 @@ def test_each_call_holds_one_case_or_whole_cases_with_their_observations_beside(
     beside = x.permute(0, 2, 1)[..., None]
     block, span, together = case_scores._call_layout(m, cases, n, rows_per_call)
     assert block * m <= max(rows_per_call, m) and span >= n
-    found = torch.zeros(cases, n, dtype=torch.long)          # how often each candidate sits in a call
+    found = torch.zeros(cases, n, dtype=torch.long)  # how often each candidate sits in a call
     for start in range(0, cases * span, block):
         observed = torch.full((d, m, block), math.nan)
         case_scores._fill_observations(observed, beside, start // span, together)
         slots = torch.arange(start, start + block)
         case, position = slots // span, slots % span
         real = (case < cases) & (position < n)
-        assert len(set(case[real].tolist())) <= max(together, 1)     # one case, or whole cases together
-        expected = x[case[real]].permute(2, 1, 0)                   # each candidate's case's, (d, m, candidates)
+        assert len(set(case[real].tolist())) <= max(together, 1)  # one case, or whole cases together
+        expected = x[case[real]].permute(2, 1, 0)  # each candidate's case's, (d, m, candidates)
         assert torch.equal(observed[:, :, real], expected)
         found[case[real], position[real]] += 1
     assert bool((found == 1).all())
@@ -365,9 +398,13 @@ def test_a_network_giving_more_than_one_logit_per_row_is_refused():
     obs, points = torch.randn(15, 2, generator=gen), torch.rand(40, 2, generator=gen, dtype=torch.float64)
     with pytest.raises(ValueError, match="one logit per row"):
         case_scores.ensemble_scores(lambda rows: net(rows).expand(-1, 2), obs, points, case_scores.EVAL_BLOCK_ROWS)
-    column = case_scores.ensemble_scores(lambda rows: net(rows), obs, points, case_scores.EVAL_BLOCK_ROWS)     # (rows, 1) is one
-    assert torch.equal(column, case_scores.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs, points,
-                                                           case_scores.EVAL_BLOCK_ROWS))
+    column = case_scores.ensemble_scores(
+        lambda rows: net(rows), obs, points, case_scores.EVAL_BLOCK_ROWS
+    )  # (rows, 1) is one
+    assert torch.equal(
+        column,
+        case_scores.ensemble_scores(lambda rows: net(rows).squeeze(-1), obs, points, case_scores.EVAL_BLOCK_ROWS),
+    )
 
 
 @pytest.mark.unit
@@ -375,7 +412,7 @@ def test_a_network_that_needs_contiguous_rows_is_given_them():
     d, p, m = 2, 2, 15
     net = small_network(d, p)
 
-    def flattening(rows):     # view(-1) needs contiguous rows
+    def flattening(rows):  # view(-1) needs contiguous rows
         return net(rows.view(-1).view(-1, d + p)).squeeze(-1)
 
     def plain(rows):
@@ -389,10 +426,11 @@ def test_a_network_that_needs_contiguous_rows_is_given_them():
     obs = torch.randn(m, d, generator=gen)
     points = torch.rand(700, p, generator=gen, dtype=torch.float64) * 10
     # Contiguous rows against column rows: the same to float32 rounding (see the test above).
-    torch.testing.assert_close(case_scores.ensemble_scores(flattening, obs, points, case_scores.EVAL_BLOCK_ROWS,
-                                                           column_rows=False),
-                               case_scores.ensemble_scores(plain, obs, points, case_scores.EVAL_BLOCK_ROWS),
-                               **GROUPING_ROUNDING)
+    torch.testing.assert_close(
+        case_scores.ensemble_scores(flattening, obs, points, case_scores.EVAL_BLOCK_ROWS, column_rows=False),
+        case_scores.ensemble_scores(plain, obs, points, case_scores.EVAL_BLOCK_ROWS),
+        **GROUPING_ROUNDING,
+    )
 
 
 @pytest.mark.unit
@@ -402,9 +440,9 @@ def test_exact_scores_do_not_depend_on_chunk_rows():
     obs = torch.randn(9, 3, generator=gen, dtype=torch.float64) + 4
     points = torch.rand(257, 3, generator=gen, dtype=torch.float64) * 8
     ll = gaussian_log_likelihood(sigma)
-    reference = case_scores.exact_scores(ll, obs, points, chunk_rows=10 ** 6)
+    reference = case_scores.exact_scores(ll, obs, points, chunk_rows=10**6)
     z = (obs[None] - points[:, None]) / sigma
-    direct = (-0.5 * z ** 2 - math.log(sigma) - 0.5 * math.log(2 * math.pi)).sum(dim=(1, 2))
+    direct = (-0.5 * z**2 - math.log(sigma) - 0.5 * math.log(2 * math.pi)).sum(dim=(1, 2))
     torch.testing.assert_close(reference, direct, rtol=1e-12, atol=1e-9)
     for chunk in (1, 8, 9, 10, 100, 2000):
         assert torch.equal(case_scores.exact_scores(ll, obs, points, chunk_rows=chunk), reference)
@@ -420,8 +458,7 @@ STEP2 = torch.tensor([0.2, 0.2], dtype=torch.float64)
 
 @pytest.mark.unit
 def test_grid_truths_count_margin_and_order():
-    settings = {"kind": "grid", "truth_points_per_axis": 7, "truth_margin_fraction": 0.1,
-                "align_truths_to_grid": False}
+    settings = {"kind": "grid", "truth_points_per_axis": 7, "truth_margin_fraction": 0.1, "align_truths_to_grid": False}
     truths = designs.make_truths(*BOX2, STEP2, settings, seed=0)
     assert truths.shape == (49, 2) and truths.dtype == torch.float64
     assert designs.truth_count(2, settings) == 49
@@ -439,8 +476,13 @@ def test_sobol_and_size_adaptive_truths():
     assert (truths[:, 1] >= 1.15).all() and (truths[:, 1] <= 3.05).all()
     assert torch.equal(truths, designs.make_truths(*BOX2, STEP2, settings, seed=3))
     assert not torch.equal(truths, designs.make_truths(*BOX2, STEP2, settings, seed=4))
-    adaptive = {"kind": "size_adaptive", "truth_points_per_axis": 7, "sobol_truths": 16,
-                "max_grid_truths": 49, "align_truths_to_grid": False}
+    adaptive = {
+        "kind": "size_adaptive",
+        "truth_points_per_axis": 7,
+        "sobol_truths": 16,
+        "max_grid_truths": 49,
+        "align_truths_to_grid": False,
+    }
     assert designs.make_truths(*BOX2, STEP2, adaptive, seed=0).shape == (49, 2)
     adaptive["max_grid_truths"] = 48
     assert designs.make_truths(*BOX2, STEP2, adaptive, seed=0).shape == (32, 2)
@@ -450,13 +492,18 @@ def test_sobol_and_size_adaptive_truths():
 @pytest.mark.unit
 def test_truths_snap_to_lattice_and_repeat():
     low, high = torch.tensor([0.0], dtype=torch.float64), torch.tensor([10.0], dtype=torch.float64)
-    settings = {"kind": "grid", "truth_points_per_axis": 100, "truth_margin_fraction": 0.1,
-                "align_truths_to_grid": True, "repeats": 1}
+    settings = {
+        "kind": "grid",
+        "truth_points_per_axis": 100,
+        "truth_margin_fraction": 0.1,
+        "align_truths_to_grid": True,
+        "repeats": 1,
+    }
     truths = designs.make_truths(low, high, torch.tensor([0.2], dtype=torch.float64), settings, seed=0)
     lattice = designs.lattice_support(0.0, 10.0, 0.2)
     assert truths.shape == (100, 1)  # every truth stays a case, even where two snap together
     assert torch.equal(torch.unique(truths[:, 0]), lattice[5:46])  # bitwise the candidate lattice
-    assert torch.all(torch.diff(truths[:, 0]) >= 0)                 # order kept
+    assert torch.all(torch.diff(truths[:, 0]) >= 0)  # order kept
     settings["repeats"] = 3
     repeated = designs.make_truths(low, high, torch.tensor([0.2], dtype=torch.float64), settings, seed=0)
     assert torch.equal(repeated, truths.repeat_interleave(3, 0))
@@ -482,6 +529,7 @@ def test_observations_are_ensembles_per_truth_and_deterministic():
 # Candidates
 # ---------------------------------------------------------------------------
 
+
 @pytest.mark.unit
 def test_sobol_candidates_have_weights_summing_to_volume():
     settings = {"kind": "sobol", "candidate_count": 256}
@@ -499,9 +547,10 @@ def test_grid_candidates_integrate_a_known_function():
     assert points.shape == (64 * 64, 2) == (designs.candidate_count_for(2, [None, None], *BOX2, settings), 2)
     w = log_measure.exp()
     assert float((w * (points[:, 0] + 3 * points[:, 1])).sum()) == pytest.approx(
-        3.8 * 50 + 10 * 1.5 * (16 - 0.04), rel=1e-12)  # linear: trapezoid is exact
+        3.8 * 50 + 10 * 1.5 * (16 - 0.04), rel=1e-12
+    )  # linear: trapezoid is exact
     integral = float((w * torch.exp(-points[:, 0] / 5) * points[:, 1] ** 2).sum())
-    exact = 5 * (1 - math.exp(-2)) * (4 ** 3 - 0.2 ** 3) / 3
+    exact = 5 * (1 - math.exp(-2)) * (4**3 - 0.2**3) / 3
     assert integral == pytest.approx(exact, rel=1e-3)
 
 
@@ -541,8 +590,7 @@ def test_all_lattice_prior_is_enumerated_or_merged():
 
 @pytest.mark.unit
 def test_duplicate_points_are_merged_with_summed_weights():
-    points = torch.tensor([[1.0, 2.0], [0.0, 0.0], [1.0, 2.0], [3.0, 1.0], [0.0, 0.0], [1.0, 2.0]],
-                          dtype=torch.float64)
+    points = torch.tensor([[1.0, 2.0], [0.0, 0.0], [1.0, 2.0], [3.0, 1.0], [0.0, 0.0], [1.0, 2.0]], dtype=torch.float64)
     log_measure = torch.tensor([0.1, 0.2, 0.3, 0.4, 0.5, 0.6], dtype=torch.float64).log()
     merged, merged_log = designs.merge_duplicates(points, log_measure)
     assert merged.tolist() == [[1.0, 2.0], [0.0, 0.0], [3.0, 1.0]]
@@ -567,6 +615,7 @@ def test_bad_settings_raise_clear_errors():
 # Metrics
 # ---------------------------------------------------------------------------
 
+
 def hand_summaries():
     """Two cases, one level, two axes, with easy numbers."""
     return {
@@ -580,7 +629,9 @@ def hand_summaries():
 
 @pytest.mark.unit
 def test_bias_metrics_by_hand():
-    out = analysis_metrics.bias_metrics(np.array([[1.0, 2.0], [3.0, 2.0]]), np.array([[0.0, 2.0], [4.0, 0.0]]), ["a", "b"])
+    out = analysis_metrics.bias_metrics(
+        np.array([[1.0, 2.0], [3.0, 2.0]]), np.array([[0.0, 2.0], [4.0, 0.0]]), ["a", "b"]
+    )
     assert out["per_axis"]["a"] == {"signed": 0.0, "absolute": 1.0, "rmse": 1.0}
     assert out["per_axis"]["b"] == {"signed": 1.0, "absolute": 1.0, "rmse": pytest.approx(math.sqrt(2))}
     assert out["rmse"] == pytest.approx(math.sqrt(6 / 4))
@@ -596,11 +647,20 @@ def test_coverage_and_width_metrics_by_hand():
     cov = analysis_metrics.coverage_metrics(s, truths, [0.7], ["a", "b"])
     entry = cov["0.7"]
     assert {k: entry[k] for k in ("nominal", "cases", "per_axis", "mean", "joint")} == {
-        "nominal": 0.7, "cases": 2, "per_axis": {"a": 1.0, "b": 0.5}, "mean": 0.75, "joint": 0.5}
-    z2 = 1.959963984540054 ** 2
+        "nominal": 0.7,
+        "cases": 2,
+        "per_axis": {"a": 1.0, "b": 0.5},
+        "mean": 0.75,
+        "joint": 0.5,
+    }
+    z2 = 1.959963984540054**2
     # Wilson at 1 of 2 is symmetric about 1/2; at 2 of 2 its lower end is n / (n + z²).
-    assert entry["interval"] == pytest.approx([0.5 - 1.959963984540054 * math.sqrt(0.125 + z2 / 16) / (1 + z2 / 2),
-                                               0.5 + 1.959963984540054 * math.sqrt(0.125 + z2 / 16) / (1 + z2 / 2)])
+    assert entry["interval"] == pytest.approx(
+        [
+            0.5 - 1.959963984540054 * math.sqrt(0.125 + z2 / 16) / (1 + z2 / 2),
+            0.5 + 1.959963984540054 * math.sqrt(0.125 + z2 / 16) / (1 + z2 / 2),
+        ]
+    )
     assert entry["per_axis_interval"]["a"] == pytest.approx([2 / (2 + z2), 1.0])
     assert entry["per_axis_interval"]["b"] == pytest.approx(entry["interval"])
     width = analysis_metrics.width_metrics(s, [0.7], ["a", "b"])
@@ -641,12 +701,13 @@ def test_resolution_flags_count_cases_and_warn():
     assert out["flagged"]["any"] == 0 and out["warning"] is None
     out = analysis_metrics.resolution_metrics(s, 200, [0.7], design="sobol")
     assert out["flagged"]["few_effective_points"] == 1 and "1 of 2 cases" in out["warning"]
-    s["ess"] = np.array([3.0, 5.0])    # a low ESS on an enumerated lattice is exact, not under-resolved
+    s["ess"] = np.array([3.0, 5.0])  # a low ESS on an enumerated lattice is exact, not under-resolved
     assert analysis_metrics.resolution_metrics(s, 200, [0.7], design="enumerate")["warning"] is None
     json.dumps(out)
 
 
 # ---------------------------------------------------------------- sample-based checks
+
 
 @pytest.mark.unit
 def test_wasserstein_1d_matches_a_shift_and_respects_weights():
@@ -655,8 +716,9 @@ def test_wasserstein_1d_matches_a_shift_and_respects_weights():
     assert analysis_metrics.wasserstein_1d(a, ones, a + 0.3, ones) == pytest.approx(0.3, abs=1e-9)
     # Weighting b's sample onto its left half moves its mean; W1 to a's left half is then small.
     b_weights = (a < 0.5).double()
-    assert analysis_metrics.wasserstein_1d(a[a < 0.5], torch.ones(int((a < 0.5).sum()), dtype=torch.float64),
-                                           a, b_weights) == pytest.approx(0.0, abs=1e-9)
+    assert analysis_metrics.wasserstein_1d(
+        a[a < 0.5], torch.ones(int((a < 0.5).sum()), dtype=torch.float64), a, b_weights
+    ) == pytest.approx(0.0, abs=1e-9)
 
 
 @pytest.mark.unit
@@ -665,11 +727,11 @@ def test_sliced_wasserstein_reweighting_recovers_a_target():
     source = torch.randn(20000, 2, generator=generator, dtype=torch.float64)
     target = torch.randn(20000, 2, generator=generator, dtype=torch.float64) * 0.5 + torch.tensor([1.0, 0.0])
     # Exact density ratio target/source for N(μ, 0.25 I) over N(0, I).
-    log_ratio = (-((source - torch.tensor([1.0, 0.0])) ** 2).sum(1) / 0.5 + (source ** 2).sum(1) / 2)
+    log_ratio = -((source - torch.tensor([1.0, 0.0])) ** 2).sum(1) / 0.5 + (source**2).sum(1) / 2
     unweighted = analysis_metrics.sliced_wasserstein(target, source, None, seed=1)
     reweighted = analysis_metrics.sliced_wasserstein(target, source, log_ratio, seed=1)
     assert reweighted < 0.25 * unweighted
-    assert analysis_metrics.sliced_wasserstein(target, source, log_ratio, seed=1) == reweighted   # seeded
+    assert analysis_metrics.sliced_wasserstein(target, source, log_ratio, seed=1) == reweighted  # seeded
 
 
 @pytest.mark.unit
@@ -681,14 +743,20 @@ def test_effective_sample_size():
 
 # ---------------------------------------------------------------- randomised (lattice) coverage
 
+
 @pytest.mark.unit
 def test_credibility_upper_adds_the_truths_ties():
     # Masses ∝ e^s at scores 2, 1, 1, 0: the truth at score 1 ties two candidates.
     scores = torch.tensor([[2.0, 1.0, 1.0, 0.0]], dtype=torch.float64)
     points = torch.arange(4, dtype=torch.float64)[:, None]
     q = torch.softmax(scores[0], 0)
-    for truth, low, high in ((3.0, 0.0, 0.0), (2.0, 0.0, q[0]), (1.0, q[0], q[0] + q[1] + q[2]),
-                             (0.5, q[0] + q[1] + q[2], q[0] + q[1] + q[2]), (0.0, 1 - q[3], 1.0)):
+    for truth, low, high in (
+        (3.0, 0.0, 0.0),
+        (2.0, 0.0, q[0]),
+        (1.0, q[0], q[0] + q[1] + q[2]),
+        (0.5, q[0] + q[1] + q[2], q[0] + q[1] + q[2]),
+        (0.0, 1 - q[3], 1.0),
+    ):
         s = hpd.hld_summaries(scores, torch.zeros(4), points, torch.tensor([truth]), [0.5])
         assert s["credibility"][0] == pytest.approx(float(low), abs=1e-15)
         assert s["credibility_upper"][0] == pytest.approx(float(high), abs=1e-15)
@@ -729,8 +797,9 @@ def test_a_second_target_on_the_same_points_gives_what_it_gives_alone():
     first, _, ranking = hpd.weighted_summary(scores, log_measure, points, scores[:, 0], LEVELS)
     for second, kept in ((scores + 3.0, True), (scores + 5 * points[..., 0], False)):
         alone = hpd.weighted_summary(second, log_measure, points, second[:, 0], LEVELS)[0]
-        beside, _, (order, _) = hpd.weighted_summary(second, log_measure, points, second[:, 0], LEVELS,
-                                                     (first, ranking))
+        beside, _, (order, _) = hpd.weighted_summary(
+            second, log_measure, points, second[:, 0], LEVELS, (first, ranking)
+        )
         assert (order is ranking[0]) == kept
         assert alone.keys() == beside.keys()
         for key, value in alone.items():

@@ -1,4 +1,5 @@
 """A simulation bank: a kit study trains on (x, θ) arrays a researcher already has (data.bank)."""
+
 import io
 import os
 import zipfile
@@ -33,8 +34,13 @@ class BankOnly(nre_study.Study):
 
 def settings(**data):
     """Kit settings of one uniform-prior member, training briefly."""
-    return {"seed": 5, "cohort": {"priors": ["uniform"], "replicas": 1}, "priors": {"uniform": {"family": "uniform"}},
-            "data": {**SIZES, **data}, "training": {"epochs": 2, "batch_size": 64}}
+    return {
+        "seed": 5,
+        "cohort": {"priors": ["uniform"], "replicas": 1},
+        "priors": {"uniform": {"family": "uniform"}},
+        "data": {**SIZES, **data},
+        "training": {"epochs": 2, "batch_size": 64},
+    }
 
 
 def simulated_bank(path):
@@ -113,28 +119,46 @@ def truncated_npz(path):
     path.write_bytes(path.read_bytes()[:9000])
 
 
-@pytest.mark.parametrize("make, message", [
-    (lambda p: np.savez(p, x=np.zeros((600, 3)), theta=np.zeros((600, 3))), r"theta \(600, 3\) must be .* \(n, 2\)"),
-    (lambda p: np.savez(p, x=np.zeros((100, 3)), theta=np.zeros((100, 2))), "holds 100 simulations; .* ask for 450"),
-    (lambda p: np.savez(p, x=np.zeros((600, 3)), theta=np.full((600, 2), np.nan)), r"must be real numbers \(θ finite\)"),
-    (lambda p: np.savez(p, y=np.zeros(3)), "cannot read"),
-    (lambda p: np.savez(p, x=np.zeros((600, 4)), theta=np.zeros((600, 2))), "x has 4 numbers per row where Line"),
-    (lambda p: p.write_bytes(b"not a bank"), "cannot read"),
-    (lambda p: p.write_bytes(npy_bytes(np.zeros((600, 3)))), r"one array of a \.npy file, not an \.npz archive"),
-    (truncated_npz, r"cannot read .*bank\.npz as a bank \(.*\); save one with numpy\.savez"),
-    (lambda p: npz_with_header(p, (10**12, 3)), r"declares 3,000,000,000,000 numbers, over the 100,000,000"),
-    (lambda p: np.savez(p, x=np.array([[1.0, 2.0]], dtype=object), theta=np.zeros((1, 2))),
-     "holds object, not real numbers"),
-    (lambda p: np.savez(p, x=np.zeros((600, 0)), theta=np.zeros((600, 2))), r"\(n, d\) and \(n, 2\), d ≥ 1"),
-    (lambda p: np.savez(p, x=np.full((600, 3), 1e300), theta=np.zeros((600, 2))),
-     r"its x holds finite values beyond float32's range .* rescale them"),
-    (lambda p: np.savez(p, x=np.zeros((600, 3)), theta=np.full((600, 2), 1e39)), "its theta holds finite values"),
-    (lambda p: np.savez(p, x=np.zeros((600, 3)) + 1j, theta=np.zeros((600, 2))), "holds complex128, not real"),
-    (lambda p: p.mkdir(), r"is not a regular file \(a folder, FIFO or device\)"),
-    (lambda p: os.mkfifo(p), r"is not a regular file"),           # opening it would block for ever
-    (lambda p: np.savez(p, x=np.zeros((600, 3)), theta=np.full((600, 2), 2.5)),
-     r"100\.0% of its θ rows lie outside the parameter box \(e\.g\. θ = \[2\.5, 2\.5\]\).*; widen `parameters`"),
-])
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (
+            lambda p: np.savez(p, x=np.zeros((600, 3)), theta=np.zeros((600, 3))),
+            r"theta \(600, 3\) must be .* \(n, 2\)",
+        ),
+        (
+            lambda p: np.savez(p, x=np.zeros((100, 3)), theta=np.zeros((100, 2))),
+            "holds 100 simulations; .* ask for 450",
+        ),
+        (
+            lambda p: np.savez(p, x=np.zeros((600, 3)), theta=np.full((600, 2), np.nan)),
+            r"must be real numbers \(θ finite\)",
+        ),
+        (lambda p: np.savez(p, y=np.zeros(3)), "cannot read"),
+        (lambda p: np.savez(p, x=np.zeros((600, 4)), theta=np.zeros((600, 2))), "x has 4 numbers per row where Line"),
+        (lambda p: p.write_bytes(b"not a bank"), "cannot read"),
+        (lambda p: p.write_bytes(npy_bytes(np.zeros((600, 3)))), r"one array of a \.npy file, not an \.npz archive"),
+        (truncated_npz, r"cannot read .*bank\.npz as a bank \(.*\); save one with numpy\.savez"),
+        (lambda p: npz_with_header(p, (10**12, 3)), r"declares 3,000,000,000,000 numbers, over the 100,000,000"),
+        (
+            lambda p: np.savez(p, x=np.array([[1.0, 2.0]], dtype=object), theta=np.zeros((1, 2))),
+            "holds object, not real numbers",
+        ),
+        (lambda p: np.savez(p, x=np.zeros((600, 0)), theta=np.zeros((600, 2))), r"\(n, d\) and \(n, 2\), d ≥ 1"),
+        (
+            lambda p: np.savez(p, x=np.full((600, 3), 1e300), theta=np.zeros((600, 2))),
+            r"its x holds finite values beyond float32's range .* rescale them",
+        ),
+        (lambda p: np.savez(p, x=np.zeros((600, 3)), theta=np.full((600, 2), 1e39)), "its theta holds finite values"),
+        (lambda p: np.savez(p, x=np.zeros((600, 3)) + 1j, theta=np.zeros((600, 2))), "holds complex128, not real"),
+        (lambda p: p.mkdir(), r"is not a regular file \(a folder, FIFO or device\)"),
+        (lambda p: os.mkfifo(p), r"is not a regular file"),  # opening it would block for ever
+        (
+            lambda p: np.savez(p, x=np.zeros((600, 3)), theta=np.full((600, 2), 2.5)),
+            r"100\.0% of its θ rows lie outside the parameter box \(e\.g\. θ = \[2\.5, 2\.5\]\).*; widen `parameters`",
+        ),
+    ],
+)
 @pytest.mark.unit
 def test_a_bad_bank_is_refused_naming_the_setting(tmp_path, make, message):
     path = tmp_path / "bank.npz"
@@ -145,11 +169,14 @@ def test_a_bad_bank_is_refused_naming_the_setting(tmp_path, make, message):
         Line(settings(bank=str(path), pairing="fixed")).validate()
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"x": 1, "theta": 2}, r'expected "bank\.npz" .* got \{'),
-    ("/dev/zero", r"/dev/zero is not a regular file"),            # was read as "pickled data"
-    ({"x": "/dev/zero", "theta": "/dev/zero"}, r"\.x: /dev/zero is not a regular file"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        ({"x": 1, "theta": 2}, r'expected "bank\.npz" .* got \{'),
+        ("/dev/zero", r"/dev/zero is not a regular file"),  # was read as "pickled data"
+        ({"x": "/dev/zero", "theta": "/dev/zero"}, r"\.x: /dev/zero is not a regular file"),
+    ],
+)
 @pytest.mark.unit
 def test_a_bank_setting_that_names_no_bank_file_is_refused_in_one_line(spec, message):
     with pytest.raises(SettingsError, match=rf"^data\.bank.*{message}"):
@@ -159,23 +186,25 @@ def test_a_bank_setting_that_names_no_bank_file_is_refused_in_one_line(spec, mes
 @pytest.mark.unit
 def test_bank_theta_a_little_outside_the_box_is_a_plan_warning_naming_the_share(tmp_path):
     theta = np.random.default_rng(0).uniform(-1, 1, (600, 2))
-    theta[:30, 0] = 1.5                                          # 5% outside
+    theta[:30, 0] = 1.5  # 5% outside
     np.savez(tmp_path / "bank.npz", x=np.zeros((600, 3)), theta=theta)
     study = Line({**settings(bank=str(tmp_path / "bank.npz")), "output": {"root": str(tmp_path / "out")}})
     study.validate()
-    assert study.plan_warnings() == [r"data.bank: 5.0% of its θ rows lie outside the parameter box (e.g. θ = "
-                                     f"{[1.5, round(float(theta[0, 1]), 4)]}), where no posterior is computed; widen "
-                                     "`parameters` until it holds them (docs/training.md, \"What `data` counts: "
-                                     'simulations, each a joint pair used twice")']
+    assert study.plan_warnings() == [
+        r"data.bank: 5.0% of its θ rows lie outside the parameter box (e.g. θ = "
+        f"{[1.5, round(float(theta[0, 1]), 4)]}), where no posterior is computed; widen "
+        '`parameters` until it holds them (docs/training.md, "What `data` counts: '
+        'simulations, each a joint pair used twice")'
+    ]
 
 
-BANK_STUDY = '''
+BANK_STUDY = """
 import nre_study
 
 
 class BankOnly(nre_study.Study):
     parameters = {"slope": (-1.0, 1.0), "offset": (-1.0, 1.0)}
-'''
+"""
 
 
 @pytest.mark.launch
@@ -186,11 +215,14 @@ def test_the_command_line_trains_a_bank_study_refuses_its_analysis_and_infers(tm
 
     simulated_bank(tmp_path / "bank.npz")
     module = f"bank_{tmp_path.name}"
-    training = (f'settings["experiment"] = "{module}:BankOnly"\ndel settings["problem"]\n'
-                f'settings["cohort"]["priors"] = ["uniform"]\n'
-                f'settings["data"] = {{**{SIZES!r}, "bank": {str(tmp_path / "bank.npz")!r}}}\n')
-    folder = write_settings(tmp_path / "settings", tmp_path / "out", training,
-                            'settings = {"analysis": "nre_analysis:NREAnalysis"}\n')
+    training = (
+        f'settings["experiment"] = "{module}:BankOnly"\ndel settings["problem"]\n'
+        f'settings["cohort"]["priors"] = ["uniform"]\n'
+        f'settings["data"] = {{**{SIZES!r}, "bank": {str(tmp_path / "bank.npz")!r}}}\n'
+    )
+    folder = write_settings(
+        tmp_path / "settings", tmp_path / "out", training, 'settings = {"analysis": "nre_analysis:NREAnalysis"}\n'
+    )
     (folder / f"{module}.py").write_text(BANK_STUDY)
     refused = main_in_process("run", "--settings-dir", str(folder))
     assert refused.returncode == 2 and "BankOnly defines no simulate(theta, generator)" in refused.stderr
@@ -201,5 +233,5 @@ def test_the_command_line_trains_a_bank_study_refuses_its_analysis_and_infers(tm
     np.save(tmp_path / "x.npy", np.array([0.5, 0.2, -0.1]))
     inferred = main_in_process("infer", str(run), "--observations", str(tmp_path / "x.npy"), "--samples", "200")
     assert inferred.returncode == 0, inferred.stderr
-    summary = json.loads((tmp_path / f"x-uniform-r0.posterior.json").read_text())
+    summary = json.loads((tmp_path / "x-uniform-r0.posterior.json").read_text())
     assert summary["parameters"] == ["slope", "offset"] and len(summary["mean"]) == 2

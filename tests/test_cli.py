@@ -1,4 +1,5 @@
 """The command line: plan, the real smoke profile, verify, and user errors."""
+
 import json
 import os
 import shutil
@@ -45,7 +46,7 @@ def test_default_profile_plan_is_one_factor_at_a_time():
 @pytest.mark.launch
 def test_smoke_profile_runs_reruns_for_free_and_verifies(tmp_path):
     for name in ("settings_training.py", "settings_analysis.py"):
-        shutil.copy(REPO / name, tmp_path / name)     # the real smoke profile, run from tmp_path
+        shutil.copy(REPO / name, tmp_path / name)  # the real smoke profile, run from tmp_path
     first = run_cli("run", "--profile", "smoke", cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     root = tmp_path / "outputs" / "smoke"
@@ -53,7 +54,7 @@ def test_smoke_profile_runs_reruns_for_free_and_verifies(tmp_path):
     assert len(weights) == 4
     metrics = list(root.glob("runs/*/*/metrics.json"))
     assert len(metrics) == 4
-    second = main_in_process("run", "--profile", "smoke", cwd=tmp_path)     # the re-run and verify in-process
+    second = main_in_process("run", "--profile", "smoke", cwd=tmp_path)  # the re-run and verify in-process
     assert second.returncode == 0, second.stderr
     assert {p: p.stat().st_mtime_ns for p in root.glob("cache/model/*/weights.pt")} == weights
     verified = main_in_process("verify", "--profile", "smoke", cwd=tmp_path)
@@ -72,7 +73,7 @@ USER_ERRORS = [
     ('settings["runtime"]["device"] = "mps"\n', "", "train", "runtime.device"),
     ('settings["cohort"]["priors"] = ["uniform", "uniform"]\n', "", "train", "cohort.priors"),
     ('settings["seed"] = "abc"\n', "", "train", "seed"),
-    ('settings["output"]["root"] = " "\n', "", "train", "output.root"),   # left out, it is outputs/<profile>
+    ('settings["output"]["root"] = " "\n', "", "train", "output.root"),  # left out, it is outputs/<profile>
 ]
 
 
@@ -109,22 +110,30 @@ def test_verify_without_a_store_is_a_clear_error(tmp_path):
 
 @pytest.mark.unit
 def test_posterior_of_a_grid_prior_on_continuous_candidates_is_refused_at_plan_time(tmp_path):
-    settings = write_settings(tmp_path / "s", tmp_path / "out",
-                              analysis='settings["inference"]["candidates"]["native_grid_prior"] = False\n')
+    settings = write_settings(
+        tmp_path / "s", tmp_path / "out", analysis='settings["inference"]["candidates"]["native_grid_prior"] = False\n'
+    )
     result = main_in_process("plan", "--settings-dir", str(settings))
-    assert result.returncode == 2                       # a settings error, as for run
+    assert result.returncode == 2  # a settings error, as for run
     assert any("native_grid_prior" in error for error in json.loads(result.stdout)["errors"])
     assert "native_grid_prior" in result.stderr
 
 
 @pytest.mark.launch
 def test_a_run_killed_mid_training_loses_nothing_committed(tmp_path):
-    settings = write_settings(tmp_path / "s", tmp_path / "out",
-                              training='settings["data"]["train"] = 20_000\nsettings["training"]["epochs"] = 3\n'
-                                       'settings["runtime"]["resume_seconds"] = 0.1\n')
+    settings = write_settings(
+        tmp_path / "s",
+        tmp_path / "out",
+        training='settings["data"]["train"] = 20_000\nsettings["training"]["epochs"] = 3\n'
+        'settings["runtime"]["resume_seconds"] = 0.1\n',
+    )
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    process = subprocess.Popen([sys.executable, str(REPO / "nnpd.py"), "train", "--settings-dir", str(settings)],
-                               env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, str(REPO / "nnpd.py"), "train", "--settings-dir", str(settings)],
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     models = tmp_path / "out" / "cache" / "model"
     states = tmp_path / "out" / "scratch" / "model"
 
@@ -147,8 +156,8 @@ def test_a_run_killed_mid_training_loses_nothing_committed(tmp_path):
     result = run_cli("train", "--settings-dir", str(settings))
     assert result.returncode == 0, result.stderr
     after = {p: p.stat().st_mtime_ns for p in models.glob("[0-9a-f]*/artifact.json")}
-    assert len(after) == 4 and all(after[p] == stamp for p, stamp in first.items())   # kept, not retrained
-    assert interrupted <= {path.parent.name for path in after}                        # and the killed one built
+    assert len(after) == 4 and all(after[p] == stamp for p, stamp in first.items())  # kept, not retrained
+    assert interrupted <= {path.parent.name for path in after}  # and the killed one built
     verified = main_in_process("verify", "--settings-dir", str(settings))
     assert verified.returncode == 0 and json.loads(verified.stdout)["damaged"] == []
-    assert not list((tmp_path / "out" / "cache").glob("*/.tmp-*"))   # the killed build's leftovers are gone
+    assert not list((tmp_path / "out" / "cache").glob("*/.tmp-*"))  # the killed build's leftovers are gone

@@ -15,9 +15,11 @@ pytestmark = pytest.mark.launch
 
 # The base settings' candidates (coarse_count 64, candidate_count 1024, refinement_stages 3), adaptive.
 ADAPTIVE = 'settings["inference"]["candidates"]["kind"] = "adaptive"\n'
-WARNED = re.compile(r"coarse pass of (\d+) points puts about ([\d.]+) inside .*raise "
-                    r"inference\.candidates\.coarse_count to about ([\d,]+)(?: and candidate_count to at least "
-                    r"([\d,]+), which that needs)?$")
+WARNED = re.compile(
+    r"coarse pass of (\d+) points puts about ([\d.]+) inside .*raise "
+    r"inference\.candidates\.coarse_count to about ([\d,]+)(?: and candidate_count to at least "
+    r"([\d,]+), which that needs)?$"
+)
 
 
 def plan_of(folder, dimension=None, analysis=ADAPTIVE, profile="smoke"):
@@ -25,8 +27,13 @@ def plan_of(folder, dimension=None, analysis=ADAPTIVE, profile="smoke"):
     if dimension is None:
         result = run_cli("plan", "--profile", profile)
     else:
-        settings = write_settings(folder / "settings", folder / "out", tiny=False, analysis=analysis,
-                                  training=f'settings["problem"]["dimension"] = {dimension}\n')
+        settings = write_settings(
+            folder / "settings",
+            folder / "out",
+            tiny=False,
+            analysis=analysis,
+            training=f'settings["problem"]["dimension"] = {dimension}\n',
+        )
         result = run_cli("plan", "--settings-dir", str(settings))
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
@@ -44,8 +51,12 @@ def plans(tmp_path_factory):
         6: lambda: plan_of(tmp_path_factory.mktemp("d6"), 6),
         1: lambda: plan_of(tmp_path_factory.mktemp("d1"), 1),
         3: lambda: plan_of(tmp_path_factory.mktemp("d3"), 3),
-        "fixed": lambda: plan_of(tmp_path_factory.mktemp("fixed"), 6, analysis=ADAPTIVE + (
-            'settings["inference"]["candidates"].update(coarse_count=477, candidate_count=2676)\n')),
+        "fixed": lambda: plan_of(
+            tmp_path_factory.mktemp("fixed"),
+            6,
+            analysis=ADAPTIVE
+            + ('settings["inference"]["candidates"].update(coarse_count=477, candidate_count=2676)\n'),
+        ),
         "smoke": lambda: plan_of(None, profile="smoke"),
         "default": lambda: plan_of(None, profile="default"),
     }
@@ -55,14 +66,14 @@ def plans(tmp_path_factory):
 def test_plan_warns_at_d6_with_the_base_coarse_count_and_names_the_fix(plans):
     plan = plans[6]
     assert plan["errors"] == []
-    (line,) = coarse_lines(plan)          # one line for the configuration, naming every prior short of points
+    (line,) = coarse_lines(plan)  # one line for the configuration, naming every prior short of points
     assert line.startswith("configuration ") and "inference.candidates: the adaptive design's" in line
     assert "priors uniform, normal, exponential, grid" in line
     coarse, near, needed, total = WARNED.search(line).groups()
     assert int(coarse) == 64
     # The grid prior's lattice widens the box by a step per axis, so it is the sparsest:
     # 64 · (π³/6)·(2·√χ²₆(0.95))⁶·(2/√15)⁶ / 10.2⁶ ≈ 0.71 coarse points near a posterior.
-    expected = 64 * math.pi ** 3 / 6 * (4 * chi_square_quantile(0.95, 6)) ** 3 * (2 / math.sqrt(15)) ** 6 / 10.2 ** 6
+    expected = 64 * math.pi**3 / 6 * (4 * chi_square_quantile(0.95, 6)) ** 3 * (2 / math.sqrt(15)) ** 6 / 10.2**6
     assert float(near) == pytest.approx(expected, rel=2e-3) and float(near) < MIN_COARSE_NEIGHBOURS
     assert int(needed.replace(",", "")) == math.ceil(64 * MIN_COARSE_NEIGHBOURS / expected) == 477
     # The learned product refines two targets: 477 · (3 + 1) points and 2 · 2 · 6 · 32 probes.

@@ -1,6 +1,6 @@
 """The study on CUDA: precisions, restore onto CUDA and CPU, NCCL DDP. Skipped without a GPU."""
+
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,9 +10,11 @@ import nnpd
 from helpers import torchrun, write_settings
 from store import restore
 
-pytestmark = [pytest.mark.launch,
-              pytest.mark.cuda,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)")]
+pytestmark = [
+    pytest.mark.launch,
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (none visible)"),
+]
 
 
 def precision_supported(precision):
@@ -25,7 +27,7 @@ def assert_same_state(on_cpu, on_gpu):
     assert on_cpu.keys() == on_gpu.keys()
     for name, tensor in on_gpu.items():
         assert tensor.is_cuda and on_cpu[name].device.type == "cpu"
-        assert on_cpu[name].dtype == tensor.dtype == torch.float32, name   # autocast never lowers the weights
+        assert on_cpu[name].dtype == tensor.dtype == torch.float32, name  # autocast never lowers the weights
         assert torch.equal(on_cpu[name], tensor.cpu()), name
 
 
@@ -33,10 +35,13 @@ def assert_same_state(on_cpu, on_gpu):
 def test_single_gpu_run_and_restore_on_cuda_and_cpu(tmp_path, precision):
     if not precision_supported(precision):
         pytest.skip(f"{torch.cuda.get_device_name()} does not support bfloat16")
-    settings = write_settings(tmp_path / "s", tmp_path / "out",
-                              training=f'settings["runtime"]["device"] = "cuda"\n'
-                                       f'settings["training"]["precision"] = "{precision}"\n'
-                                       'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
+    settings = write_settings(
+        tmp_path / "s",
+        tmp_path / "out",
+        training=f'settings["runtime"]["device"] = "cuda"\n'
+        f'settings["training"]["precision"] = "{precision}"\n'
+        'settings["cohort"]["priors"] = ["uniform", "grid"]\n',
+    )
     nnpd.execute("run", "smoke", settings)
     runs = sorted(p.parent for p in (tmp_path / "out").glob("runs/*/*/run.json"))
     assert len(runs) == 2
@@ -55,24 +60,31 @@ def test_single_gpu_run_and_restore_on_cuda_and_cpu(tmp_path, precision):
 
 
 def test_a_cpu_launch_does_not_reuse_a_gpu_model(tmp_path):
-    settings = write_settings(tmp_path / "s", tmp_path / "out",
-                              training='settings["runtime"]["device"] = "cuda"\n'
-                                       'settings["cohort"]["priors"] = ["uniform"]\n')
+    settings = write_settings(
+        tmp_path / "s",
+        tmp_path / "out",
+        training='settings["runtime"]["device"] = "cuda"\nsettings["cohort"]["priors"] = ["uniform"]\n',
+    )
     nnpd.execute("train", "smoke", settings)
-    write_settings(tmp_path / "s", tmp_path / "out", training='settings["runtime"]["device"] = "cpu"\n'
-                                                              'settings["cohort"]["priors"] = ["uniform"]\n')
+    write_settings(
+        tmp_path / "s",
+        tmp_path / "out",
+        training='settings["runtime"]["device"] = "cpu"\nsettings["cohort"]["priors"] = ["uniform"]\n',
+    )
     nnpd.execute("train", "smoke", settings)
     models = list((tmp_path / "out").glob("cache/model/*"))
     data = list((tmp_path / "out").glob("cache/training-data/*"))
-    assert len(models) == 2 and len(data) == 1      # shared data, never a shared model
+    assert len(models) == 2 and len(data) == 1  # shared data, never a shared model
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two visible CUDA GPUs")
 @pytest.mark.parametrize("parallel", ["jobs", "ddp"])
 def test_two_gpus_under_torchrun(tmp_path, parallel):
-    settings = write_settings(tmp_path / "s", tmp_path / "out",
-                              training=f'settings["runtime"]["device"] = "cuda"\n'
-                                       f'settings["runtime"]["parallel"] = "{parallel}"\n')
+    settings = write_settings(
+        tmp_path / "s",
+        tmp_path / "out",
+        training=f'settings["runtime"]["device"] = "cuda"\nsettings["runtime"]["parallel"] = "{parallel}"\n',
+    )
     result = torchrun("run", "--settings-dir", str(settings), extra_env={"CUDA_VISIBLE_DEVICES": "0,1"})
     assert result.returncode == 0, result.stdout + result.stderr
     runs = sorted(p.parent for p in (tmp_path / "out").glob("runs/*/*/run.json"))

@@ -18,15 +18,16 @@ import torch
 import probes
 import runtime
 import trainer
-from helpers import BATCHES, EPOCHS, REPO, Recorder, SEED, SETTINGS, make_data, make_model
+from helpers import BATCHES, EPOCHS, REPO, SEED, SETTINGS, Recorder, make_data, make_model
 
 NO_GPU = "needs a CUDA GPU (none visible)"
 
 
 def on_cuda(*values):
     """A parametrize case that needs a GPU: marked `cuda`, skipped with the reason without one."""
-    return pytest.param(*values, marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(),
-                                                                               reason=NO_GPU)])
+    return pytest.param(
+        *values, marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_GPU)]
+    )
 
 
 def skip_unsupported(device, precision):
@@ -47,15 +48,21 @@ def launched(device):
 
 def train_case(rt, precision, hooks=None, model=None):
     """test_resume's recipe (dropout, clipping, balanced objective) at a precision on rt's device."""
-    return trainer.train(model or make_model(), make_data(), {**SETTINGS, "precision": precision}, rt, SEED,
-                         hooks=hooks)
+    return trainer.train(
+        model or make_model(), make_data(), {**SETTINGS, "precision": precision}, rt, SEED, hooks=hooks
+    )
 
 
 def differences(a, b, path="") -> list:
     """Where two saved states differ: tensors bitwise (dtype and shape too), everything else by ==."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        same = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
+        same = (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
         return [] if same else [path or "/"]
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
@@ -73,8 +80,13 @@ def load(path):
 
 # ---------------------------------------------------------------- bitwise resume at every precision
 
-RESUME_CASES = [("cpu", "off"), ("cpu", "bfloat16"),
-                on_cuda("cuda", "off"), on_cuda("cuda", "float16"), on_cuda("cuda", "bfloat16")]
+RESUME_CASES = [
+    ("cpu", "off"),
+    ("cpu", "bfloat16"),
+    on_cuda("cuda", "off"),
+    on_cuda("cuda", "float16"),
+    on_cuda("cuda", "bfloat16"),
+]
 
 
 def stop_step(device, precision) -> int:
@@ -87,8 +99,9 @@ def check_dropout_streams(saved, device):
     (streams,) = [part["rng"] for part in saved["ranks"]]
     assert isinstance(streams["cpu"], torch.Tensor)
     if device == "cuda":
-        assert isinstance(streams["cuda"], torch.Tensor) and streams["cuda"].dtype == torch.uint8, \
+        assert isinstance(streams["cuda"], torch.Tensor) and streams["cuda"].dtype == torch.uint8, (
             "the saved state lacks the CUDA random stream that dropout on the GPU draws from"
+        )
 
 
 @pytest.mark.parametrize("device, precision", RESUME_CASES)
@@ -100,7 +113,7 @@ def test_a_stop_at_a_random_step_resumes_to_the_same_bits(tmp_path, device, prec
     step = stop_step(device, precision)
     whole, part = Recorder(tmp_path / "whole.pt"), Recorder(tmp_path / "part.pt", stop_after=step)
     with launched(device) as rt:
-        reference = train_case(rt, precision, whole.hooks(load=False))    # saves at each epoch end
+        reference = train_case(rt, precision, whole.hooks(load=False))  # saves at each epoch end
         with pytest.raises(trainer.Preempted) as stopped:
             train_case(rt, precision, part.hooks())
         assert stopped.value.saved and part.polls == step
@@ -109,7 +122,7 @@ def test_a_stop_at_a_random_step_resumes_to_the_same_bits(tmp_path, device, prec
         # Another initialisation: everything must come from the saved state.
         result = train_case(rt, precision, resumed.hooks(), model=make_model(seed=99))
     assert resumed.resumed == [(stopped.value.epoch, stopped.value.batch)], f"stopped after step {step}"
-    final, expected = load(part.path), load(whole.path)   # the states saved at the last epoch end
+    final, expected = load(part.path), load(whole.path)  # the states saved at the last epoch end
     assert final["state"]["epoch"] == EPOCHS and final["state"]["history"]["train_loss"]
     assert (final["state"]["scaler"] != {}) == (precision == "float16")  # the scaler's state is compared too
     assert differences(final["state"], expected["state"]) == [], f"stopped after step {step}"
@@ -151,7 +164,7 @@ def test_training_steps_never_wait_for_the_gpu(precision):
     try:
         torch.cuda.set_sync_debug_mode("error")
         with pytest.raises(RuntimeError, match="synchroniz"):
-            torch.ones(1, device="cuda").item()      # the mode really catches a synchronisation here
+            torch.ones(1, device="cuda").item()  # the mode really catches a synchronisation here
         torch.cuda.set_sync_debug_mode("default")
         with launched("cuda") as rt:
             weights, history = train_case(rt, precision, trainer.TrainingHooks(stop_requested=guard))
@@ -169,7 +182,7 @@ def stop_then_resume(rt, precision, path, step):
     try:
         train_case(rt, precision, Recorder(path, stop_after=step).hooks())
     except trainer.Preempted:
-        pass        # leaving the block drops the exception, and with it the frames it holds
+        pass  # leaving the block drops the exception, and with it the frames it holds
     else:
         raise AssertionError(f"no stop after step {step}")
     return train_case(rt, precision, Recorder(path).hooks())
@@ -190,7 +203,7 @@ def test_a_whole_training_leaves_no_gpu_memory_allocated(tmp_path, precision):
         torch.cuda.reset_peak_memory_stats()
         weights, _ = stop_then_resume(rt, precision, tmp_path / "state.pt", step=BATCHES + 3)
         gc.collect()
-        assert torch.cuda.max_memory_allocated() > before        # the measured training did use the GPU
+        assert torch.cuda.max_memory_allocated() > before  # the measured training did use the GPU
         assert torch.cuda.memory_allocated() == before
     assert all(t.device.type == "cpu" for t in weights.values())
 
@@ -215,8 +228,9 @@ def all_reduce_check(device: str, directory: str) -> dict:
     try:
         rt = runtime.Runtime(device=where, parallel="ddp", world_size=1)
         torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(2, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64),
-                                    torch.nn.ReLU(), torch.nn.Linear(64, 1)).to(where)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(2, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
+        ).to(where)
         ids = [where.index] if where.type == "cuda" else None
         native = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), device_ids=ids)
         timed = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(model), device_ids=ids)
@@ -226,6 +240,7 @@ def all_reduce_check(device: str, directory: str) -> dict:
             """The trainer's hook, counting its calls."""
             calls.append(bucket.index())
             return hook(state, bucket)
+
         timed.register_comm_hook(None, counted)
         generator, same, nonzero = torch.Generator().manual_seed(1), [], []
         for _ in range(3):
@@ -247,11 +262,20 @@ def all_reduce_check(device: str, directory: str) -> dict:
 
 def run_all_reduce_check(device, tmp_path) -> dict:
     """all_reduce_check in a fresh process with NNPD_PROBES_CUDA=1, as a launch would set it."""
-    environment = {name: value for name, value in os.environ.items()
-                   if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNPD_PROBES")}
+    environment = {
+        name: value
+        for name, value in os.environ.items()
+        if name not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "NNPD_PROBES")
+    }
     environment.update(NNPD_PROBES_CUDA="1", OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    done = subprocess.run([sys.executable, __file__, "all-reduce", device, str(tmp_path)], cwd=REPO,
-                          env=environment, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [sys.executable, __file__, "all-reduce", device, str(tmp_path)],
+        cwd=REPO,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(done.stdout.splitlines()[-1])
 
@@ -264,7 +288,7 @@ def test_the_timed_all_reduce_gives_ddps_own_gradients_and_is_timed(tmp_path, de
     found = run_all_reduce_check(device, tmp_path)
     assert found["mode"] != "off"
     assert found["same"] == [True] * 3 and all(found["nonzero"])
-    assert found["calls"] >= 3                           # at least one bucket per backward pass
+    assert found["calls"] >= 3  # at least one bucket per backward pass
     record = found["record"]
     assert record is not None and record["count"] + record["nested"] == found["calls"] and record["count"] >= 1
     # NNPD_PROBES_CUDA=1: CUDA events time NCCL's all-reduce; Gloo's span is host time only.

@@ -36,8 +36,19 @@ def _torchrun(tmp_path, mode, nproc=2, timeout=120, device="cpu", arguments=()):
     output = tmp_path / f"{mode}.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-        str(WORKER), str(output), mode, str(ROWS), str(BATCH), str(EPOCHS), device, *map(str, arguments),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(WORKER),
+        str(output),
+        mode,
+        str(ROWS),
+        str(BATCH),
+        str(EPOCHS),
+        device,
+        *map(str, arguments),
     ]
     began = time.monotonic()
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -106,9 +117,10 @@ def test_two_gloo_ranks_reproduce_re_paired_and_contrastive_training(tmp_path):
     worker = _worker_module()
     rt = runtime.Runtime(device=torch.device("cpu"))
     for name, settings in worker.joint_settings(BATCH, EPOCHS).items():
-        weights, history = trainer.train(worker.make_model(), worker.make_joint_data(ROWS), settings, rt,
-                                         seed=worker.SEED)
-        rows = ROWS if name == "contrastive" else 2 * ROWS     # a loss per pair, or per row and re-paired row
+        weights, history = trainer.train(
+            worker.make_model(), worker.make_joint_data(ROWS), settings, rt, seed=worker.SEED
+        )
+        rows = ROWS if name == "contrastive" else 2 * ROWS  # a loss per pair, or per row and re-paired row
         _assert_close_training(launched["result"][name], weights, history, worker, 1e-5, rows)
         objectives = launched["result"][name]["history"]["validation_objective"]
         assert objectives == pytest.approx(history["validation_objective"], abs=1e-5)
@@ -160,7 +172,7 @@ def test_a_failed_trainings_frames_let_go_of_what_they_held():
     with pytest.raises(ValueError) as caught:
         train(held)
     del held
-    assert alive() is not None                      # the frames of both tracebacks hold it
+    assert alive() is not None  # the frames of both tracebacks hold it
     ddp.release_frames(caught.value)
     assert alive() is None
     printed = "".join(traceback.format_exception(caught.value))
@@ -188,11 +200,20 @@ def _expected_stop(step):
 def _single_process_state(path):
     """A state of the worker's resumable recipe saved by one process: wrong for two ranks."""
     worker = _worker_module()
-    hooks = trainer.TrainingHooks(save_state=lambda state: worker.save_atomically(state, str(path)),
-                                  save_seconds=math.inf, stop_requested=lambda: True)
+    hooks = trainer.TrainingHooks(
+        save_state=lambda state: worker.save_atomically(state, str(path)),
+        save_seconds=math.inf,
+        stop_requested=lambda: True,
+    )
     with pytest.raises(trainer.Preempted):
-        trainer.train(worker.make_model(dropout=0.2), worker.make_data(ROWS), {**worker.RESUMABLE, "epochs": EPOCHS},
-                      runtime.Runtime(device=torch.device("cpu")), seed=worker.SEED, hooks=hooks)
+        trainer.train(
+            worker.make_model(dropout=0.2),
+            worker.make_data(ROWS),
+            {**worker.RESUMABLE, "epochs": EPOCHS},
+            runtime.Runtime(device=torch.device("cpu")),
+            seed=worker.SEED,
+            hooks=hooks,
+        )
 
 
 def _check_stops(stops):

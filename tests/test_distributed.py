@@ -1,4 +1,5 @@
 """Real torchrun launches of nnpd on CPU with Gloo: jobs mode, DDP, two nodes, failures."""
+
 import json
 import re
 import shlex
@@ -14,9 +15,8 @@ import torch
 
 import jobs
 import runtime
-from store import Store
-
 from helpers import REPO, clean_environment, free_port, torchrun, write_settings
+from store import Store
 
 TIMEOUT = 300
 
@@ -28,15 +28,17 @@ def run_folders(root):
 
 def cache_entries(root):
     """{(name, key): manifest mtime} of every committed artifact."""
-    return {(path.parent.parent.name, path.parent.name): path.stat().st_mtime_ns
-            for path in Path(root, "cache").glob("*/*/artifact.json")}
+    return {
+        (path.parent.parent.name, path.parent.name): path.stat().st_mtime_ns
+        for path in Path(root, "cache").glob("*/*/artifact.json")
+    }
 
 
 @pytest.mark.launch
 def test_two_jobs_workers_take_disjoint_jobs_and_share_products(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out")
     outputs = []
-    for stage in ("train", "analyze"):             # the stages launched separately
+    for stage in ("train", "analyze"):  # the stages launched separately
         launched = torchrun(stage, "--settings-dir", str(settings))
         assert launched.returncode == 0, launched.stdout + launched.stderr
         outputs.append(launched.stdout)
@@ -46,7 +48,7 @@ def test_two_jobs_workers_take_disjoint_jobs_and_share_products(tmp_path):
     for run in runs:
         assert str(run.relative_to(tmp_path / "out")) in outputs[0] and "epoch 2/2" in outputs[0]
     assert "rank 0]" in outputs[0] and "rank 1]" in outputs[0], outputs[0]
-    for rank in (0, 1):   # each worker reports the epochs of the models it trains
+    for rank in (0, 1):  # each worker reports the epochs of the models it trains
         assert any(f"rank {rank}]" in line and "epoch 2/2" in line for line in outputs[0].splitlines()), outputs[0]
     # Each job was done by exactly one worker (its folder names it), and both workers had work.
     for record in ("status.json", "analysis.json"):
@@ -59,18 +61,21 @@ def test_two_jobs_workers_take_disjoint_jobs_and_share_products(tmp_path):
     assert [name for name, _ in entries].count("observations") == 1
     assert [name for name, _ in entries].count("model") == 4
     assert not (tmp_path / "out" / "damaged").exists()
-    assert not list((tmp_path / "out" / "locks").glob("launch-*"))     # launch marks are cleaned up
+    assert not list((tmp_path / "out" / "locks").glob("launch-*"))  # launch marks are cleaned up
     second = torchrun("run", "--settings-dir", str(settings))
     assert second.returncode == 0, second.stdout + second.stderr
-    assert cache_entries(tmp_path / "out") == entries              # nothing retrained or rebuilt
+    assert cache_entries(tmp_path / "out") == entries  # nothing retrained or rebuilt
     # Data and model reused for the 4 jobs, and no epoch trained (the report's lines still name the kept ones).
     assert second.stdout.count(": reused") == 8 and not re.search(r"epoch \d+/\d+", second.stdout)
 
 
 @pytest.mark.launch
 def test_ddp_run_trains_together_and_analyses_on_rank_zero(tmp_path):
-    settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["runtime"]["parallel"] = "ddp"\n'
-                                                                           'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
+    settings = write_settings(
+        tmp_path / "s",
+        tmp_path / "out",
+        training='settings["runtime"]["parallel"] = "ddp"\nsettings["cohort"]["priors"] = ["uniform", "grid"]\n',
+    )
     result = torchrun("run", "--settings-dir", str(settings))
     assert result.returncode == 0, result.stdout + result.stderr
     for run in run_folders(tmp_path / "out"):
@@ -101,7 +106,7 @@ def on_loopback(command, port, settings, rendezvous_id):
             token = f"--rdzv-id={rendezvous_id}"
         result += substitutes.get(token, [token])
     profile = result.index("--profile")
-    return result[:profile] + ["--settings-dir", str(settings)] + result[profile + 2:]
+    return result[:profile] + ["--settings-dir", str(settings)] + result[profile + 2 :]
 
 
 @pytest.mark.unit
@@ -115,12 +120,19 @@ def test_the_readme_two_node_command_uses_a_c10d_rendezvous():
 @pytest.mark.launch
 def test_two_nodes_on_loopback(tmp_path, parallel):
     """The README's several-nodes command, run as two agents on this machine."""
-    settings = write_settings(tmp_path / "s", tmp_path / "out",
-                              training=f'settings["runtime"]["parallel"] = "{parallel}"\n'
-                                       'settings["cohort"]["priors"] = ["uniform", "normal"]\n')
+    settings = write_settings(
+        tmp_path / "s",
+        tmp_path / "out",
+        training=f'settings["runtime"]["parallel"] = "{parallel}"\n'
+        'settings["cohort"]["priors"] = ["uniform", "normal"]\n',
+    )
     command = on_loopback(readme_two_node_command(), free_port(), settings, f"nnpd-{parallel}")
-    nodes = [subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              env=clean_environment(), cwd=REPO) for _ in range(2)]
+    nodes = [
+        subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_environment(), cwd=REPO
+        )
+        for _ in range(2)
+    ]
     outputs = [node.communicate(timeout=TIMEOUT)[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], "\n".join(outputs)
     runs = run_folders(tmp_path / "out")
@@ -135,14 +147,15 @@ def test_a_rank_that_raises_mid_training_ends_the_launch_promptly(tmp_path):
     settings.mkdir()
     for name in ("settings_training.py", "settings_analysis.py"):
         text = (toy / name).read_text().replace("OUTPUT_ROOT", str(tmp_path / "out"))
-        text = text.replace('"parallel": "jobs"', '"parallel": "ddp"').replace('"timeout_minutes": 5',
-                                                                             '"timeout_minutes": 10')
-        text = text.replace('"epochs": 6', '"epochs": 2')      # the poison stops the first epoch; the relaunch is short
+        text = text.replace('"parallel": "jobs"', '"parallel": "ddp"').replace(
+            '"timeout_minutes": 5', '"timeout_minutes": 10'
+        )
+        text = text.replace('"epochs": 6', '"epochs": 2')  # the poison stops the first epoch; the relaunch is short
         (settings / name).write_text(text.replace('"noise": 0.3}', '"noise": 0.3, "poison": True}'))
     # A rank left waiting would hang until the 10-minute group timeout, far past this 240 s guard.
     failed = torchrun("train", "--settings-dir", str(settings), timeout=240)
     assert failed.returncode != 0
-    assert "non-finite" in failed.stdout + failed.stderr                # the original error is visible
+    assert "non-finite" in failed.stdout + failed.stderr  # the original error is visible
     assert [name for name, _ in cache_entries(tmp_path / "out")].count("model") == 0
     text = (settings / "settings_training.py").read_text()
     (settings / "settings_training.py").write_text(text.replace(', "poison": True', ""))

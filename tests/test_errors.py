@@ -1,31 +1,39 @@
 """One error family, and launches and restores that leave the process as they found it."""
+
 import json
 import shutil
 import subprocess
 import sys
-import warnings
 
 import numpy as np
 import pytest
 
 import infer
-import nnpd
 import posterior
 import runtime
 import settings
 import store
 import trainer
-from store import DamagedArtifact, NnpdError, RestoreError, record_checksum, restore
 from helpers import REPO, kit_study, main_in_process, run_without_pythonpath, without_pythonpath, write_settings
+from store import DamagedArtifact, NnpdError, RestoreError, record_checksum, restore
 
 
 @pytest.mark.unit
 def test_every_error_nnpd_raises_for_the_user_is_an_nnpd_error():
-    family = (settings.SettingsError, store.LaunchError, DamagedArtifact, store.MissingArtifact, RestoreError,
-              posterior.PosteriorError, infer.InferError, runtime.Interrupted, runtime.Preempted)
+    family = (
+        settings.SettingsError,
+        store.LaunchError,
+        DamagedArtifact,
+        store.MissingArtifact,
+        RestoreError,
+        posterior.PosteriorError,
+        infer.InferError,
+        runtime.Interrupted,
+        runtime.Preempted,
+    )
     assert all(issubclass(error, NnpdError) for error in family)
     assert not issubclass(DamagedArtifact, OSError) and not issubclass(store.LaunchError, RuntimeError)
-    assert issubclass(settings.SettingsError, ValueError)           # what user code caught before stays caught
+    assert issubclass(settings.SettingsError, ValueError)  # what user code caught before stays caught
     # One Preempted, a stop: `except KeyboardInterrupt` (torchrun's, the interpreter's exit status) still sees it.
     assert trainer.Preempted is runtime.Preempted and issubclass(runtime.Preempted, runtime.Interrupted)
     assert issubclass(runtime.Interrupted, KeyboardInterrupt)
@@ -88,21 +96,23 @@ def test_restore_leaves_the_import_path_and_serves_each_study_its_own_module(kit
     before = list(sys.path)
     first = restore(run)
     assert sys.path == before and str(folder) not in sys.path
-    with pytest.warns(posterior.PosteriorWarning, match="learned little"):     # the tiny model learns nothing
-        assert first.posterior(np.array([0.1, 0.2, 0.3])).summary()            # works with the folder off the path
+    with pytest.warns(posterior.PosteriorWarning, match="learned little"):  # the tiny model learns nothing
+        assert first.posterior(np.array([0.1, 0.2, 0.3])).summary()  # works with the folder off the path
     second = restore(moved_study(kit_run, tmp_path, "second", lambda text: text + "\nWHICH = 'second'\n"))
     assert sys.path == before
     assert sys.modules[type(second.experiment).__module__].WHICH == "second"
     assert type(first.experiment) is not type(second.experiment) and not hasattr(first.experiment, "WHICH")
-    with pytest.warns(posterior.PosteriorWarning, match="learned little"):     # the tiny model learns nothing
-        assert first.posterior(np.array([0.1, 0.2, 0.3])).summary()            # the first keeps its class
+    with pytest.warns(posterior.PosteriorWarning, match="learned little"):  # the tiny model learns nothing
+        assert first.posterior(np.array([0.1, 0.2, 0.3])).summary()  # the first keeps its class
 
 
 @pytest.mark.launch
 def test_infer_lets_a_bug_in_the_study_end_in_a_traceback_not_exit_2(kit_run, tmp_path):
     folder, module, run = kit_run
-    buggy = ("\n\nclass Buggy(Line):\n    def posterior(self, *args, **kwargs):\n"
-             "        return len(None)                      # a bug: TypeError\n")
+    buggy = (
+        "\n\nclass Buggy(Line):\n    def posterior(self, *args, **kwargs):\n"
+        "        return len(None)                      # a bug: TypeError\n"
+    )
     copy = moved_study(kit_run, tmp_path, "buggy", lambda text: text + buggy, spec=f"{module}:Buggy")
     np.save(tmp_path / "x.npy", np.array([0.1, 0.2, 0.3]))
     result = main_in_process("infer", str(copy), "--observations", str(tmp_path / "x.npy"))
@@ -115,7 +125,7 @@ def test_infer_answers_a_damaged_run_json_in_one_line(kit_run, tmp_path):
     folder, module, run = kit_run
     copy = moved_study(kit_run, tmp_path, "damaged", lambda text: text)
     record = json.loads((copy / "run.json").read_text())
-    record["seed"] = "altered"                                       # checksum left stale
+    record["seed"] = "altered"  # checksum left stale
     (copy / "run.json").write_text(json.dumps(record))
     np.save(tmp_path / "x.npy", np.array([0.1, 0.2, 0.3]))
     result = main_in_process("infer", str(copy), "--observations", str(tmp_path / "x.npy"))
@@ -154,7 +164,8 @@ print(status, state() == before, [a == b for a, b in zip(state(), before)])
 def test_a_launch_in_process_puts_back_the_import_path_warnings_and_allocator(kit_run):
     folder, module, run = kit_run
     code = LAUNCH_IN_PROCESS.format(repo=str(REPO), folder=str(folder))
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=without_pythonpath(), capture_output=True,
-                            text=True, timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=without_pythonpath(), capture_output=True, text=True, timeout=600
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1].split()[:2] == ["0", "True"], (result.stdout, result.stderr[-2000:])

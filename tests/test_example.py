@@ -1,4 +1,5 @@
 """The decay-rate example (examples/decay, docs/extending.md) trained and analysed through the CLI."""
+
 import json
 import math
 import os
@@ -16,11 +17,18 @@ import runtime
 from helpers import EXAMPLE, REPO, main_in_process, patched_settings
 from store import restore
 
+
 def run_example(*args, cwd, settings_dir=EXAMPLE):
     """`python nnpd.py ARGS --settings-dir DIR` in `cwd`, without PYTHONPATH: the settings folder holds the study."""
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PYTHONPATH")}
-    return subprocess.run([sys.executable, str(REPO / "nnpd.py"), *args, "--settings-dir", str(settings_dir)],
-                          cwd=cwd, env=environment, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, str(REPO / "nnpd.py"), *args, "--settings-dir", str(settings_dir)],
+        cwd=cwd,
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def run_example_in_process(*args, cwd, settings_dir=EXAMPLE):
@@ -33,9 +41,20 @@ def cache_stamps(root):
     return {path.parent: path.stat().st_mtime_ns for path in Path(root, "cache").glob("*/*/artifact.json")}
 
 
-KIT_METRICS = {"classification", "bias", "coverage", "width", "resolution", "posterior", "exact_reference",
-               "expected_coverage", "pairwise", "reweighting", "normalization"}
-TRUTHS = 1000          # inference.truths.sobol_truths of the quick profile
+KIT_METRICS = {
+    "classification",
+    "bias",
+    "coverage",
+    "width",
+    "resolution",
+    "posterior",
+    "exact_reference",
+    "expected_coverage",
+    "pairwise",
+    "reweighting",
+    "normalization",
+}
+TRUTHS = 1000  # inference.truths.sobol_truths of the quick profile
 
 
 @pytest.fixture(scope="module")
@@ -51,14 +70,16 @@ def trained(tmp_path_factory):
 def test_quick_profile_trains_both_priors_and_analyses_them(trained):
     root, _ = trained
     runs = sorted(path.parent for path in root.glob("runs/*/*/run.json"))
-    assert [json.loads((run / "run.json").read_text())["member"]["prior"] for run in runs] == \
-        ["log-uniform", "uniform-rate"]
+    assert [json.loads((run / "run.json").read_text())["member"]["prior"] for run in runs] == [
+        "log-uniform",
+        "uniform-rate",
+    ]
     for run in runs:
         assert json.loads((run / "analysis.json").read_text())["state"] == "complete"
         metrics = json.loads((run / "metrics.json").read_text())
         assert set(metrics) == KIT_METRICS
         assert metrics["classification"]["auc"] > 0.7
-        assert metrics["posterior"]["flat"]["flat_cases"] == 0          # informative posteriors: no false alarm
+        assert metrics["posterior"]["flat"]["flat_cases"] == 0  # informative posteriors: no false alarm
         exact = metrics["exact_reference"]
         for level, learned in metrics["coverage"].items():
             cases, nominal = learned["cases"], learned["nominal"]
@@ -97,10 +118,12 @@ def test_a_second_run_recomputes_nothing(trained, tmp_path):
 @pytest.mark.launch
 def test_restore_gives_the_model_that_was_analysed(trained, monkeypatch):
     root, _ = trained
-    monkeypatch.setattr(sys, "path", list(sys.path))      # restore adds the study's folder; undo it afterwards
+    monkeypatch.setattr(sys, "path", list(sys.path))  # restore adds the study's folder; undo it afterwards
     run = next(root.glob("runs/*/log-uniform-r0-*"))
     restored = restore(run, device="cpu")
-    x, theta = (torch.from_numpy(np.asarray(restored.array("training-data", f"test_{name}"))) for name in ("x", "theta"))
+    x, theta = (
+        torch.from_numpy(np.asarray(restored.array("training-data", f"test_{name}"))) for name in ("x", "theta")
+    )
     inputs, labels = contrast.fixed_pairs(x, theta, runtime.derived_seed(restored.settings["seed"], "test pairs"))
     with torch.no_grad():
         again = analysis_metrics.classification_metrics(restored.model(inputs), labels)
@@ -114,8 +137,8 @@ def test_full_profile_plans_a_choice_of_widths(tmp_path):
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert [c["knob"] for c in report["configurations"]] == [None, "model.hidden"]
-    assert report["jobs"] == 12                       # two priors times three replicas, per configuration
-    assert not list(tmp_path.iterdir())               # plan writes nothing
+    assert report["jobs"] == 12  # two priors times three replicas, per configuration
+    assert not list(tmp_path.iterdir())  # plan writes nothing
 
 
 @pytest.mark.launch
@@ -130,13 +153,17 @@ def test_a_bad_example_setting_is_one_line_naming_it(tmp_path):
 @pytest.mark.launch
 def test_the_kit_figures_are_drawn(tmp_path):
     pytest.importorskip("matplotlib")
-    settings = patched_settings(tmp_path, {
-        '"analysis": "nre_analysis:NREAnalysis",': '"analysis": "nre_analysis:NREAnalysis", "plots": '
-        '["diagnostic_cases", "expected_coverage"], "cohort_plots": ["priors"], "metrics": ["classification", '
-        '"bias", "coverage", "width", "resolution", "posterior", "exact_reference", "expected_coverage"],',
-        '"sobol_truths": 1000': '"sobol_truths": 64',
-        '"train": 8192, "validation": 1024, "test": 512': '"train": 1024, "validation": 128, "test": 128',
-        '"epochs": 8': '"epochs": 1'})
+    settings = patched_settings(
+        tmp_path,
+        {
+            '"analysis": "nre_analysis:NREAnalysis",': '"analysis": "nre_analysis:NREAnalysis", "plots": '
+            '["diagnostic_cases", "expected_coverage"], "cohort_plots": ["priors"], "metrics": ["classification", '
+            '"bias", "coverage", "width", "resolution", "posterior", "exact_reference", "expected_coverage"],',
+            '"sobol_truths": 1000': '"sobol_truths": 64',
+            '"train": 8192, "validation": 1024, "test": 512': '"train": 1024, "validation": 128, "test": 128',
+            '"epochs": 8': '"epochs": 1',
+        },
+    )
     result = run_example("run", cwd=tmp_path, settings_dir=settings)
     assert result.returncode == 0, result.stdout + result.stderr
     figures = sorted(tmp_path.glob("outputs/decay-quick/runs/*/*/plots/*.png"))

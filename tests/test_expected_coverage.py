@@ -1,4 +1,5 @@
 """Expected coverage over every credibility level: from each case's truth credibility, for any target."""
+
 import numpy as np
 import pytest
 import torch
@@ -17,8 +18,9 @@ pytestmark = pytest.mark.unit
 def test_the_exact_target_follows_the_diagonal_and_agrees_with_joint_coverage(tmp_path, one_thread, dimension, cases):
     problem = study_problem(dimension)
     analysis = settings_analysis.make_settings("default")["inference"]
-    truths = designs.make_truths(problem.low, problem.high, problem.grid_step,
-                                 dict(analysis["truths"], sobol_truths=cases), seed=3)[:cases]
+    truths = designs.make_truths(
+        problem.low, problem.high, problem.grid_step, dict(analysis["truths"], sobol_truths=cases), seed=3
+    )[:cases]
     observations = designs.make_observations(problem.simulate, truths, analysis["observations"], seed=4)
     candidates = dict(analysis["candidates"], candidate_count=1024, coarse_count=128)
     summaries = exact_summaries(tmp_path, problem, truths, observations, candidates, "adaptive")
@@ -29,7 +31,10 @@ def test_the_exact_target_follows_the_diagonal_and_agrees_with_joint_coverage(tm
     # At the analysis' own levels the curve is the joint coverage, exactly.
     coverage = analysis_metrics.coverage_metrics(summaries, truths.numpy(), LEVELS, problem.names)
     for level in LEVELS:
-        assert curve["coverage"][nre_analysis.CREDIBILITY_LEVELS.index(level)] == coverage[analysis_metrics.level_key(level)]["joint"]
+        assert (
+            curve["coverage"][nre_analysis.CREDIBILITY_LEVELS.index(level)]
+            == coverage[analysis_metrics.level_key(level)]["joint"]
+        )
 
 
 def test_credibility_is_the_mass_denser_than_the_truth():
@@ -46,8 +51,10 @@ def test_credibility_is_the_mass_denser_than_the_truth():
 def test_the_coverage_curve_counts_cases_below_each_level():
     curve = nre_analysis.coverage_curve([0.05, 0.5, 0.97], levels=(0.01, 0.5, 0.51, 0.99))
     assert curve["coverage"] == [0.0, 1 / 3, 2 / 3, 1.0]
-    assert all(low - 1e-12 <= value <= high + 1e-12
-               for low, value, high in zip(curve["lower"], curve["coverage"], curve["upper"]))
+    assert all(
+        low - 1e-12 <= value <= high + 1e-12
+        for low, value, high in zip(curve["lower"], curve["coverage"], curve["upper"])
+    )
     # The bands hold jointly over the levels: wider than one level's 95% Wilson interval.
     single = analysis_metrics.wilson_interval(1, 3)
     assert curve["lower"][1] < single[0] and curve["upper"][1] > single[1]

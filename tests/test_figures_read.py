@@ -2,6 +2,7 @@
 binned over continuous truths, every parameter of a diagnostic case, corner plots naming their run and prior
 and telling joint from marginal HPD bounds. Drawn from real tiny runs: the decay example (a study's own
 prior, Sobol truths) and the bundled study in two parameters (grid truths)."""
+
 import dataclasses
 import json
 import math
@@ -18,12 +19,12 @@ import priors
 from helpers import figure_legend_texts, main_in_process, patched_settings, recorded_figures, write_settings
 from store import restore
 
-matplotlib = pytest.importorskip("matplotlib")
+pytest.importorskip("matplotlib")
 import matplotlib.collections  # noqa: E402
 import matplotlib.figure  # noqa: E402
 import matplotlib.patches  # noqa: E402
 
-SOBOL_TRUTHS = 256      # continuous truths of the decay run: many more than nre_figures.TRUTH_BINS
+SOBOL_TRUTHS = 256  # continuous truths of the decay run: many more than nre_figures.TRUTH_BINS
 
 
 def record_launch(settings_dir):
@@ -32,7 +33,7 @@ def record_launch(settings_dir):
     drawn = jobs.draw_figures
 
     def recording(figure_hooks, selected, target, folder, plotting):
-        if isinstance(target, list):            # the cohort's contexts (a run's figures get one context)
+        if isinstance(target, list):  # the cohort's contexts (a run's figures get one context)
             cohorts.append(target)
         return drawn(figure_hooks, selected, target, folder, plotting)
 
@@ -53,18 +54,21 @@ def legend_texts(*axes):
     return [text.get_text() for axis in axes if axis.get_legend() for text in axis.get_legend().get_texts()]
 
 
-
 @pytest.fixture(scope="module")
 def decay(tmp_path_factory):
     """The decay example, tiny, with Sobol truths: its "uniform-rate" prior is the study's own object."""
     tmp = tmp_path_factory.mktemp("decay-figures")
-    settings = patched_settings(tmp, {
-        '"analysis": "nre_analysis:NREAnalysis",': '"analysis": "nre_analysis:NREAnalysis", "plots": '
-        '["diagnostic_cases"], "cohort_plots": ["priors", "bias_width"], "metrics": ["bias", "coverage"],',
-        '"sobol_truths": 1000': f'"sobol_truths": {SOBOL_TRUTHS}',
-        '"root": f"outputs/decay-{profile}"': f'"root": {str(tmp / "out")!r}',
-        '"train": 8192, "validation": 1024, "test": 512': '"train": 1024, "validation": 128, "test": 128',
-        '"epochs": 8': '"epochs": 1'})
+    settings = patched_settings(
+        tmp,
+        {
+            '"analysis": "nre_analysis:NREAnalysis",': '"analysis": "nre_analysis:NREAnalysis", "plots": '
+            '["diagnostic_cases"], "cohort_plots": ["priors", "bias_width"], "metrics": ["bias", "coverage"],',
+            '"sobol_truths": 1000': f'"sobol_truths": {SOBOL_TRUTHS}',
+            '"root": f"outputs/decay-{profile}"': f'"root": {str(tmp / "out")!r}',
+            '"train": 8192, "validation": 1024, "test": 512': '"train": 1024, "validation": 128, "test": 128',
+            '"epochs": 8': '"epochs": 1',
+        },
+    )
     figures, cohorts = record_launch(settings)
     return tmp / "out", figures, cohorts
 
@@ -73,21 +77,23 @@ def decay(tmp_path_factory):
 def two_parameters(tmp_path_factory):
     """The bundled study in two parameters (4 × 4 grid truths), under a uniform and a grid prior."""
     tmp = tmp_path_factory.mktemp("two-parameter-figures")
-    settings = write_settings(tmp / "s", tmp / "out",
-                              training='settings["cohort"]["priors"] = ["uniform", "grid"]\n'
-                                       'settings["problem"]["dimension"] = 2\n',
-                              analysis='settings["plots"] = ["diagnostic_cases"]\n'
-                                       'settings["cohort_plots"] = ["priors", "bias_width"]\n')
+    settings = write_settings(
+        tmp / "s",
+        tmp / "out",
+        training='settings["cohort"]["priors"] = ["uniform", "grid"]\nsettings["problem"]["dimension"] = 2\n',
+        analysis='settings["plots"] = ["diagnostic_cases"]\nsettings["cohort_plots"] = ["priors", "bias_width"]\n',
+    )
     figures, cohorts = record_launch(settings)
     return tmp / "out", figures, cohorts
 
 
 # ---------------------------------------------------------------- priors
 
+
 @pytest.mark.launch
 def test_the_priors_figure_draws_a_studys_own_prior_from_its_log_prob(decay):
     _, figures, _ = decay
-    axis, = titled(figures, "Priors of the members").axes
+    (axis,) = titled(figures, "Priors of the members").axes
     lines = {line.get_label(): line for line in axis.get_lines()}
     assert set(lines) == {"log-uniform", "uniform-rate (own prior, from its log_prob)"}
     assert legend_texts(axis) == ["log-uniform", "uniform-rate (own prior, from its log_prob)"]
@@ -105,7 +111,7 @@ class Correlated:
         return torch.stack([5 + 2 * z[:, 0], 5 + 2 * (0.8 * z[:, 0] + 0.6 * z[:, 1])], dim=1)
 
     def log_prob(self, theta):
-        return torch.zeros(theta.shape[:-1], dtype=torch.float64)     # unnormalised: only the draws are drawn
+        return torch.zeros(theta.shape[:-1], dtype=torch.float64)  # unnormalised: only the draws are drawn
 
 
 class Broken:
@@ -123,26 +129,38 @@ def test_a_many_parameter_own_prior_is_a_histogram_and_one_that_fails_is_named_n
     _, _, cohorts = two_parameters
     contexts = cohorts[0]
     names = contexts[0].problem.names
-    own = [dataclasses.replace(contexts[0], member={"name": "correlated-r0", "prior": "correlated", "replica": 0},
-                               _prior=priors.CustomPrior(Correlated(), names)),
-           dataclasses.replace(contexts[1], member={"name": "broken-r0", "prior": "broken", "replica": 0},
-                               _prior=priors.CustomPrior(Broken(), names))]
+    own = [
+        dataclasses.replace(
+            contexts[0],
+            member={"name": "correlated-r0", "prior": "correlated", "replica": 0},
+            _prior=priors.CustomPrior(Correlated(), names),
+        ),
+        dataclasses.replace(
+            contexts[1],
+            member={"name": "broken-r0", "prior": "broken", "replica": 0},
+            _prior=priors.CustomPrior(Broken(), names),
+        ),
+    ]
     figure = matplotlib.figure.Figure()
     nre_figures.draw_priors(contexts + own, figure)
     assert len(figure.axes) == 2
-    inside = 2 * torch.distributions.Normal(0.0, 1.0).cdf(torch.tensor(2.5)).item() - 1      # |θ − 5| ≤ 5 = 2.5 sd
+    inside = 2 * torch.distributions.Normal(0.0, 1.0).cdf(torch.tensor(2.5)).item() - 1  # |θ − 5| ≤ 5 = 2.5 sd
     for axis in figure.axes:
         steps = [patch for patch in axis.patches if isinstance(patch, matplotlib.patches.StepPatch)]
         assert [patch.get_label() for patch in steps] == ["correlated (own prior, histogram of 20,000 draws)"]
         values, edges = steps[0].get_data()[:2]
         assert (edges[0], edges[-1]) == (0.0, 10.0)
-        assert float(np.sum(values * np.diff(edges))) == pytest.approx(inside, abs=0.01)   # outside mass left out
-        assert legend_texts(axis) == ["uniform", "grid (lattice: mass / step)",
-                                      "correlated (own prior, histogram of 20,000 draws)",
-                                      "broken: not drawable (RuntimeError: no prior table)"]
+        assert float(np.sum(values * np.diff(edges))) == pytest.approx(inside, abs=0.01)  # outside mass left out
+        assert legend_texts(axis) == [
+            "uniform",
+            "grid (lattice: mass / step)",
+            "correlated (own prior, histogram of 20,000 draws)",
+            "broken: not drawable (RuntimeError: no prior table)",
+        ]
 
 
 # ---------------------------------------------------------------- bias and width
+
 
 @pytest.mark.launch
 def test_bias_width_bins_many_continuous_truths(decay):
@@ -159,16 +177,17 @@ def test_bias_width_bins_many_continuous_truths(decay):
             assert nre_figures.TRUTH_BINS // 2 <= len(x) <= nre_figures.TRUTH_BINS
             assert np.all(np.diff(x) > 0) and truths.min() <= x[0] and x[-1] <= truths.max()
         bands = [c for c in axis.collections if isinstance(c, matplotlib.collections.PolyCollection)]
-        assert len(bands) >= 2                  # a band per member (and the legend's grey entry)
+        assert len(bands) >= 2  # a band per member (and the legend's grey entry)
         assert axis.get_xlabel() == "true theta"
-        assert f"bin means: {len(members[0].get_xdata())} quantile bins of {SOBOL_TRUTHS} truths" in \
-            figure.get_suptitle()
+        assert (
+            f"bin means: {len(members[0].get_xdata())} quantile bins of {SOBOL_TRUTHS} truths" in figure.get_suptitle()
+        )
     assert "±2 s.e. of a bin's mean" in figure_legend_texts(figure)
     for run in root.glob("runs/*/*/metrics.json"):
         member = json.loads((run.parent / "run.json").read_text())["member"]["name"]
-        line, = [line for line in bias.get_lines() if line.get_label() == member]
+        (line,) = [line for line in bias.get_lines() if line.get_label() == member]
         signed = json.loads(run.read_text())["bias"]["per_axis"]["theta"]["signed"]
-        assert line.get_ydata().min() <= signed <= line.get_ydata().max()   # bin means surround the mean bias
+        assert line.get_ydata().min() <= signed <= line.get_ydata().max()  # bin means surround the mean bias
 
 
 @pytest.mark.launch
@@ -186,25 +205,27 @@ def test_bias_width_keeps_one_point_per_grid_truth(two_parameters):
 
 # ---------------------------------------------------------------- diagnostic cases
 
+
 @pytest.mark.launch
 def test_diagnostic_cases_draw_every_parameter_a_row_each(two_parameters):
     root, figures, _ = two_parameters
     figure = titled(figures, "Retained cases of uniform-r0")
     truths = restore(next(root.glob("runs/*/uniform-r0-*"))).array("truths", "truths")
-    assert len(figure.axes) == 2 * 4                 # two parameters, four retained cases
+    assert len(figure.axes) == 2 * 4  # two parameters, four retained cases
     for index, axis in enumerate(figure.axes):
         j, case = divmod(index, 4)
         assert axis.get_xlabel() == f"mean:{j}"
         assert axis.get_title() == f"case {case}: true mean:{j} = {truths[case, j]:.3g}"
         labels = {line.get_label() for line in axis.get_lines()}
         assert {"learned ratio (flat prior)", "learned posterior", "exact likelihood (flat prior)", "truth"} <= labels
-        truth_line, = [line for line in axis.get_lines() if line.get_label() == "truth"]
+        (truth_line,) = [line for line in axis.get_lines() if line.get_label() == "truth"]
         assert truth_line.get_xdata()[0] == pytest.approx(truths[case, j])
     assert [figure.axes[4 * j].get_ylabel() for j in range(2)] == ["density of mean:0", "density of mean:1"]
     assert figure.get_suptitle().endswith("density along each parameter (rows: marginal densities)")
 
 
 # ---------------------------------------------------------------- corner plots
+
 
 @pytest.mark.unit
 def test_marginal_interval_is_the_shortest_holding_the_level():
@@ -224,24 +245,31 @@ def test_the_corner_plot_names_its_run_and_prior_and_tells_joint_from_marginal_b
     restored = restore(run)
     np.save(tmp_path / "x.npy", restored.array("observations", "observations")[1])
     with recorded_figures() as figures:
-        result = main_in_process("infer", str(run), "--observations", str(tmp_path / "x.npy"), "--samples", "2000",
-                                 "--plot")
+        result = main_in_process(
+            "infer", str(run), "--observations", str(tmp_path / "x.npy"), "--samples", "2000", "--plot"
+        )
     assert result.returncode == 0, result.stderr
-    figure, = figures
-    assert figure.get_suptitle().startswith(f"Posterior of run {run.parent.name}/{run.name}\nprior uniform; 2000 samples")
+    (figure,) = figures
+    assert figure.get_suptitle().startswith(
+        f"Posterior of run {run.parent.name}/{run.name}\nprior uniform; 2000 samples"
+    )
     texts = legend_texts(*figure.axes)
-    assert texts == ["samples", "marginal 0.68 HPD interval (from the samples)", "joint 0.68 HPD region, projected",
-                     "marginal 0.95 HPD interval (from the samples)", "joint 0.95 HPD region, projected"]
+    assert texts == [
+        "samples",
+        "marginal 0.68 HPD interval (from the samples)",
+        "joint 0.68 HPD region, projected",
+        "marginal 0.95 HPD interval (from the samples)",
+        "joint 0.95 HPD region, projected",
+    ]
     samples = np.load(tmp_path / "x-uniform-r0.samples.npy")
     summary = json.loads((tmp_path / "x-uniform-r0.posterior.json").read_text())
     for i in range(2):
-        diagonal = figure.axes[3 * i]                # row-major 2 × 2: the diagonal panels
+        diagonal = figure.axes[3 * i]  # row-major 2 × 2: the diagonal panels
         spans = [p for p in diagonal.patches if p.get_label().startswith("marginal")]
         for span, level in zip(spans, ("0.68", "0.95")):
             low, high = span.get_x(), span.get_x() + span.get_width()
             share = np.mean((samples[:, i] >= low) & (samples[:, i] <= high))
-            assert float(level) <= share <= float(level) + 0.002      # the shortest interval holding the level
+            assert float(level) <= share <= float(level) + 0.002  # the shortest interval holding the level
         joint = sorted(line.get_xdata()[0] for line in diagonal.get_lines() if line.get_color() == "tab:orange")
         bounds = [summary["hpd"][level][side][i] for level in ("0.68", "0.95") for side in ("lower", "upper")]
         assert joint == sorted(bounds)
-

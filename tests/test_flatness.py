@@ -5,6 +5,7 @@ not, among them the damped oscillator of issue 37 (exact posterior sds 0.32-0.36
 three parameters, a learned one about 1.5 times wider), which the earlier rule (any sd above half the
 prior's) called "nearly flat".
 """
+
 import warnings
 
 import pytest
@@ -12,8 +13,8 @@ import torch
 
 import posterior as post
 import priors
-from helpers import study_problem
 from flatness import FLAT_SD_SHARE, flatness_report
+from helpers import study_problem
 
 pytestmark = pytest.mark.unit
 
@@ -45,16 +46,19 @@ def bundled_posterior(temper, observations, dimension=3):
     return post.for_observation(learned, x)
 
 
-@pytest.mark.parametrize("shares, flat", [
-    ([1.0, 1.0, 1.0], True),             # the prior itself
-    ([0.97, 0.93, 0.99], True),          # an untrained model's posterior
-    ([0.34, 0.32, 0.36], False),         # the oscillator's exact posterior
-    ([0.51, 0.48, 0.54], False),         # the oscillator's learned posterior, 1.5 times wider
-    ([0.58, 0.97], False),               # weibull: one parameter barely constrained by six lifetimes
-    ([0.3, 1.0, 1.0], False),            # one parameter well measured: informative as a whole
-])
+@pytest.mark.parametrize(
+    "shares, flat",
+    [
+        ([1.0, 1.0, 1.0], True),  # the prior itself
+        ([0.97, 0.93, 0.99], True),  # an untrained model's posterior
+        ([0.34, 0.32, 0.36], False),  # the oscillator's exact posterior
+        ([0.51, 0.48, 0.54], False),  # the oscillator's learned posterior, 1.5 times wider
+        ([0.58, 0.97], False),  # weibull: one parameter barely constrained by six lifetimes
+        ([0.3, 1.0, 1.0], False),  # one parameter well measured: informative as a whole
+    ],
+)
 def test_the_rule_on_known_cases(shares, flat):
-    report = flatness_report(NAMES[:len(shares)], shares, PRIOR_SD[:len(shares)], auc=0.9)
+    report = flatness_report(NAMES[: len(shares)], shares, PRIOR_SD[: len(shares)], auc=0.9)
     assert report["flat"] is flat and (report["warning"] is not None) is flat
     assert report["sd_share"] == pytest.approx(shares)
 
@@ -65,12 +69,15 @@ def test_a_flat_posterior_names_its_wide_parameters_and_the_likely_cause():
     assert "nearly flat in frequency, noise" in report["warning"] and "learned little" in report["warning"]
 
 
-@pytest.mark.parametrize("temper, observations, flat", [
-    (0.0, 4, True),                       # learned nothing: the prior
-    (1.0, 4, False),                      # sd 1.0 of 2.89: 0.35 of the prior's, the oscillator's exact share
-    (1 / 2.25, 4, False),                 # 1.5 times wider: 0.52, called flat by the earlier rule
-    (1.0, 1, False),                      # one observation: 0.69
-])
+@pytest.mark.parametrize(
+    "temper, observations, flat",
+    [
+        (0.0, 4, True),  # learned nothing: the prior
+        (1.0, 4, False),  # sd 1.0 of 2.89: 0.35 of the prior's, the oscillator's exact share
+        (1 / 2.25, 4, False),  # 1.5 times wider: 0.52, called flat by the earlier rule
+        (1.0, 1, False),  # one observation: 0.69
+    ],
+)
 def test_posteriors_of_known_width_are_judged_by_the_rule(temper, observations, flat):
     posterior = bundled_posterior(temper, observations)
     report = posterior.flatness(validation_auc=0.9)
@@ -84,7 +91,7 @@ def test_the_python_posterior_warns_what_infer_prints():
         report = posterior.report_flatness(history)
     assert posterior.warnings == [report["warning"]] == [str(caught[0].message)]
     assert posterior.flat is report and "validation AUC 0.50" in report["warning"]
-    assert caught[0].filename == __file__                # warned at the caller's line
+    assert caught[0].filename == __file__  # warned at the caller's line
 
 
 def test_an_informative_posterior_warns_nothing():

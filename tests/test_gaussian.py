@@ -15,12 +15,12 @@ import priors
 from gaussian import GaussianProblem
 from gaussian_study import GaussianExperiment
 from priors import make_prior
-from settings_training import base_settings
 from settings import SettingsError
+from settings_training import base_settings
 
 pytestmark = pytest.mark.unit
 
-PROBLEM = base_settings("smoke")["problem"]   # the documented defaults, as the bundled settings hold them
+PROBLEM = base_settings("smoke")["problem"]  # the documented defaults, as the bundled settings hold them
 EXTREME_RATES = [1e-12, 0.1, -0.1, 5.0, -5.0, 1e3, -1e3]
 
 
@@ -39,8 +39,9 @@ def one_d(family="uniform", **override):
 
 def simpson(values, h):
     """Composite Simpson rule along the last axis (odd number of points)."""
-    return h / 3 * (values[..., 0] + values[..., -1] + 4 * values[..., 1:-1:2].sum(-1)
-                    + 2 * values[..., 2:-1:2].sum(-1))
+    return (
+        h / 3 * (values[..., 0] + values[..., -1] + 4 * values[..., 1:-1:2].sum(-1) + 2 * values[..., 2:-1:2].sum(-1))
+    )
 
 
 def density_on(prior, low, high, points=400_001):
@@ -54,16 +55,18 @@ def full_settings():
     return {
         "problem": problem_settings(dimension=2, infer=["mean:*", "std:0"]),
         "cohort": {"priors": ["uniform", "mixed"], "replicas": 1},
-        "priors": {"uniform": {"family": "uniform"},
-                   "mixed": {"family": "normal", "by_parameter": {"std:0": "grid"}},
-                   "unused": {"family": "bogus"}},
+        "priors": {
+            "uniform": {"family": "uniform"},
+            "mixed": {"family": "normal", "by_parameter": {"std:0": "grid"}},
+            "unused": {"family": "bogus"},
+        },
         "data": {"train": 1024, "validation": 256, "test": 256},
-        "model": {"kind": "mlp", "hidden": [32, 32], "activation": "relu", "dropout": 0.0,
-                  "width": 64, "blocks": 2},
+        "model": {"kind": "mlp", "hidden": [32, 32], "activation": "relu", "dropout": 0.0, "width": 64, "blocks": 2},
     }
 
 
 # ---------------------------------------------------------------- problem settings
+
 
 def test_infer_expansion_keeps_order_and_sets_bounds():
     problem = GaussianProblem.from_settings(problem_settings(dimension=3, infer=["std:*", "mean:1"]))
@@ -75,8 +78,9 @@ def test_infer_expansion_keeps_order_and_sets_bounds():
 
 
 def test_overrides_apply_per_name_only():
-    problem = GaussianProblem.from_settings(problem_settings(
-        dimension=2, infer=["mean:*"], overrides={"mean:0": {"high": 8.0, "exponential_rate": -0.3}}))
+    problem = GaussianProblem.from_settings(
+        problem_settings(dimension=2, infer=["mean:*"], overrides={"mean:0": {"high": 8.0, "exponential_rate": -0.3}})
+    )
     assert problem.parameter("mean:0")["high"] == 8.0
     assert problem.parameter("mean:0")["exponential_rate"] == -0.3
     assert problem.parameter("mean:1")["high"] == 10.0
@@ -86,30 +90,39 @@ def test_overrides_apply_per_name_only():
     assert description["parameters"]["mean:0"]["high"] == 8.0
 
 
-@pytest.mark.parametrize("changes, message", [
-    ({"infer": []}, r"^problem\.infer is empty"),
-    ({"infer": ["mean:0", "mean:*"]}, r"^problem\.infer\[1\]: 'mean:\*' repeats 'mean:0'"),
-    ({"dimension": 3, "infer": ["mean:7"]},
-     r"^problem\.infer\[0\]: 'mean:7' is out of range for dimension 3 \(indices 0\.\.2\)"),
-    ({"infer": ["var:0"]}, r"^problem\.infer\[0\]: 'var:0' has unknown kind 'var'"),
-    ({"infer": ["mean:x"]}, r"^problem\.infer\[0\]: 'mean:x' has a bad index"),
-    ({"infer": "mean:*"}, r"^problem\.infer: expected a list"),
-    ({"dimension": 0}, r"^problem\.dimension: expected an integer from 1 to 100"),
-    ({"dimensions": 2}, r"^problem\.dimensions is not a known setting"),
-    ({"fixed_std": 0.0}, r"^problem\.fixed_std: standard deviations must be > 0"),
-    ({"fixed": {"std:0": -1.0}}, r"^problem\.fixed\.std:0: standard deviations must be > 0"),
-    ({"fixed": {"mean:3": 1.0}}, r"^problem\.fixed: 'mean:3' is out of range"),
-    ({"overrides": {"mean:0": {"high": -1.0}}},
-     r"^problem\.parameters\.mean\.low=0\.0 must be below problem\.overrides\.mean:0\.high=-1\.0"),
-    ({"overrides": {"std:0": {"low": 0.0}}}, r"^problem\.overrides\.std:0\.low: standard deviations"),
-    ({"overrides": {"mean:5": {"high": 1.0}}}, r"^problem\.overrides: 'mean:5' is out of range"),
-    ({"overrides": {"mean:0": {"hgh": 1.0}}}, r"^problem\.overrides\.mean:0\.hgh is not a known setting"),
-    ({"overrides": {"mean:0": {"grid_step": 20.0}}},
-     r"^problem\.overrides\.mean:0\.grid_step=20\.0 does not fit the box"),
-    ({"overrides": {"mean:0": {"grid_step": 0.0}}}, r"^problem\.overrides\.mean:0\.grid_step=0\.0 does not fit"),
-    ({"overrides": {"mean:0": {"normal_std": -2.0}}}, r"^problem\.overrides\.mean:0\.normal_std: must be > 0"),
-    ({"overrides": {"mean:0": {"low": float("nan")}}}, r"^problem\.overrides\.mean:0\.low: expected a finite"),
-])
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"infer": []}, r"^problem\.infer is empty"),
+        ({"infer": ["mean:0", "mean:*"]}, r"^problem\.infer\[1\]: 'mean:\*' repeats 'mean:0'"),
+        (
+            {"dimension": 3, "infer": ["mean:7"]},
+            r"^problem\.infer\[0\]: 'mean:7' is out of range for dimension 3 \(indices 0\.\.2\)",
+        ),
+        ({"infer": ["var:0"]}, r"^problem\.infer\[0\]: 'var:0' has unknown kind 'var'"),
+        ({"infer": ["mean:x"]}, r"^problem\.infer\[0\]: 'mean:x' has a bad index"),
+        ({"infer": "mean:*"}, r"^problem\.infer: expected a list"),
+        ({"dimension": 0}, r"^problem\.dimension: expected an integer from 1 to 100"),
+        ({"dimensions": 2}, r"^problem\.dimensions is not a known setting"),
+        ({"fixed_std": 0.0}, r"^problem\.fixed_std: standard deviations must be > 0"),
+        ({"fixed": {"std:0": -1.0}}, r"^problem\.fixed\.std:0: standard deviations must be > 0"),
+        ({"fixed": {"mean:3": 1.0}}, r"^problem\.fixed: 'mean:3' is out of range"),
+        (
+            {"overrides": {"mean:0": {"high": -1.0}}},
+            r"^problem\.parameters\.mean\.low=0\.0 must be below problem\.overrides\.mean:0\.high=-1\.0",
+        ),
+        ({"overrides": {"std:0": {"low": 0.0}}}, r"^problem\.overrides\.std:0\.low: standard deviations"),
+        ({"overrides": {"mean:5": {"high": 1.0}}}, r"^problem\.overrides: 'mean:5' is out of range"),
+        ({"overrides": {"mean:0": {"hgh": 1.0}}}, r"^problem\.overrides\.mean:0\.hgh is not a known setting"),
+        (
+            {"overrides": {"mean:0": {"grid_step": 20.0}}},
+            r"^problem\.overrides\.mean:0\.grid_step=20\.0 does not fit the box",
+        ),
+        ({"overrides": {"mean:0": {"grid_step": 0.0}}}, r"^problem\.overrides\.mean:0\.grid_step=0\.0 does not fit"),
+        ({"overrides": {"mean:0": {"normal_std": -2.0}}}, r"^problem\.overrides\.mean:0\.normal_std: must be > 0"),
+        ({"overrides": {"mean:0": {"low": float("nan")}}}, r"^problem\.overrides\.mean:0\.low: expected a finite"),
+    ],
+)
 def test_problem_errors_name_the_setting(changes, message):
     with pytest.raises(SettingsError, match=message):
         GaussianProblem.from_settings(problem_settings(**changes))
@@ -125,14 +138,22 @@ def test_std_low_bound_in_parameters_must_be_positive():
         GaussianProblem.from_settings(settings)
 
 
-@pytest.mark.parametrize("prior, message", [
-    ({"family": "beta"}, r"^priors\.p\.family: 'beta' is not valid"),
-    ({"family": "uniform", "by_parameter": {"std:0": "grid"}},
-     r"^priors\.p\.by_parameter: 'std:0' is not an inferred parameter \(inferred: mean:0\)"),
-    ({"family": "uniform", "by_parameter": {"mean:0": "gird"}}, r"^priors\.p\.by_parameter\.mean:0: 'gird' is not valid"),
-    ({"family": "uniform", "shape": 2}, r"^priors\.p\.shape is not a known setting"),
-    ({}, r"^priors\.p\.family is missing"),
-])
+@pytest.mark.parametrize(
+    "prior, message",
+    [
+        ({"family": "beta"}, r"^priors\.p\.family: 'beta' is not valid"),
+        (
+            {"family": "uniform", "by_parameter": {"std:0": "grid"}},
+            r"^priors\.p\.by_parameter: 'std:0' is not an inferred parameter \(inferred: mean:0\)",
+        ),
+        (
+            {"family": "uniform", "by_parameter": {"mean:0": "gird"}},
+            r"^priors\.p\.by_parameter\.mean:0: 'gird' is not valid",
+        ),
+        ({"family": "uniform", "shape": 2}, r"^priors\.p\.shape is not a known setting"),
+        ({}, r"^priors\.p\.family is missing"),
+    ],
+)
 def test_prior_errors_name_the_setting(prior, message):
     problem = GaussianProblem.from_settings(problem_settings())
     with pytest.raises(SettingsError, match=message):
@@ -144,8 +165,11 @@ def test_check_settings_accepts_valid_and_names_each_bad_setting():
     cases = [
         (("cohort", "priors"), ["uniform", "missing"], r"^cohort\.priors\[1\]: 'missing' is not defined in priors"),
         (("cohort", "priors"), [], r"^cohort\.priors: expected a non-empty list"),
-        (("priors", "mixed"), {"family": "normal", "by_parameter": {"std:1": "grid"}},
-         r"^priors\.mixed\.by_parameter: 'std:1' is not an inferred parameter"),
+        (
+            ("priors", "mixed"),
+            {"family": "normal", "by_parameter": {"std:1": "grid"}},
+            r"^priors\.mixed\.by_parameter: 'std:1' is not an inferred parameter",
+        ),
         (("data", "train"), 1, r"^data\.train: expected an integer from 2 to 1e\+09, got 1"),
         (("data", "pairing"), "half", r"^data\.pairing: 'half' is not valid; use \"batch\""),
         (("data", "test"), 0, r"^data\.test: expected an integer from 2"),
@@ -165,13 +189,18 @@ def test_check_settings_accepts_valid_and_names_each_bad_setting():
 
 # ---------------------------------------------------------------- prior normalisation
 
-@pytest.mark.parametrize("family, override", [
-    ("uniform", {}),
-    ("normal", {}),
-    ("normal", {"normal_mean": 100.0, "normal_std": 1.0}),   # box deep in the left tail
-    ("normal", {"normal_mean": -60.0, "normal_std": 2.0}),   # box deep in the right tail
-    ("normal", {"normal_mean": 5.0, "normal_std": 1e-2}),
-] + [("exponential", {"exponential_rate": rate}) for rate in EXTREME_RATES])
+
+@pytest.mark.parametrize(
+    "family, override",
+    [
+        ("uniform", {}),
+        ("normal", {}),
+        ("normal", {"normal_mean": 100.0, "normal_std": 1.0}),  # box deep in the left tail
+        ("normal", {"normal_mean": -60.0, "normal_std": 2.0}),  # box deep in the right tail
+        ("normal", {"normal_mean": 5.0, "normal_std": 1e-2}),
+    ]
+    + [("exponential", {"exponential_rate": rate}) for rate in EXTREME_RATES],
+)
 def test_continuous_densities_integrate_to_one(family, override):
     problem, prior = one_d(family, **override)
     t, density, h = density_on(prior, 0.0, 10.0)
@@ -190,8 +219,9 @@ def test_exponential_sampling_finite_and_inside_for_extreme_rates(rate):
         assert distance.mean().item() == pytest.approx(1 / abs(rate), rel=0.05)
 
 
-@pytest.mark.parametrize("override", [{"normal_mean": 100.0, "normal_std": 1.0},
-                                      {"normal_mean": -60.0, "normal_std": 2.0}])
+@pytest.mark.parametrize(
+    "override", [{"normal_mean": 100.0, "normal_std": 1.0}, {"normal_mean": -60.0, "normal_std": 2.0}]
+)
 def test_normal_sampling_stable_in_far_tails(override):
     problem, prior = one_d("normal", **override)
     draws = prior.sample(20_000, torch.Generator().manual_seed(2))[:, 0]
@@ -229,6 +259,7 @@ def test_lattice_masses_sum_to_one():
 
 # ---------------------------------------------------------------- sampler moments
 
+
 def exact_moments(prior):
     """Mean, variance and fourth central moment of a 1-D prior from its log_prob."""
     if prior.lattice_steps[0] is not None:
@@ -243,22 +274,30 @@ def exact_moments(prior):
     return mean, variance, integrate((t - mean) ** 4)
 
 
-@pytest.mark.parametrize("family, override", [
-    ("uniform", {}), ("normal", {}), ("normal", {"normal_mean": 9.0, "normal_std": 0.5}),
-    ("exponential", {"exponential_rate": 0.1}), ("exponential", {"exponential_rate": -0.7}),
-    ("grid", {}), ("grid", {"grid_step": 0.3}),
-])
+@pytest.mark.parametrize(
+    "family, override",
+    [
+        ("uniform", {}),
+        ("normal", {}),
+        ("normal", {"normal_mean": 9.0, "normal_std": 0.5}),
+        ("exponential", {"exponential_rate": 0.1}),
+        ("exponential", {"exponential_rate": -0.7}),
+        ("grid", {}),
+        ("grid", {"grid_step": 0.3}),
+    ],
+)
 def test_sampler_moments_match_log_prob(family, override):
     problem, prior = one_d(family, **override)
     n = 200_000
     draws = prior.sample(n, torch.Generator().manual_seed(3))[:, 0]
     mean, variance, fourth = exact_moments(prior)
     assert abs(draws.mean().item() - mean) < 5 * math.sqrt(variance / n)
-    assert abs(draws.var().item() - variance) < 5 * math.sqrt((fourth - variance ** 2) / n)
+    assert abs(draws.var().item() - variance) < 5 * math.sqrt((fourth - variance**2) / n)
     assert torch.isfinite(prior.log_prob(draws[:, None])).all()
 
 
 # ---------------------------------------------------------------- log_prob support
+
 
 @pytest.mark.parametrize("family", priors.FAMILIES)
 def test_log_prob_is_minus_inf_off_support(family):
@@ -295,6 +334,7 @@ def test_by_parameter_mixes_families_per_coordinate():
 
 # ---------------------------------------------------------------- simulator
 
+
 def test_log_likelihood_matches_direct_formula_with_broadcasting():
     problem = GaussianProblem.from_settings(problem_settings(dimension=2, infer=["mean:*", "std:1"]))
     generator = torch.Generator().manual_seed(5)
@@ -304,15 +344,16 @@ def test_log_likelihood_matches_direct_formula_with_broadcasting():
     assert result.shape == (5, 7)
     stds = torch.stack([torch.full((7,), 2.0, dtype=torch.float64), theta[0, :, 2]], -1)
     z = (x - theta[..., :2]) / stds
-    direct = (-0.5 * z ** 2 - torch.log(stds) - 0.5 * math.log(2 * math.pi)).sum(-1)
+    direct = (-0.5 * z**2 - torch.log(stds) - 0.5 * math.log(2 * math.pi)).sum(-1)
     assert torch.allclose(result, direct)
     normal = torch.distributions.Normal(theta[..., :2], stds)
     assert torch.allclose(result, normal.log_prob(x).sum(-1))
 
 
 def test_fixed_parameters_fill_the_rest_and_simulate_moments():
-    problem = GaussianProblem.from_settings(problem_settings(
-        dimension=2, infer=["mean:0", "std:1"], fixed_mean=7.0, fixed={"std:0": 0.5}))
+    problem = GaussianProblem.from_settings(
+        problem_settings(dimension=2, infer=["mean:0", "std:1"], fixed_mean=7.0, fixed={"std:0": 0.5})
+    )
     theta = torch.tensor([[1.0, 3.0]], dtype=torch.float64).expand(100_000, 2)
     means, stds = problem.means_and_stds(theta[:1])
     assert means.tolist() == [[1.0, 7.0]] and stds.tolist() == [[0.5, 3.0]]
@@ -324,11 +365,12 @@ def test_fixed_parameters_fill_the_rest_and_simulate_moments():
 
 # ---------------------------------------------------------------- training pairs
 
+
 def z_scores(problem, inputs):
     """Standardised x given the theta in the same row."""
     inputs = torch.as_tensor(inputs, dtype=torch.float64)
-    means, stds = problem.means_and_stds(inputs[:, problem.dimension:])
-    return (inputs[:, :problem.dimension] - means) / stds
+    means, stds = problem.means_and_stds(inputs[:, problem.dimension :])
+    return (inputs[:, : problem.dimension] - means) / stds
 
 
 def test_balanced_pairs_joint_rows_consistent_product_rows_not():
@@ -400,7 +442,7 @@ def test_log_evidence_matches_the_likelihood_also_far_from_zero(centre, spread):
     generator = torch.Generator().manual_seed(3)
     means = centre + torch.rand(300, 2, generator=generator, dtype=torch.float64)
     stds = spread[0] + (spread[1] - spread[0]) * torch.rand(300, 2, generator=generator, dtype=torch.float64)
-    stds[7, 1] = 0.0                                             # an unusable point has no weight
+    stds[7, 1] = 0.0  # an unusable point has no weight
     points = torch.cat([means, stds], 1)
     x = means[:130] + 2 * stds[:130] * torch.randn(130, 2, generator=generator, dtype=torch.float64)
     log_weights = torch.full((300,), -math.log(300), dtype=torch.float64)
@@ -414,6 +456,7 @@ def test_log_evidence_matches_the_likelihood_also_far_from_zero(centre, spread):
 
 
 # ---------------------------------------------------------------- networks
+
 
 def model(**changes):
     """Model settings with changes."""
@@ -443,8 +486,8 @@ def test_a_residual_block_starts_as_the_identity_and_keeps_negative_values():
     block = networks.ResidualBlock(16, "relu", 0.0)
     h = torch.randn(64, 16)
     out = block(h)
-    assert (out - h).abs().max() < 0.05                  # the branch's last layer starts near zero
-    assert (out[h < -0.5] < 0).all()                     # no activation on the identity path
+    assert (out - h).abs().max() < 0.05  # the branch's last layer starts near zero
+    assert (out[h < -0.5] < 0).all()  # no activation on the identity path
     with torch.no_grad():
         block.outer.weight.zero_()
         block.outer.bias.zero_()

@@ -6,6 +6,7 @@ a value it must refuse: of another kind, NaN or infinite, huge, or an unsafe nam
 on a settings folder of its own; the refusal is exit status 2 and one line naming the setting,
 with nothing written. Missing required keys and hostile settings code are listed cases.
 """
+
 import contextlib
 import io
 import math
@@ -22,8 +23,12 @@ from helpers import write_settings
 
 # Hostile values, by the kind of the setting's smoke-profile value (the baseline).
 NOT_FINITE = [math.nan, math.inf, -math.inf]
-HUGE = st.one_of(st.floats(min_value=1e30, max_value=1e300), st.floats(min_value=-1e300, max_value=-1e30),
-                 st.integers(min_value=10**30, max_value=10**40), st.integers(min_value=-10**40, max_value=-10**30))
+HUGE = st.one_of(
+    st.floats(min_value=1e30, max_value=1e300),
+    st.floats(min_value=-1e300, max_value=-1e30),
+    st.integers(min_value=10**30, max_value=10**40),
+    st.integers(min_value=-(10**40), max_value=-(10**30)),
+)
 BAD_NUMBER = st.one_of(st.sampled_from(NOT_FINITE), HUGE)
 # Names and paths: blank, a NUL or a line break inside, a parent folder at the front, or longer than a file
 # name may be; besides, names (but not output.root, a path) take no path separator.
@@ -31,12 +36,18 @@ UNSAFE_PATH = st.one_of(
     st.text(alphabet=" \t", max_size=3),
     st.builds("{}{}{}".format, st.text(max_size=6), st.sampled_from(["\x00", "\n"]), st.text(max_size=6)),
     st.builds("../{}".format, st.text(max_size=6)),
-    st.text(alphabet=st.characters(blacklist_characters="/"), min_size=300, max_size=400))
+    st.text(alphabet=st.characters(blacklist_characters="/"), min_size=300, max_size=400),
+)
 UNSAFE_NAME = st.one_of(UNSAFE_PATH, st.builds("{}/{}".format, st.text(max_size=6), st.text(max_size=6)))
 # Values of every JSON kind, each with one value of that kind; the kinds a setting does not hold are hostile to it.
-KINDS = [(None, st.none()), (True, st.booleans()), (0, st.one_of(st.integers(-10, 10), st.floats(-10, 10))),
-         ("a", st.text(alphabet="abcxyz", min_size=1, max_size=6)), ([], st.lists(st.integers(0, 3), max_size=2)),
-         ({}, st.dictionaries(st.sampled_from(["zzz", "root"]), st.integers(0, 3), max_size=2))]
+KINDS = [
+    (None, st.none()),
+    (True, st.booleans()),
+    (0, st.one_of(st.integers(-10, 10), st.floats(-10, 10))),
+    ("a", st.text(alphabet="abcxyz", min_size=1, max_size=6)),
+    ([], st.lists(st.integers(0, 3), max_size=2)),
+    ({}, st.dictionaries(st.sampled_from(["zzz", "root"]), st.integers(0, 3), max_size=2)),
+]
 
 
 def leaves(value, path=()):
@@ -58,8 +69,13 @@ def same_kind(a, b):
 def hostile(path, baseline):
     """A strategy of values that the setting at `path`, whose smoke value is `baseline`, must refuse."""
     # A setting whose baseline is None ("no value") may take a number (training.gradient_clip).
-    other_kinds = st.one_of([strategy for example, strategy in KINDS if not same_kind(example, baseline)
-                             and not (baseline is None and isinstance(example, (int, float)))])
+    other_kinds = st.one_of(
+        [
+            strategy
+            for example, strategy in KINDS
+            if not same_kind(example, baseline) and not (baseline is None and isinstance(example, (int, float)))
+        ]
+    )
     if isinstance(baseline, (int, float)) and not isinstance(baseline, bool):
         return st.one_of(BAD_NUMBER, other_kinds)
     if isinstance(baseline, str):
@@ -69,8 +85,11 @@ def hostile(path, baseline):
     return other_kinds
 
 
-SETTINGS = [(file, path, baseline) for file, module in (("training", settings_training), ("analysis", settings_analysis))
-            for path, baseline in leaves(module.make_settings("smoke"))]
+SETTINGS = [
+    (file, path, baseline)
+    for file, module in (("training", settings_training), ("analysis", settings_analysis))
+    for path, baseline in leaves(module.make_settings("smoke"))
+]
 
 
 @st.composite
@@ -126,7 +145,7 @@ def assert_refused(folder, file, code):
     assert status == 2, (code, stderr)
     assert len(lines) == 1 and lines[0].startswith("nnpd: settings error:"), (code, stderr)
     assert "Traceback" not in stderr
-    assert sorted(folder.rglob("*")) == before, code          # nothing written anywhere
+    assert sorted(folder.rglob("*")) == before, code  # nothing written anywhere
     return lines[0]
 
 
@@ -136,13 +155,19 @@ def assert_refused(folder, file, code):
 def test_malformed_settings_are_refused_with_one_line(tmp_path_factory, case):
     file, path, value = case
     line = assert_refused(tmp_path_factory.mktemp("case"), file, patch(path, value))
-    assert ".".join(path) in line, (value, line)                # the line names the setting
+    assert ".".join(path) in line, (value, line)  # the line names the setting
 
 
-REQUIRED = [("training", ("experiment",)), ("training", ("problem", "dimension")), ("training", ("data", "validation")),
-            ("training", ("data", "train")), ("training", ("model", "kind")), ("training", ("problem",)),
-            ("analysis", ("analysis",))]      # every other analysis setting has a default, as have output, seed,
-                                               # runtime and a kit study's cohort and priors (tests/test_settings.py)
+REQUIRED = [
+    ("training", ("experiment",)),
+    ("training", ("problem", "dimension")),
+    ("training", ("data", "validation")),
+    ("training", ("data", "train")),
+    ("training", ("model", "kind")),
+    ("training", ("problem",)),
+    ("analysis", ("analysis",)),
+]  # every other analysis setting has a default, as have output, seed,
+# runtime and a kit study's cohort and priors (tests/test_settings.py)
 
 
 @pytest.mark.parametrize("file, path", REQUIRED)
@@ -151,21 +176,29 @@ def test_a_missing_required_setting_is_named(tmp_path, file, path):
     assert_refused(tmp_path, file, "del settings" + "".join(f"[{key!r}]" for key in path) + "\n")
 
 
-@pytest.mark.parametrize("code", [
-    "import os\nos._exit(0)\n", "import sys\nsys.exit(0)\n", "raise RuntimeError('boom')\n",
-    "settings['problem']['self'] = settings['problem']\n", "settings['seed'] = Path('x')\n",
-])
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import os\nos._exit(0)\n",
+        "import sys\nsys.exit(0)\n",
+        "raise RuntimeError('boom')\n",
+        "settings['problem']['self'] = settings['problem']\n",
+        "settings['seed'] = Path('x')\n",
+    ],
+)
 @pytest.mark.unit
 def test_settings_code_that_exits_raises_or_loops_is_a_settings_error(tmp_path, code):
     assert_refused(tmp_path, "training", "from pathlib import Path\n" + code)
 
 
-@pytest.mark.parametrize("path", [("training", "epochs"), ("runtime", "device"), ("runtime", "cpu_threads"),
-                                  ("model", "dropout")])
+@pytest.mark.parametrize(
+    "path", [("training", "epochs"), ("runtime", "device"), ("runtime", "cpu_threads"), ("model", "dropout")]
+)
 @pytest.mark.unit
 def test_a_deleted_setting_with_a_default_takes_it(tmp_path, path):
-    settings_dir = write_settings(tmp_path / "s", tmp_path / "out",
-                                  training="del settings" + "".join(f"[{key!r}]" for key in path) + "\n")
+    settings_dir = write_settings(
+        tmp_path / "s", tmp_path / "out", training="del settings" + "".join(f"[{key!r}]" for key in path) + "\n"
+    )
     status, stderr = run_in_process(["plan", "--settings-dir", str(settings_dir)])
     assert status == 0, stderr
     assert not Path(tmp_path / "out").exists()

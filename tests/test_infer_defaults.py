@@ -5,6 +5,7 @@ settings, and an analysis file holding nothing but the analysis class. One model
 deliberately flat (one epoch on a few rows at a learning rate too small to move it). `train`, `run` and
 `infer` are the real command line: infer after train alone in a fresh process, the rest in-process.
 """
+
 import copy
 import json
 import textwrap
@@ -12,10 +13,10 @@ import textwrap
 import numpy as np
 import pytest
 
+import inference_schema
 import posterior as post
 import settings_analysis
 from helpers import main_in_process, run_cli
-import inference_schema
 from inference_schema import check_inference_settings
 from settings import SettingsError
 from store import restore
@@ -36,7 +37,7 @@ class Shift(nre_study.Study):
     def log_likelihood(self, x, theta):
         return (-0.5 * ((x - theta) / 0.3) ** 2).sum(-1)
 '''
-TRAINING = '''
+TRAINING = """
 DEFAULT_PROFILE = "quick"
 PROFILES = ("quick",)
 
@@ -53,14 +54,14 @@ def make_settings(profile):
         "training": {training},
         "runtime": {{"device": "cpu"}},
     }}
-'''
-ANALYSIS = '''
+"""
+ANALYSIS = """
 PROFILES = ("quick",)
 
 
 def make_settings(profile):
     return {{"analysis": "nre_analysis:NREAnalysis"{extra}}}
-'''
+"""
 GOOD = ({"train": 4096, "validation": 512, "test": 512}, {"epochs": 6, "batch_size": 128, "learning_rate": 3e-3})
 FLAT = ({"train": 64, "validation": 64, "test": 64}, {"epochs": 1, "batch_size": 64, "learning_rate": 1e-7})
 
@@ -71,8 +72,9 @@ def study_folder(folder, kind, extra=""):
     module = f"shift_{folder.parent.name}_{folder.name}".replace("-", "_")
     data, training = GOOD if kind == "good" else FLAT
     (folder / f"{module}.py").write_text(STUDY)
-    (folder / "settings_training.py").write_text(textwrap.dedent(TRAINING.format(
-        module=module, root=str(folder / "out"), data=data, training=training)))
+    (folder / "settings_training.py").write_text(
+        textwrap.dedent(TRAINING.format(module=module, root=str(folder / "out"), data=data, training=training))
+    )
     (folder / "settings_analysis.py").write_text(ANALYSIS.format(extra=extra))
     return folder, folder / "out"
 
@@ -114,7 +116,7 @@ def test_infer_after_train_alone_uses_the_default_design_and_equals_restore(good
     posterior = restore(run).posterior(x)
     expected = json.loads(json.dumps(posterior.summary()))
     assert {key: summary[key] for key in expected} == expected
-    assert summary["candidates"] <= post.POSTERIOR_CANDIDATES["candidate_count"]   # the design of a run never analysed
+    assert summary["candidates"] <= post.POSTERIOR_CANDIDATES["candidate_count"]  # the design of a run never analysed
     assert summary["flat"]["flat"] is False and summary["flat"]["sd_share"][0] < 0.5
     assert 0.1 < summary["sd"][0] < 0.3 and abs(summary["mean"][0] - 0.31) < 0.15
 
@@ -139,7 +141,7 @@ def test_the_python_posterior_warns_the_lines_infer_prints(flat, tmp_path):
     with pytest.warns(post.PosteriorWarning) as caught:
         posterior = restore(run).posterior(x)
     assert printed and posterior.warnings == printed == [str(warning.message) for warning in caught]
-    assert posterior.flat["flat"] is True and caught[0].filename == __file__     # warned at the user's line
+    assert posterior.flat["flat"] is True and caught[0].filename == __file__  # warned at the user's line
 
 
 @pytest.mark.launch
@@ -168,12 +170,15 @@ def test_a_good_model_gets_no_flat_warning_from_the_analysis(good):
     assert flatness["warning"] is None and flatness["flat_cases"] == 0 and "warning:" not in result.stdout
 
 
-@pytest.mark.parametrize("extra, message", [
-    (', "inference": {"candidates": {"kind": "sobl"}}', "inference.candidates.kind"),
-    (', "inference": {"candidates": {"coarse_cont": 64}}', "unknown keys ['coarse_cont']"),
-    (', "inference": {"levels": [0.95, 0.68]}', "inference.levels"),
-    (', "verification": {"max_saved_bytes": -1}', "verification.max_saved_bytes"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (', "inference": {"candidates": {"kind": "sobl"}}', "inference.candidates.kind"),
+        (', "inference": {"candidates": {"coarse_cont": 64}}', "unknown keys ['coarse_cont']"),
+        (', "inference": {"levels": [0.95, 0.68]}', "inference.levels"),
+        (', "verification": {"max_saved_bytes": -1}', "verification.max_saved_bytes"),
+    ],
+)
 @pytest.mark.unit
 def test_a_bad_value_in_a_minimal_analysis_file_gets_one_line(tmp_path, extra, message):
     folder, _ = study_folder(tmp_path / "settings", "flat", extra)

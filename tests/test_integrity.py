@@ -4,6 +4,7 @@ artifact, record or training state is found by the next launch, without `verify`
 Each damage test copies one analysed output root, damages one thing in it, re-runs and checks
 that the metrics are those of the undamaged root.
 """
+
 import json
 import os
 import shutil
@@ -18,14 +19,14 @@ import torch
 import nnpd
 import store
 from helpers import REPO, command, finish_launch, saved_states, settings_for, start, wait_for, weights, write_settings
-from store import Store, restore
+from store import restore
 
 pytestmark = pytest.mark.launch
 
 
 def cli(monkeypatch, *args):
     """The command line, in this process; returns its exit status."""
-    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)   # main() sets nnpd's format
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)  # main() sets nnpd's format
     return nnpd.main(list(args))
 
 
@@ -84,7 +85,7 @@ def test_the_readmes_command_sequence_leaves_every_run_restorable(tmp_path, monk
     root = tmp_path / "out"
     for action in ("run", "plan", "train", "analyze", "run", "verify", "report"):
         assert cli(monkeypatch, action, "--settings-dir", settings) == 0, (action, capsys.readouterr().err)
-        for run in run_dirs(root):                       # whatever is referenced is there, after every step
+        for run in run_dirs(root):  # whatever is referenced is there, after every step
             assert not store_missing(root, run), (action, run)
     for run in run_dirs(root):
         restored = restore(run)
@@ -106,11 +107,11 @@ def test_an_analysis_product_moved_aside_by_verify_is_rebuilt_by_the_next_run(co
         assert cli(monkeypatch, "verify", "--settings-dir", str(settings)) == 1
     report = json.loads(capsys.readouterr().out)
     assert f"out/cache/learned/{product.name}" in report["damaged"]
-    assert any("artifacts.json" in line and product.name in line for line in report["damaged"])   # its users
+    assert any("artifacts.json" in line and product.name in line for line in report["damaged"])  # its users
     assert not product.exists()
     with pytest.warns(UserWarning, match="missing or damaged"):
         run = next(run for run in run_dirs(root) if product.name in (run / "artifacts.json").read_text())
-        assert restore(run).metrics is None                 # restores, but its analysis is not complete
+        assert restore(run).metrics is None  # restores, but its analysis is not complete
     assert cli(monkeypatch, "run", "--settings-dir", str(settings)) == 0
     assert "analysing it again" in capsys.readouterr().err
     assert is_intact(product)
@@ -119,16 +120,24 @@ def test_an_analysis_product_moved_aside_by_verify_is_rebuilt_by_the_next_run(co
     assert all(restore(run).metrics is not None for run in run_dirs(root))
 
 
-@pytest.mark.parametrize("name, pattern", [("training-data", "*.npy"), ("model", "weights.pt"),
-                                           ("learned", "*.npy"), ("truths", "*.npy"), ("candidates", "*.npy")])
+@pytest.mark.parametrize(
+    "name, pattern",
+    [
+        ("training-data", "*.npy"),
+        ("model", "weights.pt"),
+        ("learned", "*.npy"),
+        ("truths", "*.npy"),
+        ("candidates", "*.npy"),
+    ],
+)
 def test_a_same_size_flip_is_found_and_repaired_by_the_next_run(copy, analysed, monkeypatch, capsys, name, pattern):
     settings, root = copy
     entry = next(path for path in sorted(root.glob(f"cache/{name}/*")) if path.is_dir())
     flip_byte(sorted(entry.glob(pattern))[0])
     with pytest.warns(UserWarning, match="damaged"):
         assert cli(monkeypatch, "run", "--settings-dir", str(settings)) == 0
-    assert is_intact(entry)                                 # rebuilt in place, the same artifact
-    assert len(list(root.glob(f"damaged/{name}/*"))) == 1   # the damaged copy is kept aside
+    assert is_intact(entry)  # rebuilt in place, the same artifact
+    assert len(list(root.glob(f"damaged/{name}/*"))) == 1  # the damaged copy is kept aside
     assert all_metrics(root) == analysed[1]
     assert cli(monkeypatch, "verify", "--settings-dir", str(settings)) == 0
 
@@ -137,10 +146,10 @@ def test_rewritten_metrics_and_records_are_redone(copy, analysed, monkeypatch, c
     settings, root = copy
     first, second = run_dirs(root)[:2]
     metrics = json.loads((first / "metrics.json").read_text())
-    metrics["classification"]["auc"] = 0.123456789          # valid JSON, wrong value
+    metrics["classification"]["auc"] = 0.123456789  # valid JSON, wrong value
     (first / "metrics.json").write_text(json.dumps(metrics))
     analysis = json.loads((second / "analysis.json").read_text())
-    analysis["model"] = analysis["model"][::-1]             # a record that parses but disagrees
+    analysis["model"] = analysis["model"][::-1]  # a record that parses but disagrees
     (second / "analysis.json").write_text(json.dumps(analysis))
     assert restore(first).metrics is None
     assert cli(monkeypatch, "run", "--settings-dir", str(settings)) == 0
@@ -164,14 +173,14 @@ def test_verify_moves_rewritten_metrics_aside(copy, monkeypatch, capsys):
 
 def test_a_damaged_training_state_is_refused_with_a_warning(tmp_path):
     """A flipped byte in a saved state: training starts afresh and ends bitwise as if never interrupted."""
-    reference = start(command(settings_for(tmp_path / "reference")))      # side by side with the damaged one
+    reference = start(command(settings_for(tmp_path / "reference")))  # side by side with the damaged one
     damaged = settings_for(tmp_path / "damaged")
     process = start(command(damaged))
     wait_for(lambda: saved_states(tmp_path / "damaged" / "out"), "a saved training state", process=process)
     process.kill()
     process.communicate()
     state = saved_states(tmp_path / "damaged" / "out")[0]
-    flip_byte(state, state.stat().st_size - 100)          # inside the saved tensors
+    flip_byte(state, state.stat().st_size - 100)  # inside the saved tensors
     result = finish_launch(command(damaged))
     assert result.returncode == 0, result.stderr
     assert "ignoring the saved training state" in result.stderr and "checksum" in result.stderr
@@ -194,11 +203,18 @@ def test_restore_checks_the_named_class_before_importing_its_module(copy, tmp_pa
         record["settings"]["experiment"] = named
         record["checksum"] = store.record_checksum(record)  # a record re-signed by whoever edited it
         (run / "run.json").write_text(json.dumps(record))
-        code = ("import sys, store\n"
-                f"try:\n    store.restore({str(run)!r})\nexcept ValueError as error:\n    print(error)\n"
-                "print(sorted({'setuptools', 'setup', 'acts_on_import'} & set(sys.modules)))")
-        result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
-                                env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"})
+        code = (
+            "import sys, store\n"
+            f"try:\n    store.restore({str(run)!r})\nexcept ValueError as error:\n    print(error)\n"
+            "print(sorted({'setuptools', 'setup', 'acts_on_import'} & set(sys.modules)))"
+        )
+        result = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{REPO}"},
+        )
         assert result.returncode == 0, result.stderr
         assert "does not define a class" in result.stdout and result.stdout.rstrip().endswith("[]"), result.stdout
     assert not marker.exists()

@@ -1,5 +1,6 @@
 """Analysis truths where the simulator fails (NaN or infinite observations): dropped under data.invalid =
 "drop", else one line naming the fix (nre_analysis.valid_cases)."""
+
 import pytest
 import torch
 
@@ -23,8 +24,11 @@ def test_drop_keeps_the_truths_whose_observations_are_all_finite():
 
 
 def test_without_drop_the_error_names_the_share_a_truth_and_the_fix():
-    with pytest.raises(InvalidObservations, match=r"2 of 4 truths \(50.0%\), e.g. at θ = \[2.7\]; fix the "
-                                                  r"simulator there, or set data.invalid = \"drop\"") as caught:
+    with pytest.raises(
+        InvalidObservations,
+        match=r"2 of 4 truths \(50.0%\), e.g. at θ = \[2.7\]; fix the "
+        r"simulator there, or set data.invalid = \"drop\"",
+    ) as caught:
         valid_cases(observations(TRUTHS), TRUTHS, "error")
     assert isinstance(caught.value, NnpdError)
 

@@ -7,6 +7,7 @@ nnpd.main in-process (what they answer needs no fresh process). Runs write to te
 launches read a copy of the example's folder whose output root is replaced and whose device is the CPU (the
 study module beside it, on no import path); plan, which writes nothing, reads the example itself.
 """
+
 import csv
 import importlib
 import json
@@ -28,10 +29,10 @@ from store import restore
 
 EXAMPLE = REPO / "examples" / "weibull"
 ROOT_SETTING = '"output": {"root": f"outputs/weibull-{profile}"}'
-NO_PYTHONPATH = {"PYTHONPATH": ""}            # empty: Python adds nothing, as when it is unset
+NO_PYTHONPATH = {"PYTHONPATH": ""}  # empty: Python adds nothing, as when it is unset
 LEVELS = {"0.68": 0.68, "0.95": 0.95}
 PRIORS = {"uniform", "normal"}
-TRUTHS = 1024                                 # inference.truths.sobol_truths 512, times 2 for two parameters
+TRUTHS = 1024  # inference.truths.sobol_truths 512, times 2 for two parameters
 
 
 def example_copy(folder, root):
@@ -68,15 +69,15 @@ def trained(tmp_path_factory):
 @pytest.mark.unit
 def test_plan_reads_the_example_folder_as_printed_in_the_docs():
     before = (REPO / "outputs" / "weibull-quick").exists()
-    result = main_in_process("plan", "--settings-dir", "examples/weibull")     # from the repository root
+    result = main_in_process("plan", "--settings-dir", "examples/weibull")  # from the repository root
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["output_root"] == "outputs/weibull-quick" and plan["jobs"] == 2
     assert plan["errors"] == [] and plan["warnings"] == []
     (configuration,) = plan["configurations"]
-    assert configuration["input_size"] == 6 + 2       # six log lifetimes and (shape, scale)
+    assert configuration["input_size"] == 6 + 2  # six log lifetimes and (shape, scale)
     assert {job["member"] for job in configuration["jobs"]} == {"uniform-r0", "normal-r0"}
-    assert (REPO / "outputs" / "weibull-quick").exists() == before     # plan writes nothing
+    assert (REPO / "outputs" / "weibull-quick").exists() == before  # plan writes nothing
 
 
 @pytest.mark.launch
@@ -111,7 +112,7 @@ def test_the_report_writes_one_csv_row_per_run(trained, tmp_path):
     result = main_in_process("report", "--settings-dir", str(settings), "--csv", str(table))
     assert result.returncode == 0, result.stderr
     assert "cov68" in result.stdout and "normal" in result.stdout and "uniform" in result.stdout
-    assert "exact68" in result.stdout and "nearly flat" not in result.stdout     # informative: no false alarm
+    assert "exact68" in result.stdout and "nearly flat" not in result.stdout  # informative: no false alarm
     rows = list(csv.DictReader(table.open()))
     assert {row["prior"] for row in rows} == PRIORS
     for row in rows:
@@ -123,28 +124,42 @@ def test_the_report_writes_one_csv_row_per_run(trained, tmp_path):
 def test_two_torchrun_workers_in_jobs_mode_give_the_same_results(trained, tmp_path):
     _, _, serial = trained
     settings = example_copy(tmp_path / "settings", tmp_path / "out")
-    environment = {k: v for k, v in os.environ.items()
-                   if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    environment = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
     environment.update(NO_PYTHONPATH, OMP_NUM_THREADS="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "nnpd.py",
-               "run", "--settings-dir", str(settings)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        "nnpd.py",
+        "run",
+        "--settings-dir",
+        str(settings),
+    ]
     result = subprocess.run(command, cwd=REPO, env=environment, capture_output=True, text=True, timeout=600)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "2 worker(s), parallel=jobs" in output
-    assert "rank 0] train" in output and "rank 1] train" in output          # each worker trained a model
-    assert metrics_by_prior(tmp_path / "out") == serial                     # the same models and analysis
+    assert "rank 0] train" in output and "rank 1] train" in output  # each worker trained a model
+    assert metrics_by_prior(tmp_path / "out") == serial  # the same models and analysis
 
 
 @pytest.mark.launch
 def test_restore_gives_the_analysed_model(trained, monkeypatch):
     root, _, metrics = trained
-    monkeypatch.setattr(sys, "path", list(sys.path))     # restore adds the study's folder; undo it afterwards
+    monkeypatch.setattr(sys, "path", list(sys.path))  # restore adds the study's folder; undo it afterwards
     run = next(root.glob("runs/*/uniform-r0-*"))
     restored = restore(run, device="cpu")
     assert not restored.model.training and restored.metrics == metrics["uniform"]
     # The classification metric scores each test simulation and its x re-paired with another's θ.
-    x, theta = (torch.from_numpy(np.asarray(restored.array("training-data", f"test_{name}"))) for name in ("x", "theta"))
+    x, theta = (
+        torch.from_numpy(np.asarray(restored.array("training-data", f"test_{name}"))) for name in ("x", "theta")
+    )
     inputs, labels = contrast.fixed_pairs(x, theta, runtime.derived_seed(restored.settings["seed"], "test pairs"))
     with torch.no_grad():
         logits = restored.model(inputs)
@@ -167,12 +182,21 @@ def test_infer_gives_the_posterior_of_an_observation_with_a_corner_plot(trained,
     restored = restore(run, device="cpu")
     np.save(tmp_path / "lifetimes.npy", restored.array("observations", "observations")[5])
     np.save(tmp_path / "truth.npy", restored.array("truths", "truths")[5])
-    result = main_in_process("infer", str(run), "--observations", str(tmp_path / "lifetimes.npy"), "--truth",
-                             str(tmp_path / "truth.npy"), "--samples", "800", "--plot")
+    result = main_in_process(
+        "infer",
+        str(run),
+        "--observations",
+        str(tmp_path / "lifetimes.npy"),
+        "--truth",
+        str(tmp_path / "truth.npy"),
+        "--samples",
+        "800",
+        "--plot",
+    )
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "lifetimes-uniform-r0.posterior.json").read_text())
     assert summary["parameters"] == ["shape", "scale"] and len(summary["hpd"]["0.95"]["upper"]) == 2
     samples = np.load(tmp_path / "lifetimes-uniform-r0.samples.npy")
     assert samples.shape == (800, 2)
-    assert np.all((samples >= [0.5, 0.5]) & (samples <= [3.0, 2.0]))      # inside the parameters' box
+    assert np.all((samples >= [0.5, 0.5]) & (samples <= [3.0, 2.0]))  # inside the parameters' box
     assert (tmp_path / "lifetimes-uniform-r0.corner.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,5 +1,6 @@
 """Coverage on a lattice prior: the plain HPD coverage of the exact likelihood exceeds its level (the
 smallest region reaching α holds more than α), the randomised `lattice` coverage is nominal."""
+
 import math
 
 import numpy as np
@@ -14,8 +15,8 @@ import hpd
 import nre_analysis
 import priors
 import settings_analysis
-from store import Writer
 from helpers import LEVELS, log_likelihood, study_problem
+from store import Writer
 
 pytestmark = pytest.mark.unit
 
@@ -23,8 +24,9 @@ pytestmark = pytest.mark.unit
 def lattice_exact_summaries(tmp_path, problem, lattice_steps, cases, seed):
     """The exact target's summaries of `cases` default-profile truths on the prior's own candidates."""
     analysis = settings_analysis.make_settings("default")["inference"]
-    truths = designs.make_truths(problem.low, problem.high, problem.grid_step,
-                                 dict(analysis["truths"], sobol_truths=cases), seed=seed)
+    truths = designs.make_truths(
+        problem.low, problem.high, problem.grid_step, dict(analysis["truths"], sobol_truths=cases), seed=seed
+    )
     observations = designs.make_observations(problem.simulate, truths, analysis["observations"], seed=seed + 1)
     candidates = dict(analysis["candidates"], kind="sobol", candidate_count=1024)
     points, log_measure = designs.make_candidates(problem.low, problem.high, lattice_steps, candidates, seed)
@@ -33,8 +35,9 @@ def lattice_exact_summaries(tmp_path, problem, lattice_steps, cases, seed):
     scoring = case_blocks.exact_scoring(log_likelihood, observations, torch.device("cpu"), 1 << 24)
     box = adaptive.support_box(problem.low, problem.high, lattice_steps)
     design = case_blocks.Design("sobol", list(lattice_steps), adaptive.Refinement(box, LEVELS, None, seed))
-    work = nre_analysis.Cases(["exact"], truths, case_blocks.Candidates(points, log_measure),
-                              {"mode": "diagnostic", "cases": 0})
+    work = nre_analysis.Cases(
+        ["exact"], truths, case_blocks.Candidates(points, log_measure), {"mode": "diagnostic", "cases": 0}
+    )
     nre_analysis.summarise_cases(writer, scoring, design, work, lambda case: None)
     summaries = {field: np.load(tmp_path / f"exact_{field}.npy") for field in nre_analysis.SUMMARY_FIELDS}
     return truths, points, summaries
@@ -44,13 +47,13 @@ def test_exact_lattice_coverage_is_nominal_on_the_grid_prior_where_plain_coverag
     problem = study_problem(1)
     prior = priors.make_prior(problem, {"family": "grid"})
     assert prior.lattice_steps == [pytest.approx(0.2)]
-    cases = 1024      # the README's exact-target truths and observations (bench/bench_resolution.py)
+    cases = 1024  # the README's exact-target truths and observations (bench/bench_resolution.py)
     truths, points, summaries = lattice_exact_summaries(tmp_path, problem, prior.lattice_steps, cases, seed=1)
-    assert points.shape == (51, 1) and truths.shape == (cases, 1)          # the lattice, enumerated
+    assert points.shape == (51, 1) and truths.shape == (cases, 1)  # the lattice, enumerated
     # Every truth is a lattice point and a candidate: its own mass is its tie.
     assert (summaries["credibility_upper"] > summaries["credibility"]).all()
     mass = summaries["mass"].mean(axis=0)
-    assert mass[0] > 0.74 and mass[1] > 0.96          # the smallest regions reaching α hold more than α
+    assert mass[0] > 0.74 and mass[1] > 0.96  # the smallest regions reaching α hold more than α
     coverage = analysis_metrics.coverage_metrics(summaries, truths.numpy(), LEVELS, problem.names)
     for level, excess in zip(LEVELS, (0.05, 0.01)):
         entry = coverage[analysis_metrics.level_key(level)]
@@ -68,8 +71,13 @@ def test_randomised_coverage_is_exactly_nominal_on_an_unbounded_lattice():
     # regions is nominal at every level, tightly, and that of the plain regions is far above.
     problem = study_problem(1)
     cases = 16384
-    truths = designs.make_truths(problem.low, problem.high, problem.grid_step,
-                                 {"kind": "sobol", "sobol_truths": cases, "truth_margin_fraction": 0.3}, seed=2)
+    truths = designs.make_truths(
+        problem.low,
+        problem.high,
+        problem.grid_step,
+        {"kind": "sobol", "sobol_truths": cases, "truth_margin_fraction": 0.3},
+        seed=2,
+    )
     observations = designs.make_observations(problem.simulate, truths, 15, seed=3)
     points = designs.lattice_support(0.0, 10.0, 0.2)[:, None]
     scores = log_likelihood(observations[:, None], points[None, :, None]).sum(dim=2)

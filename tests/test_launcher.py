@@ -2,6 +2,7 @@
 
 Real torchrun agents and workers on CPU (Gloo), as in tests/test_preemption.py.
 """
+
 import signal
 import subprocess
 import sys
@@ -9,8 +10,18 @@ import time
 
 import pytest
 
-from helpers import (REPO, TIMEOUT, ahead, finish_agent, made_ahead, saved_states, toy_environment, toy_settings,
-                     train_command, wait_for)
+from helpers import (
+    REPO,
+    TIMEOUT,
+    ahead,
+    finish_agent,
+    made_ahead,
+    saved_states,
+    toy_environment,
+    toy_settings,
+    train_command,
+    wait_for,
+)
 
 pytestmark = pytest.mark.launch
 
@@ -22,19 +33,30 @@ def test_a_sigtermed_launch_ends_with_143_and_one_line_then_resumes(tmp_path):
     # Three models, two workers: each worker is still inside its first model when both saved a state
     # (at their first epoch's end), and the resume trains what is left of four epochs.
     settings = toy_settings(tmp_path, train=20000, epochs=4)
-    agent = subprocess.Popen(train_command(LAUNCHER, "--standalone", "--nproc_per_node=2", settings=settings),
-                             env=toy_environment(), cwd=REPO, text=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE)
+    agent = subprocess.Popen(
+        train_command(LAUNCHER, "--standalone", "--nproc_per_node=2", settings=settings),
+        env=toy_environment(),
+        cwd=REPO,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     # Both workers are training once each has saved a state (at its first epoch's end).
     wait_for(lambda: len(saved_states(tmp_path / "out")) == 2, "both workers' saved states", process=agent)
     agent.send_signal(signal.SIGTERM)
     stderr = agent.communicate(timeout=TIMEOUT)[1]
     assert agent.returncode == 143, stderr
     assert "Traceback" not in stderr and stderr.count(STOPPED) == 1, stderr
-    assert stderr.rstrip().endswith(STOPPED), stderr                     # the launch's last word
-    assert stderr.count("training stopped on request") == 2, stderr     # each worker saved and stopped
-    again = subprocess.run(train_command(settings=settings), env=toy_environment(), cwd=REPO, capture_output=True,
-                           text=True, timeout=TIMEOUT)
+    assert stderr.rstrip().endswith(STOPPED), stderr  # the launch's last word
+    assert stderr.count("training stopped on request") == 2, stderr  # each worker saved and stopped
+    again = subprocess.run(
+        train_command(settings=settings),
+        env=toy_environment(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert again.returncode == 0, again.stdout + again.stderr
     assert again.stdout.count("resumed runs/") == 2, again.stdout
     assert len(list((tmp_path / "out" / "cache" / "model").glob("*/artifact.json"))) == 3
@@ -48,8 +70,17 @@ def launch_both(folder, arguments, status, says):
     """launcher.py and torchrun with `arguments` in `folder` (which has fails.py), side by side:
     [(launcher, exit status, output)] (a failed worker's rendezvous is --standalone: they do not meet)."""
     (folder / "fails.py").write_text("import sys\nsys.exit(3)\n")
-    agents = [subprocess.Popen([sys.executable, *launcher, *arguments], env=toy_environment(), cwd=folder,
-                               text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for launcher in LAUNCHERS]
+    agents = [
+        subprocess.Popen(
+            [sys.executable, *launcher, *arguments],
+            env=toy_environment(),
+            cwd=folder,
+            text=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for launcher in LAUNCHERS
+    ]
     endings = []
     for launcher, agent in zip(LAUNCHERS, agents):
         output = finish_agent(agent)
@@ -63,17 +94,21 @@ def other_endings(request, tmp_path_factory):
     return ahead(request, tmp_path_factory, "test_any_other_ending_is_torchruns_own", launch_both)
 
 
-@pytest.mark.parametrize("arguments, status, says", [
-    (["--standalone", "--nproc_per_node=1", "fails.py"], 1, "ChildFailedError"),
-    (["--no-such-option"], 2, "usage:"),
-], ids=["a failed worker", "a usage error"])
+@pytest.mark.parametrize(
+    "arguments, status, says",
+    [
+        (["--standalone", "--nproc_per_node=1", "fails.py"], 1, "ChildFailedError"),
+        (["--no-such-option"], 2, "usage:"),
+    ],
+    ids=["a failed worker", "a usage error"],
+)
 def test_any_other_ending_is_torchruns_own(other_endings, tmp_path, arguments, status, says):
     _, endings = made_ahead(other_endings, launch_both, tmp_path, arguments=arguments, status=status, says=says)
-    for launcher, returncode, output in endings:                          # the same ending from both
+    for launcher, returncode, output in endings:  # the same ending from both
         assert returncode == status and says in output and "nnpd:" not in output, (launcher, output)
 
 
-SLOW_TO_STOP = '''
+SLOW_TO_STOP = """
 import os, signal, sys, time
 from pathlib import Path
 
@@ -87,7 +122,7 @@ signal.signal(signal.SIGTERM, stop)
 Path(sys.argv[1]).write_text(str(os.getpid()))
 while True:
     time.sleep(0.1)
-'''
+"""
 
 
 def alive(pid):
@@ -104,12 +139,17 @@ def test_repeated_signals_end_the_launch_only_after_its_workers(tmp_path):
     # interrupted while it waits for its workers. The launcher's line still comes after they ended.
     (tmp_path / "slow.py").write_text(SLOW_TO_STOP)
     pid_file = tmp_path / "worker.pid"
-    agent = subprocess.Popen([sys.executable, LAUNCHER, "--standalone", "--nproc_per_node=1", "slow.py",
-                              str(pid_file)], env=toy_environment(), cwd=tmp_path, text=True,
-                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    agent = subprocess.Popen(
+        [sys.executable, LAUNCHER, "--standalone", "--nproc_per_node=1", "slow.py", str(pid_file)],
+        env=toy_environment(),
+        cwd=tmp_path,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     wait_for(lambda: pid_file.is_file() and pid_file.read_text(), "the worker's start", process=agent)
     worker = int(pid_file.read_text())
-    for _ in range(100):                    # every 20 ms for 2 s, or until the launch has ended
+    for _ in range(100):  # every 20 ms for 2 s, or until the launch has ended
         if agent.poll() is not None:
             break
         agent.send_signal(signal.SIGTERM)

@@ -1,7 +1,7 @@
 """The code's shape: imports go one way, the framework never imports the bundled study, functions stay short."""
+
 import ast
 import re
-from pathlib import Path
 
 import pytest
 
@@ -10,19 +10,52 @@ from helpers import REPO
 pytestmark = pytest.mark.unit
 
 MODULES = {path.stem: path for path in REPO.glob("*.py") if path.stem != "setup"}
-STUDY = {"gaussian", "gaussian_study"}          # the bundled study's own modules
+STUDY = {"gaussian", "gaussian_study"}  # the bundled study's own modules
 MAY_IMPORT_THE_STUDY = STUDY | {"settings_training", "settings_analysis"}
 # The study kit, written on the framework; studies are written on it.
-KIT = {"nre_study", "nre_analysis", "inference_schema", "nre_figures", "priors", "networks", "posterior",
-       "sampler", "rounds"}
-FRAMEWORK = {"nnpd", "jobs", "output_root", "store", "runtime", "trainer", "study", "settings", "results", "timings",
-             "probes", "launcher", "designs", "case_scores", "case_blocks", "hpd", "analysis_metrics", "infer",
-             "contrast", "c2st", "ddp", "training_state", "training_hooks", "fingerprint",
-             "flatness", "study_loading"}
+KIT = {
+    "nre_study",
+    "nre_analysis",
+    "inference_schema",
+    "nre_figures",
+    "priors",
+    "networks",
+    "posterior",
+    "sampler",
+    "rounds",
+}
+FRAMEWORK = {
+    "nnpd",
+    "jobs",
+    "output_root",
+    "store",
+    "runtime",
+    "trainer",
+    "study",
+    "settings",
+    "results",
+    "timings",
+    "probes",
+    "launcher",
+    "designs",
+    "case_scores",
+    "case_blocks",
+    "hpd",
+    "analysis_metrics",
+    "infer",
+    "contrast",
+    "c2st",
+    "ddp",
+    "training_state",
+    "training_hooks",
+    "fingerprint",
+    "flatness",
+    "study_loading",
+}
 # A function a reader can hold, counted in statements (nested ones too) rather than lines, which the
 # formatter decides: pyproject.toml's [tool.ruff.lint.pylint] max-statements says the same for `make lint`.
 MAX_FUNCTION_STATEMENTS = 40
-MAX_NNPD_STATEMENTS = 350         # nnpd.py is the command line and the orchestration, nothing more
+MAX_NNPD_STATEMENTS = 350  # nnpd.py is the command line and the orchestration, nothing more
 
 
 def imported(path):
@@ -62,14 +95,15 @@ def test_no_module_is_part_of_an_import_cycle():
 
 def test_the_store_imports_nothing_from_the_project_and_restore_stays_there():
     assert GRAPH["store"] == set()
-    assert "restore" in {node.name for node in ast.parse(MODULES["store"].read_text()).body
-                         if isinstance(node, ast.FunctionDef)}
+    assert "restore" in {
+        node.name for node in ast.parse(MODULES["store"].read_text()).body if isinstance(node, ast.FunctionDef)
+    }
 
 
 def test_only_the_study_and_the_settings_files_import_the_bundled_study():
     importers = {name for name, imports in GRAPH.items() if imports & STUDY}
     assert importers <= MAY_IMPORT_THE_STUDY, importers - MAY_IMPORT_THE_STUDY
-    assert "gaussian" in GRAPH["gaussian_study"] and {"output_root", "jobs"} <= GRAPH["nnpd"]   # the scan sees imports
+    assert "gaussian" in GRAPH["gaussian_study"] and {"output_root", "jobs"} <= GRAPH["nnpd"]  # the scan sees imports
 
 
 def test_the_public_posterior_does_not_import_the_analysis():
@@ -82,8 +116,8 @@ def test_the_framework_knows_no_study():
     assert FRAMEWORK <= set(MODULES) and KIT <= set(MODULES)
     for name in sorted(FRAMEWORK):
         assert not GRAPH[name] & (STUDY | KIT), (name, GRAPH[name] & (STUDY | KIT))
-        assert "gaussian" not in MODULES[name].read_text().lower(), name     # nor names one
-    assert not any(GRAPH[name] & STUDY for name in KIT)                         # the kit knows no study either
+        assert "gaussian" not in MODULES[name].read_text().lower(), name  # nor names one
+    assert not any(GRAPH[name] & STUDY for name in KIT)  # the kit knows no study either
     examples = {path.stem for path in REPO.glob("examples/**/*.py")} - {"settings_training", "settings_analysis"}
     for name in sorted(FRAMEWORK | KIT):
         tree = ast.parse(MODULES[name].read_text())
@@ -105,12 +139,19 @@ def statements(node):
 
 def long_functions(path):
     """(name, statements) of the functions of a file holding more than MAX_FUNCTION_STATEMENTS."""
-    return [(node.name, statements(node)) for node in ast.walk(ast.parse(path.read_text()))
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and statements(node) > MAX_FUNCTION_STATEMENTS]
+    return [
+        (node.name, statements(node))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and statements(node) > MAX_FUNCTION_STATEMENTS
+    ]
 
 
-FILES = sorted(set(REPO.glob("*.py")) | set(REPO.glob("tests/*.py")) | set(REPO.glob("bench/*.py"))
-               | set(REPO.glob("examples/**/*.py")))
+FILES = sorted(
+    set(REPO.glob("*.py"))
+    | set(REPO.glob("tests/*.py"))
+    | set(REPO.glob("bench/*.py"))
+    | set(REPO.glob("examples/**/*.py"))
+)
 
 
 def test_no_function_holds_more_statements_than_the_limit():
@@ -121,9 +162,10 @@ def test_no_function_holds_more_statements_than_the_limit():
         found = [(name, lines) for name, lines in long_functions(path) if name not in allowed]
         if found:
             too_long[str(path.relative_to(REPO))] = found
-    assert len(FILES) > len(MODULES)                                          # the scan sees the files
+    assert len(FILES) > len(MODULES)  # the scan sees the files
     assert not too_long, f"functions over {MAX_FUNCTION_STATEMENTS} statements: " + "; ".join(
-        f"{file} {found}" for file, found in too_long.items())
+        f"{file} {found}" for file, found in too_long.items()
+    )
 
 
 def test_nnpd_py_stays_a_readable_command_line():
@@ -168,7 +210,7 @@ def test_every_module_lists_its_public_names_in_all_and_each_exists():
     assert not problems, "; ".join(problems)
 
 
-BROAD = {"Exception", "NnpdError", "BaseException"}     # handlers that would also catch runtime.Interrupted
+BROAD = {"Exception", "NnpdError", "BaseException"}  # handlers that would also catch runtime.Interrupted
 
 
 def caught_names(handler):
@@ -214,13 +256,15 @@ def members_read(owner):
 
 def contract_members(protocol):
     """The members a Protocol of study.py declares: its annotations and its methods."""
-    return set(protocol.__annotations__) | {name for name, value in vars(protocol).items()
-                                            if callable(value) and not name.startswith("_")}
+    return set(protocol.__annotations__) | {
+        name for name, value in vars(protocol).items() if callable(value) and not name.startswith("_")
+    }
 
 
 def test_the_contracts_list_every_member_of_a_problem_and_a_prior_that_is_read():
     # A member read but not declared reaches a study only as an AttributeError at analysis time.
     import study
+
     problem = contract_members(study.ProblemContract) | set(study.PROBLEM_OPTIONAL)
     prior = contract_members(study.PriorContract) | set(study.PRIOR_OPTIONAL)
     assert {"names", "parameter_count", "simulate", "log_likelihood", "describe"} <= problem
@@ -230,6 +274,7 @@ def test_the_contracts_list_every_member_of_a_problem_and_a_prior_that_is_read()
 
 def test_make_typecheck_names_every_module():
     import tomllib
+
     files = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["mypy"]["files"]
     assert sorted(files) == sorted(f"{name}.py" for name in MODULES), set(files) ^ {f"{m}.py" for m in MODULES}
 

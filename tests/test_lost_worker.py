@@ -4,6 +4,7 @@ The two workers run under two torchrun agents (two "nodes" on the loopback inter
 static rendezvous hosted by node 0), so that rank 0's agent does not stop rank 0 when rank
 1 dies: rank 0 meets the loss in its next collective, as on a real cluster.
 """
+
 import json
 import os
 import signal
@@ -18,15 +19,31 @@ pytestmark = pytest.mark.launch
 
 # One model, and an analysis that lasts a few seconds (the window in which rank 1 is killed).
 TRAINING = 'settings["runtime"]["parallel"] = "ddp"\nsettings["cohort"]["priors"] = ["uniform"]\n'
-ANALYSIS = ('settings["inference"]["truths"]["truth_points_per_axis"] = 64\n'
-            'settings["inference"]["candidates"]["candidate_count"] = 2048\n')
+ANALYSIS = (
+    'settings["inference"]["truths"]["truth_points_per_axis"] = 64\n'
+    'settings["inference"]["candidates"]["candidate_count"] = 2048\n'
+)
 
 
 def node(settings, node_rank, port, logs):
     """The torchrun command of one node of two, one worker each; the workers' output goes to files under logs."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}",
-            "--nproc-per-node=1", "--master-addr=127.0.0.1", f"--master-port={port}", "--max-restarts=0",
-            f"--log-dir={logs}", "--redirects=3", str(REPO / "nnpd.py"), "run", "--settings-dir", str(settings)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        f"--node-rank={node_rank}",
+        "--nproc-per-node=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        "--max-restarts=0",
+        f"--log-dir={logs}",
+        "--redirects=3",
+        str(REPO / "nnpd.py"),
+        "run",
+        "--settings-dir",
+        str(settings),
+    ]
 
 
 def analysing_while_rank_one_waits(root):

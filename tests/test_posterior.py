@@ -1,5 +1,6 @@
 """A trained model's posterior for one observation: against the analytic posterior, the analysis' own bounds,
 and the `infer` command."""
+
 import io
 import json
 import math
@@ -20,7 +21,7 @@ import study
 from helpers import main_in_process, run_cli, study_problem, write_settings
 from store import restore
 
-SIGMA = 2.0                 # the bundled problem's fixed standard deviation
+SIGMA = 2.0  # the bundled problem's fixed standard deviation
 OBSERVATIONS = 15
 
 
@@ -50,8 +51,10 @@ def test_a_network_that_needs_contiguous_rows_gives_the_same_posterior():
     x = problem.simulate(torch.full((OBSERVATIONS, 2), 5.0, dtype=torch.float64), torch.Generator().manual_seed(7))
     analysis = settings_analysis.make_settings("default")
     analysis["inference"]["candidates"].update(kind="adaptive", candidate_count=2048, coarse_count=256)
-    plain, flattening = (post.for_observation(post.Learned(problem, prior, network, analysis, 1), x)
-                         for network in (ExactLogit(problem), FlatteningExactLogit(problem)))
+    plain, flattening = (
+        post.for_observation(post.Learned(problem, prior, network, analysis, 1), x)
+        for network in (ExactLogit(problem), FlatteningExactLogit(problem))
+    )
     assert torch.equal(plain.points, flattening.points) and torch.equal(plain.scores, flattening.scores)
 
 
@@ -81,14 +84,14 @@ def test_samples_match_the_analytic_posterior(dimension):
     tolerance = 4 * sd * sd * math.sqrt(2 / effective)
     assert torch.all((covariance - sd * sd * torch.eye(dimension, dtype=torch.float64)).abs() < tolerance)
     region = posterior.hpd(0.68)
-    if dimension == 1:   # the 68% interval is x̄ ± 0.994 sd
+    if dimension == 1:  # the 68% interval is x̄ ± 0.994 sd
         assert region["lower"][0] == pytest.approx(float(mean[0]) - 0.9945 * sd, abs=0.05 * sd)
         assert region["upper"][0] == pytest.approx(float(mean[0]) + 0.9945 * sd, abs=0.05 * sd)
     assert region["mass"] >= 0.68
     theta = samples[:5]
     density = posterior.log_prob(theta)
     analytic = torch.distributions.Normal(mean, sd).log_prob(theta).sum(-1)
-    assert torch.allclose(density, analytic, atol=0.02)     # normalised by the design's measure weights
+    assert torch.allclose(density, analytic, atol=0.02)  # normalised by the design's measure weights
 
 
 @hsettings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -99,7 +102,7 @@ def test_sampling_is_deterministic_from_its_seed_and_stays_in_the_support(seed, 
     first, again = posterior.sample(n, seed), posterior.sample(n, seed)
     assert torch.equal(first, again) and first.shape == (n, 1)
     assert bool(((first >= 0.0) & (first <= 10.0)).all())
-    if lattice:    # on the bundled 0.2 lattice
+    if lattice:  # on the bundled 0.2 lattice
         assert torch.allclose(first / 0.2, torch.round(first / 0.2), atol=1e-9)
 
 
@@ -133,13 +136,17 @@ def test_infer_names_the_path_that_placed_the_proposal():
 
 # ---------------------------------------------------------------- through restore and the command line
 
+
 @pytest.fixture(scope="module")
 def analysed(tmp_path_factory):
     """A tiny smoke study on adaptive candidates, run and analysed (retaining every case's design)."""
     folder = tmp_path_factory.mktemp("posterior")
-    study = write_settings(folder / "settings", folder / "out", training='settings["cohort"]["priors"] = ["uniform", "grid"]\n',
-                           analysis='settings["inference"]["candidates"].update(kind="adaptive", candidate_count=512, '
-                                    'coarse_count=64)\n')
+    study = write_settings(
+        folder / "settings",
+        folder / "out",
+        training='settings["cohort"]["priors"] = ["uniform", "grid"]\n',
+        analysis='settings["inference"]["candidates"].update(kind="adaptive", candidate_count=512, coarse_count=64)\n',
+    )
     result = run_cli("run", "--settings-dir", str(study))
     assert result.returncode == 0, result.stderr
     return folder / "out"
@@ -152,14 +159,15 @@ def test_hpd_bounds_equal_the_analysis_bounds_of_the_same_case(analysed):
         truths, observations = restored.array("truths", "truths"), restored.array("observations", "observations")
         settings = restored.json("analysis")["settings"]
         for case in range(len(truths)):
-            posterior = restored.experiment.posterior(restored.member, restored.model, settings, observations[case],
-                                                      truth=truths[case], case=case)
+            posterior = restored.experiment.posterior(
+                restored.member, restored.model, settings, observations[case], truth=truths[case], case=case
+            )
             for i, level in enumerate(settings["inference"]["levels"]):
                 region = posterior.hpd(level)
                 assert region["lower"] == restored.array("learned", "posterior_lower")[case, i].tolist()
                 assert region["upper"] == restored.array("learned", "posterior_upper")[case, i].tolist()
             assert posterior.mode().tolist() == restored.array("learned", "posterior_mode")[case].tolist()
-        with pytest.warns(post.PosteriorWarning, match="learned little"):    # the tiny models learn nothing
+        with pytest.warns(post.PosteriorWarning, match="learned little"):  # the tiny models learn nothing
             assert restored.posterior(observations[0]).summary()["hpd"].keys() == {"0.68", "0.95"}
 
 
@@ -167,15 +175,17 @@ def test_hpd_bounds_equal_the_analysis_bounds_of_the_same_case(analysed):
 def test_building_a_posterior_and_sampling_it_report_their_progress(analysed):
     restored = restore(next(analysed.glob("runs/*/uniform-r0-*")))
     reported = []
-    with study.progress_to(lambda what, done, total: reported.append((what, done, total))), \
-            pytest.warns(post.PosteriorWarning, match="nearly flat"):
+    with (
+        study.progress_to(lambda what, done, total: reported.append((what, done, total))),
+        pytest.warns(post.PosteriorWarning, match="nearly flat"),
+    ):
         posterior = restored.posterior(restored.array("observations", "observations")[0])
         built = len(reported)
         posterior.sample(200, seed=0)
     building, sampling = reported[:built], reported[built:]
     assert built > 2 and building[0][1] == 0 and {what for what, _, _ in building} == {"posterior"}
     done = [count for _, count, _ in building]
-    assert done == sorted(done) and done[-1] == building[-1][2]      # counted up to the whole design
+    assert done == sorted(done) and done[-1] == building[-1][2]  # counted up to the whole design
     assert sampling[0] == ("samples", 0, 200) and sampling[-1] == ("samples", 200, 200)
 
 
@@ -185,8 +195,17 @@ def test_infer_writes_a_summary_samples_and_a_corner_plot(analysed, tmp_path):
     restored = restore(run)
     np.save(tmp_path / "x.npy", restored.array("observations", "observations")[2])
     np.save(tmp_path / "truth.npy", restored.array("truths", "truths")[2])
-    result = main_in_process("infer", str(run), "--observations", str(tmp_path / "x.npy"), "--truth",
-                             str(tmp_path / "truth.npy"), "--samples", "500", "--plot")   # README's infer is a launch
+    result = main_in_process(
+        "infer",
+        str(run),
+        "--observations",
+        str(tmp_path / "x.npy"),
+        "--truth",
+        str(tmp_path / "truth.npy"),
+        "--samples",
+        "500",
+        "--plot",
+    )  # README's infer is a launch
     assert result.returncode == 0, result.stderr
     summary = json.loads((tmp_path / "x-uniform-r0.posterior.json").read_text())
     assert summary["samples"] == 500 and summary["parameters"] == ["mean:0"] and summary["ess"] > 0
@@ -196,17 +215,20 @@ def test_infer_writes_a_summary_samples_and_a_corner_plot(analysed, tmp_path):
     assert (tmp_path / "x-uniform-r0.corner.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("content, message", [
-    (np.zeros((3, 2)), r"shape \(3, 2\): expected finite numbers of shape \(1,\)"),
-    (np.array([np.nan]), "NaN or infinite"),
-    (b"not numpy", "not a readable .npy file"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (np.zeros((3, 2)), r"shape \(3, 2\): expected finite numbers of shape \(1,\)"),
+        (np.array([np.nan]), "NaN or infinite"),
+        (b"not numpy", "not a readable .npy file"),
+    ],
+)
 @pytest.mark.launch
 def test_infer_refuses_a_bad_observation_with_one_line_and_writes_nothing(analysed, tmp_path, capsys, content, message):
     run = next(analysed.glob("runs/*/uniform-r0-*"))
     path = tmp_path / "bad.npy"
     path.write_bytes(content) if isinstance(content, bytes) else np.save(path, content)
-    assert nnpd.main(["infer", str(run), "--observations", str(path), "--plot"]) == 2     # the command line, in-process
+    assert nnpd.main(["infer", str(run), "--observations", str(path), "--plot"]) == 2  # the command line, in-process
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("nnpd: error:")
     assert re.search(message, lines[0]), lines[0]
@@ -218,7 +240,7 @@ def test_infer_names_a_missing_run(tmp_path, capsys):
     np.save(tmp_path / "x.npy", np.zeros(1))
     assert nnpd.main(["infer", str(tmp_path / "nowhere"), "--observations", str(tmp_path / "x.npy")]) == 2
     line = capsys.readouterr().err.strip()
-    assert "not a run folder" in line and line.count(str(tmp_path / "nowhere")) == 1      # the path said once
+    assert "not a run folder" in line and line.count(str(tmp_path / "nowhere")) == 1  # the path said once
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x.npy"]
 
 
@@ -229,21 +251,40 @@ def test_infer_says_how_it_sampled_and_scores_the_samples_against_a_reference(an
     observation = restored.array("observations", "observations")[2]
     np.save(tmp_path / "x.npy", observation)
     with pytest.warns(post.PosteriorWarning, match="nearly flat"):
-        own = restored.posterior(observation).sample(2000, seed=5).numpy()     # its own draws: C2ST ≈ 0.5
+        own = restored.posterior(observation).sample(2000, seed=5).numpy()  # its own draws: C2ST ≈ 0.5
     np.save(tmp_path / "same.npy", own)
-    np.save(tmp_path / "far.npy", own + 6 * own.std(0))                   # shifted by six sds: C2ST ≈ 1
+    np.save(tmp_path / "far.npy", own + 6 * own.std(0))  # shifted by six sds: C2ST ≈ 1
     scores = {}
     for name in ("same", "far"):
-        assert nnpd.main(["infer", str(run), "--observations", str(tmp_path / "x.npy"), "--samples", "2000",
-                          "--reference", str(tmp_path / f"{name}.npy"), "--output", str(tmp_path / name)]) == 0
+        assert (
+            nnpd.main(
+                [
+                    "infer",
+                    str(run),
+                    "--observations",
+                    str(tmp_path / "x.npy"),
+                    "--samples",
+                    "2000",
+                    "--reference",
+                    str(tmp_path / f"{name}.npy"),
+                    "--output",
+                    str(tmp_path / name),
+                ]
+            )
+            == 0
+        )
         out = capsys.readouterr().out
         assert re.search(r"^samples: 2000 by rejection, 100% distinct, acceptance", out, re.M), out
         scores[name] = json.loads(next((tmp_path / name).glob("*.posterior.json")).read_text())["c2st"]
         assert f"c2st: {scores[name]:.3f}, 2000 samples against 2000 of the 2000 reference draws" in out
     assert scores["same"] < 0.56 and scores["far"] > 0.95
     np.save(tmp_path / "wide.npy", np.zeros((20, 3)))
-    assert nnpd.main(["infer", str(run), "--observations", str(tmp_path / "x.npy"), "--reference",
-                      str(tmp_path / "wide.npy")]) == 2
+    assert (
+        nnpd.main(
+            ["infer", str(run), "--observations", str(tmp_path / "x.npy"), "--reference", str(tmp_path / "wide.npy")]
+        )
+        == 2
+    )
     assert "--reference" in capsys.readouterr().err and not list(tmp_path.glob("x-*"))
 
 
@@ -258,24 +299,30 @@ def test_infer_refuses_hostile_inputs_in_one_line_and_writes_nothing(analysed, t
     run = next(analysed.glob("runs/*/uniform-r0-*"))
     good = tmp_path / "x.npy"
     np.save(good, np.array([5.0]))
-    os.mkfifo(tmp_path / "fifo.npy")                          # opening it would block for ever
+    os.mkfifo(tmp_path / "fifo.npy")  # opening it would block for ever
     np.save(tmp_path / "complex.npy", np.array([5.0 + 1j]))
     np.save(tmp_path / "nan.npy", np.array([np.nan]))
     header = io.BytesIO()
     np.lib.format.write_array_header_1_0(header, {"descr": "<f8", "fortran_order": False, "shape": (10**12, 1)})
-    (tmp_path / "huge.npy").write_bytes(header.getvalue())     # a header claiming 10^12 rows, no data
+    (tmp_path / "huge.npy").write_bytes(header.getvalue())  # a header claiming 10^12 rows, no data
     (tmp_path / "afile").write_text("not a folder")
-    np.save(tmp_path / "ensemble.npy", np.full((2 * 10**6, 1), 5.0))    # hours of network evaluations
-    cases = [((tmp_path / "ensemble.npy",), r"2,000,000 observations × [\d,]+ candidate points are .* network "
-                                            r"evaluations, over the 1e\+08"),((tmp_path / "fifo.npy",), "not a regular file"),
-             ((good, "--truth", tmp_path / "fifo.npy"), "not a regular file"),
-             ((tmp_path / "complex.npy",), "not real numbers"),
-             ((good, "--truth", tmp_path / "nan.npy"), "NaN or infinite"),
-             ((tmp_path / "huge.npy",), "not a readable .npy file|over the"),
-             ((good, "--samples", 10**12), "draw from 1 to 10,000,000 samples"),
-             ((good, "--output", tmp_path / "afile"), "exists and is not a folder"),
-             ((good, "--output", run), "inside the output root"),
-             ((good, "--output", next(analysed.glob("cache/model/*"))), "inside the output root")]
+    np.save(tmp_path / "ensemble.npy", np.full((2 * 10**6, 1), 5.0))  # hours of network evaluations
+    cases = [
+        (
+            (tmp_path / "ensemble.npy",),
+            r"2,000,000 observations × [\d,]+ candidate points are .* network "
+            r"evaluations, over the 1e\+08",
+        ),
+        ((tmp_path / "fifo.npy",), "not a regular file"),
+        ((good, "--truth", tmp_path / "fifo.npy"), "not a regular file"),
+        ((tmp_path / "complex.npy",), "not real numbers"),
+        ((good, "--truth", tmp_path / "nan.npy"), "NaN or infinite"),
+        ((tmp_path / "huge.npy",), "not a readable .npy file|over the"),
+        ((good, "--samples", 10**12), "draw from 1 to 10,000,000 samples"),
+        ((good, "--output", tmp_path / "afile"), "exists and is not a folder"),
+        ((good, "--output", run), "inside the output root"),
+        ((good, "--output", next(analysed.glob("cache/model/*"))), "inside the output root"),
+    ]
     before = sorted(p.name for p in tmp_path.iterdir())
     for arguments, message in cases:
         status, line = _infer(run, *arguments)
@@ -303,18 +350,29 @@ def test_infer_names_its_files_from_a_safe_cut_of_the_member_name(analysed, tmp_
     np.save(tmp_path / "obs" / "x.npy", np.array([5.0]))
     status, line = _infer(run, tmp_path / "obs" / "x.npy", "--samples", "50")
     assert status == 0, line
-    assert sorted(p.name for p in (tmp_path / "obs").iterdir()) == ["x-___escape.posterior.json",
-                                                                     "x-___escape.samples.npy", "x.npy"]
+    assert sorted(p.name for p in (tmp_path / "obs").iterdir()) == [
+        "x-___escape.posterior.json",
+        "x-___escape.samples.npy",
+        "x.npy",
+    ]
     assert not list(tmp_path.glob("*escape*")) and not list(tmp_path.parent.glob("*escape*"))
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda run: (run / "artifacts.json").write_text("[1, 2]"), "artifacts.json: damaged"),
-    (lambda run: (run / "artifacts.json").unlink(), "no artifacts.json"),
-    (lambda run: ((run / "artifacts.json").unlink(), os.mkfifo(run / "artifacts.json")), "no artifacts.json"),
-    (lambda run: _recorded(run / "analysis.json", lambda record: record["settings"]["inference"]["candidates"]
-                           .update(candidate_count=1e10)), "candidate_count"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda run: (run / "artifacts.json").write_text("[1, 2]"), "artifacts.json: damaged"),
+        (lambda run: (run / "artifacts.json").unlink(), "no artifacts.json"),
+        (lambda run: ((run / "artifacts.json").unlink(), os.mkfifo(run / "artifacts.json")), "no artifacts.json"),
+        (
+            lambda run: _recorded(
+                run / "analysis.json",
+                lambda record: record["settings"]["inference"]["candidates"].update(candidate_count=1e10),
+            ),
+            "candidate_count",
+        ),
+    ],
+)
 @pytest.mark.launch
 def test_infer_answers_a_damaged_run_record_in_one_line(analysed, tmp_path, change, message):
     import shutil

@@ -5,10 +5,11 @@ Each test interrupts a real launch at a point it can observe (the first saved tr
 state appearing in the store's scratch area), then checks that the final weights are
 bitwise those of an uninterrupted launch with the same settings in another output root.
 """
+
 import functools
 import json
-import re
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -16,9 +17,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import (command, finish_launch, kit_study, main_in_process, module_name, saved_states, settings_for,
-                     side_by_side, start,
-                     wait_for, weights, worker_pids, write_settings)
+from helpers import (
+    command,
+    finish_launch,
+    kit_study,
+    main_in_process,
+    module_name,
+    saved_states,
+    settings_for,
+    side_by_side,
+    start,
+    wait_for,
+    weights,
+    worker_pids,
+    write_settings,
+)
 
 pytestmark = pytest.mark.launch
 
@@ -43,14 +56,19 @@ def alive(pid):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """Uninterrupted single-process and 2-rank DDP trainings of the same settings, launched side by side."""
+
     def trained(name, extra, workers):
         folder = tmp_path_factory.mktemp(name)
         done = finish_launch(command(settings_for(folder, extra), workers=workers))
         assert done.returncode == 0, done.stdout + done.stderr
         return weights(folder / "out")
 
-    return side_by_side({name: functools.partial(trained, name, extra, workers)
-                         for name, extra, workers in (("single", "", 1), ("ddp", DDP, 2))})
+    return side_by_side(
+        {
+            name: functools.partial(trained, name, extra, workers)
+            for name, extra, workers in (("single", "", 1), ("ddp", DDP, 2))
+        }
+    )
 
 
 def test_sigkill_mid_training_then_the_same_command_resumes_bitwise(tmp_path, reference):
@@ -59,7 +77,7 @@ def test_sigkill_mid_training_then_the_same_command_resumes_bitwise(tmp_path, re
     wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state", process=process)
     process.kill()
     process.wait()
-    assert not weights(tmp_path / "out")                   # killed inside the model
+    assert not weights(tmp_path / "out")  # killed inside the model
     again = finish_launch(command(settings))
     assert again.returncode == 0, again.stderr
     assert "resumed" in again.stdout and not saved_states(tmp_path / "out")
@@ -105,8 +123,11 @@ class Holding(Line):
 """
 
 
-@pytest.mark.parametrize("rows, invalid", [(1, "error"), (64, "error"), (64, "drop")],
-                         ids=["plan check", "data, invalid fails", "data, invalid dropped"])
+@pytest.mark.parametrize(
+    "rows, invalid",
+    [(1, "error"), (64, "error"), (64, "drop")],
+    ids=["plan check", "data, invalid fails", "data, invalid dropped"],
+)
 def test_a_stop_the_study_swallows_still_stops_and_commits_nothing_it_spoiled(tmp_path, rows, invalid):
     """SIGTERM inside a simulator whose `except Exception` catches the stop: the launch stops as
     asked, the failures that follow are not blamed on the study, and spoiled rows are not committed."""
@@ -118,7 +139,7 @@ def test_a_stop_the_study_swallows_still_stops_and_commits_nothing_it_spoiled(tm
     process.send_signal(signal.SIGTERM)
     stdout, stderr = process.communicate(timeout=60)
     assert process.returncode == 143, stderr
-    *warned, last = stderr.strip().splitlines()         # "drop" warns of the rows it drops, then the stop
+    *warned, last = stderr.strip().splitlines()  # "drop" warns of the rows it drops, then the stop
     assert last.startswith("nnpd: stopped by SIGTERM") and "same command" in last, stderr
     assert all(line.startswith("nnpd: warning: data.train: 128 of 256") for line in warned) and len(warned) <= 1
     assert not list(root.glob("cache/training-data/*/artifact.json"))
@@ -135,11 +156,11 @@ def test_sigterm_repeated_until_the_launch_has_exited_changes_nothing(tmp_path):
     process = start(command(settings_for(tmp_path)))
     wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state", process=process)
     first = time.monotonic()
-    while process.poll() is None and time.monotonic() - first < 1.0:    # inside the 2 s repeat window
+    while process.poll() is None and time.monotonic() - first < 1.0:  # inside the 2 s repeat window
         process.send_signal(signal.SIGTERM)
         time.sleep(0.002)
     stdout, stderr = process.communicate(timeout=60)
-    assert process.returncode == 143, stderr                            # -15: a repeat met the default handler
+    assert process.returncode == 143, stderr  # -15: a repeat met the default handler
     lines = stderr.strip().splitlines()
     assert len(lines) == 1 and "training stopped on request" in lines[0] and "its state was saved" in lines[0], stderr
     assert saved_states(tmp_path / "out")
@@ -149,7 +170,7 @@ def test_a_killed_ddp_launch_resumes_bitwise(tmp_path, reference):
     settings = settings_for(tmp_path, DDP)
     process = start(command(settings, workers=2))
     wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state", process=process)
-    os.killpg(process.pid, signal.SIGKILL)                 # the agent and both workers
+    os.killpg(process.pid, signal.SIGKILL)  # the agent and both workers
     process.wait()
     again = finish_launch(command(settings, workers=2))
     assert again.returncode == 0, again.stdout + again.stderr
@@ -160,8 +181,7 @@ def test_a_killed_ddp_launch_resumes_bitwise(tmp_path, reference):
 def test_an_elastic_restart_after_a_killed_rank_resumes_bitwise(tmp_path, reference):
     settings = settings_for(tmp_path, DDP)
     process = start(command(settings, workers=2, restarts=1))
-    wait_for(lambda: saved_states(tmp_path / "out") and 1 in worker_pids(process.pid), "a saved state",
-             process=process)
+    wait_for(lambda: saved_states(tmp_path / "out") and 1 in worker_pids(process.pid), "a saved state", process=process)
     os.kill(worker_pids(process.pid)[1], signal.SIGKILL)
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stdout + stderr
@@ -171,31 +191,35 @@ def test_an_elastic_restart_after_a_killed_rank_resumes_bitwise(tmp_path, refere
 
 def test_workers_stop_when_the_agent_dies_and_a_relaunch_completes(tmp_path):
     two_models = 'settings["cohort"]["priors"] = ["uniform", "grid"]\n'
-    settings = settings_for(tmp_path, two_models + 'settings["training"]["epochs"] = 500\n')   # minutes
+    settings = settings_for(tmp_path, two_models + 'settings["training"]["epochs"] = 500\n')  # minutes
     process = start(command(settings, workers=2))
     wait_for(lambda: len(worker_pids(process.pid)) == 2, "two workers", process=process)
     workers = list(worker_pids(process.pid).values())
     # In jobs mode each worker trains a model of its own and saves its state.
     wait_for(lambda: len(saved_states(tmp_path / "out")) == 2, "both workers' saved states", process=process)
-    process.kill()                                         # the agent alone, in the middle of training
+    process.kill()  # the agent alone, in the middle of training
     process.wait()
     # Each worker notices within its watch interval (2 s) and stops within its grace (10 s).
     wait_for(lambda: not any(alive(pid) for pid in workers), "the orphaned workers to stop", seconds=30)
-    settings = settings_for(tmp_path, two_models + 'settings["training"]["epochs"] = 1\n')   # a short relaunch
+    settings = settings_for(tmp_path, two_models + 'settings["training"]["epochs"] = 1\n')  # a short relaunch
     again = finish_launch(command(settings, workers=2))
     assert again.returncode == 0, again.stdout + again.stderr
     assert not list((tmp_path / "out" / "locks").glob("launch-*"))
 
 
 def test_switching_backends_keeps_the_models_of_both(tmp_path):
-    settings = write_settings(tmp_path / "s", tmp_path / "out",
-                              training=DDP + 'settings["cohort"]["priors"] = ["uniform", "grid"]\n')
-    for workers in (2, 1):      # the single-process training through nnpd.main in-process
-        done = finish_launch(command(settings, workers=2)) if workers == 2 else main_in_process("train", "--settings-dir",
-                                                                                         str(settings))
+    settings = write_settings(
+        tmp_path / "s", tmp_path / "out", training=DDP + 'settings["cohort"]["priors"] = ["uniform", "grid"]\n'
+    )
+    for workers in (2, 1):  # the single-process training through nnpd.main in-process
+        done = (
+            finish_launch(command(settings, workers=2))
+            if workers == 2
+            else main_in_process("train", "--settings-dir", str(settings))
+        )
         assert done.returncode == 0, done.stdout + done.stderr
     models = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("cache/model/*/weights.pt")}
-    assert len(models) == 4                                # two priors, two backends (world size 2 and 1)
+    assert len(models) == 4  # two priors, two backends (world size 2 and 1)
     third = finish_launch(command(settings, workers=2))
     assert third.returncode == 0, third.stdout + third.stderr
     assert third.stdout.count("reused") >= 2 and not re.search(r"epoch \d+/\d+", third.stdout)

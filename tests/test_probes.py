@@ -1,5 +1,6 @@
 """Timing probes: exact accumulators in C and in Python, the same output from both, the
 NNPD_PROBES switch, and the extension's build from a clean copy of the repository."""
+
 import importlib.util
 import json
 import os
@@ -11,8 +12,7 @@ import time
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import probes
 from helpers import REPO
@@ -21,6 +21,7 @@ RECORD_KEYS = ["count", "nested", "total_s", "min_s", "max_s", "cpu_s"]
 
 
 # ---- building the extension --------------------------------------------------------------
+
 
 def clean_copy(destination):
     """Copy the repository's top-level sources and build files, as a clean checkout has them."""
@@ -33,8 +34,20 @@ def clean_copy(destination):
 
 def pip_install(source, target, env=None):
     """`pip install SOURCE --target TARGET` (verbose, offline) with the test interpreter."""
-    command = [sys.executable, "-m", "pip", "install", "-v", "--no-deps", "--no-build-isolation",
-               "--no-index", "--no-cache-dir", "--target", str(target), str(source)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-v",
+        "--no-deps",
+        "--no-build-isolation",
+        "--no-index",
+        "--no-cache-dir",
+        "--target",
+        str(target),
+        str(source),
+    ]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -51,7 +64,9 @@ def installed(tmp_path_factory):
 def without_compiler(tmp_path_factory):
     """The same install with CC=/bin/false: it succeeds, without the extension."""
     work = tmp_path_factory.mktemp("no_compiler")
-    done = pip_install(clean_copy(work / "source"), work / "target", env={**environment_without_switches(), "CC": "/bin/false"})
+    done = pip_install(
+        clean_copy(work / "source"), work / "target", env={**environment_without_switches(), "CC": "/bin/false"}
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return work / "target", done.stdout + done.stderr
 
@@ -82,15 +97,19 @@ def run_probes_script(target, code, **env):
     """Run `code` in a fresh interpreter that sees only the standard library and `target`."""
     environment = {**environment_without_switches(), "PYTHONPATH": str(target), **env}
     # -S: no site-packages, so no other build of _probes (e.g. an editable install) is found
-    return subprocess.run([sys.executable, "-S", "-c", code], cwd=target, env=environment,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=target, env=environment, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.launch
 def test_pip_install_packages_the_extension_and_the_probes_use_it(installed):
     assert list(installed.glob("_probes*.so")) and (installed / "probes.py").is_file()
-    done = run_probes_script(installed, "import probes\nwith probes.phase('x'): pass\n"
-                                        "print(probes.MODE, probes.NATIVE, probes.snapshot()['x']['count'])")
+    done = run_probes_script(
+        installed,
+        "import probes\nwith probes.phase('x'): pass\n"
+        "print(probes.MODE, probes.NATIVE, probes.snapshot()['x']['count'])",
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["native", "True", "1"]
 
@@ -101,8 +120,11 @@ def test_without_a_compiler_the_install_succeeds_says_so_in_one_line_and_falls_b
     assert not list(target.glob("_probes*.so")) and (target / "probes.py").is_file()
     notices = [line for line in output.splitlines() if "_probes not built" in line]
     assert len(notices) == 1 and "pure-Python fallback" in notices[0]
-    done = run_probes_script(target, "import probes\nwith probes.phase('x'): pass\n"
-                                     "print(probes.MODE, probes.NATIVE, probes.snapshot()['x']['count'])")
+    done = run_probes_script(
+        target,
+        "import probes\nwith probes.phase('x'): pass\n"
+        "print(probes.MODE, probes.NATIVE, probes.snapshot()['x']['count'])",
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["python", "False", "1"]
 
@@ -111,15 +133,16 @@ def test_without_a_compiler_the_install_succeeds_says_so_in_one_line_and_falls_b
 def test_native_without_the_extension_is_a_clear_one_line_error(without_compiler):
     target, _ = without_compiler
     done = run_probes_script(target, "import probes\nprint(probes.MODE)\nprobes.check()", NNPD_PROBES="native")
-    assert done.stdout.split() == ["off"]                  # the import itself succeeds, probes off
+    assert done.stdout.split() == ["off"]  # the import itself succeeds, probes off
     assert done.returncode != 0
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("probes.ProbesError: NNPD_PROBES=native") and "make setup" in last
     assert "NNPD_PROBES=python" in last
 
 
-@pytest.mark.parametrize("value, message", [("fast", "NNPD_PROBES='fast' is not valid"),
-                                            ("yes", "NNPD_PROBES_CUDA='yes' is not valid")])
+@pytest.mark.parametrize(
+    "value, message", [("fast", "NNPD_PROBES='fast' is not valid"), ("yes", "NNPD_PROBES_CUDA='yes' is not valid")]
+)
 @pytest.mark.launch
 def test_invalid_switches_are_clear_errors(installed, value, message):
     name = "NNPD_PROBES" if value == "fast" else "NNPD_PROBES_CUDA"
@@ -130,10 +153,12 @@ def test_invalid_switches_are_clear_errors(installed, value, message):
 @pytest.mark.parametrize("mode, native_flag", [("native", "True"), ("python", "False")])
 @pytest.mark.launch
 def test_the_switch_chooses_the_implementation(installed, mode, native_flag):
-    code = ("import json, probes\n"
-            "with probes.phase('a'):\n    with probes.phase('a'): pass\n"
-            "print(probes.MODE, probes.NATIVE, type(probes.PROBES).__name__)\n"
-            "print(json.dumps(probes.snapshot()['a']))")
+    code = (
+        "import json, probes\n"
+        "with probes.phase('a'):\n    with probes.phase('a'): pass\n"
+        "print(probes.MODE, probes.NATIVE, type(probes.PROBES).__name__)\n"
+        "print(json.dumps(probes.snapshot()['a']))"
+    )
     done = run_probes_script(installed, code, NNPD_PROBES=mode)
     assert done.returncode == 0, done.stderr
     first, record = done.stdout.splitlines()
@@ -144,18 +169,21 @@ def test_the_switch_chooses_the_implementation(installed, mode, native_flag):
 
 @pytest.mark.launch
 def test_off_gives_no_op_probes(installed):
-    code = ("import probes\n"
-            "def f(x): return x + 1\n"
-            "timed = probes.phase('f')(f)\n"
-            "with probes.phase('a', device='cuda') as p:\n    r = timed(1)\n"
-            "probes.reset()\n"
-            "print(probes.MODE, probes.NATIVE, timed is f, r, probes.snapshot())")
+    code = (
+        "import probes\n"
+        "def f(x): return x + 1\n"
+        "timed = probes.phase('f')(f)\n"
+        "with probes.phase('a', device='cuda') as p:\n    r = timed(1)\n"
+        "probes.reset()\n"
+        "print(probes.MODE, probes.NATIVE, timed is f, r, probes.snapshot())"
+    )
     done = run_probes_script(installed, code, NNPD_PROBES="off", NNPD_PROBES_CUDA="1")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["off", "False", "True", "2", "{}"]
 
 
 # ---- exact accumulators, both implementations ---------------------------------------------
+
 
 @pytest.mark.launch
 def test_counts_nesting_and_recursion_are_exact(make):
@@ -189,12 +217,15 @@ def test_exceptions_inside_a_phase_are_recorded_and_pass_through(make):
         with p.phase("outer"):
             with p.phase("inner"):
                 with p.phase("inner"):
-                    1 / 0
+                    raise ZeroDivisionError
     with pytest.raises(KeyError):
         p.phase("decorated")(lambda: {}["missing"])()
     snap = p.snapshot()
     assert {n: (r["count"], r["nested"]) for n, r in snap.items()} == {
-        "outer": (1, 0), "inner": (1, 1), "decorated": (1, 0)}
+        "outer": (1, 0),
+        "inner": (1, 1),
+        "decorated": (1, 0),
+    }
     with p.phase("outer"):  # nothing stays open after the exception
         pass
     assert p.snapshot()["outer"]["count"] == 2 and p.snapshot()["outer"]["nested"] == 0
@@ -253,15 +284,15 @@ def test_generators_may_close_a_phase_out_of_order_and_in_another_thread(make):
 
     first = suspended()
     with p.phase("h"):
-        next(first)              # g opens inside h ...
+        next(first)  # g opens inside h ...
     next(first, None)
-    next(first, None)            # ... and closes after it
+    next(first, None)  # ... and closes after it
     second = suspended()
     next(second)
     mover = threading.Thread(target=lambda: (next(second, None), next(second, None)))
     mover.start()
-    mover.join()                 # g opened here, closed in the other thread
-    with p.phase("g"):           # neither left g open in this thread
+    mover.join()  # g opened here, closed in the other thread
+    with p.phase("g"):  # neither left g open in this thread
         pass
     snap = p.snapshot()
     assert (snap["g"]["count"], snap["g"]["nested"], snap["h"]["count"]) == (3, 0, 1)
@@ -292,7 +323,7 @@ def test_threads_have_their_own_nesting_and_counts_add_up(make):
 
     def work():
         with p.phase("outer"):
-            barrier.wait()       # every thread holds "outer" open at once
+            barrier.wait()  # every thread holds "outer" open at once
             with p.phase("outer"):
                 for _ in range(rounds):
                     with p.phase("step"):
@@ -322,7 +353,7 @@ def test_cpu_time_is_the_threads_own(make):
 
     spinner = threading.Thread(target=spin)
     spinner.start()
-    with p.phase("waiting"):     # the other thread spins entirely inside this span
+    with p.phase("waiting"):  # the other thread spins entirely inside this span
         started.set()
         finished.wait()
     spinner.join()
@@ -343,8 +374,13 @@ def test_the_device_hook_brackets_spans_given_a_device(make):
         with p.phase("step", device="gpu0"):
             calls.append(("body", "step", "gpu0"))
     p.phase("call", "gpu1")(lambda: None)()
-    assert calls == [("start", "step", "gpu0"), ("body", "step", "gpu0"), ("stop", "step", "gpu0"),
-                     ("start", "call", "gpu1"), ("stop", "call", "gpu1")]
+    assert calls == [
+        ("start", "step", "gpu0"),
+        ("body", "step", "gpu0"),
+        ("stop", "step", "gpu0"),
+        ("start", "call", "gpu1"),
+        ("stop", "call", "gpu1"),
+    ]
     with pytest.raises(TypeError, match="unexpected keyword"):
         p.phase("x", devices="cpu")
 
@@ -359,7 +395,7 @@ def test_a_nested_span_of_the_same_name_is_not_timed_on_the_device_twice(make):
 
     p = make(device_timer=device_timer)
     with p.phase("step", device="gpu0"):
-        with p.phase("step", device="gpu0"):         # recursion or nesting: one span of device time
+        with p.phase("step", device="gpu0"):  # recursion or nesting: one span of device time
             pass
     assert calls == [("start", "step"), ("stop", "step")]
     assert p.snapshot()["step"]["nested"] == 1
@@ -374,11 +410,11 @@ def test_the_cuda_timer_ignores_devices_that_are_not_cuda():
 
 # ---- the C extension against the Python fallback ---------------------------------------
 
+
 def nest(names, depth):
     """A strategy for trees of phase names: (name, children) pairs."""
     leaf = st.tuples(names, st.just(()))
-    return st.recursive(leaf, lambda inner: st.tuples(names, st.lists(inner, max_size=3).map(tuple)),
-                        max_leaves=depth)
+    return st.recursive(leaf, lambda inner: st.tuples(names, st.lists(inner, max_size=3).map(tuple)), max_leaves=depth)
 
 
 def replay(p, tree, fail_at):
@@ -407,8 +443,7 @@ def expected_counts(tree, open_names=()):
 
 
 @settings(max_examples=40, deadline=None)
-@given(trees=st.lists(nest(st.sampled_from("abc"), 12), min_size=1, max_size=3),
-       fail_at=st.sampled_from("abcz"))
+@given(trees=st.lists(nest(st.sampled_from("abc"), 12), min_size=1, max_size=3), fail_at=st.sampled_from("abcz"))
 @pytest.mark.launch
 def test_the_fallback_matches_the_extension_and_the_model(native, trees, fail_at):
     both = [native.Probes(decorate=probes.decorate), probes.PythonProbes(decorate=probes.decorate)]
@@ -455,7 +490,7 @@ def test_cuda_events_time_the_device_side_of_a_phase(make):
     with p.phase("cpu side", device="cpu"):
         pass
     torch.cuda.synchronize()
-    assert list(timer.resolve(wait=False)) == ["matmul"]    # finished pairs fold in without waiting
+    assert list(timer.resolve(wait=False)) == ["matmul"]  # finished pairs fold in without waiting
     with p.phase("matmul", device="cuda"):
         y = x @ x
     seconds = timer.resolve()
@@ -470,14 +505,17 @@ def test_cuda_events_time_the_device_side_of_a_phase(make):
 @pytest.mark.parametrize("flag", ["1", "0"])
 @pytest.mark.launch
 def test_device_time_is_reported_only_with_nnpd_probes_cuda(flag):
-    code = ("import json, torch, probes\n"
-            "x = torch.randn(512, 512, device='cuda')\n"
-            "with probes.phase('matmul', device=x.device):\n    y = x @ x\n"
-            "with probes.phase('host'):\n    pass\n"
-            "print(json.dumps(probes.snapshot()))")
+    code = (
+        "import json, torch, probes\n"
+        "x = torch.randn(512, 512, device='cuda')\n"
+        "with probes.phase('matmul', device=x.device):\n    y = x @ x\n"
+        "with probes.phase('host'):\n    pass\n"
+        "print(json.dumps(probes.snapshot()))"
+    )
     environment = {**environment_without_switches(), "PYTHONPATH": str(REPO), "NNPD_PROBES_CUDA": flag}
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=environment,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=environment, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     snap = json.loads(done.stdout)
     assert ("device_s" in snap["matmul"]) == (flag == "1") and "device_s" not in snap["host"]

@@ -1,4 +1,5 @@
 """The results reader and `nnpd.py report`: table, CSV and comparison figure of an output root."""
+
 import csv
 import json
 
@@ -18,15 +19,27 @@ def test_lookup_follows_keys_that_hold_dots_and_flatten_names_every_scalar():
     assert results.lookup(metrics, "coverage.0.68.joint") == 0.7
     assert results.lookup(metrics, "coverage.0.95.joint") == 0.9
     assert results.lookup(metrics, "coverage.0.5.joint", "absent") == "absent"
-    assert results.flatten(metrics) == {"coverage.0.68.joint": 0.7, "coverage.0.68.interval.0": 0.6,
-                                        "coverage.0.68.interval.1": 0.8, "coverage.0.95.joint": 0.9}
+    assert results.flatten(metrics) == {
+        "coverage.0.68.joint": 0.7,
+        "coverage.0.68.interval.0": 0.6,
+        "coverage.0.68.interval.1": 0.8,
+        "coverage.0.95.joint": 0.9,
+    }
 
 
 def analysed_record(prior, metrics):
     """A record of an analysed baseline run of `prior` with these metrics."""
-    return results.RunRecord(run=f"runs/baseline/{prior}", configuration="baseline", knob=None, value=None,
-                             member={"name": f"{prior}-r0", "prior": prior}, settings={}, status="complete",
-                             analysis="complete", metrics=metrics)
+    return results.RunRecord(
+        run=f"runs/baseline/{prior}",
+        configuration="baseline",
+        knob=None,
+        value=None,
+        member={"name": f"{prior}-r0", "prior": prior},
+        settings={},
+        status="complete",
+        analysis="complete",
+        metrics=metrics,
+    )
 
 
 def coverage(joint):
@@ -49,15 +62,16 @@ def test_the_table_shows_the_exact_coverage_beside_the_learned_one_when_a_study_
     assert "exact68" not in without and "cov68" in without
     records = [analysed_record("uniform", with_exact), analysed_record("normal", {"coverage": coverage(0.6)})]
     mixed = results.table(records, columns).splitlines()
-    assert "exact68" in mixed[0] and mixed[2].endswith("0.65]  -")       # a run without it
+    assert "exact68" in mixed[0] and mixed[2].endswith("0.65]  -")  # a run without it
 
 
 @pytest.fixture(scope="module")
 def swept_root(tmp_path_factory):
     """A smoke root with two configurations (the baseline and one more learning rate), analysed."""
     tmp = tmp_path_factory.mktemp("report")
-    settings = write_settings(tmp / "s", tmp / "out",
-                              training='settings["training"]["learning_rate"] = Choice([1e-3, 3e-3])\n')
+    settings = write_settings(
+        tmp / "s", tmp / "out", training='settings["training"]["learning_rate"] = Choice([1e-3, 3e-3])\n'
+    )
     result = run_cli("run", "--settings-dir", str(settings))
     assert result.returncode == 0, result.stderr
     return tmp, settings, result.stdout
@@ -75,7 +89,7 @@ def test_report_writes_one_csv_row_per_run_with_the_swept_value(swept_root):
     result = main_in_process("report", "--settings-dir", str(settings), "--csv", str(tmp / "r.csv"))
     assert result.returncode == 0, result.stderr
     for prior in ("uniform", "normal", "exponential", "grid"):
-        assert result.stdout.count(f" {prior} ") == 2, result.stdout     # both configurations name every prior
+        assert result.stdout.count(f" {prior} ") == 2, result.stdout  # both configurations name every prior
     with open(tmp / "r.csv", newline="") as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == 8
@@ -93,11 +107,21 @@ def test_csv_rows_carry_every_swept_knobs_value_the_replica_and_the_training(swe
         reader = csv.DictReader(handle)
         rows = list(reader)
     columns = reader.fieldnames
-    assert columns[:10] == ["run", "configuration", "prior", "member", "replica", "knob", "value",
-                            "training.learning_rate", "selected_epoch", "final_validation_loss"]
+    assert columns[:10] == [
+        "run",
+        "configuration",
+        "prior",
+        "member",
+        "replica",
+        "knob",
+        "value",
+        "training.learning_rate",
+        "selected_epoch",
+        "final_validation_loss",
+    ]
     for row in rows:
         baseline = row["knob"] == "baseline"
-        assert row["training.learning_rate"] == ("0.001" if baseline else "0.003")   # the baseline's value too
+        assert row["training.learning_rate"] == ("0.001" if baseline else "0.003")  # the baseline's value too
         assert row["replica"] == "0" and row["member"] == f"{row['prior']}-r0"
         run = tmp / "out" / row["run"]
         assert int(row["selected_epoch"]) == json.loads((run / "status.json").read_text())["selected_epoch"]
@@ -110,6 +134,7 @@ def test_csv_rows_carry_every_swept_knobs_value_the_replica_and_the_training(swe
 def test_the_swept_comparison_labels_every_panel_line_and_marker(swept_root):
     pytest.importorskip("matplotlib")
     from nre_analysis import NREAnalysis
+
     tmp, _, _ = swept_root
     figure = results.comparison_figure(results.read_runs(tmp / "out"), NREAnalysis.FIGURE_METRICS, "the title")
     assert figure.get_suptitle() == "the title"

@@ -5,14 +5,12 @@ import math
 import pytest
 import torch
 
-import adaptive
 import analysis_metrics
 import designs
 import settings_analysis
-
 from helpers import LEVELS, exact_summaries, log_likelihood, study_problem
 
-RADIUS_68 = math.sqrt(7.009170)         # √χ²_6(0.68): 1 − e^{−x/2}(1 + x/2 + x²/8) = 0.68
+RADIUS_68 = math.sqrt(7.009170)  # √χ²_6(0.68): 1 − e^{−x/2}(1 + x/2 + x²/8) = 0.68
 
 
 @pytest.mark.unit
@@ -29,8 +27,9 @@ def test_the_fast_likelihood_is_the_study_likelihood():
 def test_dimension_six_exact_target_is_resolved_by_adaptive_candidates_only(tmp_path, one_thread):
     problem = study_problem(6)
     analysis = settings_analysis.make_settings("default")["inference"]
-    truths = designs.make_truths(problem.low, problem.high, problem.grid_step,
-                                 dict(analysis["truths"], sobol_truths=32), seed=1)
+    truths = designs.make_truths(
+        problem.low, problem.high, problem.grid_step, dict(analysis["truths"], sobol_truths=32), seed=1
+    )
     assert truths.shape == (1024, 6)
     observations = designs.make_observations(problem.simulate, truths, analysis["observations"], seed=2)
     names = problem.names
@@ -43,10 +42,13 @@ def test_dimension_six_exact_target_is_resolved_by_adaptive_candidates_only(tmp_
     assert coverage["0.68"]["mean"] >= 0.95
     analytic_width = 2 * RADIUS_68 * 2 / math.sqrt(15)
     assert abs(analysis_metrics.width_metrics(adaptive, LEVELS, names)["0.68"]["mean"] / analytic_width - 1) < 0.10
-    resolution = analysis_metrics.resolution_metrics(adaptive, analysis["candidates"]["candidate_count"], LEVELS, "adaptive")
+    resolution = analysis_metrics.resolution_metrics(
+        adaptive, analysis["candidates"]["candidate_count"], LEVELS, "adaptive"
+    )
     assert resolution["warning"] is None and resolution["flagged"]["any"] == 0
     # Today's fixed design of the same size, on the first 256 cases: nearly every one is flagged.
-    fixed = exact_summaries(tmp_path, problem, truths[:256], observations, {"kind": "sobol", "candidate_count": 16384},
-                            "fixed")
+    fixed = exact_summaries(
+        tmp_path, problem, truths[:256], observations, {"kind": "sobol", "candidate_count": 16384}, "fixed"
+    )
     resolution = analysis_metrics.resolution_metrics(fixed, 16384, LEVELS, "sobol")
     assert resolution["warning"] is not None and resolution["flagged"]["few_effective_points"] > 250

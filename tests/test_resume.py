@@ -9,8 +9,7 @@ import torch
 
 import runtime
 import trainer
-
-from helpers import BATCHES, CPU, EPOCHS, Recorder, SEED, SETTINGS, make_data, make_model, save_atomically
+from helpers import BATCHES, CPU, EPOCHS, SEED, SETTINGS, Recorder, make_data, make_model, save_atomically
 
 pytestmark = pytest.mark.unit
 
@@ -89,7 +88,7 @@ def test_epoch_ends_are_saved_and_reported(tmp_path, reference):
     assert_same_training(train(hooks), reference)
     assert saved == [(1, 0), (2, 0), (3, 0)]
     assert [epoch for epoch, _ in recorder.epochs] == [1, 2, 3]
-    for (epoch, record), loss, metrics in zip(recorder.epochs, reference[1]["train_loss"], reference[1]["validation"]):
+    for (_, record), loss, metrics in zip(recorder.epochs, reference[1]["train_loss"], reference[1]["validation"]):
         assert record["train_loss"] == loss and record["epochs"] == EPOCHS and record["seconds"] >= 0
         assert {k: record[k] for k in ("bce", "accuracy", "auc")} == metrics
     assert recorder.resumed == []
@@ -129,12 +128,15 @@ def test_preempted_is_the_runtime_interruption_and_pickles_with_its_fields():
     assert str(error) == str(trainer.Preempted(2, 7, True))
 
 
-@pytest.mark.parametrize("hooks, message", [
-    (trainer.TrainingHooks(save_seconds=-1, save_state=print), "save_seconds"),
-    (trainer.TrainingHooks(save_seconds=math.nan, save_state=print), "save_seconds"),
-    (trainer.TrainingHooks(save_seconds="60", save_state=print), "save_seconds"),
-    (trainer.TrainingHooks(save_seconds=60), "needs a save_state"),
-])
+@pytest.mark.parametrize(
+    "hooks, message",
+    [
+        (trainer.TrainingHooks(save_seconds=-1, save_state=print), "save_seconds"),
+        (trainer.TrainingHooks(save_seconds=math.nan, save_state=print), "save_seconds"),
+        (trainer.TrainingHooks(save_seconds="60", save_state=print), "save_seconds"),
+        (trainer.TrainingHooks(save_seconds=60), "needs a save_state"),
+    ],
+)
 def test_hooks_refuse_bad_intervals(hooks, message):
     with pytest.raises(ValueError, match=message):
         train(hooks)
@@ -167,15 +169,23 @@ DAMAGES = {
     "truncated": (_truncate, "Error"),
     "format": (lambda path: _rewrite(path, lambda s: s.update(format="nnpd-training-state-0")), "format"),
     "missing key": (lambda path: _rewrite(path, lambda s: s.pop("ranks")), "keys"),
-    "world size": (lambda path: _rewrite(path, lambda s: s["identity"].update(world_size=2)), "number of training ranks"),
-    "settings": (lambda path: _rewrite(path, lambda s: s["identity"]["settings"].update(learning_rate=0.5)), "settings"),
+    "world size": (
+        lambda path: _rewrite(path, lambda s: s["identity"].update(world_size=2)),
+        "number of training ranks",
+    ),
+    "settings": (
+        lambda path: _rewrite(path, lambda s: s["identity"]["settings"].update(learning_rate=0.5)),
+        "settings",
+    ),
     "data": (lambda path: _rewrite(path, lambda s: s["identity"].update(data="0" * 64)), "data"),
     "optimizer shapes": (lambda path: _rewrite(path, _optimizer_shapes), "optimizer"),
     "progress": (lambda path: _rewrite(path, lambda s: s["state"].update(position=BATCHES + 1)), "progress"),
     "history": (lambda path: _rewrite(path, lambda s: s["state"]["history"]["train_loss"].append(1.0)), "history"),
     # Passes every check and fails while loading, after the model was loaded: must be rolled back.
-    "generator": (lambda path: _rewrite(path, lambda s: s["state"].update(generator=torch.zeros(3, dtype=torch.uint8))),
-                  "RuntimeError"),
+    "generator": (
+        lambda path: _rewrite(path, lambda s: s["state"].update(generator=torch.zeros(3, dtype=torch.uint8))),
+        "RuntimeError",
+    ),
     "not a dict": (lambda path: save_atomically([1, 2, 3], path), "format"),
 }
 

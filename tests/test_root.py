@@ -1,4 +1,5 @@
 """The output root is nnpd's alone: ownership, links, concurrent launches, repair, hostile run folders."""
+
 import json
 import os
 import subprocess
@@ -39,10 +40,15 @@ def copy_root(trained, tmp_path):
 
 # ---------------------------------------------------------------- ownership
 
+
 def test_a_users_folder_is_refused_and_left_untouched(tmp_path):
     root = tmp_path / "mine"
-    for name, text in {"source/main.c": "int main;", "runs/2023/notes.txt": "x", "history.json": "{}",
-                       "settings_training.py": "# mine"}.items():
+    for name, text in {
+        "source/main.c": "int main;",
+        "runs/2023/notes.txt": "x",
+        "history.json": "{}",
+        "settings_training.py": "# mine",
+    }.items():
         (root / name).parent.mkdir(parents=True, exist_ok=True)
         (root / name).write_text(text)
     before = files_with_content(root)
@@ -58,8 +64,10 @@ def train_into(folder, root, words):
     return main_in_process("train", "--settings-dir", str(write_settings(folder / "s", Path(root).expanduser())))
 
 
-@pytest.mark.parametrize("root, words", [("/", "choose a folder of its own"), ("~", "choose a folder of its own"),
-                                         ("/dev/null", "not a folder")])
+@pytest.mark.parametrize(
+    "root, words",
+    [("/", "choose a folder of its own"), ("~", "choose a folder of its own"), ("/dev/null", "not a folder")],
+)
 def test_obviously_wrong_roots_are_refused(tmp_path, root, words):
     result = train_into(tmp_path, root, words)
     assert result.returncode == 1 and words in one_error_line(result)
@@ -84,10 +92,11 @@ def test_clean_up_removes_only_what_nnpd_made(trained, tmp_path):
     assert result.returncode == 0, result.stderr
     assert (variant / "my-notes" / "draft.txt").read_text() == "keep me" and (root / "runs" / "2023").is_dir()
     assert "left alone" in result.stderr
-    assert not list(variant.glob("uniform-*"))             # nnpd's own run folders of the old settings are gone
+    assert not list(variant.glob("uniform-*"))  # nnpd's own run folders of the old settings are gone
 
 
 # ---------------------------------------------------------------- links
+
 
 def test_links_inside_the_root_are_refused_and_never_followed(trained, tmp_path):
     settings = copy_root(trained, tmp_path)
@@ -103,18 +112,24 @@ def test_links_inside_the_root_are_refused_and_never_followed(trained, tmp_path)
     run = next((root / "runs").glob("*/uniform-*"))
     moved = tmp_path / "moved"
     run.rename(moved)
-    run.symlink_to(moved)                                  # a linked run folder
+    run.symlink_to(moved)  # a linked run folder
     result = main_in_process("run", "--settings-dir", str(settings))
     assert result.returncode == 1 and "symbolic link" in one_error_line(result)
 
 
 # ---------------------------------------------------------------- concurrency
 
+
 def launch(settings, action="run"):
     """Start `nnpd.py action` in the background."""
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return subprocess.Popen([sys.executable, str(REPO / "nnpd.py"), action, "--settings-dir", str(settings)],
-                            env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(REPO / "nnpd.py"), action, "--settings-dir", str(settings)],
+        env=environment,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_two_launches_with_different_settings_run_one_after_the_other(tmp_path):
@@ -126,17 +141,17 @@ def test_two_launches_with_different_settings_run_one_after_the_other(tmp_path):
     assert any("waiting for it to end" in stderr for _, stderr in outputs)
     history = json.loads((tmp_path / "out" / "history.json").read_text())["trainings"]
     assert len(history) == 2
-    for run in history[0]["runs"]:                         # the latest launch's runs are all there
+    for run in history[0]["runs"]:  # the latest launch's runs are all there
         assert json.loads((tmp_path / "out" / run / "analysis.json").read_text())["state"] == "complete"
     kept = {key for entry in history for backend in entry["backends"].values() for key in backend["artifacts"]}
     models = {p.name for p in (tmp_path / "out" / "cache" / "model").iterdir()}
-    assert len(models) == 8 and models <= kept             # both settings' models are kept
+    assert len(models) == 8 and models <= kept  # both settings' models are kept
 
 
 def test_four_concurrent_analyses_of_one_run_all_succeed(trained, tmp_path):
     settings = copy_root(trained, tmp_path)
     for path in (tmp_path / "out" / "runs").glob("*/*/analysis.json"):
-        path.unlink()                                      # every analysis has work to do
+        path.unlink()  # every analysis has work to do
     processes = [launch(settings, "analyze") for _ in range(4)]
     outputs = [process.communicate(timeout=600) for process in processes]
     assert [process.returncode for process in processes] == [0, 0, 0, 0], outputs
@@ -146,6 +161,7 @@ def test_four_concurrent_analyses_of_one_run_all_succeed(trained, tmp_path):
 
 
 # ---------------------------------------------------------------- damage the next launch repairs
+
 
 def flip_a_byte(path):
     """Change one byte in the middle of a file, keeping its size."""
@@ -169,7 +185,7 @@ def test_a_flipped_byte_is_moved_aside_by_verify_and_rebuilt_by_the_next_launch(
     assert all(line.endswith("is missing (the next launch rebuilds it)") for line in again["damaged"])
     rerun = main_in_process("run", "--settings-dir", str(settings))
     assert rerun.returncode == 0, rerun.stderr
-    assert target.is_file() and {p: p.read_text() for p in metrics} == metrics    # rebuilt identically
+    assert target.is_file() and {p: p.read_text() for p in metrics} == metrics  # rebuilt identically
     assert main_in_process("verify", "--settings-dir", str(settings)).returncode == 0
 
 
@@ -212,13 +228,14 @@ def redo_unreadable(trained, folder, name):
     return result, written, main_in_process("verify", "--settings-dir", str(settings))
 
 
-@pytest.mark.parametrize("name", ["status.json", "analysis.json", "artifacts.json", "run.json", "metrics.json",
-                                  "history.json"])
+@pytest.mark.parametrize(
+    "name", ["status.json", "analysis.json", "artifacts.json", "run.json", "metrics.json", "history.json"]
+)
 def test_an_unreadable_record_is_redone_with_one_warning(trained, tmp_path, name):
     result, written, checked = redo_unreadable(trained, tmp_path, name)
     assert result.returncode == 0, result.stderr
     assert "Traceback" not in result.stderr and "warning" in result.stderr
-    assert written is not None and json.loads(written.decode())      # written again, readable
+    assert written is not None and json.loads(written.decode())  # written again, readable
     assert checked.returncode == 0, checked.stdout
 
 
@@ -235,8 +252,12 @@ def test_verify_moves_an_unreadable_record_aside(trained, tmp_path):
 def test_leftovers_of_killed_launches_are_tidied_by_the_next(trained, tmp_path):
     settings = copy_root(trained, tmp_path)
     root = tmp_path / "out"
-    stale = [root / "cache" / "model" / f".tmp-{'0' * 64}-1-abc", root / "cache" / "model" / f".tmp-{'1' * 64}-prune-2-ab",
-             root / "locks" / "launch-dead", root / "runs" / "x-1" / ".trash-y-1-2"]
+    stale = [
+        root / "cache" / "model" / f".tmp-{'0' * 64}-1-abc",
+        root / "cache" / "model" / f".tmp-{'1' * 64}-prune-2-ab",
+        root / "locks" / "launch-dead",
+        root / "runs" / "x-1" / ".trash-y-1-2",
+    ]
     for path in stale:
         path.mkdir(parents=True)
     (root / "locks" / f"model-{'2' * 64}.lock").touch()
@@ -244,11 +265,15 @@ def test_leftovers_of_killed_launches_are_tidied_by_the_next(trained, tmp_path):
         (root / "damaged" / "model" / f"{'3' * 64}-2026010{index}T000000.000000Z").mkdir(parents=True)
     assert run_cli("run", "--settings-dir", str(settings)).returncode == 0
     assert not any(path.exists() for path in stale) and not (root / "locks" / f"model-{'2' * 64}.lock").exists()
-    assert sorted(p.name[-23:-15] for p in (root / "damaged" / "model").iterdir()) == ["20260102", "20260103",
-                                                                                        "20260104"]
+    assert sorted(p.name[-23:-15] for p in (root / "damaged" / "model").iterdir()) == [
+        "20260102",
+        "20260103",
+        "20260104",
+    ]
 
 
 # ---------------------------------------------------------------- loading never runs code
+
 
 def tamper(run, change):
     """Rewrite run.json with a change and a matching checksum (as an attacker could)."""
@@ -263,15 +288,19 @@ def test_restore_refuses_a_tampered_run_json_without_calling_anything(trained, t
     run = next((tmp_path / "out").glob("runs/*/uniform-*"))
     record = json.loads((run / "run.json").read_text())
     record["settings"]["experiment"] = "subprocess:Popen"
-    (run / "run.json").write_text(json.dumps(record))          # checksum left stale
+    (run / "run.json").write_text(json.dumps(record))  # checksum left stale
     with pytest.raises(DamagedArtifact, match="checksum"):
         restore(run)
     evidence = tmp_path / "called"
     (tmp_path / "evil_module.py").write_text(
-        f"class Evil:\n    def __init__(self, *args):\n        open({str(evidence)!r}, 'w').close()\n")
+        f"class Evil:\n    def __init__(self, *args):\n        open({str(evidence)!r}, 'w').close()\n"
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
-    for spec, words in (("subprocess:Popen", "standard-library"), ("builtins:dict", "standard-library"),
-                        ("evil_module:Evil", "lacks members")):
+    for spec, words in (
+        ("subprocess:Popen", "standard-library"),
+        ("builtins:dict", "standard-library"),
+        ("evil_module:Evil", "lacks members"),
+    ):
         tamper(run, lambda r: r["settings"].update(experiment=spec))
         with pytest.raises(ValueError, match=words):
             restore(run)
@@ -284,12 +313,17 @@ def test_restore_refuses_a_tampered_run_json_without_calling_anything(trained, t
 def test_a_full_disk_ends_with_one_line_naming_the_path(tmp_path):
     settings = write_settings(tmp_path / "s", tmp_path / "out", training='settings["data"]["train"] = 20_000\n')
     environment = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    result = subprocess.run([sys.executable, str(REPO / "nnpd.py"), "train", "--settings-dir", str(settings)],
-                            env={**environment, "PYTHONDONTWRITEBYTECODE": "1"}, capture_output=True, text=True,
-                            timeout=600, preexec_fn=limit_file_size(100_000))
+    result = subprocess.run(
+        [sys.executable, str(REPO / "nnpd.py"), "train", "--settings-dir", str(settings)],
+        env={**environment, "PYTHONDONTWRITEBYTECODE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=limit_file_size(100_000),
+    )
     assert result.returncode == 1
     line = one_error_line(result)
     assert "disk is full" in line and str(tmp_path / "out") in line
-    assert not list((tmp_path / "out").glob("cache/*/*/artifact.json"))     # nothing partial committed
+    assert not list((tmp_path / "out").glob("cache/*/*/artifact.json"))  # nothing partial committed
     assert main_in_process("train", "--settings-dir", str(settings)).returncode == 0  # space back: it completes
     assert np.load(next((tmp_path / "out").glob("cache/training-data/*/train_x.npy"))).shape[0] == 20_000

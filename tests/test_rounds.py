@@ -1,4 +1,5 @@
 """Rounds (rounds.py, docs/rounds.md): the cut prior, the rounds' keys, and a kit study trained in rounds."""
+
 import math
 import warnings
 
@@ -30,8 +31,9 @@ class OwnNormal:
     """A study's own prior object: independent normals N(5, 2.5) and N(0, 0.5), unbounded."""
 
     def sample(self, n, generator):
-        return torch.randn(n, 2, generator=generator, dtype=torch.float64) * torch.tensor([2.5, 0.5]) \
-            + torch.tensor([5.0, 0.0])
+        return torch.randn(n, 2, generator=generator, dtype=torch.float64) * torch.tensor([2.5, 0.5]) + torch.tensor(
+            [5.0, 0.0]
+        )
 
     def log_prob(self, theta):
         z = (theta - torch.tensor([5.0, 0.0])) / torch.tensor([2.5, 0.5])
@@ -40,16 +42,21 @@ class OwnNormal:
 
 def pair_study(prior="mixed"):
     """A Pair study whose cohort is the one named prior."""
-    study = Pair({"seed": 3, "cohort": {"priors": [prior], "replicas": 1},
-                  "priors": {"mixed": {"family": "normal", "by_parameter": {"b": "uniform"}}},
-                  "data": {"train": 8, "validation": 4, "test": 4}})
+    study = Pair(
+        {
+            "seed": 3,
+            "cohort": {"priors": [prior], "replicas": 1},
+            "priors": {"mixed": {"family": "normal", "by_parameter": {"b": "uniform"}}},
+            "data": {"train": 8, "validation": 4, "test": 4},
+        }
+    )
     study.custom_priors = {"own": OwnNormal()}
     return study
 
 
 def truncated_normal_cdf(t, mean, sd, low, high):
     """The CDF of N(mean, sd) cut to [low, high]."""
-    phi = lambda v: 0.5 * (1 + math.erf((v - mean) / (sd * math.sqrt(2))))   # noqa: E731
+    phi = lambda v: 0.5 * (1 + math.erf((v - mean) / (sd * math.sqrt(2))))  # noqa: E731
     return (np.vectorize(phi)(t) - phi(low)) / (phi(high) - phi(low))
 
 
@@ -70,12 +77,14 @@ def test_the_cut_prior_draws_inside_the_box_and_follows_the_prior_there(prior):
     assert ((draws >= BOX[0]) & (draws <= BOX[1])).all()
     # 1.63 / sqrt(n): the KS distance a correct sampler stays under 99% of the time.
     assert ks_distance(draws[:, 0], lambda t: truncated_normal_cdf(t, 5.0, 2.5, 6.0, 9.0)) < 1.63 / math.sqrt(20_000)
-    second = (lambda t: (t + 0.5) / 0.75) if prior == "mixed" else \
-        (lambda t: truncated_normal_cdf(t, 0.0, 0.5, -0.5, 0.25))
+    second = (
+        (lambda t: (t + 0.5) / 0.75) if prior == "mixed" else (lambda t: truncated_normal_cdf(t, 0.0, 0.5, -0.5, 0.25))
+    )
     assert ks_distance(draws[:, 1], second) < 1.63 / math.sqrt(20_000)
     # Its density is renormalised to the box (exactly for a bundled family, from 2e5 draws for an object).
-    a, b = np.meshgrid(6 + 3 * (np.arange(600) + 0.5) / 600, -0.5 + 0.75 * (np.arange(300) + 0.5) / 300,
-                       indexing="ij")                       # the midpoints of a 600 x 300 grid on the box
+    a, b = np.meshgrid(
+        6 + 3 * (np.arange(600) + 0.5) / 600, -0.5 + 0.75 * (np.arange(300) + 0.5) / 300, indexing="ij"
+    )  # the midpoints of a 600 x 300 grid on the box
     mass = cut.log_prob(torch.from_numpy(np.stack([a, b], -1))).exp().mean().item() * 3 * 0.75
     assert mass == pytest.approx(1.0, abs=1e-4 if prior == "mixed" else 0.02)
     assert cut.log_prob(torch.tensor([[5.9, 0.0], [7.0, 0.3]])).isinf().all()
@@ -92,44 +101,57 @@ class Counts(nre_study.Study):
 
 @pytest.mark.unit
 def test_a_lattice_prior_is_cut_on_its_own_lattice():
-    study = Counts({"seed": 3, "cohort": {"priors": ["grid"], "replicas": 1}, "priors": {"grid": {"family": "grid"}},
-                    "data": {"train": 8, "validation": 4, "test": 4}})
+    study = Counts(
+        {
+            "seed": 3,
+            "cohort": {"priors": ["grid"], "replicas": 1},
+            "priors": {"grid": {"family": "grid"}},
+            "data": {"train": 8, "validation": 4, "test": 4},
+        }
+    )
     low, high = rounds.snap_to_lattice(study.problem(), torch.tensor([2.3]), torch.tensor([7.1]))
     assert (low.item(), high.item()) == (2.0, 7.5)
-    cut = study.prior({"name": "grid-r0", "prior": "grid", "replica": 0, "round": 2,
-                       "box": [low.tolist(), high.tolist()]})
+    cut = study.prior(
+        {"name": "grid-r0", "prior": "grid", "replica": 0, "round": 2, "box": [low.tolist(), high.tolist()]}
+    )
     draws = cut.sample(4000, torch.Generator().manual_seed(0))[:, 0]
-    assert set((draws * 2).round().tolist()) == set(range(4, 16))            # the 12 lattice points in the box
-    assert torch.allclose(cut.log_prob(torch.arange(4, 16)[:, None] / 2.0), torch.tensor(-math.log(12.0),
-                                                                                      dtype=torch.float64))
+    assert set((draws * 2).round().tolist()) == set(range(4, 16))  # the 12 lattice points in the box
+    assert torch.allclose(
+        cut.log_prob(torch.arange(4, 16)[:, None] / 2.0), torch.tensor(-math.log(12.0), dtype=torch.float64)
+    )
 
 
 @pytest.mark.unit
 def test_a_rounds_key_changes_with_the_observation_the_box_and_the_previous_model():
     study = pair_study()
     member = study.members()[0]
-    later = {**member, "round": 2, "box": BOX, "previous": "a" * 64, "observation": "b" * 64,
-             "history": [{"round": 1}]}
+    later = {**member, "round": 2, "box": BOX, "previous": "a" * 64, "observation": "b" * 64, "history": [{"round": 1}]}
 
     def keys(m):
         return digest(study.data_recipe(m)), digest(study.model_recipe(m))
 
     first = keys(later)
     assert keys(member) != first
-    for change in ({"observation": "c" * 64}, {"previous": "d" * 64}, {"box": [[6.0, -0.5], [9.5, 0.25]]},
-                   {"reuse": "e" * 64}):
+    for change in (
+        {"observation": "c" * 64},
+        {"previous": "d" * 64},
+        {"box": [[6.0, -0.5], [9.5, 0.25]]},
+        {"reuse": "e" * 64},
+    ):
         assert all(a != b for a, b in zip(keys({**later, **change}), first)), change
-    assert keys({**later, "history": []}) == first            # what is recorded of earlier rounds is no key
-    assert rounds.round_recipe(member) == {}                  # round 1 shares the amortized model's keys
+    assert keys({**later, "history": []}) == first  # what is recorded of earlier rounds is no key
+    assert rounds.round_recipe(member) == {}  # round 1 shares the amortized model's keys
 
 
 @pytest.mark.unit
 def test_a_rounds_section_is_checked_at_plan(tmp_path):
     study = pair_study()
-    for section, names in (({"count": 0, "observation": "x.npy"}, "rounds.count"),
-                           ({"count": 2, "observation": "x.npy", "truncation": 0.0}, "rounds.truncation"),
-                           ({"count": 2, "observation": str(tmp_path / "none.npy")}, "rounds.observation"),
-                           ({"count": 2, "observation": "x.npy", "budget": 3}, "rounds")):
+    for section, names in (
+        ({"count": 0, "observation": "x.npy"}, "rounds.count"),
+        ({"count": 2, "observation": "x.npy", "truncation": 0.0}, "rounds.truncation"),
+        ({"count": 2, "observation": str(tmp_path / "none.npy")}, "rounds.observation"),
+        ({"count": 2, "observation": "x.npy", "budget": 3}, "rounds"),
+    ):
         study.settings["rounds"] = section
         with pytest.raises(SettingsError, match=names):
             study.validate()
@@ -138,7 +160,7 @@ def test_a_rounds_section_is_checked_at_plan(tmp_path):
     with pytest.raises(SettingsError, match=r"expected \(2,\)"):
         study.validate()
     once = study.workload(study.members()[0])["training_examples"]
-    study.settings["rounds"]["count"] = 3                    # three trainings: the launch's cost estimate says so
+    study.settings["rounds"]["count"] = 3  # three trainings: the launch's cost estimate says so
     assert study.workload(study.members()[0])["training_examples"] == 3 * once // 2
 
 
@@ -156,7 +178,7 @@ def test_a_posterior_pressed_against_a_cut_face_is_named_in_a_warning():
 
 # ---------------------------------------------------------------- a study trained in rounds
 
-X_O = np.array([0.3, 0.5, 0.7])        # slope 0.2, offset 0.5 with noise 0.05: posterior sds about 0.03
+X_O = np.array([0.3, 0.5, 0.7])  # slope 0.2, offset 0.5 with noise 0.05: posterior sds about 0.03
 EPSILON = 1e-3
 ROUNDS_TRAINING = """
 settings["data"] = {{"train": 2000, "validation": 500, "test": 200}}
@@ -171,8 +193,12 @@ def trained_in_rounds(tmp_path_factory):
     """A Line study trained in three rounds for X_O, then trained again: (root, first, second outputs)."""
     tmp = tmp_path_factory.mktemp("rounds")
     np.save(tmp / "x_o.npy", X_O)
-    folder, _, root = kit_study(tmp, training=ROUNDS_TRAINING.format(path=str(tmp / "x_o.npy"), epsilon=EPSILON),
-                                analysis='settings["plots"] = ["rounds"]\n', noise=0.05)
+    folder, _, root = kit_study(
+        tmp,
+        training=ROUNDS_TRAINING.format(path=str(tmp / "x_o.npy"), epsilon=EPSILON),
+        analysis='settings["plots"] = ["rounds"]\n',
+        noise=0.05,
+    )
     first = main_in_process("train", "--settings-dir", str(folder))
     second = main_in_process("train", "--settings-dir", str(folder))
     assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
@@ -202,7 +228,7 @@ def test_the_last_rounds_posterior_lies_in_its_box_and_the_exact_one_keeps_its_m
     restored = restore(next(root.glob("runs/*/*/run.json")).parent)
     low, high = (np.array(bound) for bound in restored.member["box"])
     with warnings.catch_warnings():
-        warnings.simplefilter("error")          # the rounds' own observation: no warning
+        warnings.simplefilter("error")  # the rounds' own observation: no warning
         samples = restored.posterior(X_O).sample(2000, seed=1).numpy()
     assert ((samples >= low) & (samples <= high)).all()
     # The exact posterior (uniform prior on [-1, 1]^2, Gaussian noise 0.05) on a fine grid keeps 1 - ε in the box.
@@ -215,8 +241,12 @@ def test_the_last_rounds_posterior_lies_in_its_box_and_the_exact_one_keeps_its_m
     # ... and, as the report's truncation check, at most ε within the edge band of each face the box cut.
     theta = torch.from_numpy(np.stack([slope[box], offset[box]], -1))
     masses = torch.from_numpy(weights[box] / weights[box].sum())
-    edges = rounds.edge_mass(rounds.BoxProblem(restored.experiment.problem(), restored.member["box"]),
-                             restored.experiment.problem(), theta, masses)
+    edges = rounds.edge_mass(
+        rounds.BoxProblem(restored.experiment.problem(), restored.member["box"]),
+        restored.experiment.problem(),
+        theta,
+        masses,
+    )
     assert max(edges) <= EPSILON and edges == pytest.approx(restored.member["history"][-1]["edge_mass"], abs=0.01)
 
 
@@ -275,18 +305,20 @@ def final_members(root):
 @pytest.mark.parametrize("parallel", ["jobs", "ddp"])
 def test_two_workers_train_the_rounds_one_process_does(tmp_path, parallel):
     np.save(tmp_path / "x_o.npy", X_O)
-    training = ROUNDS_TRAINING.format(path=str(tmp_path / "x_o.npy"), epsilon=EPSILON).replace('"count": 3', '"count": 2')
+    training = ROUNDS_TRAINING.format(path=str(tmp_path / "x_o.npy"), epsilon=EPSILON).replace(
+        '"count": 3', '"count": 2'
+    )
     folder, _, root = kit_study(tmp_path, training=training + TWO_MEMBERS.format(parallel=parallel), noise=0.05)
     launched = torchrun("train", "--settings-dir", str(folder))
     assert launched.returncode == 0, launched.stdout + launched.stderr
     members = final_members(root)
     assert len(members) == 2 and all(member["round"] == 2 for member in members.values())
-    if parallel == "jobs":        # each worker trained one member's rounds: the same as one process would
+    if parallel == "jobs":  # each worker trained one member's rounds: the same as one process would
         alone = main_in_process("train", "--settings-dir", str(folder))
         assert alone.returncode == 0 and ": sampling" not in alone.stdout and "train   " not in alone.stdout
         assert final_members(root) == members
         assert "rank 0]" in launched.stdout and "rank 1]" in launched.stdout
-    else:                         # both ranks trained every round together with rank 0's boxes
+    else:  # both ranks trained every round together with rank 0's boxes
         assert launched.stdout.count("round 2 of 2") == 2 and "rank 1" not in launched.stdout
 
 
@@ -295,12 +327,16 @@ def test_a_kill_mid_round_resumes_in_that_round_bitwise(trained_in_rounds, tmp_p
     reference, _, _ = trained_in_rounds
     np.save(tmp_path / "x_o.npy", X_O)
     training = ROUNDS_TRAINING.format(path=str(tmp_path / "x_o.npy"), epsilon=EPSILON)
-    folder, _, root = kit_study(tmp_path, training=training + 'settings["runtime"]["resume_seconds"] = 0.2\n',
-                                noise=0.05)
+    folder, _, root = kit_study(
+        tmp_path, training=training + 'settings["runtime"]["resume_seconds"] = 0.2\n', noise=0.05
+    )
     process = start(command(folder))
     # Round 1's box is cached and a later round's training state saved: the kill lands inside round 2 or 3.
-    wait_for(lambda: list(root.glob("cache/round-box/*/artifact.json")) and saved_states(root),
-             "a later round's saved state", process=process)
+    wait_for(
+        lambda: list(root.glob("cache/round-box/*/artifact.json")) and saved_states(root),
+        "a later round's saved state",
+        process=process,
+    )
     process.kill()
     process.wait()
     again = main_in_process("train", "--settings-dir", str(folder))

@@ -6,8 +6,8 @@ import subprocess
 import sys
 import textwrap
 import time
-from datetime import timedelta
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -131,6 +131,7 @@ def fake_gpus(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: asked.append(device) or capability)
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
         return asked
+
     return fake
 
 
@@ -139,7 +140,7 @@ def test_bfloat16_is_refused_on_a_gpu_that_only_emulates_it_judged_on_the_worker
     asked = fake_gpus(count=2, capability=(7, 0))
     with pytest.raises(SettingsError, match=r"compute capability 8.0 .*V100.*cuda:1.* has 7.0"):
         runtime.check_precision("bfloat16", torch.device("cuda", 1))
-    assert asked == [torch.device("cuda", 1)]               # the worker's GPU, not the current one
+    assert asked == [torch.device("cuda", 1)]  # the worker's GPU, not the current one
     fake_gpus(count=2, capability=(8, 0), name="NVIDIA A100")
     assert runtime.check_precision("bfloat16", torch.device("cuda", 1)) is torch.bfloat16
 
@@ -165,7 +166,7 @@ def test_a_non_deterministic_cublas_workspace_is_overridden_at_start_in_one_warn
         rt = runtime.start({"device": "cpu", "deterministic": True})
     inside = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     runtime.stop(rt)
-    assert inside == used and os.environ.get("CUBLAS_WORKSPACE_CONFIG") == site   # stop puts the site's back
+    assert inside == used and os.environ.get("CUBLAS_WORKSPACE_CONFIG") == site  # stop puts the site's back
     messages = [str(w.message) for w in caught if "CUBLAS_WORKSPACE_CONFIG" in str(w.message)]
     assert len(messages) == (site == ":0:0") and all("\n" not in m for m in messages)
 
@@ -299,6 +300,7 @@ def test_nesting_inside_an_active_process_group_is_refused():
 
 # ---------------------------------------------------------------- stop requests
 
+
 @pytest.fixture
 def stop_request():
     """A StopRequest handling this process's SIGTERM and SIGINT, uninstalled afterwards."""
@@ -313,10 +315,10 @@ def test_a_sigterm_delivered_twice_is_one_request_that_training_saves_on(stop_re
     """Slurm and torchrun both pass SIGTERM on: the worker must still stop at its next step and save."""
     with stop_request.polling():
         signal.raise_signal(signal.SIGTERM)
-        signal.raise_signal(signal.SIGTERM)              # the second copy, a moment later
+        signal.raise_signal(signal.SIGTERM)  # the second copy, a moment later
         assert stop_request() and stop_request.requested == "SIGTERM"
         time.sleep(0.01)
-    signal.raise_signal(signal.SIGTERM)                  # still within the window, training done: one request
+    signal.raise_signal(signal.SIGTERM)  # still within the window, training done: one request
     assert stop_request.requested == "SIGTERM"
 
 
@@ -325,18 +327,18 @@ def test_a_later_signal_and_a_second_ctrl_c_interrupt_at_once(stop_request, monk
     with stop_request.polling():
         signal.raise_signal(signal.SIGINT)
         with pytest.raises(runtime.Interrupted, match="SIGINT"):
-            signal.raise_signal(signal.SIGINT)           # a second Ctrl-C: the user means it
+            signal.raise_signal(signal.SIGINT)  # a second Ctrl-C: the user means it
     monkeypatch.setattr(runtime.StopRequest, "REPEAT_SECONDS", 0.05)
     time.sleep(0.1)
     with pytest.raises(runtime.Interrupted, match="SIGTERM"):
-        signal.raise_signal(signal.SIGTERM)              # outside training, past the window
+        signal.raise_signal(signal.SIGTERM)  # outside training, past the window
 
 
 @pytest.mark.unit
 def test_a_first_signal_outside_training_interrupts_at_once(stop_request):
     with pytest.raises(runtime.Interrupted, match="SIGTERM"):
         signal.raise_signal(signal.SIGTERM)
-    signal.raise_signal(signal.SIGTERM)                  # its repeat does not interrupt the clean-up
+    signal.raise_signal(signal.SIGTERM)  # its repeat does not interrupt the clean-up
 
 
 @pytest.mark.unit
@@ -344,11 +346,11 @@ def test_pairs_nest_and_the_outer_one_keeps_handlers_and_request_until_it_ends()
     """The command line's pair outlives the launch's own, so a repeat arriving while the end is printed is absorbed."""
     before = signal.getsignal(signal.SIGTERM)
     request = runtime.StopRequest()
-    with request.handling():                             # the command line's pair
-        with request.polling(), request.handling():      # the launch's own, with training inside it
+    with request.handling():  # the command line's pair
+        with request.polling(), request.handling():  # the launch's own, with training inside it
             signal.raise_signal(signal.SIGTERM)
         assert signal.getsignal(signal.SIGTERM) == request.handle and request.requested == "SIGTERM"
-        signal.raise_signal(signal.SIGTERM)              # a repeat: neither the default action nor an interruption
+        signal.raise_signal(signal.SIGTERM)  # a repeat: neither the default action nor an interruption
     assert signal.getsignal(signal.SIGTERM) is before and request.requested == "SIGTERM"
 
 
@@ -372,8 +374,15 @@ def test_stop_puts_back_cudnn_flags_and_the_environment_start_set(monkeypatch):
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ and "TORCHINDUCTOR_DETERMINISTIC" not in os.environ
 
 
-@pytest.mark.parametrize("device, parallel, world, backend", [
-    ("cpu", "ddp", 2, "gloo"), ("cuda:0", "ddp", 2, "nccl"), ("cuda:0", "jobs", 2, "gloo"), ("cuda:0", "ddp", 1, "gloo")])
+@pytest.mark.parametrize(
+    "device, parallel, world, backend",
+    [
+        ("cpu", "ddp", 2, "gloo"),
+        ("cuda:0", "ddp", 2, "nccl"),
+        ("cuda:0", "jobs", 2, "gloo"),
+        ("cuda:0", "ddp", 1, "gloo"),
+    ],
+)
 @pytest.mark.unit
 def test_only_collective_training_on_gpus_uses_nccl(device, parallel, world, backend):
     """Jobs mode exchanges only small objects: on Gloo a wait that runs out ends in nnpd's line."""
@@ -384,4 +393,4 @@ def test_only_collective_training_on_gpus_uses_nccl(device, parallel, world, bac
 @pytest.mark.unit
 def test_the_group_outwaits_rank_zeros_waits_for_the_lease_and_leftovers():
     rt = runtime.Runtime(device=torch.device("cpu"), timeout_minutes=5)
-    assert runtime.group_timeout(rt) > timedelta(minutes=2 * 5)          # lease, then leftovers, then the broadcast
+    assert runtime.group_timeout(rt) > timedelta(minutes=2 * 5)  # lease, then leftovers, then the broadcast

@@ -4,6 +4,7 @@ The posteriors here are built by posterior.from_scores, the path a trained model
 (for_observation), with the exact likelihood in place of the network, so what is tested is
 the candidate design and the sampler (sampler.py) alone.
 """
+
 import math
 import types
 import warnings
@@ -16,7 +17,7 @@ import sampler
 import settings_analysis
 from c2st import c2st
 
-BOX = 5.0           # prior sds either side of the prior's mean: the truncation is negligible
+BOX = 5.0  # prior sds either side of the prior's mean: the truncation is negligible
 DRAWS = 2000
 
 
@@ -29,6 +30,7 @@ def box_problem(p, half=BOX):
 def normal_prior_scores(log_likelihood, half=BOX):
     """A score function of the analysis' targets: the log-likelihood (ratio) and, under a standard normal
     prior truncated to the box, the unnormalised log posterior (−inf outside the box)."""
+
     def score_fn(theta):
         ratio = log_likelihood(theta)
         inside = (theta.abs() <= half).all(dim=1)
@@ -41,8 +43,9 @@ def normal_prior_scores(log_likelihood, half=BOX):
 def adaptive_settings(candidate_count, coarse_count, stages):
     """The default analysis settings with an adaptive design of this size."""
     analysis = settings_analysis.make_settings("default")
-    analysis["inference"]["candidates"].update(kind="adaptive", candidate_count=candidate_count,
-                                               coarse_count=coarse_count, refinement_stages=stages)
+    analysis["inference"]["candidates"].update(
+        kind="adaptive", candidate_count=candidate_count, coarse_count=coarse_count, refinement_stages=stages
+    )
     return analysis
 
 
@@ -55,7 +58,7 @@ def old_resampling(posterior, n, seed=0):
 
 # ---------------------------------------------------------------- a linear Gaussian in ten parameters
 
-SIGMA = 1.0         # x = θ + N(0, σ²): the posterior sd σ/√(1 + σ²) ≈ 0.71 of the prior's 1
+SIGMA = 1.0  # x = θ + N(0, σ²): the posterior sd σ/√(1 + σ²) ≈ 0.71 of the prior's 1
 X10 = torch.tensor([0.8, -1.1, 0.3, 1.9, -0.4, 0.0, -2.0, 1.2, 0.5, -0.7], dtype=torch.float64)
 
 
@@ -69,7 +72,7 @@ def gaussian_posterior():
 def gaussian_reference(n, seed):
     """Exact i.i.d. draws of that posterior, N(x/(1 + σ²), σ²/(1 + σ²)) per axis: the box lies more than five
     posterior sds from every mean, so its cut (under 1e-7 of the mass) is left out."""
-    scale = 1 / (1 + SIGMA ** 2)
+    scale = 1 / (1 + SIGMA**2)
     noise = torch.randn(n, 10, dtype=torch.float64, generator=torch.Generator().manual_seed(seed))
     return X10 * scale + SIGMA * math.sqrt(scale) * noise
 
@@ -132,7 +135,7 @@ def test_a_proposal_resample_warns_only_when_its_draws_repeat_beyond_the_distinc
     # Budget fallbacks: 950 of 1,000 distinct is as good as independent; 800 of 1,000 is warned of.
     fresh = gaussian_reference(1000, seed=9)
     for distinct, warned in ((950, False), (800, True)):
-        draws = torch.cat([fresh[:distinct], fresh[:1000 - distinct]])
+        draws = torch.cat([fresh[:distinct], fresh[: 1000 - distinct]])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             gaussian._sampled(draws, {"method": "resampled-proposal", "acceptance": 0.01, "evaluations": 25_000})
@@ -143,17 +146,17 @@ def test_a_proposal_resample_warns_only_when_its_draws_repeat_beyond_the_distinc
 # ---------------------------------------------------------------- four modes in five parameters
 
 NOISE = 0.5
-HALF = 3.0          # the box of the four-mode problem, in prior sds: the references truncate exactly too
+HALF = 3.0  # the box of the four-mode problem, in prior sds: the references truncate exactly too
 # x0..x2 see θ0..θ2 through a mixing matrix; x3 and x4 see only θ3² and θ4², so ±θ3, ±θ4 fit alike.
 MIXING = torch.tensor([[1.0, 0.5, 0.0], [0.0, 1.0, -0.5], [0.3, 0.0, 1.0]], dtype=torch.float64)
-X5 = torch.tensor([0.4, -0.6, 1.0, 1.44, 2.25], dtype=torch.float64)       # squares of ±1.2 and ±1.5
+X5 = torch.tensor([0.4, -0.6, 1.0, 1.44, 2.25], dtype=torch.float64)  # squares of ±1.2 and ±1.5
 
 
 def four_mode_log_likelihood(theta):
     """log p(x | θ) of the five-parameter problem, up to a constant."""
     linear = theta[:, :3] @ MIXING.T
     squares = theta[:, 3:] ** 2
-    return -0.5 * (((X5[:3] - linear) ** 2).sum(dim=1) + ((X5[3:] - squares) ** 2).sum(dim=1)) / NOISE ** 2
+    return -0.5 * (((X5[:3] - linear) ** 2).sum(dim=1) + ((X5[3:] - squares) ** 2).sum(dim=1)) / NOISE**2
 
 
 def four_mode_posterior():
@@ -173,9 +176,9 @@ def four_mode_reference(n, seed):
     given a fair random sign.
     """
     generator = torch.Generator().manual_seed(seed)
-    precision = torch.eye(3, dtype=torch.float64) + MIXING.T @ MIXING / NOISE ** 2
+    precision = torch.eye(3, dtype=torch.float64) + MIXING.T @ MIXING / NOISE**2
     covariance = torch.linalg.inv(precision)
-    mean = covariance @ MIXING.T @ X5[:3] / NOISE ** 2
+    mean = covariance @ MIXING.T @ X5[:3] / NOISE**2
     factor = torch.linalg.cholesky(covariance)
     block = torch.empty(0, 3, dtype=torch.float64)
     while block.shape[0] < n:
@@ -190,7 +193,8 @@ def symmetric_draws(x, n, generator):
     while kept.shape[0] < n:
         t = torch.randn(20 * n, dtype=torch.float64, generator=generator).abs()
         accept = torch.rand(20 * n, dtype=torch.float64, generator=generator) < torch.exp(
-            -0.5 * ((x - t * t) / NOISE) ** 2)
+            -0.5 * ((x - t * t) / NOISE) ** 2
+        )
         kept = torch.cat([kept, t[accept & (t <= HALF)]])
     sign = torch.randint(0, 2, (n,), generator=generator) * 2 - 1
     return kept[:n] * sign
@@ -217,6 +221,7 @@ def test_the_sampler_matches_exact_draws_of_four_modes_where_resampling_does_not
 
 # ---------------------------------------------------------------- when independent draws cost too much
 
+
 @pytest.mark.unit
 def test_draws_that_would_exceed_the_budget_fall_back_with_a_warning_naming_the_setting(gaussian):
     # About four proposal draws per accepted one here (acceptance near 0.25): a budget of
@@ -225,16 +230,20 @@ def test_draws_that_would_exceed_the_budget_fall_back_with_a_warning_naming_the_
         draws = gaussian.sample(DRAWS, seed=0, budget=1)
     info = gaussian.sampling
     assert draws.shape == (DRAWS, 10) and info["method"] == "resampled-proposal" and info["warning"]
-    assert info["acceptance"] < 1 and info["evaluations"] <= 3 * sampler.PILOT + max(DRAWS, sampler.BUDGET_FLOOR) + sampler.CHUNK
+    assert (
+        info["acceptance"] < 1
+        and info["evaluations"] <= 3 * sampler.PILOT + max(DRAWS, sampler.BUDGET_FLOOR) + sampler.CHUNK
+    )
     # The fallback resamples fresh proposal draws, far more effective than the candidates.
     assert torch.unique(draws, dim=0).shape[0] > 0.5 * DRAWS
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        gaussian.sample(DRAWS, seed=0)      # the default budget suffices: no warning
+        gaussian.sample(DRAWS, seed=0)  # the default budget suffices: no warning
     assert gaussian.sampling["warning"] is None
 
 
 # ---------------------------------------------------------------- the classifier two-sample test
+
 
 @pytest.mark.unit
 def test_c2st_is_a_half_for_one_distribution_one_for_disjoint_ones_and_deterministic():
@@ -243,18 +252,22 @@ def test_c2st_is_a_half_for_one_distribution_one_for_disjoint_ones_and_determini
     same = c2st(a, b, seed=2)
     assert 0.44 <= same <= 0.56 and c2st(a, b, seed=2) == same
     assert c2st(a + 6.0, b) >= 0.99
-    assert c2st(a + 0.5, b) > 0.6          # a shift of half an sd is seen
+    assert c2st(a + 0.5, b) > 0.6  # a shift of half an sd is seen
 
 
 def lattice_posterior(steps, kind="adaptive"):
     """A posterior on [0, 10]^p with these lattice steps (None: a continuous axis), its mode near 4.3."""
+
     def score_fn(theta):
         ratio = -0.5 * (((theta - 4.3) / 0.5) ** 2).sum(dim=1)
         return {"ratio": ratio, "posterior": ratio}
 
     p = len(steps)
-    problem = types.SimpleNamespace(names=[f"k{j}" for j in range(p)], low=torch.zeros(p, dtype=torch.float64),
-                                    high=torch.full((p,), 10.0, dtype=torch.float64))
+    problem = types.SimpleNamespace(
+        names=[f"k{j}" for j in range(p)],
+        low=torch.zeros(p, dtype=torch.float64),
+        high=torch.full((p,), 10.0, dtype=torch.float64),
+    )
     return post.from_scores(problem, steps, score_fn, adaptive_settings(4096, 512, 3), seed=1)
 
 
@@ -262,7 +275,7 @@ def lattice_posterior(steps, kind="adaptive"):
 def test_an_enumerated_lattice_draws_exactly_from_its_masses_without_a_warning():
     lattice = lattice_posterior([0.2])
     with warnings.catch_warnings():
-        warnings.simplefilter("error")      # its draws repeat by nature
+        warnings.simplefilter("error")  # its draws repeat by nature
         draws = lattice.sample(4000, seed=0)
     assert lattice.enumerated and lattice.sampling["method"] == "lattice" and lattice.sampling["acceptance"] is None
     frequency = (draws[:, None, 0] == lattice.points[None, :, 0]).double().mean(dim=0)
@@ -314,9 +327,12 @@ def narrow_scores(x):
     precision = torch.linalg.inv(covariance)
 
     def score_fn(theta):
-        ratio = -0.5 * ((x - theta @ mixing.T) ** 2).sum(dim=1) / NARROW_NOISE ** 2
-        prior = torch.where((theta.abs() <= BOX).all(dim=1), -0.5 * ((theta @ precision) * theta).sum(dim=1),
-                            torch.tensor(-math.inf, dtype=torch.float64))
+        ratio = -0.5 * ((x - theta @ mixing.T) ** 2).sum(dim=1) / NARROW_NOISE**2
+        prior = torch.where(
+            (theta.abs() <= BOX).all(dim=1),
+            -0.5 * ((theta @ precision) * theta).sum(dim=1),
+            torch.tensor(-math.inf, dtype=torch.float64),
+        )
         return {"ratio": ratio, "posterior": ratio + prior}
 
     return score_fn
@@ -324,16 +340,17 @@ def narrow_scores(x):
 
 def narrow_posterior(x, analysis=None):
     """The narrow problem's posterior for x on a design: {} is every inference key at its default."""
-    return post.from_scores(box_problem(10), [None] * 10, narrow_scores(x), {} if analysis is None else analysis,
-                            seed=1)
+    return post.from_scores(
+        box_problem(10), [None] * 10, narrow_scores(x), {} if analysis is None else analysis, seed=1
+    )
 
 
 def narrow_reference(x, n, seed):
     """n exact draws: the conjugate Gaussian posterior of the uncut prior, cut to the box by rejection (which
     draws the cut posterior exactly: the cut prior's posterior is the uncut one's, cut)."""
     covariance, mixing = narrow_model()
-    posterior_covariance = torch.linalg.inv(torch.linalg.inv(covariance) + mixing.T @ mixing / NARROW_NOISE ** 2)
-    mean = posterior_covariance @ mixing.T @ x / NARROW_NOISE ** 2
+    posterior_covariance = torch.linalg.inv(torch.linalg.inv(covariance) + mixing.T @ mixing / NARROW_NOISE**2)
+    mean = posterior_covariance @ mixing.T @ x / NARROW_NOISE**2
     factor, generator = torch.linalg.cholesky(posterior_covariance), torch.Generator().manual_seed(seed)
     kept = torch.empty(0, 10, dtype=torch.float64)
     while kept.shape[0] < n:
@@ -346,13 +363,13 @@ def narrow_reference(x, n, seed):
 def test_a_narrow_correlated_posterior_the_candidates_miss_is_found_by_population_monte_carlo():
     x = narrow_observation(0)
     narrow = narrow_posterior(x)
-    assert narrow.ess < sampler.MIN_FIT_ESS        # the design alone: refused before population Monte Carlo
+    assert narrow.ess < sampler.MIN_FIT_ESS  # the design alone: refused before population Monte Carlo
     draws = narrow.sample(DRAWS, seed=0)
     info = narrow.sampling
     assert info["method"] == "rejection" and info["path"] == "population Monte Carlo" and info["warning"] is None
     assert bool((draws.abs() <= BOX).all()) and info["effective"] > DRAWS
     assert c2st(draws, narrow_reference(x, DRAWS, seed=5)) <= 0.55
-    assert torch.equal(draws, narrow.sample(DRAWS, seed=0))         # reproducible from the seed
+    assert torch.equal(draws, narrow.sample(DRAWS, seed=0))  # reproducible from the seed
 
 
 @pytest.mark.unit
@@ -380,8 +397,8 @@ def test_ten_thousand_draws_of_narrow_correlated_posteriors_pass_the_c2st():
 def four_narrow_modes():
     """The four means (4, 10) and the shared covariance of the four-mode problem."""
     covariance, mixing = narrow_model()
-    shared = torch.linalg.inv(torch.linalg.inv(covariance) + mixing.T @ mixing / NARROW_NOISE ** 2)
-    means = (shared @ mixing.T @ narrow_observation(0) / NARROW_NOISE ** 2).expand(4, 10).clone()
+    shared = torch.linalg.inv(torch.linalg.inv(covariance) + mixing.T @ mixing / NARROW_NOISE**2)
+    means = (shared @ mixing.T @ narrow_observation(0) / NARROW_NOISE**2).expand(4, 10).clone()
     means[:, 8], means[:, 9] = torch.tensor([1.2, 1.2, -1.2, -1.2]), torch.tensor([1.5, -1.5, 1.5, -1.5])
     return means, shared
 
@@ -409,9 +426,11 @@ def test_four_narrow_modes_in_ten_parameters_are_found_by_the_tempered_search():
     assert four.sampling["path"] == "population Monte Carlo" and four.sampling["components"] >= 4
     means, covariance = four_narrow_modes()
     shares = torch.bincount(torch.cdist(draws, means).argmin(dim=1), minlength=4) / DRAWS
-    assert torch.all((shares - 0.25).abs() < 0.039), shares      # four standard errors of 2,000 draws
+    assert torch.all((shares - 0.25).abs() < 0.039), shares  # four standard errors of 2,000 draws
     generator = torch.Generator().manual_seed(5)
-    exact = means[torch.randint(0, 4, (DRAWS,), generator=generator)] + torch.randn(
-        DRAWS, 10, dtype=torch.float64, generator=generator) @ torch.linalg.cholesky(covariance).T
-    assert bool((exact.abs() <= BOX).all())                        # the box cuts nothing here: exact as drawn
+    exact = (
+        means[torch.randint(0, 4, (DRAWS,), generator=generator)]
+        + torch.randn(DRAWS, 10, dtype=torch.float64, generator=generator) @ torch.linalg.cholesky(covariance).T
+    )
+    assert bool((exact.abs() <= BOX).all())  # the box cuts nothing here: exact as drawn
     assert c2st(draws, exact) <= 0.55

@@ -7,6 +7,7 @@ of their own) with the key, sockets, configuration, state and logs in a temporar
 the end stops them and whatever their jobs left behind, also when a test fails. It skips when the
 daemons are not installed (.ci/run installs them where it can) or when not run as root.
 """
+
 import json
 import os
 import re
@@ -25,16 +26,28 @@ COMMANDS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "s
 MISSING = [name for name in COMMANDS if shutil.which(name) is None]
 pytestmark = [
     pytest.mark.launch,
-    pytest.mark.skipif(bool(MISSING), reason=f"Slurm or MUNGE is not installed (no {', '.join(MISSING)} on PATH; "
-                                             "Debian: apt-get install slurm-wlm munge)"),
+    pytest.mark.skipif(
+        bool(MISSING),
+        reason=f"Slurm or MUNGE is not installed (no {', '.join(MISSING)} on PATH; "
+        "Debian: apt-get install slurm-wlm munge)",
+    ),
     pytest.mark.skipif(os.geteuid() != 0, reason="the one-machine Slurm runs its daemons and jobs as root"),
 ]
 SCRIPT = REPO / "examples" / "slurm.sbatch"
-OUTER = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")     # an enclosing Slurm job's variables would steer ours
-ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
-         "PREEMPTED"}
-STARTUP = 60            # seconds the daemons get to come up, and to stop
-JOB = 300               # seconds a job gets to reach what a test waits for
+OUTER = ("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")  # an enclosing Slurm job's variables would steer ours
+ENDED = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "BOOT_FAIL",
+    "DEADLINE",
+    "PREEMPTED",
+}
+STARTUP = 60  # seconds the daemons get to come up, and to stop
+JOB = 300  # seconds a job gets to reach what a test waits for
 NODES = ("n1", "n2")
 
 CONFIGURATION = """\
@@ -119,14 +132,19 @@ class Cluster:
 
     def logs(self):
         """The last lines of every daemon's log, to explain a failure."""
-        return "\n".join(f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
-                         for path in sorted((self.folder / "log").glob("*")))
+        return "\n".join(
+            f"--- {path.name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-15:])
+            for path in sorted((self.folder / "log").glob("*"))
+        )
 
     def daemon(self, *arguments):
         """Start a daemon in the foreground of a session of its own, its output in log/."""
         with open(self.folder / "log" / f"{arguments[0]}{len(self.daemons)}.out", "w") as log:
-            self.daemons.append(subprocess.Popen(arguments, env=self.environment(), stdout=log,
-                                                 stderr=subprocess.STDOUT, start_new_session=True))
+            self.daemons.append(
+                subprocess.Popen(
+                    arguments, env=self.environment(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
 
     def start(self):
         """Write the key and configuration, start the daemons, and wait until both nodes are idle."""
@@ -137,12 +155,20 @@ class Cluster:
         key.chmod(0o400)
         # --force: pytest's temporary folders are private, and munged wants a socket others can reach.
         run = self.folder / "run"
-        self.daemon("munged", "--foreground", "--force", f"--key-file={key}", f"--socket={run}/munge.socket",
-                    f"--pid-file={run}/munged.pid", f"--seed-file={run}/munged.seed",
-                    f"--log-file={self.folder}/log/munged.log")
+        self.daemon(
+            "munged",
+            "--foreground",
+            "--force",
+            f"--key-file={key}",
+            f"--socket={run}/munge.socket",
+            f"--pid-file={run}/munged.pid",
+            f"--seed-file={run}/munged.seed",
+            f"--log-file={self.folder}/log/munged.log",
+        )
         wait_until(lambda: (run / "munge.socket").exists(), "munged's socket", STARTUP, self.logs)
-        self.conf.write_text(CONFIGURATION.format(folder=self.folder, controller_port=free_port(),
-                                                  node_ports=[free_port(), free_port()]))
+        self.conf.write_text(
+            CONFIGURATION.format(folder=self.folder, controller_port=free_port(), node_ports=[free_port(), free_port()])
+        )
         self.daemon("slurmctld", "-D", "-f", str(self.conf))
         wait_until(lambda: "is UP" in self.command("scontrol", "ping", check=False), "slurmctld", STARTUP, self.logs)
         for node in NODES:
@@ -157,7 +183,7 @@ class Cluster:
     def stop(self):
         """Cancel every job, stop the daemons, and kill whatever the jobs left running."""
         try:
-            if len(self.daemons) == 1 + 1 + len(NODES):        # only a complete cluster runs jobs
+            if len(self.daemons) == 1 + 1 + len(NODES):  # only a complete cluster runs jobs
                 self.cancel_jobs()
         finally:
             for process in reversed(self.daemons):
@@ -196,7 +222,7 @@ def leftovers(folder):
         try:
             mentions = (entry / "environ").read_bytes() + (entry / "cmdline").read_bytes()
             mentions += " ".join(os.readlink(fd) for fd in (entry / "fd").iterdir()).encode()
-        except OSError:                         # it ended meanwhile, or is not ours to read
+        except OSError:  # it ended meanwhile, or is not ours to read
             continue
         if f"{folder}{os.sep}".encode() in mentions:
             found.append(int(entry.name))
@@ -216,6 +242,7 @@ def cluster(tmp_path_factory):
 
 # ---------------------------------------------------------------- one job of the Slurm script
 
+
 class Study:
     """The toy study submitted with the script from `folder`, on `nodes` nodes of `workers` CPU workers each."""
 
@@ -229,12 +256,29 @@ class Study:
 
     def submit(self):
         """sbatch the script as docs/clusters.md says for CPU nodes; returns the job id."""
-        variables = {"NNPD_DIR": str(REPO), "PYTHON": sys.executable, "NNPD_WORKERS_PER_NODE": str(self.workers),
-                     "NNPD_RDZV_PORT": str(self.port)}
-        done = subprocess.run(["sbatch", "--parsable", f"--nodes={self.nodes}", f"--output={self.folder}/job-%j.out",
-                               str(SCRIPT), "train", "--settings-dir", str(self.settings)],
-                              env=self.cluster.environment({**toy_environment(), **variables}), cwd=self.folder,
-                              capture_output=True, text=True, timeout=60)
+        variables = {
+            "NNPD_DIR": str(REPO),
+            "PYTHON": sys.executable,
+            "NNPD_WORKERS_PER_NODE": str(self.workers),
+            "NNPD_RDZV_PORT": str(self.port),
+        }
+        done = subprocess.run(
+            [
+                "sbatch",
+                "--parsable",
+                f"--nodes={self.nodes}",
+                f"--output={self.folder}/job-%j.out",
+                str(SCRIPT),
+                "train",
+                "--settings-dir",
+                str(self.settings),
+            ],
+            env=self.cluster.environment({**toy_environment(), **variables}),
+            cwd=self.folder,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         return int(done.stdout.split(";")[0])
 
@@ -249,16 +293,20 @@ class Study:
 
     def wait_for_training(self, job_id):
         """Wait until every worker saved a training state (so each is training); fails if the job ends first."""
+
         def training():
             assert self.cluster.job(job_id).get("JobState") not in ENDED, self.explain(job_id)
             return len(saved_states(self.root)) == self.nodes * self.workers
+
         wait_until(training, "every worker's saved training state", JOB, lambda: self.explain(job_id))
 
     def wait_for_end(self, job_id, restarts=0):
         """The job's record once it ended after `restarts` requeueings."""
+
         def ended():
             record = self.cluster.job(job_id)
             return record if record.get("JobState") in ENDED and record.get("Restarts") == str(restarts) else None
+
         return wait_until(ended, f"job {job_id} to end", JOB, lambda: self.explain(job_id))
 
     def header(self):
@@ -271,9 +319,8 @@ def stop_points(preempted, study):
     assert "Traceback" not in preempted, preempted
     # Each node's torchrun ended with the launcher's one line, after its workers stopped.
     assert preempted.count("nnpd: torchrun stopped by SIGTERM after its workers stopped") == study.nodes, preempted
-    points = re.findall(r"training stopped on request in epoch (\d+) after batch (\d+); its state was saved",
-                        preempted)
-    assert len(points) == study.nodes * study.workers, preempted      # every worker saved
+    points = re.findall(r"training stopped on request in epoch (\d+) after batch (\d+); its state was saved", preempted)
+    assert len(points) == study.nodes * study.workers, preempted  # every worker saved
     return sorted(points)
 
 
@@ -281,12 +328,18 @@ def assert_resumed_and_complete(rerun, points, study):
     """The rerun resumed every saved state, trained everything and left a clean output root."""
     resumed = re.findall(r"resumed (runs/\S+): epoch (\d+), after batch (\d+)", rerun)
     assert len({run for run, _, _ in resumed}) == len(resumed) == len(points), rerun
-    assert sorted((epoch, batch) for _, epoch, batch in resumed) == points, rerun    # where each worker stopped
+    assert sorted((epoch, batch) for _, epoch, batch in resumed) == points, rerun  # where each worker stopped
     assert "train done" in rerun and "Traceback" not in rerun, rerun
     assert len(list((study.root / "cache" / "model").glob("*/artifact.json"))) == 3
     assert not saved_states(study.root)
-    verify = subprocess.run([sys.executable, str(REPO / "nnpd.py"), "verify", "--settings-dir", str(study.settings)],
-                            env=toy_environment(), cwd=REPO, capture_output=True, text=True, timeout=JOB)
+    verify = subprocess.run(
+        [sys.executable, str(REPO / "nnpd.py"), "verify", "--settings-dir", str(study.settings)],
+        env=toy_environment(),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=JOB,
+    )
     assert verify.returncode == 0 and json.loads(verify.stdout)["damaged"] == [], verify.stdout + verify.stderr
 
 
@@ -294,11 +347,11 @@ def test_scancel_signal_term_on_one_node_then_resubmitting_resumes(cluster, tmp_
     study = Study(cluster, tmp_path, nodes=1, workers=2)
     job = study.submit()
     study.wait_for_training(job)
-    cluster.command("scancel", "--signal=TERM", str(job))      # every process of the step, not the batch shell
+    cluster.command("scancel", "--signal=TERM", str(job))  # every process of the step, not the batch shell
     preempted = study.wait_for_end(job)
     assert (preempted["JobState"], preempted["ExitCode"]) == ("FAILED", "143:0"), study.explain(job)
     points = stop_points(study.output(job), study)
-    again = study.submit()                                       # the same command
+    again = study.submit()  # the same command
     done = study.wait_for_end(again)
     assert (done["JobState"], done["ExitCode"]) == ("COMPLETED", "0:0"), study.explain(again)
     assert_resumed_and_complete(study.output(again), points, study)
@@ -308,9 +361,9 @@ def test_scontrol_requeue_on_two_nodes_resumes_in_the_requeued_job(cluster, tmp_
     study = Study(cluster, tmp_path, nodes=2, workers=1)
     job = study.submit()
     study.wait_for_training(job)
-    cluster.command("scontrol", "requeue", str(job))           # SIGTERM to every process, SIGKILL after KillWait
+    cluster.command("scontrol", "requeue", str(job))  # SIGTERM to every process, SIGKILL after KillWait
     done = study.wait_for_end(job, restarts=1)
     assert (done["JobState"], done["ExitCode"]) == ("COMPLETED", "0:0"), study.explain(job)
     runs = study.output(job).split(study.header())
-    assert len(runs) == 3, study.explain(job)                   # the preempted run and the requeued one
+    assert len(runs) == 3, study.explain(job)  # the preempted run and the requeued one
     assert_resumed_and_complete(runs[2], stop_points(runs[1], study), study)

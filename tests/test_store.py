@@ -43,6 +43,7 @@ def tmp_dirs(root):
 
 # ---------------------------------------------------------------- concurrency (real processes)
 
+
 @pytest.mark.launch
 def test_six_processes_race_build_once(tmp_path):
     root, counter, go = tmp_path / "out", tmp_path / "count", tmp_path / "go"
@@ -96,13 +97,20 @@ def test_nonblocking_lock_from_second_process_reports_busy(tmp_path):
     s = Store(tmp_path)
     with s.lock("job-1") as held:
         assert held is True
-        assert subprocess.run([sys.executable, WORKER, "trylock", tmp_path, "job-1"],
-                              capture_output=True, text=True, timeout=30).stdout.strip() == "busy"
-    out = subprocess.run([sys.executable, WORKER, "trylock", tmp_path, "job-1"], capture_output=True, text=True, timeout=30)
+        assert (
+            subprocess.run(
+                [sys.executable, WORKER, "trylock", tmp_path, "job-1"], capture_output=True, text=True, timeout=30
+            ).stdout.strip()
+            == "busy"
+        )
+    out = subprocess.run(
+        [sys.executable, WORKER, "trylock", tmp_path, "job-1"], capture_output=True, text=True, timeout=30
+    )
     assert out.stdout.strip() == "held"
 
 
 # ---------------------------------------------------------------- failures
+
 
 @pytest.mark.unit
 def test_build_that_raises_commits_nothing(tmp_path):
@@ -132,17 +140,20 @@ def test_unsafe_names_rejected(tmp_path, bad):
     assert list(s.entries()) == [] and tmp_dirs(tmp_path) == []
 
 
-@pytest.mark.parametrize("build, match", [
-    (lambda w: w.array("o", np.array([1, "a", None], dtype=object)), "object dtype"),
-    (lambda w: w.allocate("o", (3,), object), "object dtype"),
-    (lambda w: w.json("m", {"loss": float("nan")}), "NaN"),
-    (lambda w: {"loss": float("inf")}, "NaN"),
-    (lambda w: w.json("artifact", {}), "reserved"),
-    (lambda w: (w.array("x", np.zeros(1)), w.array("x", np.zeros(1))), "twice"),
-    (lambda w: [w.path("raw.bin")] and None, "never written"),
-    (lambda w: [(w.directory / "sneaky.txt").write_text("x")] and None, "without the writer"),
-    (lambda w: w.weights({"w": np.zeros(2)}), "tensors"),
-])
+@pytest.mark.parametrize(
+    "build, match",
+    [
+        (lambda w: w.array("o", np.array([1, "a", None], dtype=object)), "object dtype"),
+        (lambda w: w.allocate("o", (3,), object), "object dtype"),
+        (lambda w: w.json("m", {"loss": float("nan")}), "NaN"),
+        (lambda w: {"loss": float("inf")}, "NaN"),
+        (lambda w: w.json("artifact", {}), "reserved"),
+        (lambda w: (w.array("x", np.zeros(1)), w.array("x", np.zeros(1))), "twice"),
+        (lambda w: [w.path("raw.bin")] and None, "never written"),
+        (lambda w: [(w.directory / "sneaky.txt").write_text("x")] and None, "without the writer"),
+        (lambda w: w.weights({"w": np.zeros(2)}), "tensors"),
+    ],
+)
 @pytest.mark.unit
 def test_invalid_content_rejected_and_nothing_committed(tmp_path, build, match):
     s = Store(tmp_path)
@@ -161,23 +172,24 @@ def test_nan_in_recipe_and_canonical_json():
 
 # ---------------------------------------------------------------- damage
 
+
 @pytest.mark.unit
 def test_same_size_byte_flip_is_found_by_every_read(tmp_path):
     s = Store(tmp_path)
     art = s.get("data", {"k": 1}, build_xy)
-    assert s.find("data", art.key).path == art.path          # read once: found intact
+    assert s.find("data", art.key).path == art.path  # read once: found intact
     f = art.path / "x.npy"
     raw = bytearray(f.read_bytes())
     raw[-1] ^= 0xFF
     f.write_bytes(raw)
-    assert art.verify() is True                               # the size check alone passes
+    assert art.verify() is True  # the size check alone passes
     assert art.verify(deep=True) is False
     for read in (lambda: s.find("data", art.key), lambda: s.get("data", {"k": 1}), lambda: s.artifact_at(art.path)):
         with pytest.raises(DamagedArtifact, match="checksum mismatch"):
             read()
     assert s.verify() == (1, [str(art.path)])
     with pytest.warns(UserWarning, match="damaged"):
-        again = s.get("data", {"k": 1}, build_xy)             # moved aside and rebuilt
+        again = s.get("data", {"k": 1}, build_xy)  # moved aside and rebuilt
     assert again.verify(deep=True) and list((tmp_path / "damaged" / "data").iterdir())
 
 
@@ -185,9 +197,9 @@ def test_same_size_byte_flip_is_found_by_every_read(tmp_path):
 def test_a_file_read_before_and_changed_later_is_hashed_again(tmp_path, monkeypatch):
     s = Store(tmp_path)
     art = s.get("data", {"k": 3}, build_xy)
-    monkeypatch.setattr(store, "_SETTLED_NS", 0)              # remember even a file written just now
+    monkeypatch.setattr(store, "_SETTLED_NS", 0)  # remember even a file written just now
     assert s.find("data", art.key) is not None and str(art.path / "x.npy") in store._HASHED
-    time.sleep(0.02)                                          # past the file-time tick
+    time.sleep(0.02)  # past the file-time tick
     with open(art.path / "x.npy", "r+b") as f:
         f.seek(-1, os.SEEK_END)
         last = f.read(1)
@@ -202,7 +214,7 @@ def test_an_altered_manifest_is_damage(tmp_path):
     s = Store(tmp_path)
     art = s.get("data", {"k": 4}, build_xy, metadata={"rows": 10})
     manifest = (art.path / "artifact.json").read_text()
-    (art.path / "artifact.json").write_text(manifest.replace('"rows": 10', '"rows": 90'))   # same size, valid JSON
+    (art.path / "artifact.json").write_text(manifest.replace('"rows": 10', '"rows": 90'))  # same size, valid JSON
     with pytest.raises(DamagedArtifact, match="manifest altered"):
         s.find("data", art.key)
 
@@ -216,15 +228,15 @@ def test_training_states_carry_their_key_and_checksum(tmp_path):
     assert s.load_scratch("model", key) == b"state bytes"
     path = s.scratch_file("model", key)
     raw = bytearray(path.read_bytes())
-    raw[-3] ^= 0x01                                           # one flipped bit in the state
+    raw[-3] ^= 0x01  # one flipped bit in the state
     path.write_bytes(raw)
     with pytest.raises(DamagedArtifact, match="checksum"):
         s.load_scratch("model", key)
     s.save_scratch("model", other, b"another model's state")
-    os.replace(s.scratch_file("model", other), path)           # a valid state, of another model
+    os.replace(s.scratch_file("model", other), path)  # a valid state, of another model
     with pytest.raises(DamagedArtifact, match="belongs to"):
         s.load_scratch("model", key)
-    path.write_bytes(b"PK\x03\x04 a plain torch.save file")   # what an earlier release saved
+    path.write_bytes(b"PK\x03\x04 a plain torch.save file")  # what an earlier release saved
     with pytest.raises(DamagedArtifact, match="not a state nnpd saved"):
         s.load_scratch("model", key)
 
@@ -249,7 +261,7 @@ def test_a_non_regular_file_where_a_training_state_belongs_is_cleared_not_read(t
     assert s.load_scratch("model", key) == b"state"
     path.unlink()
     path.mkdir()
-    s.drop_scratch("model", key)                               # a committed build forgets it all the same
+    s.drop_scratch("model", key)  # a committed build forgets it all the same
     assert not path.exists()
 
 
@@ -283,6 +295,7 @@ def test_unreadable_manifest_is_damage(tmp_path):
 
 
 # ---------------------------------------------------------------- round trips
+
 
 @pytest.mark.unit
 def test_store_construction_creates_nothing(tmp_path):

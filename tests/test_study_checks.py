@@ -1,4 +1,5 @@
 """The sample-based checks of the Gaussian study with exact ratios: reweighting and normalisation."""
+
 import pytest
 import torch
 

@@ -4,8 +4,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import analysis_metrics
 import runtime
@@ -121,7 +120,7 @@ def test_auc_is_none_when_one_class_is_absent_and_bce_is_stable():
 @pytest.mark.unit
 def test_training_settings_validation():
     assert trainer.check_training_settings({}) == trainer.TRAINING_DEFAULTS
-    for given, key in [
+    for changed, key in [
         ({"epochs": 0}, "training.epochs"),
         ({"batch_size": 2.0}, "training.batch_size"),
         ({"optimizer": "sgd"}, "training.optimizer"),
@@ -144,7 +143,7 @@ def test_training_settings_validation():
         ({"selection": ["bce"]}, "training.selection"),
     ]:
         with pytest.raises(SettingsError, match=key):
-            trainer.check_training_settings(given)
+            trainer.check_training_settings(changed)
 
 
 @pytest.mark.unit
@@ -164,7 +163,12 @@ def _data(rows=300, validation=100, seed=0):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows + validation, 2, generator=g)
     y = (x[:, 0] + 0.5 * x[:, 1] + 0.3 * torch.randn(rows + validation, generator=g) > 0).float()
-    return {"train_inputs": x[:rows], "train_labels": y[:rows], "validation_inputs": x[rows:], "validation_labels": y[rows:]}
+    return {
+        "train_inputs": x[:rows],
+        "train_labels": y[:rows],
+        "validation_inputs": x[rows:],
+        "validation_labels": y[rows:],
+    }
 
 
 def _model(seed=0):
@@ -196,7 +200,9 @@ def test_epoch_loss_is_the_per_row_mean_over_the_epoch():
     data = _data()
     model = _model()
     with torch.no_grad():
-        expected = torch.nn.functional.binary_cross_entropy_with_logits(model(data["train_inputs"]), data["train_labels"]).item()
+        expected = torch.nn.functional.binary_cross_entropy_with_logits(
+            model(data["train_inputs"]), data["train_labels"]
+        ).item()
     _, history = _train({"epochs": 1, "learning_rate": 1e-12, "batch_size": 37}, data=data, model=_model())
     assert history["train_loss"][0] == pytest.approx(expected, rel=1e-5)
 
@@ -224,7 +230,9 @@ def test_best_keeps_the_lowest_validation_epoch_and_last_the_final_one():
 @pytest.mark.unit
 def test_adamw_with_clipping_trains_and_differs_from_adam():
     plain, _ = _train({"epochs": 2, "learning_rate": 0.05})
-    decayed, history = _train({"epochs": 2, "learning_rate": 0.05, "optimizer": "adamw", "weight_decay": 0.5, "gradient_clip": 0.01})
+    decayed, history = _train(
+        {"epochs": 2, "learning_rate": 0.05, "optimizer": "adamw", "weight_decay": 0.5, "gradient_clip": 0.01}
+    )
     assert history["train_loss"][-1] < history["train_loss"][0]
     assert any(not torch.allclose(plain[k], decayed[k]) for k in plain)
 
@@ -259,11 +267,11 @@ def _layer_output_dtypes(precision):
 @pytest.mark.unit
 def test_bfloat16_on_cpu_runs():
     seen, weights, history = _layer_output_dtypes("bfloat16")
-    assert seen == {torch.bfloat16}                                 # autocast: the layers compute in bfloat16
-    assert _layer_output_dtypes("off")[0] == {torch.float32}        # (which the hooks would see otherwise)
+    assert seen == {torch.bfloat16}  # autocast: the layers compute in bfloat16
+    assert _layer_output_dtypes("off")[0] == {torch.float32}  # (which the hooks would see otherwise)
     assert len(history["train_loss"]) == 2 and all(math.isfinite(v) for v in history["train_loss"])
     assert all(math.isfinite(record["bce"]) for record in history["validation"])
-    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in weights.values())   # master weights
+    assert all(t.dtype == torch.float32 and torch.isfinite(t).all() for t in weights.values())  # master weights
 
 
 @pytest.mark.unit
@@ -297,12 +305,13 @@ def test_same_seed_gives_identical_weights_and_other_seed_differs():
 def test_dropout_training_is_reproducible_whatever_ran_before():
     def dropout_model():
         torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Linear(2, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5),
-                                   torch.nn.Linear(16, 1), torch.nn.Flatten(0))
+        return torch.nn.Sequential(
+            torch.nn.Linear(2, 16), torch.nn.ReLU(), torch.nn.Dropout(0.5), torch.nn.Linear(16, 1), torch.nn.Flatten(0)
+        )
 
     models = dropout_model(), dropout_model()
     first, _ = _train({"epochs": 2}, model=models[0], seed=5)
-    torch.rand(1000)                      # the global stream moves on between the two trainings
+    torch.rand(1000)  # the global stream moves on between the two trainings
     second, _ = _train({"epochs": 2}, model=models[1], seed=5)
     assert all(torch.equal(first[k], second[k]) for k in first)
 
@@ -332,7 +341,9 @@ def test_training_state_round_trips_and_redraws_the_epoch_permutation():
     other.load_state_dict(saved)
     assert (other.epoch, other.position) == (2, 7)
     assert all(torch.equal(model.state_dict()[k], other_model.state_dict()[k]) for k in model.state_dict())
-    assert torch.equal(other.optimizer.state_dict()["state"][0]["exp_avg"], state.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(
+        other.optimizer.state_dict()["state"][0]["exp_avg"], state.optimizer.state_dict()["state"][0]["exp_avg"]
+    )
     assert torch.equal(other.permutation(50), first)  # resume mid-epoch redraws the same order
     other.position = 0
     assert not torch.equal(other.permutation(50), first)  # a new epoch draws a new one
@@ -387,8 +398,15 @@ def test_a_batch_of_one_class_has_no_balance_term():
 def test_one_balanced_training_step_follows_the_formula_gradient():
     # Adam's first full-batch step moves each parameter by -lr * g / (|g| + epsilon).
     start, data, lr, epsilon = _model(), _data(), 0.01, 0.1
-    settings = {"epochs": 1, "batch_size": 300, "learning_rate": lr, "epsilon": epsilon, "checkpoint": "last",
-                "objective": "balanced", "balance_weight": 5.0}
+    settings = {
+        "epochs": 1,
+        "batch_size": 300,
+        "learning_rate": lr,
+        "epsilon": epsilon,
+        "checkpoint": "last",
+        "objective": "balanced",
+        "balance_weight": 5.0,
+    }
     trained, _ = _train(settings, data=data)
     want = _gradients(_balanced_formula(start(data["train_inputs"]), data["train_labels"], 5.0), start)
     for (name, before), gradient in zip(start.state_dict().items(), want):
@@ -424,12 +442,15 @@ def test_selection_setting_is_validated_in_one_line_naming_the_fix():
 @pytest.mark.unit
 def test_the_validation_objective_and_balance_are_recorded_per_epoch():
     data = _data()
-    weights, history = _train({"epochs": 3, "learning_rate": 0.05, "objective": "balanced", "balance_weight": 10.0,
-                               "checkpoint": "last"}, data=data)
+    weights, history = _train(
+        {"epochs": 3, "learning_rate": 0.05, "objective": "balanced", "balance_weight": 10.0, "checkpoint": "last"},
+        data=data,
+    )
     assert history["selection"] == "bce"
     assert len(history["validation_objective"]) == len(history["validation_balance"]) == 3
-    for metrics, objective, balance in zip(history["validation"], history["validation_objective"],
-                                           history["validation_balance"]):
+    for metrics, objective, balance in zip(
+        history["validation"], history["validation_objective"], history["validation_balance"]
+    ):
         assert set(metrics) == {"bce", "accuracy", "auc"}
         assert objective == metrics["bce"] + 10.0 * balance**2
     # The last epoch's record is the formula on the whole validation set, for the kept (last) weights.
@@ -441,8 +462,9 @@ def test_the_validation_objective_and_balance_are_recorded_per_epoch():
     want = _balanced_formula(logits.double(), labels.double(), 10.0).item()
     assert history["validation_objective"][-1] == pytest.approx(want, rel=1e-5)
     p = torch.sigmoid(logits.double())
-    assert history["validation_balance"][-1] == pytest.approx((p[labels > 0.5].mean() + p[labels < 0.5].mean() - 1).item(),
-                                                              abs=1e-6)
+    assert history["validation_balance"][-1] == pytest.approx(
+        (p[labels > 0.5].mean() + p[labels < 0.5].mean() - 1).item(), abs=1e-6
+    )
     # Under the BCE objective the validation objective is the validation BCE.
     _, plain = _train({"epochs": 2, "learning_rate": 0.05})
     assert plain["validation_objective"] == [v["bce"] for v in plain["validation"]]
@@ -456,12 +478,12 @@ def test_selection_objective_keeps_the_epoch_of_the_lowest_validation_objective(
     data = _data()
     by_objective, h_objective = _train({**settings, "selection": "objective"}, data=data)
     by_bce, h_bce = _train({**settings, "selection": "bce"}, data=data)
-    assert h_objective["train_loss"] == h_bce["train_loss"]          # the same run, another keep
+    assert h_objective["train_loss"] == h_bce["train_loss"]  # the same run, another keep
     assert h_objective["validation_objective"] == h_bce["validation_objective"]
     objectives, bces = h_objective["validation_objective"], [v["bce"] for v in h_objective["validation"]]
     assert h_objective["selected_epoch"] == objectives.index(min(objectives)) + 1
     assert h_bce["selected_epoch"] == bces.index(min(bces)) + 1
-    assert h_objective["selected_epoch"] != h_bce["selected_epoch"]   # the constructed disagreement
+    assert h_objective["selected_epoch"] != h_bce["selected_epoch"]  # the constructed disagreement
     assert (h_objective["selection"], h_bce["selection"]) == ("objective", "bce")
     # The kept weights are those of that epoch: they reproduce its validation objective.
     model = _model()
@@ -478,8 +500,14 @@ def test_a_resumed_objective_selection_keeps_the_same_epoch_and_weights():
     # Resumed after epoch 4 (the objective's best in this run), epochs 5 and 6 must not displace it.
     import io
 
-    settings = {"epochs": 6, "learning_rate": 0.2, "batch_size": 16, "objective": "balanced", "balance_weight": 10.0,
-                "selection": "objective"}
+    settings = {
+        "epochs": 6,
+        "learning_rate": 0.2,
+        "batch_size": 16,
+        "objective": "balanced",
+        "balance_weight": 10.0,
+        "selection": "objective",
+    }
     states = []
 
     def keep(state):
@@ -487,14 +515,22 @@ def test_a_resumed_objective_selection_keeps_the_same_epoch_and_weights():
         torch.save(state, buffer)
         states.append(buffer.getvalue())
 
-    saving = trainer.TrainingHooks(save_state=keep, save_seconds=math.inf)   # at epoch ends only
+    saving = trainer.TrainingHooks(save_state=keep, save_seconds=math.inf)  # at epoch ends only
     reference = trainer.train(_model(), _data(), settings, CPU, 0, hooks=saving)
     assert reference[1]["selected_epoch"] == 4 and len(states) == 6
     resumes = []
-    resumed = trainer.train(_model(), _data(), settings, CPU, 0, hooks=trainer.TrainingHooks(
-        load_state=lambda: torch.load(io.BytesIO(states[3]), weights_only=True),
-        on_resume=lambda epoch, batch: resumes.append((epoch, batch))))
-    assert resumes == [(4, 19)]                   # 300 rows in batches of 16: 19 per epoch
+    resumed = trainer.train(
+        _model(),
+        _data(),
+        settings,
+        CPU,
+        0,
+        hooks=trainer.TrainingHooks(
+            load_state=lambda: torch.load(io.BytesIO(states[3]), weights_only=True),
+            on_resume=lambda epoch, batch: resumes.append((epoch, batch)),
+        ),
+    )
+    assert resumes == [(4, 19)]  # 300 rows in batches of 16: 19 per epoch
     assert resumed[1] == reference[1]
     assert all(torch.equal(resumed[0][k], reference[0][k]) for k in reference[0])
 
@@ -547,8 +583,12 @@ def _joint_data(rows=240, validation=60, seed=3):
     g = torch.Generator().manual_seed(seed)
     theta = torch.rand(rows + validation, 1, generator=g) * 4 - 2
     x = torch.cat([theta, -theta], 1) + 0.4 * torch.randn(rows + validation, 2, generator=g)
-    return {"train_x": x[:rows], "train_theta": theta[:rows], "validation_x": x[rows:],
-            "validation_theta": theta[rows:]}
+    return {
+        "train_x": x[:rows],
+        "train_theta": theta[:rows],
+        "validation_x": x[rows:],
+        "validation_theta": theta[rows:],
+    }
 
 
 def _joint_model(seed=0):
@@ -557,22 +597,28 @@ def _joint_model(seed=0):
     return torch.nn.Sequential(torch.nn.Linear(3, 24), torch.nn.Tanh(), torch.nn.Linear(24, 1), torch.nn.Flatten(0))
 
 
-@given(rows=st.integers(2, 300), batch_size=st.integers(1, 64), classes=st.integers(1, 6), seed=st.integers(0, 99),
-       epoch=st.integers(0, 3))
+@given(
+    rows=st.integers(2, 300),
+    batch_size=st.integers(1, 64),
+    classes=st.integers(1, 6),
+    seed=st.integers(0, 99),
+    epoch=st.integers(0, 3),
+)
 @settings(max_examples=60, deadline=None)
 @pytest.mark.property
 def test_batch_atoms_are_other_rows_of_the_batch_and_depend_only_on_seed_epoch_and_batch(
-        rows, batch_size, classes, seed, epoch):
+    rows, batch_size, classes, seed, epoch
+):
     import contrast
 
     for index, (start, stop) in enumerate(trainer.epoch_batches(rows, batch_size)):
         atoms = contrast.batch_atoms(start, stop, classes, seed, epoch, index)
         assert atoms.shape == (stop - start, classes)
         own = torch.arange(start, stop)[:, None]
-        assert bool((atoms != own).all())                        # never the row's own θ
+        assert bool((atoms != own).all())  # never the row's own θ
         if stop - start >= 2:
             assert bool(((atoms >= start) & (atoms < stop)).all())
-        else:                                                     # a one-row batch borrows a neighbour
+        else:  # a one-row batch borrows a neighbour
             assert atoms.unique().tolist() == [start - 1 if start else 1]
         assert torch.equal(atoms, contrast.batch_atoms(start, stop, classes, seed, epoch, index))
 
@@ -582,7 +628,7 @@ def test_batch_atoms_are_new_in_every_epoch_and_batch_and_cover_the_batch():
     import contrast
 
     draws = [contrast.batch_atoms(0, 200, 1, 5, epoch, batch) for epoch in range(2) for batch in range(2)]
-    assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1:])
+    assert all(not torch.equal(a, b) for i, a in enumerate(draws) for b in draws[i + 1 :])
     counts = torch.bincount(torch.cat(draws).reshape(-1), minlength=200)
     assert counts.min() >= 0 and counts.max() < 12 and (counts > 0).float().mean() > 0.9
 
@@ -629,7 +675,9 @@ def test_joint_pairs_train_every_objective_and_record_the_contrastive_validation
         if objective == "contrastive":
             want = contrast.contrastive_losses(grid, 1.0).mean().item()
         else:
-            want = torch.nn.functional.binary_cross_entropy_with_logits(grid.reshape(-1), torch.tensor([1.0, 0.0]).repeat(60).double()).item()
+            want = torch.nn.functional.binary_cross_entropy_with_logits(
+                grid.reshape(-1), torch.tensor([1.0, 0.0]).repeat(60).double()
+            ).item()
         assert history["validation_objective"][selected] == pytest.approx(want, rel=1e-5)
     assert histories["bce"]["rows_per_epoch"] == 480 and histories["contrastive"]["rows_per_epoch"] == 240
     with pytest.raises(ValueError, match="contrastive.*needs joint pairs"):
@@ -655,10 +703,18 @@ def test_patience_stops_training_once_the_selected_loss_stops_improving_and_resu
     assert stopped == len(bces) < 60 and len(states) == stopped
     best = bces.index(min(bces))
     assert stopped - 1 - best == 3 and history["selected_epoch"] == best + 1
-    assert all(e - bces.index(min(bces[:e + 1])) < 3 for e in range(stopped - 1))   # no earlier stop was due
-    for saved in (states[stopped - 2], states[stopped - 1]):      # the epoch before the stop, and the stop's own
-        resumed = trainer.train(_joint_model(), _joint_data(), settings, CPU, 0, hooks=trainer.TrainingHooks(
-            load_state=lambda saved=saved: torch.load(io.BytesIO(saved), weights_only=True)))
+    assert all(e - bces.index(min(bces[: e + 1])) < 3 for e in range(stopped - 1))  # no earlier stop was due
+    for saved in (states[stopped - 2], states[stopped - 1]):  # the epoch before the stop, and the stop's own
+        resumed = trainer.train(
+            _joint_model(),
+            _joint_data(),
+            settings,
+            CPU,
+            0,
+            hooks=trainer.TrainingHooks(
+                load_state=lambda saved=saved: torch.load(io.BytesIO(saved), weights_only=True)
+            ),
+        )
         assert resumed[1] == history
         assert all(torch.equal(resumed[0][k], weights[k]) for k in weights)
     with pytest.raises(SettingsError, match=r"^training\.patience: expected an integer from 1"):
@@ -675,14 +731,16 @@ def test_the_outcome_line_says_where_patience_stopped_training_and_which_epoch_i
     assert stopped is not None and stopped == len(history["validation"]) < 60 and kept == stopped - 3
     assert trainer.training_outcome(history) == (
         f"stopped early at epoch {stopped} of 60 (patience 3: the validation BCE had not improved for 3 epochs), "
-        f"kept epoch {kept} (validation BCE {history['validation'][kept - 1]['bce']:.4f})")
+        f"kept epoch {kept} (validation BCE {history['validation'][kept - 1]['bce']:.4f})"
+    )
 
 
 @pytest.mark.unit
 def test_the_outcome_line_of_a_training_that_ran_every_epoch_names_the_watched_objective():
     _, history = _train({"epochs": 2, "objective": "balanced", "selection": "objective", "checkpoint": "last"})
     assert trainer.training_outcome(history) == (
-        f"ran all 2 epochs, kept epoch 2 (validation balanced loss {history['validation_objective'][1]:.4f})")
-    del history["objective"]                       # a history saved before it named its objective
+        f"ran all 2 epochs, kept epoch 2 (validation balanced loss {history['validation_objective'][1]:.4f})"
+    )
+    del history["objective"]  # a history saved before it named its objective
     assert "kept epoch 2 (validation objective " in trainer.training_outcome(history)
-    assert trainer.training_outcome({"loss": [1.0]}) is None           # another trainer's history
+    assert trainer.training_outcome({"loss": [1.0]}) is None  # another trainer's history

@@ -1,6 +1,7 @@
 """A kit study in two plain settings dicts (README.md, "The settings files"): only `experiment` and `data`,
 run and reported with every other setting at its default; the log and the report say how training ended, and
 the `training` figure names the objective it trained."""
+
 import json
 import re
 
@@ -10,7 +11,7 @@ from helpers import main_in_process, recorded_figures
 
 pytestmark = pytest.mark.launch
 
-STUDY = '''
+STUDY = """
 import torch
 
 import nre_study
@@ -22,13 +23,17 @@ class Line(nre_study.Study):
     def simulate(self, theta, generator):
         noise = 0.3 * torch.randn(len(theta), 3, generator=generator, dtype=torch.float64)
         return theta[:, :1] * torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) + theta[:, 1:] + noise
-'''
+"""
 # The kit's recipe (contrastive, up to 500 epochs, patience 20) on 400 simulations: about a hundred short epochs.
 TRAINING = 'SETTINGS = {{"experiment": "{module}:Line", "data": {{"train": 400, "validation": 200}}}}\n'
-ANALYSIS = ('SETTINGS = {"analysis": "nre_analysis:NREAnalysis", "inference": {"truths": {"sobol_truths": 16}},\n'
-            '            "cohort_plots": ["training"]}\n')
-OUTCOME = re.compile(r"stopped early at epoch (\d+) of 500 \(patience 20: the validation contrastive loss had not "
-                     r"improved for 20 epochs\), kept epoch (\d+) \(validation contrastive loss ([\d.]+)\)")
+ANALYSIS = (
+    'SETTINGS = {"analysis": "nre_analysis:NREAnalysis", "inference": {"truths": {"sobol_truths": 16}},\n'
+    '            "cohort_plots": ["training"]}\n'
+)
+OUTCOME = re.compile(
+    r"stopped early at epoch (\d+) of 500 \(patience 20: the validation contrastive loss had not "
+    r"improved for 20 epochs\), kept epoch (\d+) \(validation contrastive loss ([\d.]+)\)"
+)
 
 
 @pytest.fixture(scope="module")
@@ -49,15 +54,15 @@ def smallest(tmp_path_factory):
 
 def history(root):
     """The history of the root's one trained model."""
-    run, = root.glob("runs/*/*/artifacts.json")
+    (run,) = root.glob("runs/*/*/artifacts.json")
     return json.loads((root / json.loads(run.read_text())["model"] / "history.json").read_text())
 
 
 def test_experiment_and_data_alone_train_one_uniform_member_and_analyse_it(smallest):
     root, ran, reported, _ = smallest
     assert ran.returncode == 0 and reported.returncode == 0, ran.stderr + reported.stderr
-    metrics, = root.glob("runs/baseline-*/uniform-r0-*/metrics.json")      # outputs/<folder>: one member
-    assert json.loads(metrics.read_text())["classification"]["auc"] > 0.8   # on the default test split
+    (metrics,) = root.glob("runs/baseline-*/uniform-r0-*/metrics.json")  # outputs/<folder>: one member
+    assert json.loads(metrics.read_text())["classification"]["auc"] > 0.8  # on the default test split
     assert json.loads((metrics.parent / "run.json").read_text())["settings"]["seed"] == 0
 
 
@@ -65,7 +70,7 @@ def test_the_log_ends_training_with_where_patience_stopped_it_and_the_kept_epoch
     root, ran, _, _ = smallest
     found = history(root)
     logged = "\n".join(line for line in ran.stdout.splitlines() if "] model   runs/" in line)
-    (stopped, kept, loss), = OUTCOME.findall(logged)
+    ((stopped, kept, loss),) = OUTCOME.findall(logged)
     assert int(stopped) == found["stopped_epoch"] == len(found["validation"]) < 500
     assert int(kept) == found["selected_epoch"] == int(stopped) - 20
     assert loss == f"{found['validation_objective'][int(kept) - 1]:.4f}"
@@ -80,7 +85,7 @@ def test_report_repeats_how_training_ended_under_its_table(smallest):
 
 
 def test_the_training_figure_names_the_objective_it_trained(smallest):
-    figure, = [figure for figure in smallest[3] if figure.get_suptitle().startswith("Training of the members")]
+    (figure,) = [figure for figure in smallest[3] if figure.get_suptitle().startswith("Training of the members")]
     curves = figure.axes[0]
     legend = [text.get_text() for text in curves.get_legend().get_texts()]
     assert {"training contrastive loss", "validation contrastive loss"} <= set(legend)

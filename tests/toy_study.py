@@ -3,6 +3,7 @@
 θ is a slope in [-1, 1]; an observation is x = 2θ + N(0, 0.3²). Its analysis has one
 product (the model's log ratio on a θ grid for a fixed ensemble) and two metrics.
 """
+
 import numpy as np
 import torch
 
@@ -27,7 +28,9 @@ class SlopeExperiment:
 
     def members(self):
         """Replicas of the one prior."""
-        return [{"name": f"flat-r{r}", "prior": "flat", "replica": r} for r in range(self.settings["cohort"]["replicas"])]
+        return [
+            {"name": f"flat-r{r}", "prior": "flat", "replica": r} for r in range(self.settings["cohort"]["replicas"])
+        ]
 
     def problem(self, member=None):
         """The noise level is the whole problem."""
@@ -43,8 +46,12 @@ class SlopeExperiment:
 
     def data_recipe(self, member):
         """Data depends on the problem, the sizes and the member."""
-        return {"problem": self.settings["problem"], "data": self.settings["data"], "member": member["name"],
-                "seed": self.settings["seed"]}
+        return {
+            "problem": self.settings["problem"],
+            "data": self.settings["data"],
+            "member": member["name"],
+            "seed": self.settings["seed"],
+        }
 
     def simulate(self, theta, generator):
         """x = 2θ + noise."""
@@ -63,7 +70,7 @@ class SlopeExperiment:
             x = torch.where(labels, x, shuffled)
             inputs = torch.stack([x, theta], 1).float()
             if self.settings["problem"].get("poison") and split == "train":
-                inputs[rows // 3, 0] = float("inf")   # a broken simulation: training must stop on it
+                inputs[rows // 3, 0] = float("inf")  # a broken simulation: training must stop on it
             arrays[f"{split}_inputs"] = inputs.numpy()
             arrays[f"{split}_labels"] = labels.float().numpy()
         return arrays
@@ -76,21 +83,26 @@ class SlopeExperiment:
         """A small tanh network returning one logit per row."""
         torch.manual_seed(runtime.derived_seed(self.settings["seed"], member["name"]))
         width = self.settings["model"]["width"]
-        network = torch.nn.Sequential(torch.nn.Linear(2, width), torch.nn.Tanh(), torch.nn.Linear(width, 1),
-                                      torch.nn.Flatten(0))
+        network = torch.nn.Sequential(
+            torch.nn.Linear(2, width), torch.nn.Tanh(), torch.nn.Linear(width, 1), torch.nn.Flatten(0)
+        )
         return network
 
     def train(self, member, model, data, rt, hooks=None):
         """The bundled trainer."""
-        tensors = {name: torch.from_numpy(np.asarray(data.array(name))) for name in
-                   ("train_inputs", "train_labels", "validation_inputs", "validation_labels")}
+        tensors = {
+            name: torch.from_numpy(np.asarray(data.array(name)))
+            for name in ("train_inputs", "train_labels", "validation_inputs", "validation_labels")
+        }
         return trainer.train(model, tensors, self.settings["training"], rt, self.settings["seed"], hooks)
 
     def workload(self, member):
         """Examples seen in training and the network's size."""
         width = self.settings["model"]["width"]
-        return {"training_examples": self.settings["data"]["train"] * self.settings["training"]["epochs"],
-                "network_parameters": 4 * width + 1}
+        return {
+            "training_examples": self.settings["data"]["train"] * self.settings["training"]["epochs"],
+            "network_parameters": 4 * width + 1,
+        }
 
     def describe(self, member):
         """Nothing more to say than the settings."""
@@ -130,8 +142,9 @@ class SlopeAnalysis:
     """One product, two metrics."""
 
     SOURCES = ()
-    products = {"scan": Product(build_scan, lambda ctx: {"truth": ctx.analysis_settings["inference"]["truth"]},
-                                uses_model=True)}
+    products = {
+        "scan": Product(build_scan, lambda ctx: {"truth": ctx.analysis_settings["inference"]["truth"]}, uses_model=True)
+    }
     metrics = {"slope": Metric(metric_slope, needs=("scan",)), "accuracy": Metric(metric_accuracy)}
     plots, cohort_plots = {}, {}
 

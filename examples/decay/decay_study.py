@@ -10,6 +10,7 @@ settings), and "uniform-rate", uniform in λ, so its density in θ grows as e^θ
 object below). The kit's analysis (nre_analysis.py) compares each learned posterior with
 the exact one; docs/extending.md explains its metrics.
 """
+
 import math
 
 import torch

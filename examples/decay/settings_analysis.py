@@ -5,6 +5,7 @@ more truths (Sobol points filling the whole range of θ, one observation each), 
 of 512 values of θ. The "exact" target, a default since the study gives its likelihood, repeats
 the analysis with the exact likelihood.
 """
+
 PROFILES = ("quick", "full")
 
 

@@ -6,6 +6,7 @@ the baseline, then one configuration with only `model.hidden` changed).
 
     python nnpd.py run --settings-dir examples/decay
 """
+
 from settings import Choice
 
 DEFAULT_PROFILE = "quick"

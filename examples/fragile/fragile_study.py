@@ -7,6 +7,7 @@ both are counted in `run.json`, `metrics.json` (`invalid_truths`), the report's 
 its CSV. The prior `lognormal` is the study's own, with some mass above the box.
 docs/extending.md ("Failing simulations, a prior beyond the box, progress") walks through it.
 """
+
 import torch
 
 import nre_study

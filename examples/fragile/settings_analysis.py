@@ -3,6 +3,7 @@
 Truths fill the whole box [0, 3], so a sixth of them fall where the simulator fails; with
 data.invalid = "drop" (settings_training.py) the analysis drops those and counts them.
 """
+
 PROFILES = ("quick",)
 
 

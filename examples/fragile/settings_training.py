@@ -1,7 +1,8 @@
 """What is trained in the failing-simulator example (fragile_study.py): one small network.
 
-    python nnpd.py run --settings-dir examples/fragile
+python nnpd.py run --settings-dir examples/fragile
 """
+
 DEFAULT_PROFILE = "quick"
 PROFILES = ("quick",)
 

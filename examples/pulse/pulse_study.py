@@ -10,6 +10,7 @@ network"): `Pulse.embedding` compresses the standardised series to FEATURES numb
 1-D convolution, and the classifier of the `model` section reads those features beside
 (A, τ). Both train together.
 """
+
 import torch
 
 import nre_study
@@ -47,8 +48,12 @@ class Pulse(nre_study.Study):
     def embedding(self):
         """A 1-D convolution from the standardised series (n, SAMPLES) to features (n, FEATURES)."""
         return torch.nn.Sequential(
-            torch.nn.Unflatten(1, (1, SAMPLES)),                                       # one input channel
-            torch.nn.Conv1d(1, 8, kernel_size=9, stride=4, padding=4), torch.nn.ReLU(),  # 200 -> 50 points
-            torch.nn.Conv1d(8, 8, kernel_size=5, stride=2, padding=2), torch.nn.ReLU(),  # 50 -> 25 points
-            torch.nn.AdaptiveAvgPool1d(5), torch.nn.Flatten(),                         # 8 channels x 5 points
-            torch.nn.Linear(40, FEATURES))
+            torch.nn.Unflatten(1, (1, SAMPLES)),  # one input channel
+            torch.nn.Conv1d(1, 8, kernel_size=9, stride=4, padding=4),
+            torch.nn.ReLU(),  # 200 -> 50 points
+            torch.nn.Conv1d(8, 8, kernel_size=5, stride=2, padding=2),
+            torch.nn.ReLU(),  # 50 -> 25 points
+            torch.nn.AdaptiveAvgPool1d(5),
+            torch.nn.Flatten(),  # 8 channels x 5 points
+            torch.nn.Linear(40, FEATURES),
+        )

@@ -6,6 +6,7 @@ fewer truths in the quick profile, so its analysis takes seconds, and every metr
 samples per test simulation (minutes). The "exact" target, a default since the study gives its
 likelihood, repeats the analysis with the exact likelihood.
 """
+
 PROFILES = ("quick", "full")
 
 
@@ -16,6 +17,15 @@ def make_settings(profile):
     return {
         "analysis": "nre_analysis:NREAnalysis",
         "inference": {"truths": {"sobol_truths": 128 if profile == "quick" else 512}},
-        "metrics": ["classification", "bias", "coverage", "width", "resolution", "posterior", "exact_reference",
-                    "expected_coverage", "pairwise"],
+        "metrics": [
+            "classification",
+            "bias",
+            "coverage",
+            "width",
+            "resolution",
+            "posterior",
+            "exact_reference",
+            "expected_coverage",
+            "pairwise",
+        ],
     }

@@ -6,6 +6,7 @@ for longer, with the kit's patience.
 
     python nnpd.py run --settings-dir examples/pulse
 """
+
 DEFAULT_PROFILE = "quick"
 PROFILES = ("quick", "full")
 

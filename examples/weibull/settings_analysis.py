@@ -5,6 +5,7 @@ every truth (512 × 2 Sobol points over the whole box, one observation of six li
 scored on a fixed Sobol design of candidates instead of the default adaptive one; the "exact"
 target, a default since the study gives its likelihood, repeats the analysis with it.
 """
+
 PROFILES = ("quick",)
 
 

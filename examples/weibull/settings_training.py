@@ -1,7 +1,8 @@
 """What is trained in the Weibull example (weibull_study.py): one small network per prior.
 
-    python nnpd.py run --settings-dir examples/weibull
+python nnpd.py run --settings-dir examples/weibull
 """
+
 DEFAULT_PROFILE = "quick"
 PROFILES = ("quick",)
 

@@ -9,6 +9,7 @@ with location log λ and scale 1/k, so the likelihood is exact and cheap:
 Its posterior is skewed in k and correlated between k and λ, nothing like a Gaussian.
 docs/extending.md walks through this file and its two settings files.
 """
+
 import torch
 
 import nre_study

@@ -1,4 +1,5 @@
 """Training settings of the toy slope study (used by the tests)."""
+
 DEFAULT_PROFILE = "toy"
 PROFILES = ("toy",)
 
@@ -14,9 +15,17 @@ def make_settings(profile):
         "priors": {"flat": {"low": -1, "high": 1}},
         "data": {"train": 2048, "validation": 256, "test": 256},
         "model": {"width": 16},
-        "training": {"epochs": 6, "batch_size": 64, "optimizer": "adam", "learning_rate": 1e-2,
-                     "betas": [0.9, 0.999], "epsilon": 1e-8, "weight_decay": 0.0, "gradient_clip": None,
-                     "precision": "off", "checkpoint": "last"},
-        "runtime": {"device": "cpu", "parallel": "jobs", "cpu_threads": 1, "deterministic": True,
-                    "timeout_minutes": 5},
+        "training": {
+            "epochs": 6,
+            "batch_size": 64,
+            "optimizer": "adam",
+            "learning_rate": 1e-2,
+            "betas": [0.9, 0.999],
+            "epsilon": 1e-8,
+            "weight_decay": 0.0,
+            "gradient_clip": None,
+            "precision": "off",
+            "checkpoint": "last",
+        },
+        "runtime": {"device": "cpu", "parallel": "jobs", "cpu_threads": 1, "deterministic": True, "timeout_minutes": 5},
     }
