@@ -59,6 +59,7 @@ __all__ = [
     "rejection_sample",
     "select_mixture",
     "tempered_particles",
+    "weighted_em",
 ]
 
 LogProb = Callable[[torch.Tensor], torch.Tensor]  # θ (n, p) -> log density (n,), −inf outside the support
@@ -127,6 +128,34 @@ def _seed_means(x, q, components, generator):
     return x[chosen]
 
 
+def weighted_em(
+    mixture: Mixture,
+    x: torch.Tensor,
+    q: torch.Tensor,
+    ridge: torch.Tensor,
+    kept: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[Mixture, float]:
+    """Weighted EM from `mixture` on points x (n, p) with normalised weights q, each covariance plus `ridge`, until
+    a step gains less than EM_TOLERANCE; `kept(shares)` says which components stay. Returns the mixture and the
+    weighted mean log density it reached."""
+    fit = -math.inf
+    for _ in range(EM_ITERATIONS):
+        terms = component_log_terms(mixture, x)
+        density = torch.logsumexp(terms, dim=0)
+        previous, fit = fit, float(q @ density)
+        if fit - previous < EM_TOLERANCE:
+            break
+        r = torch.exp(terms - density) * q  # (K, n)
+        share = r.sum(dim=1)
+        alive = kept(share)
+        r, share = r[alive], share[alive]
+        means = (r @ x) / share[:, None]
+        offsets = (x[None] - means[:, None]) * r[:, :, None].sqrt()
+        covariance = offsets.transpose(1, 2) @ offsets / share[:, None, None] + ridge
+        mixture = Mixture(share.log(), means, torch.linalg.cholesky(covariance))
+    return mixture, fit
+
+
 def fit_mixture(x, q, components, generator):
     """A Gaussian mixture fitted by weighted EM to points x (n, p) with normalised weights q (n,), and the
     weighted mean log density it reaches."""
@@ -142,22 +171,7 @@ def fit_mixture(x, q, components, generator):
         means,
         start.expand(means.shape[0], p, p).clone(),
     )
-    fit = -math.inf
-    for _ in range(EM_ITERATIONS):
-        terms = component_log_terms(mixture, x)
-        density = torch.logsumexp(terms, dim=0)
-        previous, fit = fit, float(q @ density)
-        if fit - previous < EM_TOLERANCE:
-            break
-        r = torch.exp(terms - density) * q  # (K, n)
-        share = r.sum(dim=1)
-        alive = share > 1e-9 * share.max()
-        r, share = r[alive], share[alive]
-        means = (r @ x) / share[:, None]
-        offsets = (x[None] - means[:, None]) * r[:, :, None].sqrt()
-        covariance = offsets.transpose(1, 2) @ offsets / share[:, None, None] + ridge
-        mixture = Mixture(share.log(), means, torch.linalg.cholesky(covariance))
-    return mixture, fit
+    return weighted_em(mixture, x, q, ridge, lambda share: share > 1e-9 * share.max())
 
 
 def select_mixture(x, q, generator):
@@ -384,22 +398,7 @@ def refit(mixture: Mixture, x: torch.Tensor, q: torch.Tensor) -> Mixture:
     its components (the modes found) are kept, but those holding less than MIN_COMPONENT of the mass."""
     spread = ((x - q @ x) ** 2 * q[:, None]).sum(dim=0)
     ridge = torch.diag(spread.clamp(min=1e-300) * 1e-6)  # as in fit_mixture
-    fit = -math.inf
-    for _ in range(EM_ITERATIONS):
-        terms = component_log_terms(mixture, x)
-        density = torch.logsumexp(terms, dim=0)
-        previous, fit = fit, float(q @ density)
-        if fit - previous < EM_TOLERANCE:
-            break
-        r = torch.exp(terms - density) * q
-        share = r.sum(dim=1)
-        alive = share > MIN_COMPONENT * share.sum()
-        r, share = r[alive], share[alive]
-        means = (r @ x) / share[:, None]
-        offsets = (x[None] - means[:, None]) * r[:, :, None].sqrt()
-        covariance = offsets.transpose(1, 2) @ offsets / share[:, None, None] + ridge
-        mixture = Mixture(share.log(), means, torch.linalg.cholesky(covariance))
-    return mixture
+    return weighted_em(mixture, x, q, ridge, lambda share: share > MIN_COMPONENT * share.sum())[0]
 
 
 def propose(log_prob: LogProb, candidates: Candidates, box: Any, generator: torch.Generator) -> tuple[Any, dict]:
