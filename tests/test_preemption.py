@@ -35,7 +35,9 @@ from helpers import (
 
 pytestmark = pytest.mark.launch
 
-DDP = 'settings["runtime"]["parallel"] = "ddp"\n'
+# Two ranks train the 3 epochs of INTERRUPTIBLE_TRAINING in about a second: 12 leave a kill
+# after the first saved state a wide margin to land inside the model.
+DDP = 'settings["runtime"]["parallel"] = "ddp"\nsettings["training"]["epochs"] = 12\n'
 
 
 def assert_bitwise_equal(ours, reference):
@@ -172,6 +174,7 @@ def test_a_killed_ddp_launch_resumes_bitwise(tmp_path, reference):
     wait_for(lambda: saved_states(tmp_path / "out"), "a saved training state", process=process)
     os.killpg(process.pid, signal.SIGKILL)  # the agent and both workers
     process.wait()
+    assert not weights(tmp_path / "out")  # killed inside the model
     again = finish_launch(command(settings, workers=2))
     assert again.returncode == 0, again.stdout + again.stderr
     assert "resumed" in again.stdout
