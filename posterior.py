@@ -28,6 +28,10 @@ an importance resample of the proposal's draws instead and a warning names the s
 to raise; `post.sampling` says which happened. An enumerated lattice is drawn exactly
 from its masses; a design with lattice axes that is not enumerated is importance-resampled
 from its candidates (c2st.py scores samples against reference draws).
+
+Moments and HPD bounds are the candidates' (weighted by their masses), except on a continuous
+box whose candidates hold fewer than MIN_ESS effective points: there they come from
+SUMMARY_DRAWS of the sampler's draws (`summary_draws`).
 """
 
 from __future__ import annotations
@@ -82,6 +86,11 @@ POSTERIOR_CANDIDATES = {"kind": "adaptive", "candidate_count": 40_960, "coarse_c
 # posterior, 94% distinct draws and exact rejection draws of the same learned posterior scored the
 # same C2ST against the reference (0.900 and 0.895). Fewer distinct draws are warned of.
 DISTINCT_ENOUGH = 0.9
+# Draws that stand in for the candidates in the moments and HPD bounds of a continuous posterior
+# whose candidates hold fewer than MIN_ESS effective points: on the narrow 10-parameter problem of
+# bench/posterior_problems.py the candidates hold 1 to 9, and their weighted mean misses the exact
+# one by about a posterior sd, where 10,000 draws' is within 1% of one.
+SUMMARY_DRAWS = 10_000
 
 
 class PosteriorWarning(NnpdWarning):
@@ -138,6 +147,7 @@ class Posterior:
         )
         self.flat: dict[str, Any] | None = None  # flatness() as report_flatness warned it
         self.warnings: list[str] = []  # every PosteriorWarning this posterior gave, in order
+        self._draws: torch.Tensor | None = None  # summary_draws(), once drawn
 
     def log_prob(self, theta: Any) -> torch.Tensor:
         """log p(θ | x_o) at rows θ (n, p): −inf outside the prior's support."""
@@ -253,8 +263,34 @@ class Posterior:
         self.warnings.append(line)
         warnings.warn(line, PosteriorWarning, stacklevel=stacklevel)
 
+    def summary_draws(self) -> torch.Tensor | None:
+        """SUMMARY_DRAWS draws (seed 0) that the moments and HPD bounds come from where the candidates are too
+        few effective (under MIN_ESS, on a continuous box) to place the mass; None where they are not."""
+        continuous = not self.enumerated and self.box is not None and not bool(self.box.lattice.any())
+        if not continuous or self.ess >= MIN_ESS:
+            return None
+        if self._draws is None:
+            generator = torch.Generator().manual_seed(0)
+            with torch.no_grad():  # the sampler's own draws: self.sampling and the warnings stay the caller's
+                self._draws, _ = sampler.rejection_sample(
+                    self.log_prob, self.points, self.masses, self.box, SUMMARY_DRAWS, generator
+                )
+        return self._draws
+
     def hpd(self, level: float) -> dict[str, Any]:
         """The HPD region holding `level` of the mass: its score threshold, attained mass and per-axis bounds."""
+        draws = self.summary_draws()
+        if draws is not None:  # the region's threshold is the draws' (1 − level) score quantile
+            scores = self._score(draws)
+            threshold = torch.quantile(scores, 1 - float(level))
+            region = draws[scores >= threshold]
+            return {
+                "level": float(level),
+                "threshold": float(threshold),
+                "mass": float(region.shape[0] / draws.shape[0]),
+                "lower": region.min(0).values.tolist(),
+                "upper": region.max(0).values.tolist(),
+            }
         if level in self.levels:
             i = self.levels.index(level)
             summary = self._summary
@@ -274,11 +310,15 @@ class Posterior:
         return torch.as_tensor(self._summary["mode"][0], dtype=torch.float64)
 
     def mean(self) -> torch.Tensor:
-        """The posterior mean (p,)."""
-        return self.masses @ self.points
+        """The posterior mean (p,): of the candidates' masses, or of summary_draws() where those are too few."""
+        draws = self.summary_draws()
+        return self.masses @ self.points if draws is None else draws.mean(0)
 
     def cov(self) -> torch.Tensor:
-        """The posterior covariance (p, p)."""
+        """The posterior covariance (p, p), from the same points as mean()."""
+        draws = self.summary_draws()
+        if draws is not None:
+            return torch.cov(draws.T, correction=0).reshape(len(self.names), len(self.names))
         centred = self.points - self.mean()
         return (self.masses[:, None] * centred).T @ centred
 
@@ -291,6 +331,7 @@ class Posterior:
             "sd": torch.sqrt(torch.diagonal(self.cov())).tolist(),
             "ess": self.ess,
             "candidates": int(self.points.shape[0]),
+            "moments": "candidates" if self.summary_draws() is None else f"{SUMMARY_DRAWS} draws",
             "hpd": {analysis_metrics.level_key(level): self.hpd(level) for level in (levels or self.levels)},
         }
 

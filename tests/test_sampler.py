@@ -392,6 +392,32 @@ def test_ten_thousand_draws_of_narrow_correlated_posteriors_pass_the_c2st():
         assert c2st(draws, narrow_reference(x, 10_000, seed=10 + seed)) <= 0.55, seed
 
 
+@pytest.mark.unit
+def test_a_narrow_posteriors_moments_and_hpd_bounds_come_from_draws_where_its_candidates_are_too_few():
+    x = narrow_observation(2)
+    narrow = narrow_posterior(x)
+    assert narrow.ess < post.MIN_ESS
+    exact = narrow_reference(x, 100_000, seed=7)
+    sd = exact.std(0)
+    # The candidates' weighted moments: a few effective points, a posterior sd or so off on some axis.
+    candidates_mean = narrow.masses @ narrow.points
+    assert ((candidates_mean - exact.mean(0)).abs() / sd).max() > 0.5
+    summary = narrow.summary([0.95])
+    assert summary["moments"] == f"{post.SUMMARY_DRAWS} draws"
+    assert ((torch.tensor(summary["mean"]) - exact.mean(0)).abs() / sd).max() < 0.05
+    assert ((torch.tensor(summary["sd"]) / sd - 1).abs()).max() < 0.05
+    correlation = lambda c: c / torch.sqrt(torch.outer(c.diagonal(), c.diagonal()))  # noqa: E731
+    assert (correlation(narrow.cov()) - correlation(torch.cov(exact.T))).abs().max() < 0.05
+    # The 0.95 HPD region's per-axis bounds: the exact posterior's region is a Gaussian ellipsoid, whose
+    # projections are mean ± sqrt(chi2_10(0.95)) sd = ± 4.28 sd; the draws' extremes inside it fall short.
+    region = summary["hpd"]["0.95"]
+    half_width = (torch.tensor(region["upper"]) - torch.tensor(region["lower"])) / 2
+    assert (half_width / sd > 3.0).all() and (half_width / sd < 4.3).all(), half_width / sd
+    assert region["mass"] == pytest.approx(0.95, abs=0.002)
+    # A posterior whose candidates are effective enough keeps their moments.
+    assert gaussian_posterior().summary()["moments"] == "candidates"
+
+
 # Four modes of the narrow posterior's shape in ten parameters: its mean with θ8 = ±1.2 and θ9 = ±1.5, 8 to 10
 # posterior sds apart, equal shares. On Sobol candidates few are effective, and the design sees what it sees.
 def four_narrow_modes():
