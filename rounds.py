@@ -1,6 +1,6 @@
 """Rounds: a kit study's simulations spent where one observation's posterior has its mass.
 
-A training section `rounds = {"count": 3, "observation": "x_o.npy", "truncation": 1e-3}`
+A training section `rounds = {"observation": "x_o.npy"}` (count 3, truncation 1e-3 by default)
 turns each cohort member's training into `count` rounds for the observation x_o. Round 1 is
 the member itself (its key is the amortized model's). Round r + 1 is the member plus
 `round`, `box` (the box where round r's posterior for x_o keeps all but `truncation` of its
@@ -54,6 +54,7 @@ ROUND_KEYS = ("round", "box", "previous", "observation", "reuse", "history")
 SETTINGS_KEYS = ("count", "observation", "truncation", "reuse")
 WHERE = 'docs/rounds.md, "Settings"'
 MAX_ROUNDS = 20
+DEFAULT_COUNT = 3  # rounds when `count` is left out (docs/rounds.md, "When rounds pay")
 BOX_DRAWS = 20_000  # posterior draws the box's quantiles are taken from
 PADDING = 0.1  # the box is widened by this share of its width on each side
 MASS_DRAWS = 200_000  # prior draws that estimate a custom prior's mass in the box
@@ -71,12 +72,12 @@ class RoundsError(NnpdError, ValueError):
 
 
 def rounds_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
-    """The checked `rounds` section with its defaults (truncation 1e-3), or None without one."""
+    """The checked `rounds` section with its defaults (count 3, truncation 1e-3, reuse), or None without one."""
     section = settings.get("rounds")
     if section is None:
         return None
     known_keys(section, SETTINGS_KEYS, "rounds")
-    count = integer(require(section, "count", "rounds"), "rounds.count", 1, MAX_ROUNDS)
+    count = integer(section.get("count", DEFAULT_COUNT), "rounds.count", 1, MAX_ROUNDS)
     epsilon = number(section.get("truncation", 1e-3), "rounds.truncation", 0.0, 0.5, low_open=True)
     path = require(section, "observation", "rounds")
     if not isinstance(path, str):

@@ -162,6 +162,13 @@ def test_a_rounds_section_is_checked_at_plan(tmp_path):
     once = study.workload(study.members()[0])["training_examples"]
     study.settings["rounds"]["count"] = 3  # three trainings: the launch's cost estimate says so
     assert study.workload(study.members()[0])["training_examples"] == 3 * once // 2
+    del study.settings["rounds"]["count"]  # the documented default
+    assert rounds.rounds_settings(study.settings) == {
+        "count": 3,
+        "observation": str(tmp_path / "wrong.npy"),
+        "truncation": 1e-3,
+        "reuse": True,
+    }
 
 
 @pytest.mark.unit
