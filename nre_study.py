@@ -724,6 +724,10 @@ class Study(Experiment):
         problem = self.problem()
         return problem.dimension + problem.parameter_count
 
+    def file_digests(self) -> dict[str, str]:
+        """The bank's content digest, as in the data's key: a bank overwritten at its path is another training."""
+        return {} if self.bank() is None else {"data.bank": bank_digest(self.bank())}
+
     def data_recipe(self, member: Member) -> Json:
         """The settings the member's training data depends on (a bank by its content, not its path)."""
         data = dict(self.settings["data"])
