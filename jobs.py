@@ -57,10 +57,17 @@ class Job:
     analysis: study.AnalysisContract
     analysis_workload: dict
     run: str = field(init=False)  # the run folder relative to the output root
+    files: dict = field(init=False)  # the experiment's file_digests(): the content of files its settings name
 
     def __post_init__(self) -> None:
-        """Name the run folder after the cohort member: a study trained in rounds keeps it for every round."""
-        tag = digest({"configuration": self.configuration.digest, "member": self.member})[:10]
+        """Name the run folder after the cohort member: a study trained in rounds keeps it for every round.
+
+        The content of files the settings name (a bank) enters the name too, so an overwritten bank
+        is another run; without such files the name is the settings' and the member's alone.
+        """
+        self.files = study.optional(self.experiment, "file_digests", study.Experiment)()
+        named = {"configuration": self.configuration.digest, "member": self.member}
+        tag = digest({**named, "files": self.files} if self.files else named)[:10]
         self.run = f"runs/{self.configuration.name}/{self.member['name']}-{tag}"
 
     @property

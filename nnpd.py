@@ -353,6 +353,9 @@ def finish_launch(launch, planned, trained, used):
         "source": launch.snapshot,
         "settings": settings.to_jsonable(profile.training),
     }
+    files = {job.configuration.name: job.files for job in planned if job.files}
+    if files:  # a bank's content: the same settings on another bank are another training
+        fields["files"] = files
     backend = {"digest": settings.digest(launch.identity), "identity": launch.identity}
     # A training launch keeps the analyses still valid for its models, so it keeps what they refer to.
     used = used | output_root.referenced_keys(root, fields["runs"])

@@ -380,26 +380,41 @@ def sample_training_data(problem, prior, data_settings: DataSettings, seed, bank
 
 def valid_simulations(x, theta, path, policy):
     """The simulations whose x is finite; the others fail the sampling (policy "error") or are dropped ("drop")."""
+    invalid, line = invalid_simulations(x, theta, path)
+    if not line:
+        return x, theta
+    refusal = invalid_refusal(line, policy, left=len(x) - int(invalid.sum()))
+    if refusal is not None:
+        raise refusal
+    warnings.warn(f'{line}: dropped (data.invalid = "drop")', stacklevel=2)
+    return x[~invalid], theta[~invalid]
+
+
+def invalid_simulations(x, theta, path, drawn=""):
+    """The rows whose x is not finite, and a line naming their share and one θ among them ("" when none)."""
     invalid = ~torch.isfinite(x).all(dim=1)
     count = int(invalid.sum())
     if not count:
-        return x, theta
-    line = (
-        f"{path}: {count:,} of {len(x):,} simulations ({count / len(x):.2%}) returned NaN or infinite values, "
-        f"e.g. at θ = {[round(v, 6) for v in theta[invalid][0].tolist()]}"
+        return invalid, ""
+    return invalid, (
+        f"{path}: {count:,} of {len(x):,} simulations{drawn} ({count / len(x):.2%}) returned NaN or infinite "
+        f"values, e.g. at θ = {[round(v, 6) for v in theta[invalid][0].tolist()]}"
     )
+
+
+def invalid_refusal(line, policy, left, needed=2):
+    """The SettingsError for the invalid simulations of `line`, or None where "drop" leaves the `needed`."""
     if policy == "error":
-        raise ValueError(
+        return SettingsError(
             f'{line}; fix the simulator there, or set data.invalid = "drop" to train on the others '
             "(data.* still count every simulator call)"
         )
-    if count > len(x) - 2:  # "drop" is set already: there is nothing left to train on
-        raise ValueError(
-            f"{line}, leaving {len(x) - count} (at least 2 needed); fix the simulator there, or narrow "
+    if left < needed:  # "drop" is set already: there is nothing left to train on
+        return SettingsError(
+            f"{line}, leaving {left} (at least {needed} needed); fix the simulator there, or narrow "
             "the parameter box or the prior to where it works"
         )
-    warnings.warn(f'{line}: dropped (data.invalid = "drop")', stacklevel=2)
-    return x[~invalid], theta[~invalid]
+    return None
 
 
 def check_rows(rows, path, pairing="fixed"):
@@ -611,11 +626,38 @@ class Study(Experiment):
                 raise SettingsError(
                     line + "; widen `parameters` to the bank's θ, or give the bank's rows inside the box"
                 )
+        self.check_invalid()
         networks.check_model_settings(self.model_settings())
         self.embedding_recipe()
         training = trainer.check_training_settings(self.training_settings())
         if training["objective"] == "contrastive":
             check_contrastive(training, self.data_settings)
+
+    def check_invalid(self) -> None:
+        """At plan, before anything is written, refuse what the sampling would (valid_simulations): each split
+        of a bank, or CHECK_ROWS draws from each member's prior, where "drop" must leave some and "error" none.
+
+        The draws are a sample: under "drop" they refuse a simulator only when every one failed.
+        """
+        policy, bank, simulate = self.data_settings.get("invalid", "error"), self.bank(), self.problem().simulate
+        if bank is not None:
+            used = 0
+            for split in SPLITS:
+                rows = self.settings["data"][split]
+                x, theta = (torch.as_tensor(a[used : used + rows]) for a in bank)
+                invalid, line = invalid_simulations(x, theta, f"data.{split}")
+                refusal = invalid_refusal(line, policy, left=rows - int(invalid.sum())) if line else None
+                if refusal is not None:
+                    raise refusal
+                used += rows
+        elif self.data_settings.get("pairing", "batch") == "batch" and simulate is not None:
+            for member in self.members()[: len(self.settings["cohort"]["priors"])]:
+                theta = self.prior(member).sample(CHECK_ROWS, torch.Generator().manual_seed(0))
+                x = simulate(theta, torch.Generator().manual_seed(0))
+                drawn = f" that plan drew from prior {member['prior']!r}"
+                invalid, line = invalid_simulations(x, theta, "data.invalid", drawn)
+                if line and (policy == "error" or bool(invalid.all())):
+                    raise invalid_refusal(line, policy, left=0)
 
     def check_rounds(self) -> None:
         """The `rounds` section and its observation, which must fit the simulator (docs/rounds.md)."""
@@ -723,6 +765,10 @@ class Study(Experiment):
         """Network input width: observation plus parameters."""
         problem = self.problem()
         return problem.dimension + problem.parameter_count
+
+    def file_digests(self) -> dict[str, str]:
+        """The bank's content digest, as in the data's key: a bank overwritten at its path is another training."""
+        return {} if self.bank() is None else {"data.bank": bank_digest(self.bank())}
 
     def data_recipe(self, member: Member) -> Json:
         """The settings the member's training data depends on (a bank by its content, not its path)."""

@@ -587,14 +587,15 @@ def _rebuilt_history(root):
 
 
 def record_launch(root, entry_fields, backend, used_keys, replace):
-    """Put what this launch used in its (settings, backend) history entry, newest first; return the history.
+    """Put what this launch used in its (training, backend) history entry, newest first; return the history.
 
-    Slots count distinct training settings (HISTORY_SLOTS); within one, every backend's
-    artifacts are kept, so switching between CPU and GPU, or jobs and DDP, loses no model.
-    A training launch replaces its backend's list; an analysis adds its products to it.
+    Slots count distinct trainings (HISTORY_SLOTS): settings, and the content of the files they
+    name (`files`, a bank's, absent without one); within one, every backend's artifacts are kept,
+    so switching between CPU and GPU, or jobs and DDP, loses no model. A training launch
+    replaces its backend's list; an analysis adds its products to it.
     """
     entries = read_history(root)
-    mine = next((entry for entry in entries if entry["digest"] == entry_fields["digest"]), None)
+    mine = next((entry for entry in entries if _same_training(entry, entry_fields)), None)
     others = [entry for entry in entries if entry is not mine]
     backends = dict(mine["backends"]) if mine else {}
     known = set() if replace else set(backends.get(backend["digest"], {}).get("artifacts", []))
@@ -608,6 +609,11 @@ def record_launch(root, entry_fields, backend, used_keys, replace):
     entries = [entry] + others[: HISTORY_SLOTS - 1]
     write_json_atomic(root / "history.json", {"trainings": entries})
     return entries
+
+
+def _same_training(entry, entry_fields):
+    """Whether a history entry is the training of these fields: the same settings on the same files."""
+    return entry["digest"] == entry_fields["digest"] and entry.get("files") == entry_fields.get("files")
 
 
 def kept_artifacts(entries):

@@ -152,7 +152,7 @@ class ExperimentContract(Protocol):
     """What nnpd calls on every experiment (EXPERIMENT_METHODS and EXPERIMENT_SOURCES; docs/extending.md).
 
     Optional members, defaulted by `Experiment` and resolved by `optional`: SECTIONS,
-    OPTIONAL_SECTIONS, plan_warnings(). restore's `r.posterior` calls `posterior(...)`
+    OPTIONAL_SECTIONS, plan_warnings(), file_digests(). restore's `r.posterior` calls `posterior(...)`
     where the experiment gives one (store.Restored: the store imports nothing of this module).
     """
 
@@ -270,6 +270,11 @@ class Experiment:
 
     def describe(self, member: Member) -> Json:
         """A JSON description of the member for run.json."""
+        return {}
+
+    def file_digests(self) -> dict[str, str]:
+        """Setting -> content digest of each file the settings name as data (none): they join the training's
+        identity, its run folders' names and its slot in history.json, so an overwritten file is another training."""
         return {}
 
     def plan_warnings(self) -> Sequence[str]:

@@ -235,3 +235,31 @@ def test_the_command_line_trains_a_bank_study_refuses_its_analysis_and_infers(tm
     assert inferred.returncode == 0, inferred.stderr
     summary = json.loads((tmp_path / "x-uniform-r0.posterior.json").read_text())
     assert summary["parameters"] == ["slope", "offset"] and len(summary["mean"]) == 2
+
+
+@pytest.mark.launch
+def test_a_bank_overwritten_at_its_path_is_another_training_and_the_old_one_comes_back_trained(tmp_path):
+    from helpers import kit_study, main_in_process
+
+    bank = tmp_path / "bank.npz"
+    simulated_bank(bank)
+    with np.load(bank) as arrays:
+        x, theta = arrays["x"], arrays["theta"]
+    folder, _, root = kit_study(tmp_path, training=f'settings["data"]["bank"] = {str(bank)!r}\n')
+
+    def train_now():
+        """Train the settings on the bank as it is now: (the run folders, the trained models, the log)."""
+        trained = main_in_process("train", "--settings-dir", str(folder))
+        assert trained.returncode == 0, trained.stderr
+        runs = sorted(str(run.relative_to(root)) for run in root.glob("runs/*/uniform-r0-*"))
+        return runs, {model.name for model in root.glob("cache/model/*")}, trained.stdout
+
+    runs_a, models_a, _ = train_now()
+    np.savez(bank, x=x + 0.5, theta=theta)  # bank B, written over bank A at the same path
+    runs_b, models_b, log_b = train_now()
+    assert "] train   runs/" in log_b and runs_b != runs_a  # B is trained, in a run folder of its own
+    assert len(models_b) == 2 and models_a < models_b  # A's model is kept: one of the last three trainings
+    np.savez(bank, x=x, theta=theta)  # bank A back
+    runs_again, models_again, log_again = train_now()
+    assert runs_again == runs_a and models_again == models_b
+    assert "] train   runs/" not in log_again and "] model   " + runs_a[0] + ": reused" in log_again, log_again

@@ -139,6 +139,45 @@ def test_a_fifo_as_the_bank_is_refused_by_plan_and_train_without_hanging(tmp_pat
     assert not root.exists()
 
 
+ALWAYS_NAN = """
+class AlwaysNaN(Line):
+    def simulate(self, theta, generator):
+        return super().simulate(theta, generator) * float("nan")
+"""
+
+
+@pytest.mark.parametrize(
+    "invalid, message",
+    [
+        ("drop", r"leaving 0 \(at least 2 needed\); fix the simulator there, or narrow the parameter box"),
+        ("error", r'; fix the simulator there, or set data\.invalid = "drop" to train on the others'),
+    ],
+    ids=["drop", "error"],
+)
+def test_a_simulator_failing_everywhere_is_refused_by_train_in_one_line_writing_nothing(tmp_path, invalid, message):
+    choice = f'settings["experiment"] = "kit_{tmp_path.name}:AlwaysNaN"\nsettings["data"]["invalid"] = "{invalid}"\n'
+    folder, _, root = kit_study(tmp_path, extra=ALWAYS_NAN, training=choice)
+    result = run_cli("train", "--settings-dir", str(folder), timeout=120)
+    line = one_error_line(result)
+    assert result.returncode == 2 and line.startswith("nnpd: settings error: configuration baseline-"), line
+    assert re.search(r"data\.invalid: 16 of 16 simulations that plan drew from prior 'uniform' \(100\.00%\) ", line)
+    assert re.search(message, line), line
+    assert not root.exists()
+
+
+def test_a_bank_split_left_empty_under_drop_is_refused_by_train_in_one_line_writing_nothing(tmp_path):
+    x, theta = np.zeros((400, 3)), np.zeros((400, 2))
+    x[256:320] = np.nan  # every row of data.validation (64 after the 256 of data.train)
+    np.savez(tmp_path / "bank.npz", x=x, theta=theta)
+    bank = f'settings["data"]["bank"] = {str(tmp_path / "bank.npz")!r}\nsettings["data"]["invalid"] = "drop"\n'
+    folder, _, root = kit_study(tmp_path, training=bank)
+    result = run_cli("train", "--settings-dir", str(folder), timeout=120)
+    line = one_error_line(result)
+    assert result.returncode == 2 and "data.validation: 64 of 64 simulations (100.00%) returned NaN" in line, line
+    assert "leaving 0 (at least 2 needed); fix the simulator there" in line and "set data.invalid" not in line
+    assert not root.exists()
+
+
 @pytest.fixture(scope="module")
 def smoke_run(trained_smoke_root):
     """A run folder of the shared trained root (read, never changed)."""
