@@ -101,7 +101,7 @@ def test_sigterm_saves_and_exits_with_one_line_then_resumes_bitwise(tmp_path, re
 
 
 # A simulator of two halves that says so and waits the first time a half has HOLD_ROWS rows or more,
-# catching every Exception as many simulators do. nnpd's plan checks simulate 2 rows, the training
+# catching every Exception as many simulators do. nnpd's plan checks simulate 16 rows, the training
 # data 256 in one call: a stop there spoils its second half only, which data.invalid "drop" would drop.
 HOLDING_STUDY = """
 import pathlib
