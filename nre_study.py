@@ -589,6 +589,7 @@ class Study(Experiment):
         self._problem: Any = None  # make_problem's, built once
         self._bank: tuple[np.ndarray, np.ndarray] | None = None
         self.round_data: dict[str, dict[str, np.ndarray]] = {}  # a round's simulations, for the next (rounds.py)
+        self.round_states: dict[str, dict[str, torch.Tensor]] = {}  # a round's weights, for a warm next one
 
     @property
     def data_settings(self) -> DataSettings:
@@ -835,13 +836,15 @@ class Study(Experiment):
     def train(
         self, member: Member, model: torch.nn.Module, data: Any, rt: runtime.Runtime, hooks: Any = None
     ) -> tuple[dict[str, torch.Tensor], Any]:
-        """Fit the input standardisation, then train with the bundled trainer; returns (state dict, history)."""
+        """Fit the input standardisation (or start from the previous round's weights), then train with the
+        bundled trainer; returns (state dict, history)."""
         tensors = trainer.training_tensors(data)  # read once, for the fit and the training
         if "train_x" in tensors:
             inputs = torch.cat([tensors["train_x"], tensors["train_theta"]], dim=1)
         else:
             inputs = tensors["train_inputs"]
         networks.fit_standardization(model, inputs)
+        rounds.warm_start(self, member, model)
         return super().train(member, model, tensors, rt, hooks)
 
     def workload(self, member: Member) -> dict[str, int]:

@@ -39,6 +39,7 @@ __all__ = [
     "base_member",
     "round_recipe",
     "with_earlier",
+    "warm_start",
     "BoxProblem",
     "CutPrior",
     "cut_prior",
@@ -50,8 +51,8 @@ __all__ = [
     "outside_warning",
 ]
 
-ROUND_KEYS = ("round", "box", "previous", "observation", "reuse", "history")
-SETTINGS_KEYS = ("count", "observation", "truncation", "reuse")
+ROUND_KEYS = ("round", "box", "previous", "observation", "reuse", "warm", "history")
+SETTINGS_KEYS = ("count", "observation", "truncation", "reuse", "warm")
 WHERE = 'docs/rounds.md, "Settings"'
 MAX_ROUNDS = 20
 DEFAULT_COUNT = 3  # rounds when `count` is left out (docs/rounds.md, "When rounds pay")
@@ -72,7 +73,8 @@ class RoundsError(NnpdError, ValueError):
 
 
 def rounds_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
-    """The checked `rounds` section with its defaults (count 3, truncation 1e-3, reuse), or None without one."""
+    """The checked `rounds` section with its defaults (count 3, truncation 1e-3, reuse, warm), or None without
+    one."""
     section = settings.get("rounds")
     if section is None:
         return None
@@ -84,13 +86,20 @@ def rounds_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
         raise SettingsError(
             f"rounds.observation: expected the path of a .npy file saved with numpy.save, got {path!r} ({WHERE})"
         )
-    reuse = section.get("reuse", True)
-    if not isinstance(reuse, bool):
-        raise SettingsError(
-            f"rounds.reuse: True (a round also trains on the earlier rounds' simulations inside its "
-            f"box) or False, got {reuse!r} ({WHERE})"
-        )
-    return {"count": count, "observation": path, "truncation": epsilon, "reuse": reuse}
+    choices = {
+        "reuse": "a round also trains on the earlier rounds' simulations inside its box",
+        "warm": "a round's training starts from the previous round's weights",
+    }
+    for key, meaning in choices.items():
+        if not isinstance(section.get(key, True), bool):
+            raise SettingsError(f"rounds.{key}: True ({meaning}) or False, got {section[key]!r} ({WHERE})")
+    return {
+        "count": count,
+        "observation": path,
+        "truncation": epsilon,
+        "reuse": section.get("reuse", True),
+        "warm": section.get("warm", True),
+    }
 
 
 def read_observation(path: str, dimension: int) -> np.ndarray:
@@ -127,8 +136,9 @@ def round_recipe(member: dict[str, Any]) -> dict[str, Any]:
     if "box" not in member:
         return {}
     recipe = {key: member[key] for key in ("round", "box", "previous", "observation")}
-    if "reuse" in member:  # only then: the keys of rounds that reuse nothing stay as they were
-        recipe["reuse"] = member["reuse"]
+    for key in ("reuse", "warm"):  # only where set: the keys of rounds without them stay as they were
+        if key in member:
+            recipe[key] = member[key]
     return {"rounds": {**recipe, "source": fingerprint.source_fingerprint(BoxProblem, CutPrior, cut_prior)}}
 
 
@@ -354,6 +364,9 @@ def next_round(study: Any, member: dict[str, Any], tools: Any) -> dict[str, Any]
         "previous": found["model"],
         "observation": digest,
     }
+    if section["warm"]:
+        following["warm"] = True
+        study.round_states[found["model"]] = shared_state(model, tools.rt)
     if section["reuse"] and data is not None:
         following["reuse"] = data.key
         splits = [name[: -len("_x")] for name in data.metadata["rows"] if name.endswith("_x")]
@@ -390,6 +403,27 @@ def shared_box(
     if tools.rt.ddp:
         return runtime.broadcast_object(tools.rt, compute() if tools.rt.is_main else None)
     return compute()
+
+
+def shared_state(model: Any, rt: Any) -> dict[str, torch.Tensor]:
+    """The round's trained weights on every rank (under ddp only rank 0 holds the model artifact)."""
+    state = None if model is None else model.state_dict()
+    return runtime.broadcast_object(rt, state) if rt.ddp else state
+
+
+def warm_start(study: Any, member: dict[str, Any], model: torch.nn.Module) -> None:
+    """Start a `warm` round's network from the previous round's weights, input standardisation included: the
+    previous round's logit is already the log ratio up to a constant inside the new box, which the training
+    refines (docs/rounds.md, "Choices")."""
+    if not member.get("warm"):
+        return
+    state = study.round_states.get(member["previous"])
+    if state is None:
+        raise RoundsError(
+            f"round {member['round']}: the previous round's weights (model {member['previous']}) are not "
+            "loaded; train the rounds from round 1 with `nnpd train`, which loads each round in turn"
+        )
+    model.load_state_dict(state)
 
 
 def round_row(study: Any, member: dict[str, Any]) -> dict[str, Any]:

@@ -137,10 +137,28 @@ def test_a_rounds_key_changes_with_the_observation_the_box_and_the_previous_mode
         {"previous": "d" * 64},
         {"box": [[6.0, -0.5], [9.5, 0.25]]},
         {"reuse": "e" * 64},
+        {"warm": True},
     ):
         assert all(a != b for a, b in zip(keys({**later, **change}), first)), change
     assert keys({**later, "history": []}) == first  # what is recorded of earlier rounds is no key
     assert rounds.round_recipe(member) == {}  # round 1 shares the amortized model's keys
+
+
+@pytest.mark.unit
+def test_a_warm_round_starts_from_the_previous_rounds_weights_and_a_cold_one_does_not():
+    study = pair_study()
+    member = study.members()[0]
+    later = {**member, "round": 2, "box": BOX, "previous": "a" * 64, "observation": "b" * 64}
+    previous = study.build_model(member)
+    torch.nn.init.normal_(next(previous.parameters()))  # weights no fresh network has
+    study.round_states["a" * 64] = previous.state_dict()
+    for warm in (True, False):
+        model = study.build_model(later)
+        rounds.warm_start(study, {**later, "warm": True} if warm else later, model)
+        same = [torch.equal(a, b) for a, b in zip(model.state_dict().values(), previous.state_dict().values())]
+        assert all(same) if warm else not all(same)
+    with pytest.raises(rounds.RoundsError, match="previous round's weights"):
+        rounds.warm_start(study, {**later, "warm": True, "previous": "c" * 64}, study.build_model(later))
 
 
 @pytest.mark.unit
@@ -151,6 +169,7 @@ def test_a_rounds_section_is_checked_at_plan(tmp_path):
         ({"count": 2, "observation": "x.npy", "truncation": 0.0}, "rounds.truncation"),
         ({"count": 2, "observation": str(tmp_path / "none.npy")}, "rounds.observation"),
         ({"count": 2, "observation": "x.npy", "budget": 3}, "rounds"),
+        ({"count": 2, "observation": "x.npy", "warm": "yes"}, "rounds.warm"),
     ):
         study.settings["rounds"] = section
         with pytest.raises(SettingsError, match=names):
@@ -168,6 +187,7 @@ def test_a_rounds_section_is_checked_at_plan(tmp_path):
         "observation": str(tmp_path / "wrong.npy"),
         "truncation": 1e-3,
         "reuse": True,
+        "warm": True,
     }
 
 
@@ -221,6 +241,7 @@ def test_a_study_trains_its_rounds_and_a_rerun_rebuilds_nothing(trained_in_round
     assert ": sampling" not in second and "train   " not in second and second.count("reused") == 8
     member = restore(next(root.glob("runs/*/*/run.json")).parent).member
     assert member["round"] == 3 and [row["round"] for row in member["history"]] == [1, 2, 3]
+    assert member["warm"] is True  # rounds.warm, the default: round 3 started from round 2's weights
     volumes = [row["volume"] for row in member["history"]]
     assert volumes[0] == 1 and volumes[1] < 0.2 and volumes[2] <= volumes[1]
     # Rounds 2 and 3 also train on the earlier simulations inside their boxes (rounds.reuse, the default).
