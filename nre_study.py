@@ -589,7 +589,7 @@ class Study(Experiment):
         self._problem: Any = None  # make_problem's, built once
         self._bank: tuple[np.ndarray, np.ndarray] | None = None
         self.round_data: dict[str, dict[str, np.ndarray]] = {}  # a round's simulations, for the next (rounds.py)
-        self.round_states: dict[str, dict[str, torch.Tensor]] = {}  # a round's weights, for a warm next one
+        self.round_states: dict[str, dict[str, torch.Tensor] | None] = {}  # a round's weights, for a warm next one
 
     @property
     def data_settings(self) -> DataSettings:

@@ -405,7 +405,7 @@ def shared_box(
     return compute()
 
 
-def shared_state(model: Any, rt: Any) -> dict[str, torch.Tensor]:
+def shared_state(model: Any, rt: Any) -> dict[str, torch.Tensor] | None:
     """The round's trained weights on every rank (under ddp only rank 0 holds the model artifact)."""
     state = None if model is None else model.state_dict()
     return runtime.broadcast_object(rt, state) if rt.ddp else state
