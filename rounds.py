@@ -7,7 +7,8 @@ the member itself (its key is the amortized model's). Round r + 1 is the member 
 mass), `previous` (round r's model key) and `observation` (x_o's digest, not its path): an
 ordinary member whose prior is the member's prior cut to the box (`cut_prior`) and whose
 problem is seen inside the box (`BoxProblem`), so the store, resume, `jobs` and `ddp` treat
-a round as any other training. The run folder records the last round's member: `restore`,
+a round as any other training; with `warm` (the default) its training starts from round r's
+weights. The run folder records the last round's member: `restore`,
 `infer` and the analysis work on the last round inside the final box. docs/rounds.md says
 when rounds pay, what they cost and how the rule was chosen.
 """
