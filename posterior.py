@@ -145,6 +145,7 @@ class Posterior:
         self.prior_sd: torch.Tensor | None = (
             None  # the prior's marginal sds (p,), for flatness(); set by for_observation
         )
+        self.information: float | None = None  # KL from the prior, nats per parameter; set by for_observation
         self.flat: dict[str, Any] | None = None  # flatness() as report_flatness warned it
         self.warnings: list[str] = []  # every PosteriorWarning this posterior gave, in order
         self._draws: torch.Tensor | None = None  # summary_draws(), once drawn
@@ -244,7 +245,7 @@ class Posterior:
         `validation_auc`, the model's, names the likely cause.
         """
         return flatness.flatness_report(
-            self.names, torch.sqrt(torch.diagonal(self.cov())), self.prior_sd, validation_auc
+            self.names, torch.sqrt(torch.diagonal(self.cov())), self.prior_sd, validation_auc, self.information
         )
 
     def report_flatness(self, history: Mapping[str, Any] | None = None, stacklevel: int = 1) -> dict[str, Any]:
@@ -515,6 +516,10 @@ def for_observation(learned, observations, truth=None, device="cpu", case=0):
     posterior = from_scores(problem, prior.lattice_steps, counted, learned.analysis_settings, learned.seed, truth, case)
     counted.finish()
     posterior.prior_sd = flatness.prior_sds(prior, problem.parameter_count)
+    log_prior = torch.as_tensor(prior.log_prob(posterior.points), dtype=torch.float64)
+    posterior.information = flatness.information_per_parameter(
+        posterior.masses, posterior.log_measure, log_prior, problem.parameter_count
+    )
     return posterior
 
 

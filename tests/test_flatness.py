@@ -13,7 +13,7 @@ import torch
 
 import posterior as post
 import priors
-from flatness import FLAT_SD_SHARE, flatness_report
+from flatness import FLAT_INFORMATION, FLAT_SD_SHARE, flatness_report
 from helpers import study_problem
 
 pytestmark = pytest.mark.unit
@@ -82,6 +82,30 @@ def test_posteriors_of_known_width_are_judged_by_the_rule(temper, observations, 
     posterior = bundled_posterior(temper, observations)
     report = posterior.flatness(validation_auc=0.9)
     assert report["flat"] is flat, report["sd_share"]
+
+
+class ThinRing(torch.nn.Module):
+    """A 'network' whose posterior is a thin ring of radius 3.5 around the box's centre (radial sd 0.1)."""
+
+    def forward(self, rows):
+        radius = (rows[:, -2:].double() - 5.0).norm(dim=1)
+        return (-0.5 * ((radius - 3.5) / 0.1) ** 2).float()
+
+
+def test_a_thin_ring_with_the_priors_sds_is_informative_not_flat():
+    problem = study_problem(2)
+    prior = priors.make_prior(problem, {"family": "uniform"})
+    x = torch.full((1, 2), 5.0, dtype=torch.float64)
+    ring = post.for_observation(post.Learned(problem, prior, ThinRing(), None, 1), x)
+    report = ring.flatness(validation_auc=0.99)
+    # Its sds are those of a circle of radius 3.5 (2.47 per axis, 0.86 of the prior's 2.89): wide as
+    # the prior's by the sds alone, yet the ring rules out most of the box.
+    assert report["joint_sd_share"] > FLAT_SD_SHARE
+    assert report["information"] > 2 * FLAT_INFORMATION and report["flat"] is False and report["warning"] is None
+    # The same sds with no information measured would be called flat: the information decides.
+    assert flatness_report(NAMES[:2], report["sd_share"], [1.0, 1.0], auc=0.99)["flat"] is True
+    # A prior-like posterior holds none.
+    assert bundled_posterior(0.0, 4, dimension=2).information == pytest.approx(0.0, abs=1e-9)
 
 
 def test_the_python_posterior_warns_what_infer_prints():
