@@ -127,6 +127,8 @@ def infer(arguments):
     reference = read_array(arguments.reference, "--reference") if arguments.reference else None
     folder = output_folder(arguments)
     restored = restore(arguments.run)  # its errors (NnpdError) name the run folder or file
+    stem = folder / file_stem(arguments.observations, restored.member.get("name", "run"))
+    paths = output_paths(stem, arguments.plot)  # refused before any work, not after it
     progress = study.Progress(
         lambda line: print(f"nnpd: {line}", file=sys.stderr, flush=True),
         f"infer {restored.run_dir.name}",
@@ -146,8 +148,7 @@ def infer(arguments):
     }
     if reference is not None:
         summary["c2st"], summary["c2st_draws"] = equal_size_c2st(samples, reference)
-    stem = folder / file_stem(arguments.observations, restored.member.get("name", "run"))
-    return write_outputs(stem, summary, samples, figure), report_lines(summary, posterior.warnings, reference)
+    return write_outputs(paths, summary, samples, figure), report_lines(summary, posterior.warnings, reference)
 
 
 def equal_size_c2st(samples, reference):
@@ -183,20 +184,26 @@ def posterior_samples(restored, observations, truth, reference, arguments):
         return posterior, posterior.sample(arguments.samples, seed=0).numpy()
 
 
-def write_outputs(stem, summary, samples, figure):
-    """The summary JSON, the samples and the corner plot (when drawn), each written atomically; their paths."""
-    written = [stem.with_name(f"{stem.name}.posterior.json"), stem.with_name(f"{stem.name}.samples.npy")]
-    for path in written + [stem.with_name(f"{stem.name}.corner.png")] * (figure is not None):
-        if os.path.lexists(path) and not os.path.isfile(path):  # the rename would fail on a folder
+def output_paths(stem, plot):
+    """The summary JSON, the samples and (with --plot) the corner plot's paths; one that is there and is not a
+    file (the atomic rename would fail on a folder) is an InferError."""
+    paths = [stem.with_name(f"{stem.name}.{suffix}") for suffix in ("posterior.json", "samples.npy", "corner.png")]
+    paths = paths if plot else paths[:2]
+    for path in paths:
+        if os.path.lexists(path) and not os.path.isfile(path):
             raise InferError(f"{path}: exists and is not a file; move it, or write elsewhere (--output DIR)")
-    write_bytes_atomic(written[0], (json.dumps(summary, indent=2) + "\n").encode())
+    return paths
+
+
+def write_outputs(paths, summary, samples, figure):
+    """The summary JSON, the samples and the corner plot (when drawn), each written atomically; their paths."""
+    write_bytes_atomic(paths[0], (json.dumps(summary, indent=2) + "\n").encode())
     buffer = io.BytesIO()
     np.save(buffer, samples)
-    write_bytes_atomic(written[1], buffer.getvalue())
+    write_bytes_atomic(paths[1], buffer.getvalue())
     if figure is not None:
-        written.append(stem.with_name(f"{stem.name}.corner.png"))
-        write_bytes_atomic(written[-1], figure)
-    return written
+        write_bytes_atomic(paths[2], figure)
+    return paths if figure is not None else paths[:2]
 
 
 def report_lines(summary, warned, reference):

@@ -415,7 +415,7 @@ def shared_state(model: Any, rt: Any) -> dict[str, torch.Tensor] | None:
 def warm_start(study: Any, member: dict[str, Any], model: torch.nn.Module) -> None:
     """Start a `warm` round's network from the previous round's weights, input standardisation included: the
     previous round's logit is already the log ratio up to a constant inside the new box, which the training
-    refines (docs/rounds.md, "Choices")."""
+    refines (docs/rounds.md, "Choices, and what was measured")."""
     if not member.get("warm"):
         return
     state = study.round_states.get(member["previous"])
