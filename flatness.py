@@ -40,7 +40,7 @@ FLAT_SD_SHARE = 0.85
 # separated narrow modes flat, though it rules out most of the box: a thin ring around the box's
 # centre (tests/test_flatness.py) has sds 0.86 of the prior's and 1.2 nats per parameter; exact
 # posteriors of the posterior-quality bench's ring hold 1.7-2.4. A prior-like posterior holds 0, a
-# Gaussian one with sds 0.85 of a uniform prior's about 0 (−0.18 − log 0.85 per parameter) and the
+# normal one with sds 0.85 of a uniform prior's about 0 (−0.18 − log 0.85 per parameter) and the
 # bundled study's at sd shares 0.35, 0.51 and 0.65 hold 0.88, 0.49 and 0.27: the bound changes
 # nothing for unimodal posteriors, which the sds judge.
 FLAT_INFORMATION = 0.5
