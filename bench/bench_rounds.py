@@ -30,7 +30,7 @@ next proposal); sampling is the final `--samples` draws. Targets, per problem: r
 mean C2ST ≤ the amortized's, ≤ the better of SNRE_C and SNPE_C, and on narrow ≤ the
 amortized's − NARROW_MARGIN. Prints markdown tables (per problem with PASS/FAIL, per
 observation, CPU seconds) and with `--json` writes the results after every observation,
-so a stopped run keeps what it finished (`--table FILE` prints a saved run's tables).
+so a stopped run keeps what it finished (`--table FILE ...` prints saved runs' tables).
 
 sbi lives only in bench/.venv-sbi (`make bench-sbi`, or made on first use with `--sbi`):
 nnpd's environment never imports sbi. The runner imports the study's module (a copy of
@@ -38,7 +38,9 @@ posterior_problems.py, or the narrow module written into the work folder) with t
 repository root on its path, and simulates there. sbi's results depend only on the seed,
 the sizes and the observation: with `--keep DIR` a run leaves its work folder, and
 `--reuse-sbi DIR` takes sbi's samples and timings from such a folder where its job is
-the same, scoring them anew.
+the same, scoring them anew. A long bench can be run in pieces: `--start K` runs only
+observations K on (the earlier ones are still drawn, so each observation is the same as
+in one run), and `--table A.json B.json` merges the pieces' observations into one table.
 
     python bench/bench_rounds.py --problems narrow --observations 2 --simulations 6000   # nnpd only, minutes
     python bench/bench_rounds.py --sbi SNRE_C SNPE_C --simulations 2000 --observations 1 --samples 2000
@@ -50,6 +52,7 @@ ring with both sbi methods (see TIMING below; most of it sbi's rounds and the C2
 """
 
 import argparse
+import io
 import json
 import math
 import os
@@ -264,10 +267,8 @@ def nnpd_rounds(case, x_o, reference, i, folder, args):
 # ---------------------------------------------------------------- sbi's sequential methods
 
 
-def sbi_job(case, x_o, i, folder, args):
-    """The sbi runner's folder for one observation: its job, x_o and the study's module."""
-    write_module(folder, case)
-    np.save(folder / "observation.npy", x_o)
+def sbi_job(case, x_o, i, args):
+    """The sbi runner's job for one observation: {file name: bytes} of its job.json and x_o."""
     job = {
         "prior": case.sbi_prior,
         "samples": args.samples,
@@ -276,26 +277,33 @@ def sbi_job(case, x_o, i, folder, args):
         "simulations": args.simulations,
         "rounds": args.sbi_rounds,
     }
-    (folder / "job.json").write_text(json.dumps(job, sort_keys=True))
+    buffer = io.BytesIO()
+    np.save(buffer, x_o)
+    return {"job.json": json.dumps(job, sort_keys=True).encode(), "observation.npy": buffer.getvalue()}
 
 
-def reused_sbi(method, folder, args):
-    """True when --reuse-sbi's folder holds this method's results for the same job and x_o (copied here)."""
+def reused_sbi(method, job, folder, args):
+    """True when --reuse-sbi's folder holds this method's results for the same job (copied here)."""
     kept = args.reuse_sbi / folder.relative_to(args.workdir) if args.reuse_sbi else None
     if kept is None or not (kept / f"{method}-samples.npy").is_file():
         return False
-    same = all((kept / name).read_bytes() == (folder / name).read_bytes() for name in ("job.json", "observation.npy"))
-    if same:
+    if any(not (kept / name).is_file() or (kept / name).read_bytes() != content for name, content in job.items()):
+        return False
+    if kept != folder:
+        folder.mkdir(parents=True, exist_ok=True)
         for name in (f"{method}-samples.npy", f"{method}.json"):
             shutil.copy(kept / name, folder / name)
-    return same
+    return True
 
 
 def run_sbi(method, case, x_o, reference, i, folder, args):
     """One sbi sequential method for x_o in its own venv: C2ST, CPU seconds and its rounds' timings."""
-    sbi_job(case, x_o, i, folder, args)
-    reused = reused_sbi(method, folder, args)
+    job = sbi_job(case, x_o, i, args)
+    reused = reused_sbi(method, job, folder, args)
     if not reused:
+        write_module(folder, case)
+        for name, content in job.items():
+            (folder / name).write_bytes(content)
         done, _ = child([str(SBI_PYTHON), str(BENCH / "sbi_runner.py"), str(folder), method], folder)
         if done.returncode:
             raise RuntimeError(f"{method} failed:\n{done.stderr[-2000:]}")
@@ -337,10 +345,13 @@ def bench_problem(name, args, result, save):
     folder = workdir / "amortized"
     write_settings(folder, case, split(args.simulations), None)
     amortized, amortized_seconds = train(folder)
-    result.update(parameters=case.parameters, amortized_cpu_seconds=amortized_seconds, observations=[])
+    sizes = {key: getattr(args, key) for key in ("simulations", "samples", "rounds", "no_reuse", "sbi", "sbi_rounds")}
+    result.update(parameters=case.parameters, sizes=sizes, amortized_cpu_seconds=amortized_seconds, observations=[])
     for i, theta in enumerate(case.truths(args.observations, generator)):
         x_o = case.simulate(theta[None], generator)[0].numpy()
         exact = case.reference(x_o, args.samples, generator)
+        if i < args.start:  # drawn all the same, so that observation i is the same in every run
+            continue
         row = {"observation": i, "x_o": x_o.tolist()}
         row["amortized"] = timed("amortized", name, i, nnpd_posterior, amortized, x_o, exact, i)
         row["rounds"] = timed("rounds", name, i, nnpd_rounds, case, x_o, exact, i, workdir / f"rounds-{i}", args)
@@ -381,20 +392,20 @@ def verdicts(name, rows):
     )
 
 
-def table(results, arguments):
+def table(results):
     """The markdown tables: per problem with the targets, per observation, and CPU seconds."""
-    rounds = f"rounds ({arguments['rounds']})"
-    sbi_rounds = arguments["sbi_rounds"]
     lines = [
-        f"| problem (p) | obs | amortized | {rounds} | SNRE_C ({sbi_rounds}) | SNPE_C ({sbi_rounds}) | final box | "
+        "| problem (p) | obs | simulations | rounds: nnpd / sbi | amortized | rounds | SNRE_C | SNPE_C | final box | "
         f"rounds ≤ amortized | rounds ≤ best sbi | narrow: rounds ≤ amortized − {NARROW_MARGIN} |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, result in results.items():
-        rows = result.get("observations", [])
+        rows, sizes = result.get("observations", []), result.get("sizes", {})
         cells = [mean_sd(scores(rows, m)) for m in ("amortized", "rounds", *SBI_METHODS)]
         lines.append(
-            f"| {name} ({result.get('parameters', '?')}) | {len(rows)} | {' | '.join(cells)} | "
+            f"| {name} ({result.get('parameters', '?')}) | {len(rows)} | {sizes.get('simulations', '?')} | "
+            f"{sizes.get('rounds', '?')} / {sizes.get('sbi_rounds', '?') if sizes.get('sbi') else '–'} | "
+            f"{' | '.join(cells)} | "
             f"{mean_of(rows, 'rounds', 'final_volume'):.2g} | {' | '.join(verdicts(name, rows))} |"
         )
     lines += ["", "| problem | obs | amortized | rounds | SNRE_C | SNPE_C | final box | box per round |"]
@@ -427,6 +438,18 @@ def table(results, arguments):
     return "\n".join(lines)
 
 
+def merged(runs):
+    """Several runs' results as one: per problem the first run's, plus later runs' observations it lacks."""
+    results = {}
+    for run in runs:
+        for name, result in run.items():
+            first = results.setdefault(name, {**result, "observations": []})
+            done = {row["observation"] for row in first["observations"]}
+            first["observations"] += [row for row in result.get("observations", []) if row["observation"] not in done]
+            first["observations"].sort(key=lambda row: row["observation"])
+    return results
+
+
 def parse_args(argv=None):
     """Command line: problems, sizes, sbi methods, output."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -436,6 +459,9 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=3, help="nnpd's rounds.count")
     parser.add_argument("--samples", type=int, default=10_000, help="posterior and exact draws per observation")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--start", type=int, default=0, help="run observations from this index on (the earlier ones are drawn, not run)"
+    )
     parser.add_argument("--no-reuse", action="store_true", help="nnpd's rounds train on their own simulations alone")
     parser.add_argument("--sbi", nargs="*", default=[], choices=SBI_METHODS, help="sbi's sequential methods to run")
     parser.add_argument("--sbi-rounds", type=int, default=10, help="sbi's rounds (sbibm: 10)")
@@ -444,7 +470,9 @@ def parse_args(argv=None):
     parser.add_argument(
         "--reuse-sbi", type=Path, metavar="DIR", help="take sbi's results from an earlier --keep folder"
     )
-    parser.add_argument("--table", type=Path, metavar="JSON", help="print the tables of a saved --json and exit")
+    parser.add_argument(
+        "--table", type=Path, nargs="+", metavar="JSON", help="print the tables of saved --json files and exit"
+    )
     return parser.parse_args(argv)
 
 
@@ -452,8 +480,7 @@ def main(argv=None):
     """Run the bench and print its tables."""
     args = parse_args(argv)
     if args.table:
-        saved = json.loads(args.table.read_text())
-        print(table(saved["results"], saved["arguments"]))
+        print(table(merged([json.loads(file.read_text())["results"] for file in args.table])))
         return
     torch.set_num_threads(1)
     if args.sbi:
@@ -473,7 +500,7 @@ def main(argv=None):
         for name in args.problems:
             results[name] = {}
             bench_problem(name, args, results[name], save)
-    print(table(results, arguments))
+    print(table(results))
     print(f"({time.monotonic() - started:.0f} s wall)")
 
 
