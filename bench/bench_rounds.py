@@ -47,8 +47,11 @@ in one run), and `--table A.json B.json` merges the pieces' observations into on
     nice -n 5 python bench/bench_rounds.py --sbi SNRE_C SNPE_C --json out/rounds.json --keep out/rounds
 
 The defaults (all four problems, 10 observations, 10,000 simulations and draws) are the
-full protocol: on one core, about 40 minutes per observation of narrow, linear, slcp and
-ring with both sbi methods (see TIMING below; most of it sbi's rounds and the C2STs).
+full protocol, and slow: on one shared core, one observation of one problem with both
+sbi methods took 11 to 13 minutes of wall time (CPU seconds per observation: SNPE_C's ten
+rounds 320-420, SNRE_C's 190-260 plus 7-33 to sample, nnpd's rounds 30-90, the four
+C2STs of 10,000 draws under a minute), so about 8 hours in all; sbi's share is about 85%.
+Without `--sbi` the nnpd-only bench takes 1-2 minutes per observation and problem.
 """
 
 import argparse
