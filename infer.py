@@ -196,14 +196,15 @@ def output_paths(stem, plot):
 
 
 def write_outputs(paths, summary, samples, figure):
-    """The summary JSON, the samples and the corner plot (when drawn), each written atomically; their paths."""
+    """The summary JSON, the samples and the corner plot (drawn with --plot), each written atomically to
+    output_paths()'s paths; those paths."""
     write_bytes_atomic(paths[0], (json.dumps(summary, indent=2) + "\n").encode())
     buffer = io.BytesIO()
     np.save(buffer, samples)
     write_bytes_atomic(paths[1], buffer.getvalue())
     if figure is not None:
         write_bytes_atomic(paths[2], figure)
-    return paths if figure is not None else paths[:2]
+    return paths
 
 
 def report_lines(summary, warned, reference):
