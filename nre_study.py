@@ -350,12 +350,14 @@ def sample_pairs(problem, prior, rows, generator):
     return inputs[order], labels[order].to(torch.float32)
 
 
-def sample_training_data(problem, prior, data_settings: DataSettings, seed, bank=None):
+def sample_training_data(problem, prior, data_settings: DataSettings, seed, bank=None, proposal=None):
     """Train/validation/test arrays as numpy arrays, each split from its own generator (or the bank's rows).
 
     Joint pairs `<split>_x`, `<split>_theta` (data.pairing "batch"), or fixed pairs
     `<split>_inputs`, `<split>_labels` ("fixed"). A bank (x, θ) gives the splits in order:
-    the first data.train rows, then data.validation, then data.test.
+    the first data.train rows, then data.validation, then data.test. A round's `proposal`
+    (rounds.PosteriorProposal) draws the train and validation θ of joint pairs; the test
+    split, whose truths the analysis reads, stays the prior's.
     """
     arrays, used, dropped = {}, 0, []
     pairing = data_settings.get("pairing", "batch")
@@ -366,7 +368,8 @@ def sample_training_data(problem, prior, data_settings: DataSettings, seed, bank
                 x, theta = (torch.as_tensor(a[used : used + rows]).to(torch.float32) for a in bank)
                 used += rows
             else:
-                x, theta = simulate_split(problem, prior, rows, seed, split)
+                draws = proposal if proposal is not None and split != "test" else prior
+                x, theta = simulate_split(problem, draws, rows, seed, split)
             x, theta = valid_simulations(x, theta, f"data.{split}", data_settings.get("invalid", "error"))
             arrays[f"{split}_x"], arrays[f"{split}_theta"] = x.numpy(), theta.numpy()
             dropped.append(rows - len(x))
@@ -786,9 +789,13 @@ class Study(Experiment):
         }
 
     def sample_data(self, member: Member) -> dict[str, np.ndarray]:
-        """Train/validation/test simulations under the member's prior (or the bank's), see sample_training_data."""
+        """Train/validation/test simulations under the member's prior (or the bank's, or a round's proposal), see
+        sample_training_data."""
         seed = runtime.derived_seed(self.settings["seed"], "data", member["name"], *member_round(member))
-        arrays = sample_training_data(self.problem(), self.prior(member), self.data_settings, seed, self.bank())
+        prior = self.prior(member)
+        arrays = sample_training_data(
+            self.problem(), prior, self.data_settings, seed, self.bank(), rounds.proposal(prior, member)
+        )
         return rounds.with_earlier(self, member, arrays)
 
     def model_recipe(self, member: Member) -> Json:

@@ -275,17 +275,20 @@ def training_lines(records):
 
 def round_lines(records):
     """One row per round of each run trained in rounds (its member's `history`, docs/rounds.md): the box,
-    its share of the prior's volume and mass, the simulations, the posterior mass near each cut face."""
+    its share of the prior's volume and mass, the simulations (and whether half followed the previous posterior), the
+    posterior mass near each cut face."""
     lines = []
     for record in records:
         for row in record.member.get("history") or ():
             edge = row.get("edge_mass")
+            near = row.get("proposal") == "posterior"
             box = ", ".join(f"[{low:.4g}, {high:.4g}]" for low, high in zip(*row["box"]))
             lines.append(
                 f"round {row['round']}: {record.swept} {record.prior}: box {box}, "
                 f"{100 * row['volume']:.3g}% of the prior's volume, {100 * row['prior_mass']:.3g}% of its "
                 f"mass, {row['simulations']:,} simulations"
                 + (f" ({row['reused']:,} of earlier rounds)" if row.get("reused") else "")
+                + (", half of train and validation near the previous posterior" if near else "")
                 + ("" if edge is None else ", mass near cut faces " + " ".join(f"{m:.2g}" for m in edge))
             )
     return lines

@@ -44,6 +44,9 @@ __all__ = [
     "BoxProblem",
     "CutPrior",
     "cut_prior",
+    "PosteriorProposal",
+    "proposal",
+    "follows_a_proposal",
     "snap_to_lattice",
     "posterior_box",
     "edge_mass",
@@ -52,8 +55,8 @@ __all__ = [
     "outside_warning",
 ]
 
-ROUND_KEYS = ("round", "box", "previous", "observation", "reuse", "warm", "history")
-SETTINGS_KEYS = ("count", "observation", "truncation", "reuse", "warm")
+ROUND_KEYS = ("round", "box", "previous", "observation", "reuse", "warm", "proposal", "history")
+SETTINGS_KEYS = ("count", "observation", "truncation", "reuse", "warm", "proposal")
 WHERE = 'docs/rounds.md, "Settings"'
 MAX_ROUNDS = 20
 DEFAULT_COUNT = 3  # rounds when `count` is left out (docs/rounds.md, "When rounds pay")
@@ -64,6 +67,12 @@ MIN_ACCEPTANCE = 1e-4  # a custom prior putting less of its mass in the box is r
 SAMPLING_BUDGET = 100  # prior draws allowed per cut-prior draw asked, over the expected
 EDGE_BAND = 0.02  # a band along a cut face, as a share of the box's width: mass there is a lost tail
 SHARE_DRAWS = 20_000  # prior draws that estimate the share of the prior's mass in a round's box
+PROPOSALS = {
+    "posterior": "half a round's train and validation draws follow the previous round's posterior",
+    "prior": "a round draws every simulation from its prior, the member's cut to the box",
+}
+PROPOSAL_PRIOR_SHARE = 0.5  # of a posterior proposal's draws, from the cut prior: the whole box stays trained
+PROPOSAL_SPREAD = 2.0  # the posterior's Gaussian fit, its sds widened by this factor (docs/rounds.md)
 
 
 class RoundsError(NnpdError, ValueError):
@@ -74,8 +83,8 @@ class RoundsError(NnpdError, ValueError):
 
 
 def rounds_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
-    """The checked `rounds` section with its defaults (count 3, truncation 1e-3, reuse, warm), or None without
-    one."""
+    """The checked `rounds` section with its defaults (count 3, truncation 1e-3, reuse, warm, the posterior
+    proposal), or None without one."""
     section = settings.get("rounds")
     if section is None:
         return None
@@ -94,12 +103,16 @@ def rounds_settings(settings: dict[str, Any]) -> dict[str, Any] | None:
     for key, meaning in choices.items():
         if not isinstance(section.get(key, True), bool):
             raise SettingsError(f"rounds.{key}: True ({meaning}) or False, got {section[key]!r} ({WHERE})")
+    if section.get("proposal", "posterior") not in PROPOSALS:
+        meanings = "; ".join(f"{name!r}: {meaning}" for name, meaning in PROPOSALS.items())
+        raise SettingsError(f"rounds.proposal: one of {meanings}; got {section['proposal']!r} ({WHERE})")
     return {
         "count": count,
         "observation": path,
         "truncation": epsilon,
         "reuse": section.get("reuse", True),
         "warm": section.get("warm", True),
+        "proposal": section.get("proposal", "posterior"),
     }
 
 
@@ -137,10 +150,11 @@ def round_recipe(member: dict[str, Any]) -> dict[str, Any]:
     if "box" not in member:
         return {}
     recipe = {key: member[key] for key in ("round", "box", "previous", "observation")}
-    for key in ("reuse", "warm"):  # only where set: the keys of rounds without them stay as they were
+    for key in ("reuse", "warm", "proposal"):  # only where set: the keys of rounds without them stay as they were
         if key in member:
             recipe[key] = member[key]
-    return {"rounds": {**recipe, "source": fingerprint.source_fingerprint(BoxProblem, CutPrior, cut_prior)}}
+    sources = (BoxProblem, CutPrior, cut_prior) + ((PosteriorProposal, proposal) if "proposal" in member else ())
+    return {"rounds": {**recipe, "source": fingerprint.source_fingerprint(*sources)}}
 
 
 def with_earlier(study: Any, member: dict[str, Any], arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -260,6 +274,58 @@ def cut_prior(study: Any, member: dict[str, Any]) -> Any:
     return priors.make_prior(boxed, study.settings["priors"][name], f"priors.{name}")
 
 
+class PosteriorProposal:
+    """Where a round with the posterior proposal draws the θ of its train and validation simulations.
+
+    PROPOSAL_PRIOR_SHARE of them come from the round's prior (the member's cut to the box),
+    the rest from a Gaussian fit to the previous round's posterior for x_o, its sds widened
+    by PROPOSAL_SPREAD, cut to the box. Any law of θ trains a valid ratio (the classifier
+    learns p(x | θ) over a function of x), so the posterior stays ratio × cut prior; the
+    prior's share keeps the whole box trained, where the analysis draws its truths.
+    """
+
+    def __init__(self, prior: Any, fit: dict[str, Any], box: Any) -> None:
+        self.prior = prior
+        self.mean = torch.tensor(fit["mean"], dtype=torch.float64)
+        self.scale = cholesky_or_diagonal(torch.tensor(fit["cov"], dtype=torch.float64) * PROPOSAL_SPREAD**2)
+        self.low, self.high = (torch.as_tensor(bound, dtype=torch.float64) for bound in box)
+
+    def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
+        """n draws (n, p) in the box, shuffled: the prior's share, then the Gaussian's by rejection (within
+        SAMPLING_BUDGET draws per row asked, the prior filling in where the Gaussian hardly meets the box)."""
+        from_prior = round(PROPOSAL_PRIOR_SHARE * n)
+        parts = [self.prior.sample(from_prior, generator).to(torch.float64)]
+        needed, drawn = n - from_prior, 0
+        while needed > 0 and drawn <= SAMPLING_BUDGET * n:
+            z = torch.randn(2 * needed + 64, len(self.mean), generator=generator, dtype=torch.float64)
+            batch = self.mean + z @ self.scale.T
+            drawn += len(batch)
+            parts.append(batch[inside(batch, self.low, self.high)][:needed])
+            needed -= len(parts[-1])
+        if needed > 0:
+            parts.append(self.prior.sample(needed, generator).to(torch.float64))
+        return torch.cat(parts)[torch.randperm(n, generator=generator)]
+
+
+def cholesky_or_diagonal(cov: torch.Tensor) -> torch.Tensor:
+    """A lower Cholesky factor of cov, or the diagonal of its sds where cov is singular (a collapsed fit)."""
+    factor, info = torch.linalg.cholesky_ex(cov)
+    return factor if int(info) == 0 else torch.diag(cov.diagonal().clamp(min=0).sqrt())
+
+
+def proposal(prior: Any, member: dict[str, Any]) -> PosteriorProposal | None:
+    """The round's posterior proposal over its prior, or None (round 1, or a round drawing from its prior)."""
+    return PosteriorProposal(prior, member["proposal"], member["box"]) if "proposal" in member else None
+
+
+def gaussian_fit(points: torch.Tensor, masses: torch.Tensor) -> dict[str, Any]:
+    """The weighted points' mean and covariance, as JSON lists."""
+    weights = masses / masses.sum()
+    mean = weights @ points
+    centred = points - mean
+    return {"mean": mean.tolist(), "cov": ((weights[:, None] * centred).T @ centred).tolist()}
+
+
 # ---------------------------------------------------------------- the rule: where the posterior keeps its mass
 
 
@@ -303,7 +369,8 @@ def posterior_box(
 ) -> dict[str, Any]:
     """The next round's box from this round's posterior for x: per parameter the ε/(2p) and 1 − ε/(2p)
     quantiles (the box then keeps at least 1 − ε of the mass), padded by PADDING of their span, within
-    the round's own box, on the lattice; with the mass this round's posterior puts near its own cut faces."""
+    the round's own box, on the lattice; with the mass this round's posterior puts near its own cut faces,
+    and its draws' Gaussian fit (the next round's posterior proposal)."""
     problem = study.problem(member)
     model = study.build_model(member)
     model.load_state_dict(state)
@@ -314,7 +381,11 @@ def posterior_box(
     pad = PADDING * (high - low) + 1e-6 * (full.high - full.low)
     low, high = torch.maximum(low - pad, problem.low), torch.minimum(high + pad, problem.high)
     low, high = snap_to_lattice(full, low, high)
-    return {"box": [low.tolist(), high.tolist()], "edge_mass": edge_mass(problem, full, points, masses)}
+    return {
+        "box": [low.tolist(), high.tolist()],
+        "edge_mass": edge_mass(problem, full, points, masses),
+        "fit": gaussian_fit(points, masses),
+    }
 
 
 def edge_mass(problem: Any, full: Any, points: torch.Tensor, masses: torch.Tensor) -> list[float]:
@@ -365,6 +436,8 @@ def next_round(study: Any, member: dict[str, Any], tools: Any) -> dict[str, Any]
         "previous": found["model"],
         "observation": digest,
     }
+    if section["proposal"] == "posterior" and follows_a_proposal(study, member):
+        following["proposal"] = found["fit"]
     if section["warm"]:
         following["warm"] = True
         study.round_states[found["model"]] = shared_state(model, tools.rt)
@@ -377,6 +450,14 @@ def next_round(study: Any, member: dict[str, Any], tools: Any) -> dict[str, Any]
     following["history"] = rows + [round_row(study, following)]
     tools.log(round_line(section, following["history"][-1]))
     return following
+
+
+def follows_a_proposal(study: Any, member: dict[str, Any]) -> bool:
+    """Whether a round can draw from the posterior proposal: simulated joint pairs (no bank, pairing "batch")
+    of continuous parameters (a Gaussian's draws are not on a lattice)."""
+    data = study.settings["data"]
+    continuous = all(step is None for step in study.prior(base_member(member)).lattice_steps)
+    return continuous and data.get("bank") is None and data.get("pairing", "batch") == "batch"
 
 
 def shared_box(
@@ -428,8 +509,8 @@ def warm_start(study: Any, member: dict[str, Any], model: torch.nn.Module) -> No
 
 
 def round_row(study: Any, member: dict[str, Any]) -> dict[str, Any]:
-    """What the record keeps of a round: its box, the box's share of the prior's volume and mass, and its
-    simulations."""
+    """What the record keeps of a round: its box, the box's share of the prior's volume and mass, its
+    simulations, and whether half its train and validation draws followed the previous posterior."""
     full, problem = study.problem(), study.problem(member)
     draws = study.prior(base_member(member)).sample(
         SHARE_DRAWS, runtime.seeded_generator(study.settings["seed"], "rounds", "share")
@@ -441,6 +522,7 @@ def round_row(study: Any, member: dict[str, Any]) -> dict[str, Any]:
         "volume": float(torch.prod((problem.high - problem.low) / (full.high - full.low))),
         "prior_mass": float(inside(draws, problem.low, problem.high).double().mean()),
         "simulations": int(sum(data[split] for split in ("train", "validation", "test"))),
+        "proposal": "posterior" if "proposal" in member else "prior",
     }
 
 
@@ -453,9 +535,11 @@ def simulations_used(study: Any, data: Any) -> dict[str, int]:
 
 def round_line(section: dict[str, Any], row: dict[str, Any]) -> str:
     """The progress line that starts a round."""
+    near = row.get("proposal") == "posterior"
     return (
         f"round {row['round']} of {section['count']}: box {100 * row['volume']:.3g}% of the prior's volume, "
         f"{100 * row['prior_mass']:.3g}% of its mass; {row['simulations']:,} simulations"
+        + (f"; half of train and validation near round {row['round'] - 1}'s posterior" if near else "")
     )
 
 

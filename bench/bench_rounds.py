@@ -14,7 +14,8 @@ total of `--simulations` simulator calls:
               every observation), the kit's recipe (no `model` or `training` section);
   rounds      nnpd: `rounds.count` (`--rounds`) rounds for x_o, each of simulations / count
               new ones, each also training on the earlier rounds' inside its box unless
-              `--no-reuse` (docs/rounds.md);
+              `--no-reuse`, half its train and validation draws from the previous round's
+              posterior unless `--proposal prior` (docs/rounds.md);
   SNRE_C,     sbi 0.27's sequential methods (`--sbi SNRE_C SNPE_C`), sbibm's protocol:
   SNPE_C      `--sbi-rounds` rounds (10 as sbibm) of simulations / rounds each, round 1 from
               the prior, each later one from the previous round's posterior for x_o; sbi's
@@ -254,7 +255,12 @@ def nnpd_rounds(case, x_o, reference, i, folder, args):
     """nnpd's rounds for x_o: C2ST, CPU seconds and each round's box share."""
     write_module(folder, case)
     np.save(folder / "x_o.npy", x_o)
-    rounds = {"count": args.rounds, "observation": str(folder / "x_o.npy"), "reuse": not args.no_reuse}
+    rounds = {
+        "count": args.rounds,
+        "observation": str(folder / "x_o.npy"),
+        "reuse": not args.no_reuse,
+        "proposal": args.proposal,
+    }
     write_settings(folder, case, split(args.simulations // args.rounds), rounds)
     targeted, seconds = train(folder)
     history = targeted.member["history"]
@@ -348,7 +354,10 @@ def bench_problem(name, args, result, save):
     folder = workdir / "amortized"
     write_settings(folder, case, split(args.simulations), None)
     amortized, amortized_seconds = train(folder)
-    sizes = {key: getattr(args, key) for key in ("simulations", "samples", "rounds", "no_reuse", "sbi", "sbi_rounds")}
+    sizes = {
+        key: getattr(args, key)
+        for key in ("simulations", "samples", "rounds", "no_reuse", "proposal", "sbi", "sbi_rounds")
+    }
     result.update(parameters=case.parameters, sizes=sizes, amortized_cpu_seconds=amortized_seconds, observations=[])
     for i, theta in enumerate(case.truths(args.observations, generator)):
         x_o = case.simulate(theta[None], generator)[0].numpy()
@@ -466,6 +475,12 @@ def parse_args(argv=None):
         "--start", type=int, default=0, help="run observations from this index on (the earlier ones are drawn, not run)"
     )
     parser.add_argument("--no-reuse", action="store_true", help="nnpd's rounds train on their own simulations alone")
+    parser.add_argument(
+        "--proposal",
+        choices=("posterior", "prior"),
+        default="posterior",
+        help="nnpd's rounds.proposal (docs/rounds.md)",
+    )
     parser.add_argument("--sbi", nargs="*", default=[], choices=SBI_METHODS, help="sbi's sequential methods to run")
     parser.add_argument("--sbi-rounds", type=int, default=10, help="sbi's rounds (sbibm: 10)")
     parser.add_argument("--json", type=Path, help="write the results here, after every observation")

@@ -90,6 +90,39 @@ def test_the_cut_prior_draws_inside_the_box_and_follows_the_prior_there(prior):
     assert cut.log_prob(torch.tensor([[5.9, 0.0], [7.0, 0.3]])).isinf().all()
 
 
+@pytest.mark.unit
+def test_a_posterior_proposal_trains_half_near_the_posterior_and_tests_on_the_prior():
+    study = pair_study()
+    study.settings["data"] = {"train": 20_000, "validation": 100, "test": 20_000}
+    member = study.members()[0]
+    fit = {"mean": [7.0, 0.0], "cov": [[0.01, 0.0], [0.0, 1e-4]]}
+    later = {**member, "round": 2, "box": BOX, "previous": "a" * 64, "observation": "b" * 64, "proposal": fit}
+    arrays = study.sample_data(later)
+    train, test = arrays["train_theta"], arrays["test_theta"]
+    assert ((train >= BOX[0]) & (train <= BOX[1])).all() and ((test >= BOX[0]) & (test <= BOX[1])).all()
+    # The test split, whose truths the analysis reads, is the cut prior's (as in the test above).
+    assert ks_distance(test[:, 0], lambda t: truncated_normal_cdf(t, 5.0, 2.5, 6.0, 9.0)) < 1.63 / math.sqrt(20_000)
+    assert ks_distance(test[:, 1], lambda t: (t + 0.5) / 0.75) < 1.63 / math.sqrt(20_000)
+
+    def near(theta):  # the share within 4 widened sds of the fit's mean, where its Gaussian draws all fall
+        return float((np.abs(theta - [7.0, 0.0]) < 4 * rounds.PROPOSAL_SPREAD * np.array([0.1, 0.01])).all(1).mean())
+
+    share = rounds.PROPOSAL_PRIOR_SHARE
+    assert near(test) < 0.2
+    assert near(train) == pytest.approx((1 - share) + share * near(test), abs=0.015)
+    assert rounds.proposal(study.prior(member), member) is None  # round 1 draws from the prior
+
+
+@pytest.mark.unit
+def test_a_collapsed_fit_still_proposes_inside_the_box():
+    study = pair_study()
+    later = {**study.members()[0], "round": 2, "box": BOX, "previous": "a" * 64, "observation": "b" * 64}
+    fit = {"mean": [7.0, 0.0], "cov": [[0.0, 0.0], [0.0, 0.0]]}  # every draw at one point: no Cholesky factor
+    draws = rounds.PosteriorProposal(study.prior(later), fit, BOX).sample(1000, torch.Generator().manual_seed(0))
+    assert draws.shape == (1000, 2) and ((draws >= torch.tensor(BOX[0])) & (draws <= torch.tensor(BOX[1]))).all()
+    assert int((draws == torch.tensor([7.0, 0.0])).all(1).sum()) == 500
+
+
 class Counts(nre_study.Study):
     """One parameter on a lattice of step 0.5 over [0, 10]."""
 
@@ -119,6 +152,9 @@ def test_a_lattice_prior_is_cut_on_its_own_lattice():
     assert torch.allclose(
         cut.log_prob(torch.arange(4, 16)[:, None] / 2.0), torch.tensor(-math.log(12.0), dtype=torch.float64)
     )
+    # A Gaussian proposal's draws would leave the lattice: its rounds draw from the cut prior alone.
+    assert not rounds.follows_a_proposal(study, study.members()[0])
+    assert rounds.follows_a_proposal(pair_study(), pair_study().members()[0])
 
 
 @pytest.mark.unit
@@ -138,6 +174,7 @@ def test_a_rounds_key_changes_with_the_observation_the_box_and_the_previous_mode
         {"box": [[6.0, -0.5], [9.5, 0.25]]},
         {"reuse": "e" * 64},
         {"warm": True},
+        {"proposal": {"mean": [7.0, 0.0], "cov": [[0.01, 0.0], [0.0, 1e-4]]}},
     ):
         assert all(a != b for a, b in zip(keys({**later, **change}), first)), change
     assert keys({**later, "history": []}) == first  # what is recorded of earlier rounds is no key
@@ -170,6 +207,7 @@ def test_a_rounds_section_is_checked_at_plan(tmp_path):
         ({"count": 2, "observation": str(tmp_path / "none.npy")}, "rounds.observation"),
         ({"count": 2, "observation": "x.npy", "budget": 3}, "rounds"),
         ({"count": 2, "observation": "x.npy", "warm": "yes"}, "rounds.warm"),
+        ({"count": 2, "observation": "x.npy", "proposal": "gaussian"}, "rounds.proposal: one of 'posterior'"),
     ):
         study.settings["rounds"] = section
         with pytest.raises(SettingsError, match=names):
@@ -188,6 +226,7 @@ def test_a_rounds_section_is_checked_at_plan(tmp_path):
         "truncation": 1e-3,
         "reuse": True,
         "warm": True,
+        "proposal": "posterior",
     }
 
 
@@ -243,11 +282,18 @@ def test_a_study_trains_its_rounds_and_a_rerun_rebuilds_nothing(trained_in_round
     assert member["round"] == 3 and [row["round"] for row in member["history"]] == [1, 2, 3]
     assert member["warm"] is True  # rounds.warm, the default: round 3 started from round 2's weights
     volumes = [row["volume"] for row in member["history"]]
+    low, high = (np.array(bound) for bound in member["box"])
     assert volumes[0] == 1 and volumes[1] < 0.2 and volumes[2] <= volumes[1]
     # Rounds 2 and 3 also train on the earlier simulations inside their boxes (rounds.reuse, the default).
     fresh = 2700
     assert [row["simulations"] - row["reused"] for row in member["history"]] == [fresh] * 3
     assert member["history"][0]["reused"] == 0 and all(row["reused"] > 0 for row in member["history"][1:])
+    # Half of rounds 2 and 3's train and validation draws followed the previous posterior (rounds.proposal).
+    assert [row["proposal"] for row in member["history"]] == ["prior", "posterior", "posterior"]
+    assert "near round 1's posterior" in first and "near round 2's posterior" in first
+    fit = member["proposal"]
+    assert np.all(np.array(fit["mean"]) >= low) and np.all(np.array(fit["mean"]) <= high)
+    assert len(fit["cov"]) == len(fit["mean"]) == 2
 
 
 @pytest.mark.launch
@@ -312,6 +358,7 @@ def test_the_analysis_of_the_last_round_tests_it_inside_the_final_box(trained_in
     rows = [line for line in result.stdout.splitlines() if line.startswith("round ") and "simulations" in line]
     assert [row.split(":")[0] for row in rows] == ["round 1", "round 2", "round 3"], result.stdout
     assert "100% of the prior's volume" in rows[0] and all("mass near cut faces" in row for row in rows)
+    assert ["near the previous posterior" in row for row in rows] == [False, True, True]
     if not jobs.matplotlib_missing():
         assert (restored.run_dir / "plots" / "rounds.png").stat().st_size > 0
 
