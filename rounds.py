@@ -295,7 +295,7 @@ class PosteriorProposal:
         """n draws (n, p) in the box, shuffled: the prior's share, then the Gaussian's by rejection (within
         SAMPLING_BUDGET draws per row asked, the prior filling in where the Gaussian hardly meets the box)."""
         from_prior = round(PROPOSAL_PRIOR_SHARE * n)
-        parts = [self.prior.sample(from_prior, generator).to(torch.float64)]
+        parts = [self.prior.sample(from_prior, generator).to(torch.float64)] if from_prior else []
         needed, drawn = n - from_prior, 0
         while needed > 0 and drawn <= SAMPLING_BUDGET * n:
             z = torch.randn(2 * needed + 64, len(self.mean), generator=generator, dtype=torch.float64)

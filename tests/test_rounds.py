@@ -121,6 +121,11 @@ def test_a_collapsed_fit_still_proposes_inside_the_box():
     draws = rounds.PosteriorProposal(study.prior(later), fit, BOX).sample(1000, torch.Generator().manual_seed(0))
     assert draws.shape == (1000, 2) and ((draws >= torch.tensor(BOX[0])) & (draws <= torch.tensor(BOX[1]))).all()
     assert int((draws == torch.tensor([7.0, 0.0])).all(1).sum()) == 500
+    # A last simulation chunk of one row asks the prior for none: a study's own prior object is not asked.
+    own = pair_study("own")
+    cut = own.prior({"name": "own-r0", "prior": "own", "replica": 0, "round": 2, "box": BOX})
+    one = rounds.PosteriorProposal(cut, fit, BOX).sample(1, torch.Generator().manual_seed(0))
+    assert one.tolist() == [[7.0, 0.0]]
 
 
 class Counts(nre_study.Study):
