@@ -29,6 +29,7 @@ import infer
 import posterior
 import priors
 import runtime
+import sampler
 from settings import SettingsError, integer, known_keys, number, require
 from store import NnpdError
 
@@ -73,7 +74,7 @@ PROPOSALS = {
     "prior": "a round draws every simulation from its prior, the member's cut to the box",
 }
 PROPOSAL_PRIOR_SHARE = 0.5  # of a posterior proposal's draws, from the cut prior: the whole box stays trained
-PROPOSAL_SPREAD = 2.0  # the posterior's Gaussian fit, its sds widened by this factor (docs/rounds.md)
+SPREAD_MARGIN = math.sqrt(2)  # posterior sds by which the proposal's draws typically lie beyond the posterior's
 
 
 class RoundsError(NnpdError, ValueError):
@@ -279,33 +280,46 @@ class PosteriorProposal:
     """Where a round with the posterior proposal draws the θ of its train and validation simulations.
 
     PROPOSAL_PRIOR_SHARE of them come from the round's prior (the member's cut to the box),
-    the rest from a Gaussian fit to the previous round's posterior for x_o, its sds widened
-    by PROPOSAL_SPREAD, cut to the box. Any law of θ trains a valid ratio (the classifier
-    learns p(x | θ) over a function of x), so the posterior stays ratio × cut prior; the
-    prior's share keeps the whole box trained, where the analysis draws its truths.
+    the rest from a Gaussian mixture fitted to the previous round's posterior for x_o (one
+    component per mode, `mixture_fit`), its sds widened by `proposal_spread`, cut to the box.
+    Any law of θ trains a valid ratio (the classifier learns p(x | θ) over a function of x),
+    so the posterior stays ratio × cut prior; the prior's share keeps the whole box trained,
+    where the analysis draws its truths.
     """
 
     def __init__(self, prior: Any, fit: dict[str, Any], box: Any) -> None:
         self.prior = prior
-        self.mean = torch.tensor(fit["mean"], dtype=torch.float64)
-        self.scale = cholesky_or_diagonal(torch.tensor(fit["cov"], dtype=torch.float64) * PROPOSAL_SPREAD**2)
+        self.shares = torch.tensor(fit["shares"], dtype=torch.float64)
+        self.means = torch.tensor(fit["means"], dtype=torch.float64)
+        covs = torch.tensor(fit["covs"], dtype=torch.float64) * proposal_spread(self.means.shape[1]) ** 2
+        self.scales = torch.stack([cholesky_or_diagonal(cov) for cov in covs])
         self.low, self.high = (torch.as_tensor(bound, dtype=torch.float64) for bound in box)
 
     def sample(self, n: int, generator: torch.Generator) -> torch.Tensor:
-        """n draws (n, p) in the box, shuffled: the prior's share, then the Gaussian's by rejection (within
-        SAMPLING_BUDGET draws per row asked, the prior filling in where the Gaussian hardly meets the box)."""
+        """n draws (n, p) in the box, shuffled: the prior's share, then the mixture's by rejection (within
+        SAMPLING_BUDGET draws per row asked, the prior filling in where the mixture hardly meets the box)."""
         from_prior = round(PROPOSAL_PRIOR_SHARE * n)
         parts = [self.prior.sample(from_prior, generator).to(torch.float64)] if from_prior else []
         needed, drawn = n - from_prior, 0
         while needed > 0 and drawn <= SAMPLING_BUDGET * n:
-            z = torch.randn(2 * needed + 64, len(self.mean), generator=generator, dtype=torch.float64)
-            batch = self.mean + z @ self.scale.T
+            count = 2 * needed + 64
+            component = torch.multinomial(self.shares, count, replacement=True, generator=generator)
+            z = torch.randn(count, self.means.shape[1], 1, generator=generator, dtype=torch.float64)
+            batch = self.means[component] + (self.scales[component] @ z)[:, :, 0]
             drawn += len(batch)
             parts.append(batch[inside(batch, self.low, self.high)][:needed])
             needed -= len(parts[-1])
         if needed > 0:
             parts.append(self.prior.sample(needed, generator).to(torch.float64))
         return torch.cat(parts)[torch.randperm(n, generator=generator)]
+
+
+def proposal_spread(p: int) -> float:
+    """The factor s widening a fitted component's sds in p parameters, 1 + SPREAD_MARGIN / √p: a Gaussian's
+    draws lie about √p sds from its mean, so the widened one's lie SPREAD_MARGIN sds beyond the posterior's.
+    Twice the fit in 2 parameters; in 10, 1.45: a fixed factor wide enough for 2 parameters would put
+    a 10-parameter proposal's draws almost all outside the posterior's shell (docs/rounds.md)."""
+    return 1 + SPREAD_MARGIN / math.sqrt(p)
 
 
 def cholesky_or_diagonal(cov: torch.Tensor) -> torch.Tensor:
@@ -319,12 +333,13 @@ def proposal(prior: Any, member: dict[str, Any]) -> PosteriorProposal | None:
     return PosteriorProposal(prior, member["proposal"], member["box"]) if "proposal" in member else None
 
 
-def gaussian_fit(points: torch.Tensor, masses: torch.Tensor) -> dict[str, Any]:
-    """The weighted points' mean and covariance, as JSON lists."""
-    weights = masses / masses.sum()
-    mean = weights @ points
-    centred = points - mean
-    return {"mean": mean.tolist(), "cov": ((weights[:, None] * centred).T @ centred).tolist()}
+def mixture_fit(points: torch.Tensor, masses: torch.Tensor) -> dict[str, Any]:
+    """A Gaussian mixture fitted to the weighted points, as JSON lists of shares, means and covariances:
+    the posterior sampler's `select_mixture`, seeded, so one component per mode where more pay by BIC
+    (its ridge keeps a collapsed fit's covariances invertible)."""
+    mixture = sampler.select_mixture(points, masses / masses.sum(), torch.Generator().manual_seed(0))
+    covs = mixture.factors @ mixture.factors.transpose(1, 2)
+    return {"shares": mixture.log_shares.exp().tolist(), "means": mixture.means.tolist(), "covs": covs.tolist()}
 
 
 # ---------------------------------------------------------------- the rule: where the posterior keeps its mass
@@ -385,7 +400,7 @@ def posterior_box(
     return {
         "box": [low.tolist(), high.tolist()],
         "edge_mass": edge_mass(problem, full, points, masses),
-        "fit": gaussian_fit(points, masses),
+        "fit": mixture_fit(points, masses),
     }
 
 
@@ -473,7 +488,7 @@ def shared_box(
             "observation": digest,
             "truncation": epsilon,
             "member": member,
-            "source": fingerprint.source_fingerprint(posterior_box, posterior),
+            "source": fingerprint.source_fingerprint(posterior_box, mixture_fit, posterior, sampler),
         }
 
         def build(writer: Any) -> None:

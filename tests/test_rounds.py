@@ -91,11 +91,11 @@ def test_the_cut_prior_draws_inside_the_box_and_follows_the_prior_there(prior):
 
 
 @pytest.mark.unit
-def test_a_posterior_proposal_trains_half_near_the_posterior_and_tests_on_the_prior():
+def test_a_posterior_proposal_trains_near_the_posterior_and_tests_on_the_prior():
     study = pair_study()
     study.settings["data"] = {"train": 20_000, "validation": 100, "test": 20_000}
     member = study.members()[0]
-    fit = {"mean": [7.0, 0.0], "cov": [[0.01, 0.0], [0.0, 1e-4]]}
+    fit = {"shares": [1.0], "means": [[7.0, 0.0]], "covs": [[[0.01, 0.0], [0.0, 1e-4]]]}
     later = {**member, "round": 2, "box": BOX, "previous": "a" * 64, "observation": "b" * 64, "proposal": fit}
     arrays = study.sample_data(later)
     train, test = arrays["train_theta"], arrays["test_theta"]
@@ -105,7 +105,7 @@ def test_a_posterior_proposal_trains_half_near_the_posterior_and_tests_on_the_pr
     assert ks_distance(test[:, 1], lambda t: (t + 0.5) / 0.75) < 1.63 / math.sqrt(20_000)
 
     def near(theta):  # the share within 4 widened sds of the fit's mean, where its Gaussian draws all fall
-        return float((np.abs(theta - [7.0, 0.0]) < 4 * rounds.PROPOSAL_SPREAD * np.array([0.1, 0.01])).all(1).mean())
+        return float((np.abs(theta - [7.0, 0.0]) < 4 * rounds.proposal_spread(2) * np.array([0.1, 0.01])).all(1).mean())
 
     share = rounds.PROPOSAL_PRIOR_SHARE
     assert near(test) < 0.2
@@ -114,13 +114,44 @@ def test_a_posterior_proposal_trains_half_near_the_posterior_and_tests_on_the_pr
 
 
 @pytest.mark.unit
+def test_the_proposal_fits_one_component_per_mode_and_draws_near_each():
+    generator = torch.Generator().manual_seed(1)
+    modes = torch.tensor([[6.5, -0.3], [8.5, 0.1]], dtype=torch.float64)
+    sds = torch.tensor([0.05, 0.01], dtype=torch.float64)
+    z = torch.randn(20_000, 2, generator=generator, dtype=torch.float64)
+    first = torch.arange(20_000) % 4 == 0  # a quarter of the draws in the first mode, the rest in the second
+    points = torch.where(first[:, None], modes[0], modes[1]) + z * sds
+    fit = rounds.mixture_fit(points, torch.ones(20_000, dtype=torch.float64))
+    order = np.argsort([mean[0] for mean in fit["means"]])
+    assert len(fit["shares"]) == 2
+    np.testing.assert_allclose(np.array(fit["shares"])[order], [0.25, 0.75], atol=0.01)
+    np.testing.assert_allclose(np.array(fit["means"])[order], modes.numpy(), atol=0.01)
+    one = rounds.mixture_fit(z * sds + modes[1], torch.ones(20_000, dtype=torch.float64))
+    assert len(one["shares"]) == 1  # a single Gaussian needs no second component
+    study = pair_study()
+    later = {**study.members()[0], "round": 2, "box": BOX, "previous": "a" * 64, "observation": "b" * 64}
+    cut = study.prior(later)
+    draws, prior_draws = (
+        rounds.PosteriorProposal(cut, fit, BOX).sample(20_000, generator),
+        cut.sample(20_000, generator),
+    )
+
+    def near(theta, mode):  # the share within 4 widened sds of a mode, where its component's draws all fall
+        return float((((theta - mode) / sds).abs() < 4 * rounds.proposal_spread(2)).all(1).double().mean())
+
+    share = rounds.PROPOSAL_PRIOR_SHARE
+    for mode, weight in zip(modes, (0.25, 0.75)):
+        assert near(draws, mode) == pytest.approx((1 - share) * weight + share * near(prior_draws, mode), abs=0.015)
+
+
+@pytest.mark.unit
 def test_a_collapsed_fit_still_proposes_inside_the_box():
     study = pair_study()
     later = {**study.members()[0], "round": 2, "box": BOX, "previous": "a" * 64, "observation": "b" * 64}
-    fit = {"mean": [7.0, 0.0], "cov": [[0.0, 0.0], [0.0, 0.0]]}  # every draw at one point: no Cholesky factor
+    fit = {"shares": [1.0], "means": [[7.0, 0.0]], "covs": [[[0.0, 0.0], [0.0, 0.0]]]}  # no Cholesky factor
     draws = rounds.PosteriorProposal(study.prior(later), fit, BOX).sample(1000, torch.Generator().manual_seed(0))
     assert draws.shape == (1000, 2) and ((draws >= torch.tensor(BOX[0])) & (draws <= torch.tensor(BOX[1]))).all()
-    assert int((draws == torch.tensor([7.0, 0.0])).all(1).sum()) == 500
+    assert int((draws == torch.tensor([7.0, 0.0])).all(1).sum()) == 1000 - round(1000 * rounds.PROPOSAL_PRIOR_SHARE)
     # A last simulation chunk of one row asks the prior for none: a study's own prior object is not asked.
     own = pair_study("own")
     cut = own.prior({"name": "own-r0", "prior": "own", "replica": 0, "round": 2, "box": BOX})
@@ -179,7 +210,7 @@ def test_a_rounds_key_changes_with_the_observation_the_box_and_the_previous_mode
         {"box": [[6.0, -0.5], [9.5, 0.25]]},
         {"reuse": "e" * 64},
         {"warm": True},
-        {"proposal": {"mean": [7.0, 0.0], "cov": [[0.01, 0.0], [0.0, 1e-4]]}},
+        {"proposal": {"shares": [1.0], "means": [[7.0, 0.0]], "covs": [[[0.01, 0.0], [0.0, 1e-4]]]}},
     ):
         assert all(a != b for a, b in zip(keys({**later, **change}), first)), change
     assert keys({**later, "history": []}) == first  # what is recorded of earlier rounds is no key
@@ -297,8 +328,9 @@ def test_a_study_trains_its_rounds_and_a_rerun_rebuilds_nothing(trained_in_round
     assert [row["proposal"] for row in member["history"]] == ["prior", "posterior", "posterior"]
     assert "near round 1's posterior" in first and "near round 2's posterior" in first
     fit = member["proposal"]
-    assert np.all(np.array(fit["mean"]) >= low) and np.all(np.array(fit["mean"]) <= high)
-    assert len(fit["cov"]) == len(fit["mean"]) == 2
+    means, covs = np.array(fit["means"]), np.array(fit["covs"])
+    assert np.all(means >= low) and np.all(means <= high) and means.shape[1] == 2 and covs.shape[1:] == (2, 2)
+    assert sum(fit["shares"]) == pytest.approx(1.0)
 
 
 @pytest.mark.launch
