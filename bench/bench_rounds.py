@@ -40,8 +40,8 @@ repository root on its path, and simulates there. sbi's results depend only on t
 the sizes and the observation: with `--keep DIR` a run leaves its work folder, and
 `--reuse-sbi DIR` takes sbi's samples and timings from such a folder where its job is
 the same, scoring them anew. A long bench can be run in pieces: `--start K` runs only
-observations K on (the earlier ones are still drawn, so each observation is the same as
-in one run), and `--table A.json B.json` merges the pieces' observations into one table.
+observations K on and `--stop L` those before L (the others are still drawn, so each
+observation is the same as in one run), and `--table A.json B.json` merges the pieces' observations into one table.
 
     python bench/bench_rounds.py --problems narrow --observations 2 --simulations 6000   # nnpd only, minutes
     python bench/bench_rounds.py --sbi SNRE_C SNPE_C --simulations 2000 --observations 1 --samples 2000
@@ -364,6 +364,8 @@ def bench_problem(name, args, result, save):
         exact = case.reference(x_o, args.samples, generator)
         if i < args.start:  # drawn all the same, so that observation i is the same in every run
             continue
+        if args.stop is not None and i >= args.stop:
+            break
         row = {"observation": i, "x_o": x_o.tolist()}
         row["amortized"] = timed("amortized", name, i, nnpd_posterior, amortized, x_o, exact, i)
         row["rounds"] = timed("rounds", name, i, nnpd_rounds, case, x_o, exact, i, workdir / f"rounds-{i}", args)
@@ -473,6 +475,9 @@ def parse_args(argv=None):
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--start", type=int, default=0, help="run observations from this index on (the earlier ones are drawn, not run)"
+    )
+    parser.add_argument(
+        "--stop", type=int, help="run observations before this index only (as drawn for --observations)"
     )
     parser.add_argument("--no-reuse", action="store_true", help="nnpd's rounds train on their own simulations alone")
     parser.add_argument(
