@@ -469,11 +469,10 @@ def next_round(study: Any, member: dict[str, Any], tools: Any) -> dict[str, Any]
 
 
 def follows_a_proposal(study: Any, member: dict[str, Any]) -> bool:
-    """Whether a round can draw from the posterior proposal: simulated joint pairs (no bank, pairing "batch")
-    of continuous parameters (a Gaussian's draws are not on a lattice)."""
-    data = study.settings["data"]
+    """Whether a round can draw from the posterior proposal: joint pairs re-paired in every batch (pairing
+    "batch") of continuous parameters (a Gaussian's draws are not on a lattice). Rounds refuse a bank at plan."""
     continuous = all(step is None for step in study.prior(base_member(member)).lattice_steps)
-    return continuous and data.get("bank") is None and data.get("pairing", "batch") == "batch"
+    return continuous and study.settings["data"].get("pairing", "batch") == "batch"
 
 
 def shared_box(

@@ -248,6 +248,15 @@ def test_a_rounds_section_is_checked_at_plan(tmp_path):
         study.settings["rounds"] = section
         with pytest.raises(SettingsError, match=names):
             study.validate()
+    # A bank holds draws of the whole prior, not of a round's box: rounds refuse it.
+    theta = study.prior(study.members()[0]).sample(64, torch.Generator().manual_seed(0))
+    np.savez(tmp_path / "bank.npz", x=study.simulate(theta, torch.Generator().manual_seed(1)).numpy(), theta=theta)
+    np.save(tmp_path / "x.npy", np.zeros(2))
+    study.settings["rounds"] = {"count": 2, "observation": str(tmp_path / "x.npy")}
+    study.settings["data"] = {**study.settings["data"], "bank": str(tmp_path / "bank.npz")}
+    with pytest.raises(SettingsError, match="rounds: a bank's simulations come from the whole prior"):
+        study.validate()
+    del study.settings["data"]["bank"]
     np.save(tmp_path / "wrong.npy", np.zeros(3))
     study.settings["rounds"] = {"count": 2, "observation": str(tmp_path / "wrong.npy")}
     with pytest.raises(SettingsError, match=r"expected \(2,\)"):
