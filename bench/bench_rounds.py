@@ -39,9 +39,12 @@ posterior_problems.py, or the narrow module written into the work folder) with t
 repository root on its path, and simulates there. sbi's results depend only on the seed,
 the sizes and the observation: with `--keep DIR` a run leaves its work folder, and
 `--reuse-sbi DIR` takes sbi's samples and timings from such a folder where its job is
-the same, scoring them anew. A long bench can be run in pieces: `--start K` runs only
-observations K on and `--stop L` those before L (the others are still drawn, so each
-observation is the same as in one run), and `--table A.json B.json` merges the pieces' observations into one table.
+the same, scoring them anew (a folder that reused them can serve again). A long bench can
+be run in pieces: `--start K` runs only observations K on and `--stop L` those before L
+(the others are still drawn, so each observation is the same as in one run with the same
+`--observations`: the truths are drawn together, so observation i of a run of 10 is not
+observation i of a run of 2), and `--table A.json B.json` merges the pieces' observations
+into one table.
 
     python bench/bench_rounds.py --problems narrow --observations 2 --simulations 6000   # nnpd only, minutes
     python bench/bench_rounds.py --sbi SNRE_C SNPE_C --simulations 2000 --observations 1 --samples 2000
@@ -300,7 +303,7 @@ def reused_sbi(method, job, folder, args):
         return False
     if kept != folder:
         folder.mkdir(parents=True, exist_ok=True)
-        for name in (f"{method}-samples.npy", f"{method}.json"):
+        for name in (f"{method}-samples.npy", f"{method}.json", *job):  # with the job: this folder can serve again
             shutil.copy(kept / name, folder / name)
     return True
 
