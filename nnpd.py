@@ -20,6 +20,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import infer
 import jobs
@@ -36,7 +37,7 @@ from output_root import LaunchError
 from settings import SettingsError
 from store import ROOT_MARKER, NnpdError, Store, disk_problem, write_bytes_atomic
 
-__all__ = ["load", "make_plan", "plan", "execute", "report", "main"]
+__all__ = ["load", "make_plan", "plan", "execute", "report", "main", "run_as_process"]
 ACTIONS = ("plan", "train", "analyze", "run", "verify", "report", "infer")
 CODE_DIR = Path(__file__).resolve().parent
 
@@ -504,5 +505,14 @@ def main(argv=None):
             return status
 
 
-if __name__ == "__main__":
+def run_as_process() -> NoReturn:
+    """Run the command line as this process's whole life, then exit with its status."""
+    # The stop handlers stay installed to the end: main's own pair puts the default handler
+    # back when it ends, and a repeated SIGTERM (Slurm, torchrun) landing between that and
+    # exit_status would kill the process after it printed that its state was saved.
+    runtime.STOP.install()
     sys.exit(runtime.exit_status(main()))
+
+
+if __name__ == "__main__":
+    run_as_process()

@@ -196,7 +196,8 @@ class StopRequest:
     sends it once more when the first node's launcher exits. A second Ctrl-C (SIGINT after
     SIGINT) always interrupts. install/uninstall pairs nest: the command line keeps its
     handlers until it has printed how the launch ended, since a repeat that met the default
-    handler after the launch's own pair would kill the worker before it says what it saved.
+    handler after the launch's own pair would kill the worker before it says what it saved;
+    and a process running the command line keeps them until exit_status ignores the signal.
     """
 
     REPEAT_SECONDS = 2.0
