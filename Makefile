@@ -81,4 +81,4 @@ bench-posterior: bench-sbi
 	OMP_NUM_THREADS=1 $(PY) bench/bench_posterior_quality.py $(ARGS)
 
 clean:
-	rm -rf $(VENV) bench/.venv-sbi outputs build *.egg-info .pytest_cache _probes.*.so
+	rm -rf $(VENV) bench/.venv-sbi bench/.venv-sbi.lock outputs build *.egg-info .pytest_cache _probes.*.so

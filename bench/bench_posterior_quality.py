@@ -55,6 +55,7 @@ that exchanges .npy files with this one, so nnpd's environment never imports sbi
 """
 
 import argparse
+import fcntl
 import json
 import math
 import os
@@ -153,11 +154,24 @@ def parse_args(argv=None):
 
 def ensure_sbi_venv():
     """Create bench/.venv-sbi once: nnpd's torch reused and pinned, sbi installed beside it."""
-    if (
+    # Two benches started together in a fresh checkout would both build the venv, and the
+    # second pip install would fail: the lock makes the second wait, then find sbi there.
+    with open(BENCH / ".venv-sbi.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not sbi_importable():
+            make_sbi_venv()
+
+
+def sbi_importable():
+    """Whether bench/.venv-sbi's python imports sbi."""
+    return (
         SBI_PYTHON.exists()
         and subprocess.run([str(SBI_PYTHON), "-c", "import sbi"], capture_output=True).returncode == 0
-    ):
-        return
+    )
+
+
+def make_sbi_venv():
+    """bench/.venv-sbi over nnpd's site-packages, sbi installed with torch pinned to nnpd's."""
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(SBI_VENV)], check=True)
     # --system-site-packages reaches the base interpreter's packages, not those of nnpd's
     # .venv, where torch may live: a .pth file adds nnpd's site-packages behind sbi's own.
