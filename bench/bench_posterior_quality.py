@@ -99,7 +99,10 @@ def parse_args(argv=None):
     """Command line: problems, sizes, quick mode, output."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
-        "--problems", nargs="+", choices=list(posterior_problems.PROBLEMS), default=list(posterior_problems.PROBLEMS)
+        "--problems",
+        nargs="+",
+        choices=list(posterior_problems.PROBLEMS),
+        default=list(posterior_problems.DEFAULT_PROBLEMS),
     )
     parser.add_argument(
         "--methods",

@@ -1,4 +1,4 @@
-"""Three studies on the kit with exact reference posteriors, for bench_posterior_quality.py.
+"""Studies on the kit with exact reference posteriors, for bench_posterior_quality.py.
 
 Each class is an ordinary kit study (parameters, simulate, log_likelihood) that nnpd trains,
 plus what the bench needs around it: prior draws for the shared simulations and truths,
@@ -10,6 +10,9 @@ n exact posterior draws for one observation.
   Linear    10 parameters: x = A θ + noise under a normal prior truncated at ±5 sd.
   Narrow    10 parameters: x = B θ + small noise under a correlated normal prior cut at ±5 prior sds,
             so a narrow (sds 2.5-5% of the box), correlated posterior (issue 36, point 0).
+  Mixture   2 parameters: x = θ + noise whose sd is 1 or 0.1 by a fair coin, θ uniform on [-10, 10]^2:
+            a posterior of a broad and a narrow Gaussian about x_o (sbibm's gaussian_mixture).
+            Not in the benches' default lists: a check of rounds on a task they were not tuned on.
 """
 
 import math
@@ -21,6 +24,7 @@ import nre_study
 RING_SD, BAND_SD = 0.05, 0.5  # noise of |θ|² (thin ring) and of θ1 + θ2 (wide band)
 SLCP_DRAWS, SLCP_BOX = 4, 3.0  # Gaussian draws per observation; the prior box [-3, 3]^5
 LINEAR_DIM, LINEAR_SD, LINEAR_BOX = 10, 0.5, 5.0  # parameters, noise sd, box in prior sds
+MIXTURE_SDS, MIXTURE_BOX = (1.0, 0.1), 10.0  # Mixture's two noise sds, equally likely; its box [-10, 10]^2
 NARROW_SD, NARROW_RHO = 0.3, 0.8  # Narrow's noise sd and its prior's correlation ρ^|i − j| (unit sds)
 
 
@@ -269,6 +273,38 @@ class Narrow(nre_study.Study):
         return cut_gaussian_draws(mean, posterior_cov, n, generator)
 
 
+class Mixture(nre_study.Study):
+    """Infer a location from one draw about it whose noise is broad or narrow, by a fair coin."""
+
+    parameters = {"t1": (-MIXTURE_BOX, MIXTURE_BOX), "t2": (-MIXTURE_BOX, MIXTURE_BOX)}
+
+    def simulate(self, theta, generator):
+        """x = θ + sd · noise, sd one of MIXTURE_SDS, each with probability 1/2."""
+        coin = torch.rand(len(theta), 1, dtype=torch.float64, generator=generator) < 0.5
+        sd = torch.where(coin, MIXTURE_SDS[0], MIXTURE_SDS[1])
+        return theta + sd * torch.randn(theta.shape, dtype=torch.float64, generator=generator)
+
+    def log_likelihood(self, x, theta):
+        """Exact log p(x | θ): the two components' densities, each weighted 1/2."""
+        z = x - theta
+        parts = [gaussian_log_density(z, sd).sum(-1) + math.log(0.5) for sd in MIXTURE_SDS]
+        return torch.logaddexp(*parts)
+
+    def reference(self, x_o, n, generator):
+        """n exact draws: the posterior is the same mixture about x_o, cut to the box (by rejection)."""
+        x_o = torch.as_tensor(x_o, dtype=torch.float64)
+        low, high = bounds(self)
+        kept, count = [], 0
+        while count < n:
+            coin = torch.rand(2 * n, 1, dtype=torch.float64, generator=generator) < 0.5
+            sd = torch.where(coin, MIXTURE_SDS[0], MIXTURE_SDS[1])
+            theta = x_o + sd * torch.randn(2 * n, 2, dtype=torch.float64, generator=generator)
+            theta = theta[((theta >= low) & (theta <= high)).all(-1)]
+            kept.append(theta)
+            count += len(theta)
+        return torch.cat(kept)[:n]
+
+
 def bounds(study):
     """The box (low, high) of a study's parameters, float64 (p,)."""
     values = [v if isinstance(v, dict) else dict(zip(("low", "high"), v)) for v in study.parameters.values()]
@@ -313,4 +349,5 @@ def sbi_prior(study):
     return {"kind": "box", "low": low.tolist(), "high": high.tolist()}
 
 
-PROBLEMS = {"ring": Ring, "slcp": Slcp, "linear": Linear, "narrow": Narrow}
+PROBLEMS = {"ring": Ring, "slcp": Slcp, "linear": Linear, "narrow": Narrow, "mixture": Mixture}
+DEFAULT_PROBLEMS = ("ring", "slcp", "linear", "narrow")  # the benches' tables; mixture is run when named
