@@ -91,6 +91,7 @@ import posterior_problems  # noqa: E402
 import torch  # noqa: E402
 
 import posterior  # noqa: E402
+import rounds  # noqa: E402
 from c2st import c2st  # noqa: E402
 from store import restore  # noqa: E402
 
@@ -264,13 +265,13 @@ def nnpd_rounds(case, x_o, reference, i, folder, args):
     """nnpd's rounds for x_o: C2ST, CPU seconds and each round's box share."""
     write_module(folder, case)
     np.save(folder / "x_o.npy", x_o)
-    rounds = {
+    section = {
         "count": args.rounds,
         "observation": str(folder / "x_o.npy"),
         "reuse": not args.no_reuse,
         "proposal": args.proposal,
     }
-    write_settings(folder, case, split(args.simulations // args.rounds), rounds)
+    write_settings(folder, case, split(args.simulations // args.rounds), section)
     targeted, seconds = train(folder)
     history = targeted.member["history"]
     return {
@@ -492,7 +493,7 @@ def parse_args(argv=None):
     parser.add_argument("--problems", nargs="+", default=list(PROBLEMS), choices=PROBLEMS + ("mixture",))
     parser.add_argument("--observations", type=int, default=10)
     parser.add_argument("--simulations", type=int, default=10_000, help="simulator calls per method and observation")
-    parser.add_argument("--rounds", type=int, default=3, help="nnpd's rounds.count")
+    parser.add_argument("--rounds", type=int, default=rounds.DEFAULT_COUNT, help="nnpd's rounds.count")
     parser.add_argument("--samples", type=int, default=10_000, help="posterior and exact draws per observation")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
