@@ -115,7 +115,7 @@ KIT_TRAINING = {
     "batch_size": 200,
     "learning_rate": 5e-4,
     "epochs": 500,
-    "patience": 20,
+    "patience": 50,  # 20 ended training while the validation loss still fell in small steps (docs/training.md)
 }
 # The cohort a study gets when it writes no `cohort` / `priors` section: one member, a uniform prior over the box.
 KIT_COHORT = {"priors": ["uniform"], "replicas": 1}

@@ -24,15 +24,15 @@ class Line(nre_study.Study):
         noise = 0.3 * torch.randn(len(theta), 3, generator=generator, dtype=torch.float64)
         return theta[:, :1] * torch.tensor([-1.0, 0.0, 1.0], dtype=torch.float64) + theta[:, 1:] + noise
 """
-# The kit's recipe (contrastive, up to 500 epochs, patience 20) on 400 simulations: about a hundred short epochs.
+# The kit's recipe (contrastive, up to 500 epochs, patience 50) on 400 simulations: a hundred or so short epochs.
 TRAINING = 'SETTINGS = {{"experiment": "{module}:Line", "data": {{"train": 400, "validation": 200}}}}\n'
 ANALYSIS = (
     'SETTINGS = {"analysis": "nre_analysis:NREAnalysis", "inference": {"truths": {"sobol_truths": 16}},\n'
     '            "cohort_plots": ["training"]}\n'
 )
 OUTCOME = re.compile(
-    r"stopped early at epoch (\d+) of 500 \(patience 20: the validation contrastive loss had not "
-    r"improved for 20 epochs\), kept epoch (\d+) \(validation contrastive loss ([\d.]+)\)"
+    r"stopped early at epoch (\d+) of 500 \(patience 50: the validation contrastive loss had not "
+    r"improved for 50 epochs\), kept epoch (\d+) \(validation contrastive loss ([\d.]+)\)"
 )
 
 
@@ -72,7 +72,7 @@ def test_the_log_ends_training_with_where_patience_stopped_it_and_the_kept_epoch
     logged = "\n".join(line for line in ran.stdout.splitlines() if "] model   runs/" in line)
     ((stopped, kept, loss),) = OUTCOME.findall(logged)
     assert int(stopped) == found["stopped_epoch"] == len(found["validation"]) < 500
-    assert int(kept) == found["selected_epoch"] == int(stopped) - 20
+    assert int(kept) == found["selected_epoch"] == int(stopped) - 50
     assert loss == f"{found['validation_objective'][int(kept) - 1]:.4f}"
     last = next(line for line in ran.stdout.splitlines() if f"epoch {stopped}/500: " in line)
     assert f"validation contrastive loss {found['validation_objective'][-1]:.4f}, BCE " in last and "AUC " in last
