@@ -4,7 +4,8 @@ optionally behind input standardisation.
 With `model.standardize` on, the network sees (input − shift) / scale, where shift and scale
 are the means and standard deviations of the training inputs, fitted once before training
 (`fit_standardization`) and kept as buffers in the state dict: every later evaluation, and
-`restore`, applies the same transform.
+`restore`, applies the same transform. `restandardize` gives a trained network a new shift
+and scale without changing its function (a warm round, docs/rounds.md).
 
 A study's own embedding network (docs/extending.md, "Your own network") sits between the
 standardisation and the classifier: `Embedded` hands the first d columns of each row (x)
@@ -28,6 +29,8 @@ __all__ = [
     "embedding_features",
     "Standardized",
     "fit_standardization",
+    "first_linear",
+    "restandardize",
 ]
 
 MODEL_KEYS = ("kind", "hidden", "activation", "dropout", "width", "blocks", "standardize")
@@ -225,6 +228,37 @@ class Standardized(torch.nn.Module):
 
 # Columns whose spread is below this are constant: they are shifted but not divided by ~0.
 MIN_SCALE = 1e-12
+
+
+def first_linear(network: torch.nn.Module) -> torch.nn.Linear | None:
+    """The Linear layer that reads the standardised row first, or None (a study's embedding reads it)."""
+    if isinstance(network, ResidualNet):
+        return network.input
+    if isinstance(network, MLP) and isinstance(network.layers[0], torch.nn.Linear):
+        return network.layers[0]
+    return None
+
+
+def restandardize(model: torch.nn.Module, shift: torch.Tensor, scale: torch.Tensor) -> bool:
+    """Give a Standardized model a new shift and scale, folding the change of coordinates into its first
+    Linear layer so that its function stays the same; False (nothing changed) when there is none to fold into.
+
+    With z = (v − shift) / scale the old transform is z_old = (shift − shift_old) / scale_old
+    + (scale / scale_old) z, so W z_old + b = W' z + b' with W' = W · scale / scale_old and
+    b' = b + W (shift − shift_old) / scale_old.
+    """
+    if not isinstance(model, Standardized):
+        return False
+    first = first_linear(model.network)
+    if first is None:
+        return False
+    with torch.no_grad():
+        shift, scale = (torch.as_tensor(t, dtype=model.shift.dtype) for t in (shift, scale))
+        first.bias.add_(first.weight @ ((shift - model.shift) / model.scale).to(first.weight.dtype))
+        first.weight.mul_((scale / model.scale).to(first.weight.dtype))
+        model.shift.copy_(shift)
+        model.scale.copy_(scale)
+    return True
 
 
 def fit_standardization(model: torch.nn.Module, inputs: torch.Tensor) -> None:

@@ -8,8 +8,9 @@ mass), `previous` (round r's model key) and `observation` (x_o's digest, not its
 ordinary member whose prior is the member's prior cut to the box (`cut_prior`) and whose
 problem is seen inside the box (`BoxProblem`), so the store, resume, `jobs` and `ddp` treat
 a round as any other training; with `warm` (the default) its training starts from round r's
-weights, and with `proposal` (the fit of round r's posterior, by default) half its train and
-validation θ are drawn near that posterior (`PosteriorProposal`). The run folder records the
+network, re-standardised on its own data, and with `proposal` (the fit of round r's posterior,
+by default) half its train and validation θ are drawn near that posterior
+(`PosteriorProposal`). The run folder records the
 last round's member: `restore`, `infer` and the analysis work on the last round inside the
 final box. docs/rounds.md says when rounds pay, what they cost and how the rule was chosen.
 """
@@ -26,6 +27,7 @@ import torch
 
 import fingerprint
 import infer
+import networks
 import posterior
 import priors
 import runtime
@@ -509,9 +511,12 @@ def shared_state(model: Any, rt: Any) -> dict[str, torch.Tensor] | None:
 
 
 def warm_start(study: Any, member: dict[str, Any], model: torch.nn.Module) -> None:
-    """Start a `warm` round's network from the previous round's weights, input standardisation included: the
-    previous round's logit is already the log ratio up to a constant inside the new box, which the training
-    refines (docs/rounds.md, "Choices, and what was measured")."""
+    """Start a `warm` round's network from the previous round's function: its weights, then the input
+    standardisation this round fitted on its own data, folded into the first layer
+    (networks.restandardize). The previous logit is already the log ratio up to a constant inside the
+    new box, which the training refines; standardised on the box, a posterior much narrower than the
+    prior spans whole units of the network's input, where a smooth activation can follow it
+    (docs/rounds.md, "Choices, and what was measured")."""
     if not member.get("warm"):
         return
     state = study.round_states.get(member["previous"])
@@ -520,7 +525,10 @@ def warm_start(study: Any, member: dict[str, Any], model: torch.nn.Module) -> No
             f"round {member['round']}: the previous round's weights (model {member['previous']}) are not "
             "loaded; train the rounds from round 1 with `nnpd train`, which loads each round in turn"
         )
+    fitted = (model.shift.clone(), model.scale.clone()) if isinstance(model, networks.Standardized) else None
     model.load_state_dict(state)
+    if fitted is not None:
+        networks.restandardize(model, *fitted)
 
 
 def round_row(study: Any, member: dict[str, Any]) -> dict[str, Any]:

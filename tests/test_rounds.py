@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import jobs
+import networks
 import nre_study
 import posterior
 import rounds
@@ -232,6 +233,49 @@ def test_a_warm_round_starts_from_the_previous_rounds_weights_and_a_cold_one_doe
         assert all(same) if warm else not all(same)
     with pytest.raises(rounds.RoundsError, match="previous round's weights"):
         rounds.warm_start(study, {**later, "warm": True, "previous": "c" * 64}, study.build_model(later))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"kind": "residual", "width": 16, "blocks": 2, "activation": "gelu"},
+        {"kind": "mlp", "hidden": [16, 16], "activation": "relu"},
+    ],
+)
+def test_restandardizing_keeps_the_networks_function_and_takes_the_new_transform(settings):
+    generator = torch.Generator().manual_seed(5)
+    spread = torch.tensor([1.0, 3.0, 0.1, 10.0], dtype=torch.float64)
+    rows = 2 + spread * torch.randn(500, 4, generator=generator, dtype=torch.float64)
+    model = networks.build_network(settings, 4)
+    networks.fit_standardization(model, rows)
+    before = model(rows.float()).detach()
+    own = 1 + 0.05 * rows[:100]  # a round's own data: narrower, elsewhere
+    assert networks.restandardize(model, own.mean(0), own.std(0))
+    assert torch.equal(model.shift, own.mean(0).float()) and torch.equal(model.scale, own.std(0).float())
+    assert torch.allclose(model(rows.float()).detach(), before, rtol=1e-4, atol=1e-4 * float(before.abs().max()))
+    embedded = networks.build_network(settings, 4, embedding=torch.nn.Linear(2, 3), observation_size=2)
+    assert not networks.restandardize(embedded, own.mean(0), own.std(0))  # no first layer of ours: unchanged
+    assert torch.equal(embedded.scale, torch.ones(4))
+
+
+@pytest.mark.unit
+def test_a_warm_round_keeps_the_previous_function_on_its_own_standardisation():
+    study = pair_study()
+    member = study.members()[0]
+    later = {**member, "round": 2, "box": BOX, "previous": "a" * 64, "observation": "b" * 64, "warm": True}
+    generator = torch.Generator().manual_seed(9)
+    wide = 3 * torch.randn(400, study.input_size(), generator=generator, dtype=torch.float64)
+    previous = study.build_model(member)
+    networks.fit_standardization(previous, wide)
+    study.round_states["a" * 64] = previous.state_dict()
+    narrow = 0.5 + 0.01 * wide[:50]  # the round's data, in a box far smaller than the prior
+    model = study.build_model(later)
+    networks.fit_standardization(model, narrow)
+    rounds.warm_start(study, later, model)
+    assert torch.equal(model.scale, narrow.std(0).float())  # standardised on its own data, not round 1's
+    expected = previous(narrow.float()).detach()
+    assert torch.allclose(model(narrow.float()).detach(), expected, atol=1e-4 * float(expected.abs().max()))
 
 
 @pytest.mark.unit
