@@ -8,11 +8,11 @@ mass), `previous` (round r's model key) and `observation` (x_o's digest, not its
 ordinary member whose prior is the member's prior cut to the box (`cut_prior`) and whose
 problem is seen inside the box (`BoxProblem`), so the store, resume, `jobs` and `ddp` treat
 a round as any other training; with `warm` (the default) its training starts from round r's
-network, re-standardised on its own data, and with `proposal` (the fit of round r's posterior,
-by default) half its train and validation θ are drawn near that posterior
-(`PosteriorProposal`). The run folder records the
-last round's member: `restore`, `infer` and the analysis work on the last round inside the
-final box. docs/rounds.md says when rounds pay, what they cost and how the rule was chosen.
+network, re-standardised on its own data, and with `proposal` (the fit of round r's
+posterior, by default) half its train and validation θ are drawn near that posterior
+(`PosteriorProposal`). The run folder records the last round's member: `restore`, `infer`
+and the analysis work on the last round inside the final box. docs/rounds.md says when
+rounds pay, what they cost and how the rule was chosen.
 """
 
 from __future__ import annotations
